@@ -1,0 +1,68 @@
+"""Block keys: a namespace plus a chained hash over token ids.
+
+A key names one block of KV for one model, layout and token prefix. Keys must be equal in every
+process and after restarts, so nothing here uses Python's ``hash`` (seeded per process unless
+``PYTHONHASHSEED`` is fixed): everything is BLAKE2b over explicit little-endian bytes.
+
+- ``Namespace`` (16 bytes) binds the model identity and the layout fingerprint. Engines with
+  equal namespaces share blocks; different ones never see each other's.
+- ``BlockHash`` (16 bytes) chains: hash(block i) covers hash(block i-1) and block i's tokens,
+  so a prefix is a run of leading keys. ``extra`` (cache salt, LoRA name, multimodal hashes)
+  seeds the chain, so it changes every key of the request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import NewType, Sequence
+
+Namespace = NewType("Namespace", bytes)
+BlockHash = NewType("BlockHash", bytes)
+
+KEY_BYTES = 16
+
+
+def make_namespace(model_id: str, layout_fingerprint: bytes) -> Namespace:
+    """The namespace of a model served with one layout (see ``Layout.fingerprint``)."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvpool-ns")
+    h.update(model_id.encode())
+    h.update(b"\0")
+    h.update(layout_fingerprint)
+    return Namespace(h.digest())
+
+
+def chain_seed(namespace: bytes, extra: bytes = b"") -> BlockHash:
+    """The parent hash of a request's first block. ``extra`` isolates tenants (cache salt)."""
+    return BlockHash(hashlib.blake2b(namespace + b"\0" + extra, digest_size=KEY_BYTES,
+                                     person=b"kvpool-seed").digest())
+
+
+def chain_block_hashes(token_ids: Sequence[int], block_tokens: int, parent: bytes,
+                       start_block: int = 0, block_extras: Sequence[bytes] | None = None
+                       ) -> list[BlockHash]:
+    """Hashes of the full blocks of ``token_ids`` from block ``start_block`` on.
+
+    ``parent`` is the hash of block ``start_block - 1`` (or ``chain_seed(...)`` for block 0),
+    which lets a caller extend a request's chain step by step without rehashing its prefix.
+    ``block_extras[i]``, when given, is mixed into block ``start_block + i`` (multimodal input
+    hashes that fall in that block). Only full blocks get a hash.
+    """
+    out: list[BlockHash] = []
+    n_full = len(token_ids) // block_tokens
+    pack = struct.Struct(f"<{block_tokens}q").pack
+    for i, b in enumerate(range(start_block, n_full)):
+        h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"kvpool-block")
+        h.update(pack(*token_ids[b * block_tokens:(b + 1) * block_tokens]))
+        if block_extras is not None and i < len(block_extras) and block_extras[i]:
+            h.update(b"\1")
+            h.update(block_extras[i])
+        parent = h.digest()
+        out.append(BlockHash(parent))
+    return out
+
+
+def request_block_hashes(namespace: bytes, token_ids: Sequence[int], block_tokens: int,
+                         extra: bytes = b"") -> list[BlockHash]:
+    """Every full block's hash for a request, from its first token."""
+    return chain_block_hashes(token_ids, block_tokens, chain_seed(namespace, extra))

@@ -1,0 +1,316 @@
+"""The wire protocol: every message between kvpoold and its clients, in one module.
+
+Transport: a client's ZeroMQ DEALER talks to the daemon's ROUTER over ``ipc://``; each message
+is one frame holding one msgpack-encoded struct from the ``Request`` or ``Reply`` union. Structs
+are ``array_like`` (positional) with an integer tag as the first item, so frames stay small and
+decoding is one pass. Fields added later must be appended last, with a default, so older peers
+still decode them positionally; anything else bumps ``PROTOCOL_VERSION``.
+
+Conversation:
+
+- ``Hello`` first, on every new connection; the reply assigns the peer an ``owner_id`` that
+  owns its registrations, leases, prepared slots and jobs. Any other request from a peer the
+  daemon does not know (first contact, or the daemon restarted) gets ``HELLO_REQUIRED``.
+- ``Heartbeat`` carries an ``owner_id`` from a second socket of the same process; an owner whose
+  heartbeats stop for ``peer_timeout_ms`` is released (registrations, leases, jobs, slots).
+- Every request carries a client-chosen ``req_id`` that its reply echoes. Store and load
+  requests are answered once, by ``JobDone``, when the copy has finished or failed.
+- Every failure is an ``ErrorReply`` (or a ``JobDone`` with a non-zero code) naming an
+  ``ErrorCode``; the connection stays usable.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Union
+
+import msgspec
+
+from kvpool.shared.layout import Layout, SegmentPlacement
+
+PROTOCOL_VERSION = 1
+
+# prepare_store answers, per key, a slot ref to write or one of these.
+SLOT_PRESENT = -1   # committed already, or being written by an earlier prepare_store
+SLOT_NO_SPACE = -2  # nothing evictable left for this key
+
+
+def make_slot_ref(index: int, generation: int) -> int:
+    """A slot ref names a slot *and* the tenancy of it, so a stale ref can never write into a
+    slot that has since been reused for another key."""
+    return (generation << 32) | index
+
+
+def slot_ref_index(ref: int) -> int:
+    return ref & 0xFFFF_FFFF
+
+
+def slot_ref_generation(ref: int) -> int:
+    return ref >> 32
+
+
+class Role(IntEnum):
+    SCHEDULER = 1
+    WORKER = 2
+    OPERATOR = 3
+
+
+_WIRE = dict(array_like=True, gc=False)
+
+
+# ---- regions a worker registers (where its KV tensors live) ------------------------------------
+
+class HostRegion(msgspec.Struct, tag=1, **_WIRE):
+    """KV memory in a POSIX shared-memory object the daemon can open by name."""
+
+    shm_name: str
+    nbytes: int
+    offset_bytes: int = 0   # where the registered bytes start inside the shm object
+
+
+class CudaRegion(msgspec.Struct, tag=2, **_WIRE):
+    """KV memory on a GPU, shared as a CUDA IPC handle of its backing allocation."""
+
+    device_uuid: str        # matched by UUID: engine and daemon may see different ordinals
+    ipc_handle: bytes       # cudaIpcMemHandle_t of the allocation's base
+    nbytes: int             # bytes from base + offset_bytes that belong to the KV cache
+    offset_bytes: int = 0   # the KV tensor's offset inside the allocation
+
+
+Region = Union[HostRegion, CudaRegion]
+
+
+# ---- requests ------------------------------------------------------------------------------
+
+class Hello(msgspec.Struct, tag=1, **_WIRE):
+    req_id: int
+    protocol_version: int
+    role: Role
+    name: str = ""          # free text shown by `kvpool info` (e.g. "vllm worker tp0")
+    pid: int = 0
+    engine_id: str = ""     # vLLM engine id; groups a scheduler with its workers
+
+
+class Heartbeat(msgspec.Struct, tag=2, **_WIRE):
+    req_id: int
+    owner_id: int
+
+
+class Ping(msgspec.Struct, tag=3, **_WIRE):
+    req_id: int
+
+
+class RegisterRequest(msgspec.Struct, tag=4, **_WIRE):
+    """A worker's KV memory for one TP rank of one layout. Idempotent per (owner, namespace,
+    rank): registering again replaces the earlier registration."""
+
+    req_id: int
+    namespace: bytes
+    layout: Layout
+    tp_rank: int
+    num_blocks: int
+    regions: list[Region]
+    placement: list[SegmentPlacement]
+
+
+class UnregisterRequest(msgspec.Struct, tag=5, **_WIRE):
+    req_id: int
+    registration_id: int
+
+
+class LookupRequest(msgspec.Struct, tag=6, **_WIRE):
+    """Many requests' key lists in one round trip; each answer is its run of leading hits."""
+
+    req_id: int
+    namespace: bytes
+    key_lists: list[list[bytes]]
+    pin: bool = False       # pin each hit run under a lease until released or expired
+
+
+class PrepareStoreRequest(msgspec.Struct, tag=7, **_WIRE):
+    req_id: int
+    namespace: bytes
+    keys: list[bytes]
+
+
+class AbortStoreRequest(msgspec.Struct, tag=8, **_WIRE):
+    """Give back prepared slots that will not be written (request aborted or preempted)."""
+
+    req_id: int
+    slots: list[int]
+
+
+class ReleaseRequest(msgspec.Struct, tag=9, **_WIRE):
+    req_id: int
+    leases: list[int]
+
+
+class StoreRequest(msgspec.Struct, tag=10, **_WIRE):
+    """Copy ``block_ids`` of a registration into prepared ``slots`` (this rank's shard)."""
+
+    req_id: int
+    registration_id: int
+    job_id: int
+    block_ids: list[int]
+    slots: list[int]
+    wait_event: bytes = b""  # CUDA IPC event the copy waits on (engine compute done)
+
+
+class LoadRequest(msgspec.Struct, tag=11, **_WIRE):
+    """Copy committed ``slots`` (this rank's shard) into ``block_ids`` of a registration."""
+
+    req_id: int
+    registration_id: int
+    job_id: int
+    slots: list[int]
+    block_ids: list[int]
+
+
+class InfoRequest(msgspec.Struct, tag=12, **_WIRE):
+    req_id: int
+
+
+class ResetRequest(msgspec.Struct, tag=13, **_WIRE):
+    """Forget every block of ``namespace``: committed ones now, in-flight ones when they land."""
+
+    req_id: int
+    namespace: bytes
+
+
+Request = Union[Hello, Heartbeat, Ping, RegisterRequest, UnregisterRequest, LookupRequest,
+                PrepareStoreRequest, AbortStoreRequest, ReleaseRequest, StoreRequest,
+                LoadRequest, InfoRequest, ResetRequest]
+
+
+# ---- replies -------------------------------------------------------------------------------
+
+class HelloReply(msgspec.Struct, tag=64, **_WIRE):
+    req_id: int
+    protocol_version: int
+    daemon_id: str          # new on every daemon start: a change means "re-register"
+    owner_id: int
+    pool_bytes: int
+    heartbeat_interval_ms: int
+    max_request_bytes: int
+
+
+class HeartbeatReply(msgspec.Struct, tag=65, **_WIRE):
+    req_id: int
+    daemon_id: str
+
+
+class Pong(msgspec.Struct, tag=66, **_WIRE):
+    req_id: int
+    daemon_id: str
+    uptime_s: float
+
+
+class RegisterReply(msgspec.Struct, tag=67, **_WIRE):
+    req_id: int
+    registration_id: int
+
+
+class LookupReply(msgspec.Struct, tag=68, **_WIRE):
+    req_id: int
+    hits: list[int]          # per key list: number of leading committed keys
+    leases: list[int]        # per key list: lease pinning those slots (0: none)
+    slots: list[list[int]]   # per key list: slot refs of the hit run, for LoadRequest
+
+
+class PrepareStoreReply(msgspec.Struct, tag=69, **_WIRE):
+    req_id: int
+    slots: list[int]         # per key: slot ref to write, SLOT_PRESENT or SLOT_NO_SPACE
+
+
+class OkReply(msgspec.Struct, tag=70, **_WIRE):
+    req_id: int
+    count: int = 0           # how many things the request affected
+
+
+class JobDone(msgspec.Struct, tag=71, **_WIRE):
+    req_id: int
+    job_id: int
+    code: int = 0            # 0: done; else an ErrorCode and nothing was committed or loaded
+    message: str = ""
+    nbytes: int = 0
+    done_event: bytes = b""  # CUDA IPC event the engine's stream waits on (GPU loads)
+
+
+class ClientInfo(msgspec.Struct, **_WIRE):
+    owner_id: int
+    role: Role
+    name: str
+    pid: int
+    engine_id: str
+    registrations: int
+    leases: int
+    jobs_in_flight: int
+
+
+class PoolInfo(msgspec.Struct, **_WIRE):
+    """The daemon's numbers, as `kvpool info` prints them."""
+
+    daemon_id: str
+    uptime_s: float
+    pool_bytes: int
+    used_bytes: int
+    free_bytes: int
+    slots_writing: int
+    slots_committed: int
+    namespaces: int
+    hit_blocks: int
+    miss_blocks: int
+    evictions: int
+    leases: int
+    stored_blocks: int
+    loaded_blocks: int
+    stored_bytes: int
+    loaded_bytes: int
+    errors: int
+    clients: list[ClientInfo]
+    adopted_blocks: int = 0
+
+
+class InfoReply(msgspec.Struct, tag=72, **_WIRE):
+    req_id: int
+    info: PoolInfo
+
+
+class ErrorReply(msgspec.Struct, tag=73, **_WIRE):
+    req_id: int              # 0 when the frame was too broken to read one
+    code: int
+    message: str
+
+
+Reply = Union[HelloReply, HeartbeatReply, Pong, RegisterReply, LookupReply, PrepareStoreReply,
+              OkReply, JobDone, InfoReply, ErrorReply]
+
+# Shared codec objects: building them is the expensive part, encoding/decoding is not.
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: Request | Reply) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(frame: bytes | memoryview) -> Request:
+    """Raises ``msgspec.DecodeError``/``ValidationError`` for anything that is not a request."""
+    return _request_decoder.decode(frame)
+
+
+def decode_reply(frame: bytes | memoryview) -> Reply:
+    return _reply_decoder.decode(frame)
+
+
+def peek_req_id(frame: bytes) -> int:
+    """Best effort: the ``req_id`` of a frame that failed to decode, so the error reply can
+    still be matched by the client; 0 if even that cannot be read."""
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except Exception:
+        return 0
+    if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], int):
+        return raw[1]
+    return 0
