@@ -76,6 +76,29 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     cuda: Literal["auto", "on", "off"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
+    # ---- operations (appended; see docs/operating.md) ----
+    # Address of the /metrics and /healthz HTTP server. Loopback by default: the numbers name
+    # engines and sizes, and Prometheus on the node (or a sidecar) can reach 127.0.0.1.
+    metrics_host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
+    # Port of that server; 0 turns it off. 9471 sits in the Prometheus exporter range and clear
+    # of 9464 (the OpenTelemetry exporter's default), vLLM's 8000 and its KV events' 5557.
+    metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9471
+    # /healthz turns 503 when the daemon's event loop has not checked in for this long, which
+    # catches a wedged loop that the HTTP thread would otherwise hide.
+    health_stale_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
+    # ZeroMQ PUB endpoint for vLLM-compatible KV events (BlockStored/BlockRemoved/
+    # AllBlocksCleared, medium "CPU"), e.g. "tcp://127.0.0.1:5560" or "ipc:///run/kvpool/events";
+    # "" turns events off.
+    events_endpoint: str = ""
+    # Topic frame of each batch; "{engine_id}" is replaced by the engine the batch is for, so a
+    # router subscribing per engine (topic prefix) sees only the blocks that engine can load.
+    events_topic: Annotated[str, msgspec.Meta(max_length=256)] = "{engine_id}"
+    # Block hashes as the 16-byte kvpool keys ("bytes"), or folded to 64-bit integers ("int64")
+    # the way vLLM does under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1.
+    events_hash_format: Literal["bytes", "int64"] = "bytes"
+    # Events are batched and sent by a background thread at most this often (vLLM sends one
+    # batch per scheduler step, ~10-50 ms); the event loop only appends to a list.
+    events_interval_ms: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 50
 
     @property
     def socket_path(self) -> str:

@@ -269,6 +269,10 @@ class PoolInfo(msgspec.Struct, **_WIRE):
     errors: int
     clients: list[ClientInfo]
     adopted_blocks: int = 0
+    # Appended last (array_like positional): older peers still decode the fields above.
+    slots_pinned: int = 0    # committed slots held by a lease (not evictable now)
+    hit_tokens: int = 0      # hit_blocks weighted by each namespace's tokens per block
+    miss_tokens: int = 0
 
 
 class InfoReply(msgspec.Struct, tag=72, **_WIRE):

@@ -1,0 +1,343 @@
+"""Prometheus metrics and the health endpoint of kvpoold.
+
+Owns every metric name the daemon exports (each defined once, below), the registry they live in,
+and a small HTTP server that serves ``/metrics`` and ``/healthz`` from its own threads.
+
+Two kinds of numbers, fed two ways:
+
+- **Counters and histograms** are things that *happen*: a store or load finished, a lookup was
+  answered, blocks were evicted, an error reply was sent. The server calls ``observe_*`` /
+  ``count_*`` at the moment it happens. Each call takes a lock inside prometheus_client and
+  costs about a microsecond, so the event loop may call them inline.
+- **Gauges** are the *state* the server already summarises as a ``PoolInfo`` (what ``kvpool
+  info`` prints): pool bytes, slots by state, leases, clients. The server hands a fresh
+  ``PoolInfo`` to ``update_from_info`` about once a second; scrapes read that snapshot, so a
+  scrape never touches daemon state from the HTTP thread and the gauges of one scrape are
+  mutually consistent.
+
+Counters are monotonic and rates are left to the scraper (``rate(...[1m])``), as Redis leaves
+``keyspace_hits`` to whoever reads ``INFO``.
+
+Health: ``/healthz`` answers 200 only while the server has said it is serving
+(``set_healthy(True)``) *and* the event loop has checked in (``beat`` or ``update_from_info``)
+within ``stale_after_s``. The HTTP server runs on its own thread, so without the staleness test a
+wedged event loop would still look healthy.
+
+Must never: block or run on the daemon's event loop (the HTTP server has its own threads), read
+daemon structures from the HTTP thread, or define a metric name anywhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from kvpool.shared.errors import ConfigError, ErrorCode
+from kvpool.shared.protocol import PoolInfo, Role
+
+log = logging.getLogger(__name__)
+
+# Copy jobs range from one 2 MiB block (~40 us at the ~52 GB/s PCIe figure in DESIGN.md) to a
+# few thousand blocks (~100 ms); host-path copies and waits on the engine's event are slower.
+# The buckets cover 50 us .. 10 s so both the fast path and a stall land in a finite bucket.
+_JOB_SECONDS_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                        0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+_ROLE_NAMES = {Role.SCHEDULER: "scheduler", Role.WORKER: "worker", Role.OPERATOR: "operator"}
+
+
+def _error_label(code: int) -> str:
+    """Stable label text for an error code; unknown codes keep their number so none is lost."""
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return str(code)
+
+
+class _SnapshotCollector(Collector):
+    """The gauges, read from the latest ``PoolInfo`` at scrape time."""
+
+    def __init__(self, owner: "Metrics") -> None:
+        self._owner = owner
+
+    def describe(self) -> Iterable[Metric]:
+        # Names only (no samples), so the registry can check for duplicates at registration.
+        return self._families(None, healthy=False)
+
+    def collect(self) -> Iterable[Metric]:
+        info, healthy = self._owner._snapshot()
+        return self._families(info, healthy)
+
+    @staticmethod
+    def _families(info: PoolInfo | None, healthy: bool) -> list[Metric]:
+        g = GaugeMetricFamily
+        pool = g("kvpool_pool_bytes", "Size of the shared-memory pool.")
+        used = g("kvpool_pool_used_bytes", "Pool bytes held by writing or committed slots.")
+        slots = g("kvpool_slots", "Pool slots by state (pinned is a subset of committed).",
+                  labels=["state"])
+        namespaces = g("kvpool_namespaces", "Namespaces (model x layout) with blocks or engines.")
+        leases = g("kvpool_leases", "Leases currently pinning slots for a load.")
+        clients = g("kvpool_clients", "Connected client processes by role.", labels=["role"])
+        engines = g("kvpool_engines", "Distinct engines (vLLM engine ids) connected.")
+        adopted = g("kvpool_adopted_blocks", "Committed blocks adopted from the previous daemon.")
+        uptime = g("kvpool_uptime_seconds", "Seconds since this daemon started.")
+        up = g("kvpool_healthy", "1 while /healthz answers 200, else 0.")
+        families: list[Metric] = [pool, used, slots, namespaces, leases, clients, engines,
+                                  adopted, uptime, up]
+        up.add_metric([], 1.0 if healthy else 0.0)
+        if info is None:
+            return families
+        pool.add_metric([], info.pool_bytes)
+        used.add_metric([], info.used_bytes)
+        slots.add_metric(["writing"], info.slots_writing)
+        slots.add_metric(["committed"], info.slots_committed)
+        slots.add_metric(["pinned"], info.slots_pinned)
+        namespaces.add_metric([], info.namespaces)
+        leases.add_metric([], info.leases)
+        by_role = dict.fromkeys(_ROLE_NAMES.values(), 0)
+        for c in info.clients:
+            role = _ROLE_NAMES.get(c.role, str(int(c.role)))
+            by_role[role] = by_role.get(role, 0) + 1
+        for role, n in sorted(by_role.items()):
+            clients.add_metric([role], n)
+        engines.add_metric([], len({c.engine_id for c in info.clients if c.engine_id}))
+        adopted.add_metric([], info.adopted_blocks)
+        uptime.add_metric([], info.uptime_s)
+        return families
+
+
+class Metrics:
+    """Every metric of one daemon, in its own ``CollectorRegistry``.
+
+    Thread-safety: every method may be called from any thread. The server calls the event
+    methods from its event loop and ``update_from_info``/``beat`` at least once per
+    ``stale_after_s``; the HTTP server reads from its own threads.
+    """
+
+    def __init__(self, stale_after_s: float = 10.0) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.stale_after_s = stale_after_s
+        self._lock = threading.Lock()
+        self._info: PoolInfo | None = None
+        self._healthy = False
+        self._last_beat = float("-inf")
+        r = self.registry
+
+        self._lookup_requests = Counter(
+            "kvpool_lookup_requests", "Requests (key lists) answered by lookup.", registry=r)
+        self._hit_blocks = Counter(
+            "kvpool_lookup_hit_blocks", "Blocks found: each request's run of leading hits.",
+            registry=r)
+        self._miss_blocks = Counter(
+            "kvpool_lookup_miss_blocks", "Blocks asked for after the first miss of a request.",
+            registry=r)
+        self._hit_tokens = Counter(
+            "kvpool_lookup_hit_tokens", "Tokens in hit blocks (blocks x tokens per block).",
+            registry=r)
+        self._miss_tokens = Counter(
+            "kvpool_lookup_miss_tokens", "Tokens in missed blocks.", registry=r)
+
+        self._store_bytes = Counter(
+            "kvpool_store_bytes", "Bytes copied engine -> pool by finished store jobs.",
+            registry=r)
+        self._load_bytes = Counter(
+            "kvpool_load_bytes", "Bytes copied pool -> engine by finished load jobs.",
+            registry=r)
+        self._store_blocks = Counter(
+            "kvpool_store_blocks", "Block shards written by finished store jobs.", registry=r)
+        self._load_blocks = Counter(
+            "kvpool_load_blocks", "Block shards read by finished load jobs.", registry=r)
+        self._store_jobs = Counter(
+            "kvpool_store_jobs", "Store jobs finished, by result.", ["result"], registry=r)
+        self._load_jobs = Counter(
+            "kvpool_load_jobs", "Load jobs finished, by result.", ["result"], registry=r)
+        self._store_seconds = Histogram(
+            "kvpool_store_duration_seconds",
+            "Store job time from request received to copy done (includes waiting on the "
+            "engine's compute event).", buckets=_JOB_SECONDS_BUCKETS, registry=r)
+        self._load_seconds = Histogram(
+            "kvpool_load_duration_seconds", "Load job time from request received to copy done.",
+            buckets=_JOB_SECONDS_BUCKETS, registry=r)
+
+        self._evictions = Counter(
+            "kvpool_evicted_blocks", "Committed blocks evicted to make room (LRU).", registry=r)
+        self._errors = Counter(
+            "kvpool_errors", "Error replies and failed jobs, by error code.", ["code"],
+            registry=r)
+        for result in ("ok", "failed"):
+            # Present from the first scrape, so rate() and absent() behave before any traffic.
+            self._store_jobs.labels(result)
+            self._load_jobs.labels(result)
+        r.register(_SnapshotCollector(self))
+
+    # ---- events: called when they happen ------------------------------------------------------
+
+    def observe_lookup(self, requests: int, hit_blocks: int, miss_blocks: int,
+                       hit_tokens: int, miss_tokens: int) -> None:
+        """One lookup reply: ``requests`` key lists, and their hits/misses in blocks and tokens.
+
+        A request's misses are the keys after its run of leading hits (they cannot be loaded
+        even if present, because a prefix is a run of leading keys)."""
+        self._lookup_requests.inc(requests)
+        self._hit_blocks.inc(hit_blocks)
+        self._miss_blocks.inc(miss_blocks)
+        self._hit_tokens.inc(hit_tokens)
+        self._miss_tokens.inc(miss_tokens)
+
+    def observe_store(self, nbytes: int, seconds: float, blocks: int = 0, ok: bool = True
+                      ) -> None:
+        """One store job finished; failed jobs count their job and time, never their bytes."""
+        self._observe(self._store_jobs, self._store_seconds, self._store_bytes,
+                      self._store_blocks, nbytes, seconds, blocks, ok)
+
+    def observe_load(self, nbytes: int, seconds: float, blocks: int = 0, ok: bool = True
+                     ) -> None:
+        """One load job finished (see ``observe_store``)."""
+        self._observe(self._load_jobs, self._load_seconds, self._load_bytes, self._load_blocks,
+                      nbytes, seconds, blocks, ok)
+
+    @staticmethod
+    def _observe(jobs: Counter, hist: Histogram, nbytes_c: Counter, blocks_c: Counter,
+                 nbytes: int, seconds: float, blocks: int, ok: bool) -> None:
+        jobs.labels("ok" if ok else "failed").inc()
+        hist.observe(max(seconds, 0.0))
+        if ok:
+            nbytes_c.inc(nbytes)
+            blocks_c.inc(blocks)
+
+    def count_evictions(self, blocks: int) -> None:
+        if blocks:
+            self._evictions.inc(blocks)
+
+    def count_error(self, code: int) -> None:
+        """One error reply or failed job, labelled by ``ErrorCode`` name."""
+        self._errors.labels(_error_label(code)).inc()
+
+    # ---- state: a snapshot about once a second ------------------------------------------------
+
+    def update_from_info(self, info: PoolInfo) -> None:
+        """Replace the gauges' snapshot with ``info`` (what ``kvpool info`` shows); also a beat."""
+        with self._lock:
+            self._info = info
+            self._last_beat = time.monotonic()
+
+    def beat(self) -> None:
+        """The event loop is alive (for ``/healthz``) without a new snapshot."""
+        with self._lock:
+            self._last_beat = time.monotonic()
+
+    def set_healthy(self, healthy: bool) -> None:
+        """True once the daemon serves requests; False when it starts shutting down."""
+        with self._lock:
+            self._healthy = healthy
+            if healthy:
+                self._last_beat = time.monotonic()
+
+    def health(self) -> tuple[bool, str]:
+        """(is serving, reason): ``ok``, ``starting or stopping`` or ``event loop stalled``."""
+        with self._lock:
+            healthy, last = self._healthy, self._last_beat
+        if not healthy:
+            return False, "starting or stopping"
+        age = time.monotonic() - last
+        if age > self.stale_after_s:
+            return False, f"event loop stalled: no check-in for {age:.1f}s"
+        return True, "ok"
+
+    def _snapshot(self) -> tuple[PoolInfo | None, bool]:
+        with self._lock:
+            info = self._info
+        return info, self.health()[0]
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: "_HttpServer"
+    # HTTP/1.0 closes each connection, so an idle scraper cannot hold a thread open.
+    protocol_version = "HTTP/1.0"
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        path = self.path.split("?", 1)[0]
+        metrics = self.server.metrics
+        if path == "/metrics":
+            self._reply(200, metrics.render(), CONTENT_TYPE_LATEST)
+        elif path in ("/healthz", "/health"):
+            ok, reason = metrics.health()
+            info, _ = metrics._snapshot()
+            body = {"status": reason, "daemon_id": info.daemon_id if info else "",
+                    "uptime_s": info.uptime_s if info else 0.0}
+            self._reply(200 if ok else 503, json.dumps(body).encode() + b"\n",
+                        "application/json")
+        else:
+            self._reply(404, b"not found: try /metrics or /healthz\n", "text/plain")
+
+    def _reply(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        # Scrapes every 15 s would drown the daemon's log at info level.
+        log.debug("metrics http: " + format, *args)
+
+
+class _HttpServer(ThreadingHTTPServer):
+    daemon_threads = True
+    metrics: Metrics
+
+
+class _HttpServer6(_HttpServer):
+    address_family = socket.AF_INET6
+
+
+class MetricsServer:
+    """``/metrics`` and ``/healthz`` on ``host:port`` (port 0 here: any free port, for tests),
+    served by a thread of its own until ``close()``."""
+
+    def __init__(self, metrics: Metrics, host: str = "127.0.0.1", port: int = 0) -> None:
+        server_cls = _HttpServer6 if ":" in host else _HttpServer
+        try:
+            self._httpd = server_cls((host, port), _Handler)
+        except OSError as e:
+            raise ConfigError(f"metrics_host/metrics_port: cannot listen on {host}:{port}: {e}"
+                              ) from None
+        self._httpd.metrics = metrics
+        self.host, self.port = self._httpd.server_address[:2]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={
+            "poll_interval": 0.2}, name="kvpool-metrics-http", daemon=True)
+        self._thread.start()
+        log.info("metrics: http://%s:%d/metrics and /healthz", self.host, self.port)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in str(self.host) else self.host
+        return f"http://{host}:{self.port}"
+
+    def close(self) -> None:
+        """Stop serving; returns within about the poll interval (0.2 s)."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5.0)
+
+
+def start_metrics_server(metrics: Metrics, host: str, port: int) -> MetricsServer | None:
+    """The server for the daemon's settings (``metrics_host``, ``metrics_port``); ``None`` when
+    ``port`` is 0 (metrics turned off). Raises ``ConfigError`` when the port is taken."""
+    if port == 0:
+        return None
+    return MetricsServer(metrics, host, port)
