@@ -41,6 +41,10 @@ log = logging.getLogger("kvpoold")
 SHUTDOWN_GRACE_S = 5.0
 
 
+class SocketBusy(KvpoolError):
+    """Another live daemon serves this socket path."""
+
+
 class Server:
     def __init__(self, config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine]) -> None:
         self.config = config
@@ -66,7 +70,11 @@ class Server:
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def serve(self) -> None:
-        self._startup()
+        try:
+            self._startup()
+        except BaseException:
+            self._release_resources()
+            raise
         try:
             housekeeping = asyncio.create_task(self._housekeeping())
             await self._main_loop()
@@ -82,7 +90,7 @@ class Server:
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise SystemExit(f"kvpoold: another daemon is serving {path}") from None
+            raise SocketBusy(f"another daemon is serving {path}") from None
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -139,17 +147,20 @@ class Server:
             await asyncio.wait(set(self._jobs), timeout=SHUTDOWN_GRACE_S)
         for owner in list(self.registry.owners.values()):
             self._release_owner(owner)
+        self._release_resources()
+        log.info("kvpoold stopped%s", "; pool kept for the next start" if self.config.keep_pool
+                 else "")
+
+    def _release_resources(self) -> None:
         if self._sock is not None:
             self._sock.close(linger=0)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.socket_path)
         if self._ctx is not None:
             self._ctx.term()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.config.socket_path)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
         self.pool.close(unlink=not self.config.keep_pool)
-        log.info("kvpoold stopped%s", "; pool kept for the next start" if self.config.keep_pool
-                 else "")
 
     # ---- dispatch --------------------------------------------------------------------------
 
