@@ -200,6 +200,17 @@ class KvEventPublisher:
         if engines and keys:
             self._removed_to(engines, keys)
 
+    def publish_index_events(self, records: list[tuple[str, bytes, bytes]]) -> None:
+        """Forward the index's ``(kind, namespace, block hash)`` records ("stored"/"removed"),
+        in order, grouping runs of one kind and namespace into one event each."""
+        run: list[bytes] = []
+        for i, (kind, ns, key) in enumerate(records):
+            run.append(key)
+            nxt = records[i + 1] if i + 1 < len(records) else None
+            if nxt is None or nxt[0] != kind or nxt[1] != ns:
+                (self.blocks_stored if kind == "stored" else self.blocks_removed)(ns, run)
+                run = []
+
     def pool_cleared(self) -> None:
         """Every block is gone for every engine (the pool is destroyed at shutdown)."""
         for engine_id in list(self._namespaces_of):

@@ -1,0 +1,143 @@
+"""What the server tells the outside world: metrics, health and KV events, behind one object.
+
+``Telemetry`` owns a ``Metrics`` registry, its HTTP server (when ``metrics_port`` is not 0) and
+the KV event publisher (when ``events_endpoint`` is set), and turns the server's moments into
+calls on them, so ``daemon/server.py`` needs one line per moment. Every method is called from
+the daemon's event loop and returns at once: HTTP and ZeroMQ sends happen on their own threads.
+
+Must never: read daemon state on its own (the server passes what it needs), raise from a hook
+(a telemetry fault is logged, it never fails a request), or keep the daemon from stopping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterable
+
+from kvpool.daemon.events import KvEventPublisher, start_event_publisher
+from kvpool.daemon.metrics import Metrics, MetricsServer, start_metrics_server
+from kvpool.shared.config import DaemonConfig
+from kvpool.shared.protocol import PoolInfo
+
+log = logging.getLogger("kvpoold")
+
+# How often the gauges are refreshed from a PoolInfo; building one walks the client table, so
+# not on every housekeeping tick. A scrape every 15 s sees data at most this old.
+INFO_PERIOD_S = 1.0
+
+
+def engine_key(engine_id: str, pid: int) -> str:
+    """The engine a client belongs to, for event attribution: its vLLM engine id, or its pid
+    for clients that did not send one (each such process is its own engine)."""
+    return engine_id or f"pid-{pid}"
+
+
+class Telemetry:
+    def __init__(self, metrics: Metrics, http: MetricsServer | None,
+                 events: KvEventPublisher | None) -> None:
+        self.metrics = metrics
+        self.http = http
+        self.events = events
+        self._next_info = 0.0
+        self._evictions_seen = 0
+        self._closed = False
+
+    @classmethod
+    def start(cls, config: DaemonConfig) -> "Telemetry":
+        """Open the HTTP server and the events socket the config asks for. Raises
+        ``ConfigError`` (naming the setting) when a port or endpoint cannot be bound."""
+        metrics = Metrics(stale_after_s=config.health_stale_s)
+        http = start_metrics_server(metrics, config.metrics_host, config.metrics_port)
+        try:
+            events = start_event_publisher(config.events_endpoint, config.events_topic,
+                                           config.events_hash_format, config.events_interval_ms)
+        except BaseException:
+            if http is not None:
+                http.close()
+            raise
+        return cls(metrics, http, events)
+
+    @property
+    def wants_index_events(self) -> bool:
+        """Whether the server should collect the index's stored/removed records."""
+        return self.events is not None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def serving(self, info: PoolInfo) -> None:
+        """The daemon accepts requests now: /healthz turns 200."""
+        self.metrics.update_from_info(info)
+        self._evictions_seen = info.evictions
+        self.metrics.set_healthy(True)
+
+    def stopping(self) -> None:
+        """Shutdown began: /healthz turns 503 so load balancers and probes stop sending."""
+        self.metrics.set_healthy(False)
+
+    def close(self, pool_kept: bool) -> None:
+        """Last call (later ones do nothing). Without ``pool_kept`` every engine is told its
+        blocks are gone."""
+        self.metrics.set_healthy(False)
+        if self._closed:
+            return
+        self._closed = True
+        if self.events is not None:
+            if not pool_kept:
+                self.events.pool_cleared()
+            self.events.close()
+        if self.http is not None:
+            self.http.close()
+
+    # ---- periodic (housekeeping, every ~100 ms) -----------------------------------------------
+
+    def tick(self, now: float, info: Callable[[], PoolInfo],
+             index_events: list[tuple[str, bytes, bytes]] | None) -> None:
+        """The loop is alive; refresh gauges once per ``INFO_PERIOD_S``; forward and clear the
+        index's event records."""
+        try:
+            if index_events:
+                if self.events is not None:
+                    self.events.publish_index_events(index_events)
+                index_events.clear()
+            if now >= self._next_info:
+                self._next_info = now + INFO_PERIOD_S
+                snapshot = info()
+                self.metrics.count_evictions(snapshot.evictions - self._evictions_seen)
+                self._evictions_seen = snapshot.evictions
+                self.metrics.update_from_info(snapshot)
+            else:
+                self.metrics.beat()
+        except Exception:
+            log.exception("telemetry tick failed")
+
+    # ---- moments ------------------------------------------------------------------------------
+
+    def lookup(self, hits: list[int], key_lists: list[list[bytes]], block_tokens: int) -> None:
+        """A lookup was answered: ``hits[i]`` leading hits of ``key_lists[i]``."""
+        hit = sum(hits)
+        miss = sum(len(k) for k in key_lists) - hit
+        self.metrics.observe_lookup(len(key_lists), hit, miss, hit * block_tokens,
+                                    miss * block_tokens)
+
+    def job_done(self, is_store: bool, nbytes: int, started: float, blocks: int, ok: bool
+                 ) -> None:
+        """A store or load job finished; ``started`` is its ``time.monotonic()`` at receipt."""
+        observe = self.metrics.observe_store if is_store else self.metrics.observe_load
+        observe(nbytes, time.monotonic() - started, blocks, ok)
+
+    def error(self, code: int) -> None:
+        """An ErrorReply or a failed JobDone was sent with ``code``."""
+        self.metrics.count_error(code)
+
+    def registration_added(self, engine_id: str, pid: int, namespace: bytes, block_tokens: int,
+                           committed_hashes: Callable[[], Iterable[bytes]]) -> None:
+        if self.events is not None:
+            self.events.registration_added(engine_key(engine_id, pid), namespace, block_tokens,
+                                           committed_hashes)
+
+    def registration_removed(self, engine_id: str, pid: int, namespace: bytes,
+                             committed_hashes: Callable[[], Iterable[bytes]]) -> None:
+        if self.events is not None:
+            self.events.registration_removed(engine_key(engine_id, pid), namespace,
+                                             committed_hashes)
