@@ -34,10 +34,19 @@ def parse_size(text: str | int) -> int:
 
 
 def default_socket_path() -> str:
-    """``$XDG_RUNTIME_DIR/kvpool/kvpoold.sock`` for a user daemon, else the systemd unit's
-    ``/run/kvpool/kvpoold.sock``."""
+    """Where daemon and clients meet when nobody says otherwise.
+
+    ``$XDG_RUNTIME_DIR/kvpool/`` for a user session; else ``/run/kvpool/`` (the systemd unit's
+    RuntimeDirectory) when it exists or we are root; else ``/tmp/kvpool-<uid>/``, so a plain
+    ``kvpoold`` works for an unprivileged user on a machine without a session runtime dir.
+    """
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) / "kvpool" if runtime else Path("/run/kvpool")
+    if runtime:
+        base = Path(runtime) / "kvpool"
+    elif os.path.isdir("/run/kvpool") or os.geteuid() == 0:
+        base = Path("/run/kvpool")
+    else:
+        base = Path(f"/tmp/kvpool-{os.geteuid()}")
     return str(base / "kvpoold.sock")
 
 
