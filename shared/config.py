@@ -60,8 +60,9 @@ def _doc(text: str, **bounds: Any) -> msgspec.Meta:
 class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Every daemon setting: a ``kvpoold --flag``, a ``KVPOOL_<NAME>`` variable and a TOML key."""
 
-    socket: Annotated[str, _doc("ZeroMQ ipc:// socket path; empty: $XDG_RUNTIME_DIR/kvpool/"
-                                "kvpoold.sock, else /run/kvpool/kvpoold.sock")] = ""
+    socket: Annotated[str, _doc("ZeroMQ ipc:// socket path; empty: kvpoold.sock in "
+                                "$XDG_RUNTIME_DIR/kvpool/, else /run/kvpool/ (if it exists or "
+                                "for root), else /tmp/kvpool-UID/")] = ""
     socket_mode: Annotated[str, _doc("file mode of the socket; 0660 lets its group (the engines) "
                                      "connect", pattern=r"^0?[0-7]{3}$")] = "0600"
     pool_name: Annotated[str, _doc("POSIX shm object of the pool (/dev/shm/NAME); one daemon per "
