@@ -41,41 +41,46 @@ def default_socket_path() -> str:
     return str(base / "kvpoold.sock")
 
 
-Size = Annotated[str, msgspec.Meta(pattern=r"^(auto|\s*\d+(\.\d+)?\s*([KMGTkmgt]i?[Bb]?|[Bb])?\s*)$")]
-Octal = Annotated[str, msgspec.Meta(pattern=r"^0?[0-7]{3}$")]
+_SIZE_PATTERN = r"^(auto|\s*\d+(\.\d+)?\s*([KMGTkmgt]i?[Bb]?|[Bb])?\s*)$"
+
+
+def _doc(text: str, **bounds: Any) -> msgspec.Meta:
+    return msgspec.Meta(description=text, **bounds)
 
 
 class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Every daemon setting. Each field is also a ``kvpoold`` flag and a ``KVPOOL_<NAME>`` variable."""
+    """Every daemon setting: a ``kvpoold --flag``, a ``KVPOOL_<NAME>`` variable and a TOML key."""
 
-    # ZeroMQ ipc:// endpoint path; "" means default_socket_path().
-    socket: str = ""
-    # File mode of the socket; 0660 lets the socket's group (the engines) connect.
-    socket_mode: Octal = "0600"
-    # POSIX shm object holding the pool (/dev/shm/<name>); one daemon per name.
-    pool_name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,200}$")] = "kvpool"
-    # Pool size: "auto" (a quarter of available memory, capped by /dev/shm) or e.g. 64GiB.
-    pool_size: Size = "auto"
-    # Allocation unit handed to one slot size at a time; "auto" scales with the pool.
-    extent_size: Size = "auto"
-    # Keep the shm pool on clean shutdown so the next start adopts it (upgrades keep the cache).
-    keep_pool: bool = False
-    # A lookup's pin holds its slots this long unless released first.
-    lease_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
-    # Prepared slots not fully written by then are dropped (a rank never sent its store).
-    write_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 120.0
-    # A client whose heartbeats stop this long is treated as dead and released.
-    peer_timeout_ms: Annotated[int, msgspec.Meta(ge=100, le=600_000)] = 600
-    # How often clients send heartbeats (told to them in HelloReply).
-    heartbeat_interval_ms: Annotated[int, msgspec.Meta(ge=10, le=60_000)] = 100
-    # Frames longer than this are refused with TOO_LARGE before decoding.
-    max_request_bytes: Annotated[int, msgspec.Meta(ge=4096, le=1 << 30)] = 16 << 20
-    # Host-path copy threads (GPU copies use CUDA streams instead).
-    copy_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
-    # CUDA copy engines: "auto" uses them when CUDA is available.
-    cuda: Literal["auto", "on", "off"] = "auto"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    log_format: Literal["text", "json"] = "text"
+    socket: Annotated[str, _doc("ZeroMQ ipc:// socket path; empty: $XDG_RUNTIME_DIR/kvpool/"
+                                "kvpoold.sock, else /run/kvpool/kvpoold.sock")] = ""
+    socket_mode: Annotated[str, _doc("file mode of the socket; 0660 lets its group (the engines) "
+                                     "connect", pattern=r"^0?[0-7]{3}$")] = "0600"
+    pool_name: Annotated[str, _doc("POSIX shm object of the pool (/dev/shm/NAME); one daemon per "
+                                   "name", pattern=r"^[A-Za-z0-9_.-]{1,200}$")] = "kvpool"
+    pool_size: Annotated[str, _doc("pool size (64GiB, 512MiB, bytes) or auto: a quarter of "
+                                   "available memory, at most half of /dev/shm's free space",
+                                   pattern=_SIZE_PATTERN)] = "auto"
+    extent_size: Annotated[str, _doc("unit of space handed to one slot size at a time; auto: "
+                                     "pool/256 within [4MiB, 256MiB]", pattern=_SIZE_PATTERN)] = "auto"
+    keep_pool: Annotated[bool, _doc("keep the pool on clean shutdown so the next start adopts it "
+                                    "(upgrades keep the cache)")] = False
+    lease_ttl_s: Annotated[float, _doc("a lookup's pin holds its blocks this long unless released",
+                                       gt=0, le=3600)] = 30.0
+    write_timeout_s: Annotated[float, _doc("prepared blocks not written by every rank by then are "
+                                           "dropped", gt=0, le=3600)] = 120.0
+    peer_timeout_ms: Annotated[int, _doc("a client silent this long is released (its leases, "
+                                         "registrations, half-written blocks)",
+                                         ge=100, le=600_000)] = 600
+    heartbeat_interval_ms: Annotated[int, _doc("how often clients send heartbeats",
+                                               ge=10, le=60_000)] = 100
+    max_request_bytes: Annotated[int, _doc("frames larger than this get a TOO_LARGE error",
+                                           ge=4096, le=1 << 30)] = 16 << 20
+    copy_threads: Annotated[int, _doc("threads per host-path copy", ge=1, le=64)] = 2
+    cuda: Annotated[Literal["auto", "on", "off"], _doc("CUDA copy engines: auto uses them when "
+                                                       "CUDA is available")] = "auto"
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], _doc("log level")] = "info"
+    log_format: Annotated[Literal["text", "json"], _doc("text, or JSON lines for log "
+                                                        "collectors")] = "text"
 
     @property
     def socket_path(self) -> str:

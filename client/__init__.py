@@ -1,0 +1,4 @@
+"""What runs inside engine processes: worker and scheduler clients and the vLLM connector.
+
+Light imports, no daemon code, no heavy work at import time.
+"""

@@ -1,0 +1,167 @@
+"""``WorkerClient``: what one engine worker (one TP rank) uses to move its KV through kvpool.
+
+Called from the worker's own thread (vLLM's model-runner thread). ``submit_*`` and ``poll`` never
+wait on the daemon once connected; the only calls that wait (bounded by ``timeout_ms``) are
+``register`` and the reconnect that a ``submit_*`` makes after the daemon came back.
+
+Registrations get a local id that stays valid across daemon restarts: on reconnect the client
+replays them and maps local ids to the new daemon's ids. Jobs in flight when the daemon vanished
+or restarted complete with ``ok=False`` (code ABORTED), so the engine recomputes instead of
+waiting forever.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvpool.client.transport import Transport
+from kvpool.shared import protocol as p
+from kvpool.shared.config import ClientConfig
+from kvpool.shared.errors import DaemonUnavailable, ErrorCode
+from kvpool.shared.layout import Layout, SegmentPlacement
+
+
+@dataclass(frozen=True)
+class JobCompletion:
+    job_id: int
+    ok: bool
+    code: int = 0
+    message: str = ""
+    nbytes: int = 0
+    done_event: bytes = b""
+
+
+@dataclass
+class _Registration:
+    request: p.RegisterRequest       # req_id is refreshed on each (re)send
+    daemon_id: int = 0
+
+
+class WorkerClient:
+    def __init__(self, config: ClientConfig, name: str = "", engine_id: str = "",
+                 heartbeat: bool = True) -> None:
+        self._t = Transport(config, p.Role.WORKER, name, engine_id, on_connect=self._replay,
+                            heartbeat=heartbeat)
+        self._registrations: dict[int, _Registration] = {}
+        self._local_ids = itertools.count(1)
+        self._job_ids = itertools.count(1)
+        self._in_flight: set[int] = set()
+        self._done: list[JobCompletion] = []
+
+    def register(self, namespace: bytes, layout: Layout, tp_rank: int, num_blocks: int,
+                 regions: Sequence[p.Region], placement: Sequence[SegmentPlacement]) -> int:
+        """Register this rank's KV memory; returns a local registration id.
+
+        Raises ``LayoutMismatch``/``OutOfRange``/``UnknownId`` for a registration the daemon
+        refuses, ``DaemonUnavailable`` if it is not there (the registration is still remembered
+        and sent when the daemon appears).
+        """
+        local = next(self._local_ids)
+        req = p.RegisterRequest(0, namespace, layout, tp_rank, num_blocks, list(regions),
+                                list(placement))
+        self._registrations[local] = reg = _Registration(req)
+        try:
+            if self._t.is_connected and not self._t.is_stale:
+                reg.daemon_id = self._send_registration(reg)
+            else:
+                self._t.ensure_connected()   # replays, including this one
+        except DaemonUnavailable:
+            raise                            # remembered: sent when the daemon is back
+        except Exception:
+            del self._registrations[local]   # refused: forget it
+            raise
+        return local
+
+    def unregister(self, registration_id: int) -> None:
+        reg = self._registrations.pop(registration_id, None)
+        if reg is not None and reg.daemon_id and self._t.is_connected:
+            self._t.call(lambda rid: p.UnregisterRequest(rid, reg.daemon_id))
+
+    def submit_store(self, registration_id: int, block_ids: Sequence[int], slots: Sequence[int],
+                     wait_event: bytes = b"") -> int:
+        """Copy ``block_ids`` into prepared ``slots``; returns the job id (see ``poll``)."""
+        return self._submit(registration_id, lambda rid, job, reg: p.StoreRequest(
+            rid, reg, job, list(block_ids), list(slots), wait_event))
+
+    def submit_load(self, registration_id: int, slots: Sequence[int],
+                    block_ids: Sequence[int]) -> int:
+        """Copy committed ``slots`` into ``block_ids``; returns the job id (see ``poll``)."""
+        return self._submit(registration_id, lambda rid, job, reg: p.LoadRequest(
+            rid, reg, job, list(slots), list(block_ids)))
+
+    def poll(self) -> list[JobCompletion]:
+        """Completions that have arrived since the last call. Never blocks."""
+        if self._t.is_stale:
+            self._fail_in_flight("kvpoold vanished or restarted during the transfer")
+            self._t.disconnect(backoff=False)
+        for reply in self._t.drain():
+            if isinstance(reply, p.JobDone) and reply.job_id in self._in_flight:
+                self._in_flight.discard(reply.job_id)
+                self._done.append(JobCompletion(reply.job_id, reply.code == 0, reply.code,
+                                                reply.message, reply.nbytes, reply.done_event))
+        out, self._done = self._done, []
+        return out
+
+    def wait(self, job_ids: Sequence[int], timeout_s: float) -> list[JobCompletion]:
+        """Completions of ``job_ids``, waiting at most ``timeout_s`` (for tools and tests)."""
+        want = set(job_ids)
+        got: dict[int, JobCompletion] = {}
+        deadline = time.monotonic() + timeout_s
+        while want - got.keys():
+            for c in self.poll():
+                if c.job_id in want:
+                    got[c.job_id] = c
+                else:
+                    self._done.append(c)
+            if not want - got.keys():
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"jobs {sorted(want - got.keys())} not done in {timeout_s} s")
+            time.sleep(0.0005)
+        return [got[j] for j in job_ids]
+
+    @property
+    def jobs_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def close(self) -> None:
+        self._t.close()
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _submit(self, registration_id: int, make) -> int:
+        reg = self._registrations.get(registration_id)
+        if reg is None:
+            raise KeyError(f"unknown local registration {registration_id}")
+        if self._t.is_stale or not self._t.is_connected:
+            self._fail_in_flight("kvpoold vanished or restarted during the transfer")
+        self._t.ensure_connected()
+        job = next(self._job_ids)
+        self._t.send(lambda rid: make(rid, job, reg.daemon_id))
+        self._in_flight.add(job)
+        return job
+
+    def _send_registration(self, reg: _Registration) -> int:
+        reply = self._t.call(lambda rid: _with_req_id(reg.request, rid))
+        assert isinstance(reply, p.RegisterReply)
+        return reply.registration_id
+
+    def _replay(self) -> None:
+        # Runs inside ensure_connected, right after Hello: the new daemon (or connection)
+        # knows none of our registrations.
+        self._fail_in_flight("kvpoold restarted during the transfer")
+        for reg in self._registrations.values():
+            reg.daemon_id = self._send_registration(reg)
+
+    def _fail_in_flight(self, why: str) -> None:
+        for job in self._in_flight:
+            self._done.append(JobCompletion(job, False, int(ErrorCode.ABORTED), why))
+        self._in_flight.clear()
+
+
+def _with_req_id(req: p.RegisterRequest, req_id: int) -> p.RegisterRequest:
+    return p.RegisterRequest(req_id, req.namespace, req.layout, req.tp_rank, req.num_blocks,
+                             req.regions, req.placement)

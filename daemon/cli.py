@@ -1,0 +1,209 @@
+"""Command lines: ``kvpoold`` (the daemon) and ``kvpool`` (the operator's tool).
+
+``kvpoold`` only builds a ``DaemonConfig`` (defaults < TOML < ``KVPOOL_*`` env < flags, merged
+once here) and hands it to the server. Every ``DaemonConfig`` field becomes a flag generated
+from the struct itself, so flags, env vars, TOML keys and their help cannot drift apart.
+
+Exit codes: 0 clean stop, 2 bad usage or configuration, 3 failed start (pool or socket busy,
+shm not creatable), 1 daemon unreachable (operator commands).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+import click
+import msgspec
+
+from kvpool.shared.config import ClientConfig, DaemonConfig, build_config, toml_layer
+from kvpool.shared.errors import ConfigError, KvpoolError
+
+STARTUP_FAILURE = 3
+UNREACHABLE = 1
+
+
+def _daemon_options(func):
+    """One click option per DaemonConfig field, defaulting to None so only given ones count."""
+    info = msgspec.inspect.type_info(DaemonConfig)
+    for field in reversed(info.fields):
+        t = field.type
+        desc = getattr(t, "extra", None)
+        help_text = getattr(t, "description", None) or ""
+        inner = getattr(t, "type", t)
+        flag = "--" + field.name.replace("_", "-")
+        shown = f"{help_text} [default: {field.default}]"
+        if isinstance(inner, msgspec.inspect.BoolType):
+            opt = click.option(f"{flag}/--no-{flag[2:]}", field.name, default=None, help=shown)
+        elif isinstance(inner, msgspec.inspect.LiteralType):
+            opt = click.option(flag, field.name, type=click.Choice([str(v) for v in inner.values]),
+                               default=None, help=shown)
+        else:
+            py = {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(inner), str)
+            opt = click.option(flag, field.name, type=py, default=None, help=shown)
+        del desc
+        func = opt(func)
+    return func
+
+
+def _setup_logging(config: DaemonConfig) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if config.log_format == "json":
+        class _Json(logging.Formatter):
+            def format(self, record: logging.LogRecord) -> str:
+                out = {"ts": record.created, "level": record.levelname.lower(),
+                       "logger": record.name, "msg": record.getMessage()}
+                if record.exc_info:
+                    out["exc"] = self.formatException(record.exc_info)
+                return json.dumps(out)
+        handler.setFormatter(_Json())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(config.log_level.upper())
+
+
+def load_daemon_config(config_file: str | None, given: dict[str, Any]) -> DaemonConfig:
+    return build_config(DaemonConfig, toml_layer(config_file), given)
+
+
+@click.command(context_settings={"auto_envvar_prefix": "KVPOOL", "show_default": True})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="TOML file with the same keys as the flags (underscores)")
+@click.option("--check-config", is_flag=True, default=False,
+              help="print the effective configuration and exit (0: valid, 2: invalid)")
+@_daemon_options
+def serve(config_file: str | None, check_config: bool, **given: Any) -> None:
+    """Run kvpoold, the host's KV-cache pool daemon."""
+    try:
+        config = load_daemon_config(config_file, given)
+    except ConfigError as e:
+        click.echo(f"kvpoold: {e.message}", err=True)
+        sys.exit(2)
+    if check_config:
+        click.echo(json.dumps(msgspec.to_builtins(config), indent=2))
+        return
+    _setup_logging(config)
+    log = logging.getLogger("kvpoold")
+    log.info("effective configuration: %s", json.dumps(msgspec.to_builtins(config)))
+    from kvpool.daemon import startup
+    try:
+        code = startup.run_daemon(config)
+    except (KvpoolError, OSError) as e:
+        log.error("failed to start: %s", e)
+        sys.exit(STARTUP_FAILURE)
+    sys.exit(code)
+
+
+# ---- operator CLI ------------------------------------------------------------------------------
+
+def _scheduler_client(socket: str | None, timeout_ms: int):
+    from kvpool.client.scheduler import SchedulerClient
+    cfg = build_config(ClientConfig, {"socket": socket, "timeout_ms": timeout_ms,
+                                      "reconnect_backoff_ms": 0})
+    return SchedulerClient(cfg, name="kvpool-cli", heartbeat=False)
+
+
+_socket_opt = click.option("--socket", envvar="KVPOOL_SOCKET", default=None,
+                           help="daemon socket path [default: the daemon's default]")
+_timeout_opt = click.option("--timeout-ms", default=2000, show_default=True,
+                            help="give up after this long")
+
+
+@click.group()
+def operator() -> None:
+    """Talk to a running kvpoold."""
+
+
+@operator.command()
+@_socket_opt
+@_timeout_opt
+def ping(socket: str | None, timeout_ms: int) -> None:
+    """Round trip to the daemon; exit 1 if it does not answer."""
+    from kvpool.shared.errors import DaemonUnavailable
+    client = _scheduler_client(socket, timeout_ms)
+    try:
+        t0 = time.perf_counter()
+        pong = client.ping()
+        click.echo(f"pong from kvpoold {pong.daemon_id} in {(time.perf_counter() - t0) * 1e6:.0f} us"
+                   f" (up {pong.uptime_s:.0f} s)")
+    except DaemonUnavailable as e:
+        click.echo(f"kvpool: {e.message}", err=True)
+        sys.exit(UNREACHABLE)
+    finally:
+        client.close()
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def info_as_dict(info) -> dict[str, Any]:
+    """PoolInfo with named fields (it is positional on the wire)."""
+    out = msgspec.structs.asdict(info)
+    out["clients"] = [{**msgspec.structs.asdict(c), "role": c.role.name.lower()}
+                      for c in info.clients]
+    return out
+
+
+def format_info(info) -> str:
+    total = info.hit_blocks + info.miss_blocks
+    lines = [
+        f"daemon     {info.daemon_id}   up {info.uptime_s:.0f} s",
+        "pool",
+        f"  total    {_human(info.pool_bytes)}",
+        f"  used     {_human(info.used_bytes)}",
+        f"  free     {_human(info.free_bytes)}",
+        f"slots      committed {info.slots_committed}   writing {info.slots_writing}"
+        f"   namespaces {info.namespaces}",
+        f"lookups    hits {info.hit_blocks} blocks   misses {info.miss_blocks} blocks"
+        f"   hit rate {info.hit_blocks / total:.1%}" if total else
+        "lookups    hits 0 blocks   misses 0 blocks",
+        f"transfers  stored {info.stored_blocks} blocks ({_human(info.stored_bytes)})"
+        f"   loaded {info.loaded_blocks} blocks ({_human(info.loaded_bytes)})",
+        f"evictions  {info.evictions}   leases {info.leases}   errors {info.errors}"
+        f"   adopted at start {info.adopted_blocks}",
+        f"clients    {len(info.clients)}",
+    ]
+    for c in info.clients:
+        lines.append(f"  #{c.owner_id} {c.role.name.lower():9s} pid {c.pid:<7d} {c.name}"
+                     f"{' engine ' + c.engine_id if c.engine_id else ''}   registrations "
+                     f"{c.registrations} leases {c.leases} jobs {c.jobs_in_flight}")
+    return "\n".join(lines)
+
+
+@operator.command()
+@_socket_opt
+@_timeout_opt
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def info(socket: str | None, timeout_ms: int, as_json: bool) -> None:
+    """Pool occupancy, hits, transfers, evictions and connected clients."""
+    from kvpool.shared.errors import DaemonUnavailable
+    client = _scheduler_client(socket, timeout_ms)
+    try:
+        snapshot = client.info()
+    except DaemonUnavailable as e:
+        click.echo(f"kvpool: {e.message}", err=True)
+        sys.exit(UNREACHABLE)
+    finally:
+        client.close()
+    if as_json:
+        click.echo(json.dumps(info_as_dict(snapshot), indent=2))
+    else:
+        click.echo(format_info(snapshot))
+
+
+def serve_main() -> None:
+    serve()
+
+
+def operator_main() -> None:
+    operator()

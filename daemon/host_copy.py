@@ -1,0 +1,164 @@
+"""Host transfer path: copies between KV tensors in host shared memory and the pool.
+
+The path CI and CPU engines use; the CUDA engines implement the same ``CopyEngine`` interface.
+A job is turned into two row-index vectors over the pool and the worker's region, each row one
+copy unit (the largest power-of-two-free unit that divides every offset and size of the job),
+and moved with one vectorised gather/scatter pair per bounded batch of rows: no Python work per
+block or per layer. Copies run on a per-registration thread (torch releases the GIL), so the
+event loop never waits and each worker's jobs finish in the order they were sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import posix_ipc
+import torch
+
+from kvpool.daemon.copy_engine import CopyEngine, JobResult, Mapped, segment_address_table
+from kvpool.daemon.pool import Pool
+from kvpool.shared.errors import Aborted, LayoutMismatch, ProtocolError, UnknownId
+from kvpool.shared.layout import check_placement
+from kvpool.shared.protocol import HostRegion, RegisterRequest
+
+log = logging.getLogger(__name__)
+
+# Rows gathered into one temporary before they are scattered: small enough to stay in cache,
+# large enough that the two calls per batch cost little next to moving the bytes.
+BATCH_BYTES = 4 << 20
+
+
+class HostMapped(Mapped):
+    def __init__(self, registration: RegisterRequest, maps: list[mmap.mmap],
+                 views: list[np.ndarray]) -> None:
+        self.registration = registration
+        self.maps = maps
+        self.views = views          # one uint8 array per region, exactly its registered bytes
+        self.table = segment_address_table(registration)
+        # One thread per registration keeps its jobs in submission order.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-host-copy")
+
+
+class HostCopyEngine(CopyEngine):
+    name = "host"
+
+    def __init__(self, pool: Pool, threads: int = 2) -> None:
+        self._pool_u8 = pool.view()
+        self._closed = False
+        torch.set_num_threads(threads)
+
+    def attach(self, registration: RegisterRequest) -> HostMapped:
+        regions = registration.regions
+        if not all(isinstance(r, HostRegion) for r in regions):
+            raise ProtocolError("the host copy engine takes HostRegion registrations only")
+        check_placement(registration.layout, registration.placement,
+                        [r.nbytes for r in regions], registration.num_blocks)
+        maps: list[mmap.mmap] = []
+        views: list[np.ndarray] = []
+        try:
+            for r in regions:
+                try:
+                    shm = posix_ipc.SharedMemory("/" + r.shm_name.lstrip("/"), 0)
+                except posix_ipc.ExistentialError:
+                    raise UnknownId(f"shared memory {r.shm_name!r} does not exist") from None
+                except posix_ipc.PermissionsError:
+                    raise UnknownId(f"shared memory {r.shm_name!r} is not readable by kvpoold "
+                                    f"(check owner and mode)") from None
+                try:
+                    if r.offset_bytes < 0 or r.offset_bytes + r.nbytes > shm.size:
+                        raise LayoutMismatch(f"region {r.shm_name!r} [{r.offset_bytes}, "
+                                             f"+{r.nbytes}) exceeds its {shm.size} bytes")
+                    m = mmap.mmap(shm.fd, shm.size)
+                finally:
+                    shm.close_fd()
+                maps.append(m)
+                views.append(np.frombuffer(m, np.uint8, r.nbytes, r.offset_bytes))
+        except BaseException:
+            del views
+            for m in maps:
+                m.close()
+            raise
+        return HostMapped(registration, maps, views)
+
+    def detach(self, mapped: Mapped) -> None:
+        assert isinstance(mapped, HostMapped)
+        mapped.executor.shutdown(wait=True)
+        mapped.views.clear()
+        for m in mapped.maps:
+            try:
+                m.close()
+            except BufferError:   # a view escaped; the mapping goes with the process
+                log.warning("host region still referenced at detach")
+
+    def submit_store(self, mapped: Mapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
+                     wait_event: bytes = b"") -> Future[JobResult]:
+        return self._submit(mapped, block_ids, shard_offsets, to_pool=True)
+
+    def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray,
+                    block_ids: np.ndarray) -> Future[JobResult]:
+        return self._submit(mapped, block_ids, shard_offsets, to_pool=False)
+
+    def close(self) -> None:
+        self._closed = True
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _submit(self, mapped: Mapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
+                to_pool: bool) -> Future[JobResult]:
+        assert isinstance(mapped, HostMapped)
+        if self._closed:
+            f: Future[JobResult] = Future()
+            f.set_exception(Aborted("daemon is shutting down"))
+            return f
+        return mapped.executor.submit(self._copy, mapped, block_ids, shard_offsets, to_pool)
+
+    def _copy(self, mapped: HostMapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
+              to_pool: bool) -> JobResult:
+        region, offset, stride, nbytes, prefix = mapped.table
+        # [blocks, segments] byte offsets on both sides and the unit that divides all of them.
+        src = offset[None, :] + block_ids[:, None] * stride[None, :]
+        dst = shard_offsets[:, None] + prefix[None, :]
+        unit = int(np.gcd.reduce(np.concatenate([nbytes, src.ravel(), dst.ravel()])))
+        unit = unit & -unit if unit else 1   # largest power of two dividing everything
+        unit = min(unit, 1 << 20)
+        total = int(nbytes.sum()) * len(block_ids)
+        for r in np.unique(region):
+            cols = np.flatnonzero(region == r)
+            per_seg = nbytes[cols] // unit
+            # Row indices of every unit of every (block, segment) in this region, in order.
+            reps = np.tile(per_seg, len(block_ids))
+            starts_w = (src[:, cols] // unit).ravel()
+            starts_p = (dst[:, cols] // unit).ravel()
+            within = np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
+            rows_w = torch.from_numpy(np.repeat(starts_w, reps) + within)
+            rows_p = torch.from_numpy(np.repeat(starts_p, reps) + within)
+            worker = _rows(mapped.views[int(r)], unit)
+            pool = _rows(self._pool_u8, unit)
+            if to_pool:
+                _gather_scatter(worker, rows_w, pool, rows_p, unit)
+            else:
+                _gather_scatter(pool, rows_p, worker, rows_w, unit)
+        return JobResult(total)
+
+
+def _rows(u8: np.ndarray, unit: int) -> torch.Tensor:
+    """``u8`` as a [n, unit] tensor (int64 elements when the unit allows: wider is faster)."""
+    n = len(u8) // unit
+    t = torch.from_numpy(u8[: n * unit])
+    if unit % 8 == 0 and u8.ctypes.data % 8 == 0:
+        return t.view(torch.int64).view(n, unit // 8)
+    return t.view(n, unit)
+
+
+def _gather_scatter(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
+                    dst_rows: torch.Tensor, unit: int) -> None:
+    batch = max(1, BATCH_BYTES // unit)
+    tmp = torch.empty((min(batch, len(src_rows)), src.shape[1]), dtype=src.dtype)
+    for i in range(0, len(src_rows), batch):
+        s, d = src_rows[i:i + batch], dst_rows[i:i + batch]
+        t = tmp[: len(s)]
+        torch.index_select(src, 0, s, out=t)
+        dst.index_copy_(0, d, t)

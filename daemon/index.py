@@ -1,0 +1,503 @@
+"""The block index: key → slot, slot states, per-rank landing, leases, owners, extents.
+
+Everything here runs on the daemon's event loop thread and never blocks: no I/O besides writing
+slot records into the mapped pool, no waiting. Time is passed in (``now``) so tests control it.
+
+Slot lifecycle (Plasma's CREATED → SEALED, with TP):
+
+    FREE --prepare_store--> WRITING --every rank landed--> COMMITTED --evict/reset--> FREE
+                               └── abort / owner gone / write timeout / failed rank --> FREE
+
+- A WRITING slot is invisible to lookups; it becomes COMMITTED only when all ``tp_size`` ranks
+  of its layout have landed their shard, so a partial store is never visible.
+- ``pins`` counts leases and in-flight jobs. Eviction takes only COMMITTED, unpinned slots.
+  A slot dropped while pinned is *doomed*: unreachable at once, freed when the last pin goes.
+- Slot refs carry the slot's generation, so a stale ref never touches a reused slot.
+
+Space: the pool's extents are handed to one slot size at a time. Room for a slot comes from a
+free slot of its size, then a free extent, then eviction: the least recently used slot of the same
+size, or a whole extent of another size whose newest use is older than that (so a new model can
+take space from an idle one without a static split). ``PoolFull`` only when neither exists.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from kvpool.daemon.eviction import LruPolicy
+from kvpool.daemon.pool import COMMITTED, FREE, WRITING, Pool
+from kvpool.shared.errors import (LayoutMismatch, LeaseExpired, OutOfRange, PoolFull,
+                                  ProtocolError, UnknownId)
+from kvpool.shared.layout import Layout
+from kvpool.shared.protocol import SLOT_NO_SPACE, SLOT_PRESENT, make_slot_ref
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    id: int
+    extent: int
+    index: int
+    offset: int                 # pool byte offset of rank 0's shard
+    size_class: "SizeClass"
+    state: int = FREE
+    generation: int = 0
+    ns: bytes = b""
+    key: bytes = b""            # ns + block hash (32 bytes)
+    pins: int = 0
+    landed: int = 0             # bit r: rank r's shard is in
+    writing: int = 0            # bit r: rank r's store job is in flight
+    owner: int = 0              # who prepared it (while WRITING)
+    deadline: float = 0.0       # WRITING: dropped if not landed by then
+    last_use: int = 0           # LRU tick of the last commit or hit
+    doomed: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class SizeClass:
+    slot_bytes: int
+    extents: list[int] = field(default_factory=list)
+    free: list[Slot] = field(default_factory=list)
+    lru: LruPolicy = field(default_factory=LruPolicy)
+
+
+@dataclass(slots=True)
+class Lease:
+    owner: int
+    slots: list[Slot]
+    expires: float
+
+
+@dataclass
+class IndexStats:
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    evictions: int = 0
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+    adopted_blocks: int = 0
+
+
+class Index:
+    """All slot state. Callers: the server's dispatch (event-loop thread only)."""
+
+    def __init__(self, pool: Pool, lease_ttl_s: float, write_timeout_s: float) -> None:
+        self.pool = pool
+        self.lease_ttl_s = lease_ttl_s
+        self.write_timeout_s = write_timeout_s
+        self.stats = IndexStats()
+        self._slots: dict[int, Slot] = {}
+        self._by_key: dict[bytes, Slot] = {}
+        self._writing: dict[int, Slot] = {}
+        self._classes: dict[int, SizeClass] = {}
+        self._extent_class: dict[int, SizeClass] = {}
+        self._free_extents = list(range(pool.geometry.num_extents - 1, -1, -1))
+        self._layouts: dict[bytes, Layout] = {}
+        self._leases: dict[int, Lease] = {}
+        self._lease_ids = itertools.count(1)
+        self._tick = itertools.count(1)
+        # (kind, ns, block hash) for the KV event publisher; None when nobody listens.
+        self.events: list[tuple[str, bytes, bytes]] | None = None
+
+    # ---- namespaces ------------------------------------------------------------------------
+
+    def register_namespace(self, ns: bytes, layout: Layout) -> None:
+        """Bind a namespace to its layout; ``LayoutMismatch`` if it is bound to another one."""
+        layout.check()
+        known = self._layouts.get(ns)
+        if known is None:
+            self._layouts[ns] = layout
+            self.pool.save_layouts(self._layouts)
+        elif known != layout:
+            raise LayoutMismatch(f"namespace {ns.hex()} is registered with another layout "
+                                 f"({known.description or known.segment_bytes[:4]}...)")
+
+    def layout_of(self, ns: bytes) -> Layout:
+        try:
+            return self._layouts[ns]
+        except KeyError:
+            raise UnknownId(f"namespace {ns.hex()} has no registered layout: no worker of "
+                            f"that model and layout has registered") from None
+
+    @property
+    def namespaces(self) -> int:
+        return len(self._layouts)
+
+    # ---- adoption --------------------------------------------------------------------------
+
+    def adopt(self) -> int:
+        """Rebuild the index from an adopted pool's tables; returns the blocks kept.
+
+        WRITING records (stores that never finished) and records of unknown layouts are freed.
+        Called once, before the server accepts requests.
+        """
+        pool = self.pool
+        self._layouts = pool.load_layouts()
+        kept = 0
+        self._free_extents = []
+        for e in range(pool.geometry.num_extents - 1, -1, -1):
+            slot_bytes = int(pool.extents[e]["slot_bytes"])
+            if not slot_bytes:
+                self._free_extents.append(e)
+                continue
+            cls = self._class(slot_bytes)
+            recs = pool.records(e)
+            slots = self._add_extent(cls, e, int(pool.extents[e]["num_slots"]), fresh=False)
+            for slot, rec in zip(slots, recs):
+                key = bytes(rec["key"])
+                layout = self._layouts.get(key[:16])
+                if (int(rec["state"]) == COMMITTED and layout is not None
+                        and layout.slot_bytes == slot_bytes and key not in self._by_key):
+                    slot.state, slot.key, slot.ns = COMMITTED, key, key[:16]
+                    slot.generation = int(rec["generation"])
+                    slot.landed = (1 << layout.tp_size) - 1
+                    slot.last_use = next(self._tick)
+                    self._by_key[key] = slot
+                    cls.lru.insert(slot.id)
+                    kept += 1
+                else:
+                    if int(rec["state"]) != FREE:
+                        rec["state"] = FREE
+                    cls.free.append(slot)
+            cls.free.reverse()
+        self.stats.adopted_blocks = kept
+        return kept
+
+    # ---- lookups and leases ----------------------------------------------------------------
+
+    def lookup(self, ns: bytes, key_lists: list[list[bytes]], pin: bool, owner: int,
+               now: float) -> tuple[list[int], list[int], list[list[int]]]:
+        """Leading committed hits per key list; with ``pin``, each hit run under a new lease.
+
+        Hit slots become most recently used, the first block of a run last, so a run's tail
+        is evicted before its head (a tail is useless without its head, not the other way).
+        """
+        by_key = self._by_key
+        hits, leases, refs = [], [], []
+        for keys in key_lists:
+            run: list[Slot] = []
+            for k in keys:
+                s = by_key.get(ns + k)
+                if s is None or s.state != COMMITTED:
+                    break
+                run.append(s)
+            n = len(run)
+            hits.append(n)
+            self.stats.hit_blocks += n
+            self.stats.miss_blocks += len(keys) - n
+            for s in reversed(run):
+                s.last_use = next(self._tick)
+                s.size_class.lru.touch(s.id)
+            refs.append([make_slot_ref(s.id, s.generation) for s in run])
+            if pin and run:
+                lease_id = next(self._lease_ids)
+                for s in run:
+                    s.pins += 1
+                self._leases[lease_id] = Lease(owner, run, now + self.lease_ttl_s)
+                leases.append(lease_id)
+            else:
+                leases.append(0)
+        return hits, leases, refs
+
+    def release_leases(self, lease_ids: list[int], owner: int) -> int:
+        """Unpin leases of ``owner``; unknown or already released ids are skipped (releasing
+        twice is how exit paths race each other, and harmless). Returns how many were live."""
+        n = 0
+        for lid in lease_ids:
+            lease = self._leases.get(lid)
+            if lease is not None and lease.owner == owner:
+                del self._leases[lid]
+                self._unpin(lease.slots)
+                n += 1
+        return n
+
+    @property
+    def lease_count(self) -> int:
+        return len(self._leases)
+
+    def leases_of(self, owner: int) -> int:
+        return sum(1 for lease in self._leases.values() if lease.owner == owner)
+
+    # ---- stores ----------------------------------------------------------------------------
+
+    def prepare_store(self, ns: bytes, keys: list[bytes], owner: int, now: float) -> list[int]:
+        """A slot ref to write for each key not committed or in flight, else ``SLOT_PRESENT``;
+        ``SLOT_NO_SPACE`` where nothing could be evicted. ``PoolFull`` if no key got room."""
+        layout = self.layout_of(ns)
+        out: list[int] = []
+        allocated = full = 0
+        for k in keys:
+            key = ns + k
+            s = self._by_key.get(key)
+            if s is not None:
+                out.append(SLOT_PRESENT)
+                continue
+            s = self._allocate(layout.slot_bytes)
+            if s is None:
+                out.append(SLOT_NO_SPACE)
+                full += 1
+                continue
+            s.state, s.ns, s.key, s.owner = WRITING, ns, key, owner
+            s.generation = (s.generation + 1) & 0x7FFF_FFFF
+            s.landed = s.writing = 0
+            s.deadline = now + self.write_timeout_s
+            s.doomed = False
+            self.pool.write_record(s.extent, s.index, key, WRITING, s.generation)
+            self._by_key[key] = s
+            self._writing[s.id] = s
+            out.append(make_slot_ref(s.id, s.generation))
+            allocated += 1
+        if full and not allocated and not any(r == SLOT_PRESENT for r in out):
+            raise PoolFull(f"no room for {full} blocks of {layout.slot_bytes} bytes: every slot "
+                           f"is being written or pinned by a lease or a transfer")
+        return out
+
+    def abort_store(self, refs: list[int], owner: int) -> int:
+        """Drop prepared slots that will not be written. Unknown or stale refs are skipped."""
+        n = 0
+        for ref in refs:
+            s = self._resolve(ref)
+            if s is not None and s.state == WRITING and s.owner == owner:
+                self._drop(s)
+                n += 1
+        return n
+
+    def begin_store(self, ns: bytes, refs: list[int], rank: int) -> list[Slot]:
+        """Validate a store job's slots and pin them; all or nothing."""
+        slots = []
+        bit = 1 << rank
+        for ref in refs:
+            s = self._resolve(ref)
+            if s is None:
+                raise OutOfRange(f"slot ref {ref:#x} names no slot of this pool")
+            if s.state != WRITING or s.doomed or s.key[:16] != ns:
+                raise UnknownId(f"slot ref {ref:#x} is not prepared for this namespace (aborted, "
+                                f"reset, timed out or never prepared)")
+            if (s.landed | s.writing) & bit:
+                raise ProtocolError(f"rank {rank} already stored slot ref {ref:#x}")
+            slots.append(s)
+        if len({s.id for s in slots}) != len(slots):
+            raise ProtocolError("a store job names the same slot twice")
+        for s in slots:
+            s.writing |= bit
+            s.pins += 1
+        return slots
+
+    def end_store(self, slots: list[Slot], rank: int, ok: bool) -> int:
+        """A store job finished (or failed): commit slots whose every rank has landed; drop
+        the others of a failed job. Returns how many slots committed."""
+        bit = 1 << rank
+        committed = 0
+        for s in slots:
+            s.writing &= ~bit
+            s.pins -= 1
+            if not ok:
+                s.doomed = True
+            elif not s.doomed:
+                s.landed |= bit
+                if s.landed == (1 << self._layouts[s.ns].tp_size) - 1:
+                    self._commit(s)
+                    committed += 1
+            if s.doomed:
+                self._drop(s)
+        return committed
+
+    # ---- loads -----------------------------------------------------------------------------
+
+    def begin_load(self, ns: bytes, refs: list[int]) -> list[Slot]:
+        """Validate a load job's slots (committed, same tenancy as at lookup) and pin them."""
+        slots = []
+        for ref in refs:
+            s = self._resolve(ref)
+            if s is None:
+                raise OutOfRange(f"slot ref {ref:#x} names no slot of this pool")
+            if s.state != COMMITTED or s.doomed or s.key[:16] != ns:
+                raise LeaseExpired(f"slot ref {ref:#x} was evicted or replaced since the lookup "
+                                   f"(hold a lease from lookup(pin=True) until the load ends)")
+            slots.append(s)
+        for s in slots:
+            s.pins += 1
+        return slots
+
+    def end_load(self, slots: list[Slot], ok: bool) -> None:
+        if ok:
+            self.stats.loaded_blocks += len(slots)
+        self._unpin(slots)
+
+    # ---- housekeeping ----------------------------------------------------------------------
+
+    def expire(self, now: float) -> tuple[int, int]:
+        """Drop leases past their TTL and prepared slots past their write timeout."""
+        dead = [lid for lid, lease in self._leases.items() if lease.expires <= now]
+        for lid in dead:
+            self._unpin(self._leases.pop(lid).slots)
+        late = [s for s in self._writing.values() if s.deadline <= now]
+        for s in late:
+            self._drop(s)
+        return len(dead), len(late)
+
+    def release_owner(self, owner: int) -> None:
+        """Everything a vanished client held: its leases and the slots it prepared."""
+        self.release_leases([lid for lid, lease in self._leases.items() if lease.owner == owner],
+                            owner)
+        for s in [s for s in self._writing.values() if s.owner == owner]:
+            self._drop(s)
+
+    def reset(self, ns: bytes) -> int:
+        """Forget every block of ``ns``: lookups miss at once; pinned ones are freed when their
+        last pin goes. Returns how many blocks were forgotten."""
+        victims = [s for s in self._by_key.values() if s.ns == ns]
+        for s in victims:
+            self._drop(s)
+        return len(victims)
+
+    def slot_counts(self) -> tuple[int, int, int]:
+        """(writing, committed, used bytes)."""
+        writing = len(self._writing)
+        committed = sum(len(c.lru) for c in self._classes.values())
+        used = sum(s.size_class.slot_bytes for s in self._writing.values())
+        used += sum(len(c.lru) * c.slot_bytes for c in self._classes.values())
+        return writing, committed, used
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _resolve(self, ref: int) -> Slot | None:
+        s = self._slots.get(ref & 0xFFFF_FFFF)
+        if s is None or s.generation != ref >> 32:
+            return None if s is None else _STALE
+        return s
+
+    def _class(self, slot_bytes: int) -> SizeClass:
+        cls = self._classes.get(slot_bytes)
+        if cls is None:
+            cls = self._classes[slot_bytes] = SizeClass(slot_bytes)
+        return cls
+
+    def _add_extent(self, cls: SizeClass, extent: int, n: int, fresh: bool) -> list[Slot]:
+        cls.extents.append(extent)
+        self._extent_class[extent] = cls
+        base = extent * self.pool.slot_id_stride
+        first = self.pool.slot_offset(extent, 0)
+        slots = [Slot(base + i, extent, i, first + i * cls.slot_bytes, cls) for i in range(n)]
+        for s in slots:
+            self._slots[s.id] = s
+        if fresh:
+            cls.free.extend(reversed(slots))
+        return slots
+
+    def _allocate(self, slot_bytes: int) -> Slot | None:
+        cls = self._class(slot_bytes)
+        if cls.free:
+            return cls.free.pop()
+        if self._free_extents:
+            e = self._free_extents.pop()
+            n = self.pool.assign_extent(e, slot_bytes)
+            if n == 0:
+                self._free_extents.append(e)
+                raise LayoutMismatch(f"a slot of {slot_bytes} bytes does not fit one extent of "
+                                     f"{self.pool.geometry.extent_bytes} bytes: raise extent_size")
+            self._add_extent(cls, e, n, fresh=True)
+            return cls.free.pop()
+        victim_id = cls.lru.oldest(self._is_pinned)
+        victim = self._slots[victim_id] if victim_id is not None else None
+        extent, age = self._reclaimable_extent(cls)
+        if extent is not None and (victim is None or age < victim.last_use):
+            self._reclaim_extent(extent)
+            n = self.pool.assign_extent(extent, slot_bytes)
+            self._add_extent(cls, extent, n, fresh=True)
+            return cls.free.pop()
+        if victim is None:
+            return None
+        self._evict(victim)
+        return cls.free.pop()
+
+    def _is_pinned(self, slot_id: int) -> bool:
+        return self._slots[slot_id].pins > 0
+
+    def _reclaimable_extent(self, wanting: SizeClass) -> tuple[int | None, int]:
+        """The extent of another size whose slots are all free or evictable, newest use
+        oldest; (None, 0) if none. Only scanned when several slot sizes share the pool."""
+        best, best_age = None, 0
+        if len(self._classes) < 2:
+            return best, best_age
+        for cls in self._classes.values():
+            if cls is wanting:
+                continue
+            for e in cls.extents:
+                age = 0
+                for s in self._extent_slots(e):
+                    if s.state == WRITING or s.pins:
+                        break
+                    age = max(age, s.last_use)
+                else:
+                    if best is None or age < best_age:
+                        best, best_age = e, age
+        return best, best_age
+
+    def _extent_slots(self, extent: int) -> list[Slot]:
+        base = extent * self.pool.slot_id_stride
+        n = int(self.pool.extents[extent]["num_slots"])
+        return [self._slots[base + i] for i in range(n)]
+
+    def _reclaim_extent(self, extent: int) -> None:
+        cls = self._extent_class.pop(extent)
+        slots = self._extent_slots(extent)
+        for s in slots:
+            if s.state == COMMITTED:
+                self._evict(s)
+        ids = {s.id for s in slots}
+        cls.free = [s for s in cls.free if s.id not in ids]
+        cls.extents.remove(extent)
+        for s in slots:
+            del self._slots[s.id]
+        self.pool.release_extent(extent)
+
+    def _commit(self, s: Slot) -> None:
+        del self._writing[s.id]
+        s.state = COMMITTED
+        s.last_use = next(self._tick)
+        self.pool.write_record(s.extent, s.index, s.key, COMMITTED, s.generation)
+        s.size_class.lru.insert(s.id)
+        self.stats.stored_blocks += 1
+        if self.events is not None:
+            self.events.append(("stored", s.ns, s.key[16:]))
+
+    def _evict(self, s: Slot) -> None:
+        self.stats.evictions += 1
+        self._free(s)
+
+    def _drop(self, s: Slot) -> None:
+        """Make ``s`` unreachable now and free it once unpinned."""
+        s.doomed = True
+        if self._by_key.get(s.key) is s:
+            del self._by_key[s.key]
+            if s.state == COMMITTED:
+                s.size_class.lru.remove(s.id)
+                if self.events is not None:
+                    self.events.append(("removed", s.ns, s.key[16:]))
+        self._writing.pop(s.id, None)
+        if s.pins == 0:
+            self._free(s)
+
+    def _free(self, s: Slot) -> None:
+        if s.state == COMMITTED and self._by_key.get(s.key) is s:
+            del self._by_key[s.key]
+            s.size_class.lru.remove(s.id)
+            if self.events is not None:
+                self.events.append(("removed", s.ns, s.key[16:]))
+        self._writing.pop(s.id, None)
+        s.state = FREE
+        s.doomed = False
+        s.landed = s.writing = 0
+        self.pool.write_record(s.extent, s.index, b"", FREE, s.generation)
+        s.size_class.free.append(s)
+
+    def _unpin(self, slots: list[Slot]) -> None:
+        for s in slots:
+            s.pins -= 1
+            if s.doomed and s.pins == 0 and s.state != FREE:
+                self._free(s)
+
+
+# A sentinel for "this ref's slot exists but was reused": resolves to a slot in no valid state.
+_STALE = Slot(-1, -1, -1, 0, SizeClass(0), state=FREE, doomed=True)

@@ -1,0 +1,292 @@
+"""The POSIX shared-memory pool: create or adopt the segment, map it, address its slots.
+
+Layout of the segment (all little-endian, offsets from byte 0):
+
+    [header 4 KiB][extent table][layout table][extent 0][extent 1]...
+
+The data area is cut into equal *extents*. An extent is handed to one slot size at a time
+(``assign_extent``) and holds a record array followed by that many slots; a slot holds every TP
+rank's shard of one block. The records (key, state, generation) and the layout table live in the
+segment itself, so a daemon started after a crash or an upgrade re-reads them and adopts every
+committed block (``Index.adopt``). Writes are ordered data-then-record, so a record that says
+COMMITTED always describes bytes that landed; anything else is dropped on adoption.
+
+Ownership: the daemon holds an exclusive ``flock`` on the segment for its whole life. The kernel
+drops it when the process dies however it dies, so a second daemon on the same pool name fails
+to start instead of silently sharing, and a stale segment whose owner is dead is adopted (or
+replaced when its format or size differ). This module holds no policy: which slot to use is the
+index's business.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import posix_ipc
+
+from kvpool.shared.config import DaemonConfig, parse_size
+from kvpool.shared.errors import ConfigError, KvpoolError
+from kvpool.shared.layout import Layout
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVPOOL\x00\x01"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+LAYOUT_TABLE_BYTES = 1 << 20
+PAGE = 4096
+
+# Record states. FREE must be 0: a fresh (zero-filled) extent is all free.
+FREE, WRITING, COMMITTED = 0, 1, 2
+
+HEADER_DTYPE = np.dtype([
+    ("magic", "V8"), ("format_version", "<u4"), ("num_extents", "<u4"),
+    ("pool_bytes", "<u8"), ("extent_bytes", "<u8"), ("data_offset", "<u8"),
+    ("layout_table_offset", "<u8"), ("layout_blob_bytes", "<u8"),
+])
+EXTENT_DTYPE = np.dtype([("slot_bytes", "<u8"), ("num_slots", "<u4"), ("records_bytes", "<u4")])
+RECORD_DTYPE = np.dtype([("key", "V32"), ("generation", "<u4"), ("state", "u1"),
+                         ("pad", "V11")])
+assert RECORD_DTYPE.itemsize == 48
+
+
+class PoolBusy(KvpoolError):
+    """Another live daemon owns this pool name."""
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def available_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def resolve_sizes(config: DaemonConfig) -> tuple[int, int]:
+    """(pool_bytes, extent_bytes) from the settings, with "auto" resolved.
+
+    auto pool: a quarter of available memory, and at most half of what /dev/shm can still take,
+    so the default never starves the engines or fills the tmpfs.
+    """
+    if config.pool_size == "auto":
+        shm = os.statvfs("/dev/shm")
+        pool = min(available_memory_bytes() // 4, shm.f_bavail * shm.f_frsize // 2)
+    else:
+        pool = parse_size(config.pool_size)
+    if config.extent_size == "auto":
+        extent = min(256 << 20, max(4 << 20, pool // 256))
+    else:
+        extent = parse_size(config.extent_size)
+    extent = _align(extent, PAGE)
+    if pool < 2 * extent:
+        raise ConfigError(f"pool_size {pool} bytes is too small: at least two extents "
+                          f"({2 * extent} bytes) are needed (or lower extent_size)")
+    return pool, extent
+
+
+@dataclass(frozen=True)
+class Geometry:
+    pool_bytes: int
+    extent_bytes: int
+    num_extents: int
+    data_offset: int
+    layout_table_offset: int
+
+    @classmethod
+    def plan(cls, pool_bytes: int, extent_bytes: int) -> "Geometry":
+        layout_off = _align(HEADER_BYTES, PAGE)
+        # The extent table sits between header and layout table; size it for the most extents
+        # that could fit, then recompute how many really do.
+        n = pool_bytes // extent_bytes
+        table_bytes = _align(n * EXTENT_DTYPE.itemsize, PAGE)
+        layout_off = HEADER_BYTES + table_bytes
+        data_off = _align(layout_off + LAYOUT_TABLE_BYTES, PAGE)
+        n = (pool_bytes - data_off) // extent_bytes
+        return cls(data_off + n * extent_bytes, extent_bytes, n, data_off, layout_off)
+
+
+class Pool:
+    """The mapped segment. Created or adopted by ``Pool.open``; one per daemon."""
+
+    def __init__(self, name: str, shm: posix_ipc.SharedMemory, fd: int, buffer: mmap.mmap,
+                 geometry: Geometry, adopted: bool) -> None:
+        self.name = name
+        self._shm = shm
+        self._fd = fd
+        self.buffer = buffer
+        self.geometry = geometry
+        self.adopted = adopted
+        self.nbytes = geometry.pool_bytes
+        self._u8 = np.frombuffer(buffer, dtype=np.uint8)
+        self.base_address = self._u8.ctypes.data
+        g = geometry
+        self.header = np.ndarray(1, HEADER_DTYPE, buffer, 0)
+        self.extents = np.ndarray(g.num_extents, EXTENT_DTYPE, buffer, HEADER_BYTES)
+        self._records: dict[int, np.ndarray] = {}
+        # Slot ids are extent * stride + index, dense enough to fit the 32 bits of a slot ref
+        # for pools up to 16 TiB (a slot is at least one page).
+        self.slot_id_stride = g.extent_bytes // (PAGE + RECORD_DTYPE.itemsize) + 1
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, config: DaemonConfig) -> "Pool":
+        """Create the segment, or adopt the one a dead daemon left behind.
+
+        Raises ``PoolBusy`` if a live daemon holds it, ``ConfigError`` for impossible sizes.
+        """
+        pool_bytes, extent_bytes = resolve_sizes(config)
+        want = Geometry.plan(pool_bytes, extent_bytes)
+        name = "/" + config.pool_name
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=want.pool_bytes)
+            created = True
+        except posix_ipc.ExistentialError:
+            shm = posix_ipc.SharedMemory(name, 0)
+            created = False
+        fd = shm.fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise PoolBusy(f"pool {config.pool_name!r} is owned by another running kvpoold; "
+                           f"stop it or choose another --pool-name") from None
+        if not created:
+            old = cls._read_geometry(fd, shm.size)
+            if old == want:
+                log.info("adopting pool %s left by an earlier daemon (%d bytes)", name, shm.size)
+                return cls._map(name, shm, fd, want, adopted=True)
+            reason = "unreadable header" if old is None else (
+                f"size/extent changed ({old.pool_bytes}/{old.extent_bytes} -> "
+                f"{want.pool_bytes}/{want.extent_bytes})")
+            log.warning("replacing stale pool %s (%s): its cached blocks are dropped", name, reason)
+            os.ftruncate(fd, 0)   # drop the old pages before growing to the new size
+            os.ftruncate(fd, want.pool_bytes)
+        pool = cls._map(name, shm, fd, want, adopted=False)
+        pool._format()
+        return pool
+
+    @staticmethod
+    def _read_geometry(fd: int, size: int) -> Geometry | None:
+        if size < HEADER_BYTES:
+            return None
+        raw = os.pread(fd, HEADER_DTYPE.itemsize, 0)
+        h = np.frombuffer(raw, HEADER_DTYPE)[0]
+        if bytes(h["magic"]) != MAGIC or int(h["format_version"]) != FORMAT_VERSION:
+            return None
+        return Geometry(int(h["pool_bytes"]), int(h["extent_bytes"]), int(h["num_extents"]),
+                        int(h["data_offset"]), int(h["layout_table_offset"]))
+
+    @classmethod
+    def _map(cls, name, shm, fd, geometry, adopted) -> "Pool":
+        os.fchmod(fd, 0o600)
+        buffer = mmap.mmap(fd, geometry.pool_bytes)
+        return cls(name, shm, fd, buffer, geometry, adopted)
+
+    def _format(self) -> None:
+        g = self.geometry
+        self.extents[:] = np.zeros(1, EXTENT_DTYPE)
+        h = self.header[0]
+        h["format_version"] = FORMAT_VERSION
+        h["num_extents"] = g.num_extents
+        h["pool_bytes"] = g.pool_bytes
+        h["extent_bytes"] = g.extent_bytes
+        h["data_offset"] = g.data_offset
+        h["layout_table_offset"] = g.layout_table_offset
+        h["layout_blob_bytes"] = 0
+        # Magic last: a crash mid-format leaves a header that the next start replaces.
+        h["magic"] = np.void(MAGIC)
+
+    def close(self, unlink: bool) -> None:
+        """Unmap; unlink the segment unless the operator keeps it for the next daemon."""
+        self._records.clear()
+        del self.header, self.extents, self._u8
+        try:
+            self.buffer.close()
+        except BufferError:
+            log.debug("pool buffer still referenced at close; the mapping goes with the process")
+        if unlink:
+            try:
+                self._shm.unlink()
+            except posix_ipc.ExistentialError:
+                pass
+        os.close(self._fd)   # drops the flock
+
+    # ---- extents and slots ----------------------------------------------------------------
+
+    def extent_offset(self, extent: int) -> int:
+        return self.geometry.data_offset + extent * self.geometry.extent_bytes
+
+    def slots_per_extent(self, slot_bytes: int) -> tuple[int, int]:
+        """(number of slots, bytes of the record array before them) for one slot size."""
+        e = self.geometry.extent_bytes
+        n = e // (slot_bytes + RECORD_DTYPE.itemsize)
+        while n > 0 and _align(n * RECORD_DTYPE.itemsize, PAGE) + n * slot_bytes > e:
+            n -= 1
+        return n, _align(max(n, 1) * RECORD_DTYPE.itemsize, PAGE)
+
+    def assign_extent(self, extent: int, slot_bytes: int) -> int:
+        """Dedicate a free extent to ``slot_bytes`` slots; returns how many it holds."""
+        n, rec_bytes = self.slots_per_extent(slot_bytes)
+        self._records.pop(extent, None)
+        self.records(extent, n, rec_bytes)["state"] = FREE
+        e = self.extents[extent]
+        e["num_slots"], e["records_bytes"], e["slot_bytes"] = n, rec_bytes, slot_bytes
+        return n
+
+    def release_extent(self, extent: int) -> None:
+        self.extents[extent]["slot_bytes"] = 0
+        self._records.pop(extent, None)
+
+    def records(self, extent: int, n: int | None = None, rec_bytes: int | None = None) -> np.ndarray:
+        """The record array of an assigned extent (a live view into the segment)."""
+        rec = self._records.get(extent)
+        if rec is None:
+            if n is None:
+                n = int(self.extents[extent]["num_slots"])
+            rec = np.ndarray(n, RECORD_DTYPE, self.buffer, self.extent_offset(extent))
+            self._records[extent] = rec
+        return rec
+
+    def slot_offset(self, extent: int, index: int) -> int:
+        e = self.extents[extent]
+        return (self.extent_offset(extent) + int(e["records_bytes"])
+                + index * int(e["slot_bytes"]))
+
+    def write_record(self, extent: int, index: int, key: bytes, state: int, generation: int) -> None:
+        r = self.records(extent)[index]
+        if state == COMMITTED:
+            r["key"] = np.void(key)
+            r["generation"] = generation
+        r["state"] = state
+
+    # ---- layout table ----------------------------------------------------------------------
+
+    def save_layouts(self, layouts: dict[bytes, Layout]) -> None:
+        blob = msgspec.msgpack.encode(layouts)
+        if len(blob) > LAYOUT_TABLE_BYTES:
+            raise ConfigError("too many distinct layouts for the pool's layout table")
+        off = self.geometry.layout_table_offset
+        self.buffer[off:off + len(blob)] = blob
+        self.header[0]["layout_blob_bytes"] = len(blob)
+
+    def load_layouts(self) -> dict[bytes, Layout]:
+        n = int(self.header[0]["layout_blob_bytes"])
+        if not n:
+            return {}
+        off = self.geometry.layout_table_offset
+        return msgspec.msgpack.decode(bytes(self.buffer[off:off + n]), type=dict[bytes, Layout])
+
+    def view(self) -> np.ndarray:
+        """The whole segment as uint8 (for copy engines)."""
+        return self._u8

@@ -1,0 +1,97 @@
+"""Connected clients (owners) and the KV memory their workers registered.
+
+An *owner* is one client connection, created by Hello and kept alive by heartbeats; everything a
+client holds (registrations here, leases and prepared slots in the index, jobs in the server)
+belongs to its owner and is released in one sweep when the owner goes. This module holds the
+tables only; the server decides when to release.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from kvpool.daemon.copy_engine import CopyEngine, Mapped
+from kvpool.shared.errors import UnknownId
+from kvpool.shared.layout import Layout
+from kvpool.shared.protocol import Hello, Role
+
+
+@dataclass(eq=False)
+class Owner:
+    id: int
+    identity: bytes          # ZeroMQ routing id of its DEALER socket
+    role: Role
+    name: str
+    pid: int
+    engine_id: str
+    last_seen: float
+    registrations: set[int] = field(default_factory=set)
+    jobs_in_flight: int = 0
+
+
+@dataclass(eq=False)
+class Registration:
+    id: int
+    owner: Owner
+    namespace: bytes
+    layout: Layout
+    tp_rank: int
+    num_blocks: int
+    engine: CopyEngine
+    mapped: Mapped
+    jobs_in_flight: int = 0
+    closing: bool = False    # no new jobs; detach when the last one finishes
+
+
+class Registry:
+    """Owners by id and by routing identity; registrations by id. Event-loop thread only."""
+
+    def __init__(self) -> None:
+        self.owners: dict[int, Owner] = {}
+        self.by_identity: dict[bytes, Owner] = {}
+        self.registrations: dict[int, Registration] = {}
+        self._owner_ids = itertools.count(1)
+        self._registration_ids = itertools.count(1)
+
+    def add_owner(self, identity: bytes, hello: Hello, now: float) -> Owner:
+        owner = Owner(next(self._owner_ids), identity, hello.role, hello.name, hello.pid,
+                      hello.engine_id, now)
+        self.owners[owner.id] = owner
+        self.by_identity[identity] = owner
+        return owner
+
+    def remove_owner(self, owner: Owner) -> list[Registration]:
+        """Forget ``owner``; returns its registrations, now closing, for the caller to detach."""
+        self.owners.pop(owner.id, None)
+        if self.by_identity.get(owner.identity) is owner:
+            del self.by_identity[owner.identity]
+        return [self.close_registration(rid) for rid in list(owner.registrations)]
+
+    def add_registration(self, owner: Owner, namespace: bytes, layout: Layout, tp_rank: int,
+                         num_blocks: int, engine: CopyEngine, mapped: Mapped) -> Registration:
+        reg = Registration(next(self._registration_ids), owner, namespace, layout, tp_rank,
+                           num_blocks, engine, mapped)
+        self.registrations[reg.id] = reg
+        owner.registrations.add(reg.id)
+        return reg
+
+    def find_registration(self, owner: Owner, namespace: bytes, tp_rank: int) -> Registration | None:
+        for rid in owner.registrations:
+            reg = self.registrations[rid]
+            if reg.namespace == namespace and reg.tp_rank == tp_rank:
+                return reg
+        return None
+
+    def registration(self, owner: Owner, registration_id: int) -> Registration:
+        reg = self.registrations.get(registration_id)
+        if reg is None or reg.owner is not owner:
+            raise UnknownId(f"registration {registration_id} is not one of this client's "
+                            f"(never registered, unregistered, or the daemon restarted)")
+        return reg
+
+    def close_registration(self, registration_id: int) -> Registration:
+        reg = self.registrations.pop(registration_id)
+        reg.owner.registrations.discard(registration_id)
+        reg.closing = True
+        return reg

@@ -1,0 +1,386 @@
+"""kvpoold's server: the ROUTER socket, dispatch, jobs, housekeeping and the lifecycle.
+
+``Server.serve()`` reads top to bottom: ``startup()`` (bind, signals) → ``main_loop()`` (receive,
+dispatch, reply) beside ``housekeeping()`` (heartbeat timeouts, lease/write expiry) → ``shutdown()``
+(stop accepting, let jobs finish for a grace period, abort the rest, drop leases, close engines,
+unlink or keep the pool).
+
+Rules: the event loop never blocks (copies run in the engines, off the loop); every request gets
+exactly one reply; every exception is turned into an ``ErrorReply`` (or a failed ``JobDone``) in
+``_dispatch``, unexpected ones as INTERNAL with a logged traceback, and the peer stays connected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from kvpool.daemon.copy_engine import CopyEngine, JobResult
+from kvpool.daemon.index import Index, Slot
+from kvpool.daemon.pool import Pool
+from kvpool.daemon.registry import Owner, Registration, Registry
+from kvpool.shared import protocol as p
+from kvpool.shared.config import DaemonConfig
+from kvpool.shared.errors import (Aborted, ErrorCode, HelloRequired, KvpoolError, OutOfRange,
+                                  ProtocolError, TooLarge, VersionMismatch)
+
+log = logging.getLogger("kvpoold")
+
+SHUTDOWN_GRACE_S = 5.0
+
+
+class Server:
+    def __init__(self, config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine]) -> None:
+        self.config = config
+        self.pool = pool
+        self.engines = engines
+        self.index = Index(pool, config.lease_ttl_s, config.write_timeout_s)
+        self.registry = Registry()
+        self.daemon_id = uuid.uuid4().hex[:16]
+        self.started = time.monotonic()
+        self.errors = 0
+        self.stored_bytes = 0
+        self.loaded_bytes = 0
+        self.should_exit = asyncio.Event()
+        self.is_serving = False
+        self._jobs: set[asyncio.Future] = set()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._lock_fd: int | None = None
+        if pool.adopted:
+            kept = self.index.adopt()
+            log.info("adopted %d committed blocks from the existing pool", kept)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        self._startup()
+        try:
+            housekeeping = asyncio.create_task(self._housekeeping())
+            await self._main_loop()
+            housekeeping.cancel()
+        finally:
+            await self._shutdown()
+
+    def _startup(self) -> None:
+        path = Path(self.config.socket_path)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+        # One daemon per socket: libzmq would silently take over a live daemon's socket file.
+        self._lock_fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(f"kvpoold: another daemon is serving {path}") from None
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # replies to vanished peers are dropped
+        # A hard cap well above the soft limit: frames between the two get a TOO_LARGE reply,
+        # beyond it libzmq drops the connection rather than buffer them.
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_request_bytes)
+        old = os.umask(0o777 ^ self.config.socket_mode_bits)
+        try:
+            sock.bind(f"ipc://{path}")
+        finally:
+            os.umask(old)
+        os.chmod(path, self.config.socket_mode_bits)
+        self._sock = sock
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.should_exit.set)
+        self.is_serving = True
+        log.info("kvpoold %s serving ipc://%s, pool %s: %d bytes in %d extents%s", self.daemon_id,
+                 path, self.pool.name, self.pool.nbytes, self.pool.geometry.num_extents,
+                 " (adopted)" if self.pool.adopted else "")
+
+    async def _main_loop(self) -> None:
+        assert self._sock is not None
+        recv = asyncio.ensure_future(self._sock.recv_multipart())
+        stop = asyncio.ensure_future(self.should_exit.wait())
+        while True:
+            done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if stop in done:
+                recv.cancel()
+                return
+            frames = recv.result()
+            recv = asyncio.ensure_future(self._sock.recv_multipart())
+            self._dispatch(frames)
+
+    async def _housekeeping(self) -> None:
+        period = min(0.1, self.config.peer_timeout_ms / 4000)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            self.index.expire(now)
+            limit = now - self.config.peer_timeout_ms / 1000
+            for owner in [o for o in self.registry.owners.values() if o.last_seen < limit]:
+                log.info("client %d (%s, pid %d) went silent: releasing what it held",
+                         owner.id, owner.name, owner.pid)
+                self._release_owner(owner)
+
+    async def _shutdown(self) -> None:
+        log.info("shutting down: %d jobs in flight", len(self._jobs))
+        self.is_serving = False
+        for engine in set(self.engines.values()):
+            engine.close()
+        if self._jobs:
+            await asyncio.wait(set(self._jobs), timeout=SHUTDOWN_GRACE_S)
+        for owner in list(self.registry.owners.values()):
+            self._release_owner(owner)
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.config.socket_path)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+        self.pool.close(unlink=not self.config.keep_pool)
+        log.info("kvpoold stopped%s", "; pool kept for the next start" if self.config.keep_pool
+                 else "")
+
+    # ---- dispatch --------------------------------------------------------------------------
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        req_id = 0
+        try:
+            if len(frames) != 2:
+                raise ProtocolError(f"expected one frame per message, got {len(frames) - 1}")
+            frame = frames[1]
+            if len(frame) > self.config.max_request_bytes:
+                raise TooLarge(f"frame of {len(frame)} bytes exceeds max_request_bytes="
+                               f"{self.config.max_request_bytes}")
+            try:
+                msg = p.decode_request(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                req_id = p.peek_req_id(frame)
+                raise ProtocolError(f"malformed request: {e}") from None
+            req_id = msg.req_id
+            reply = self._handle(identity, msg)
+        except KvpoolError as e:
+            self.errors += 1
+            reply = p.ErrorReply(req_id, int(e.code), e.message)
+        except Exception as e:   # a bug of ours: say so, keep serving
+            self.errors += 1
+            log.exception("internal error handling a request")
+            reply = p.ErrorReply(req_id, int(ErrorCode.INTERNAL), f"internal error: {e!r}")
+        if reply is not None:
+            self._send(identity, reply)
+
+    def _send(self, identity: bytes, reply: p.Reply) -> None:
+        if self._sock is not None and not self._sock.closed:
+            self._sock.send_multipart([identity, p.encode(reply)])
+
+    def _handle(self, identity: bytes, msg: p.Request) -> p.Reply | None:
+        now = time.monotonic()
+        match msg:
+            case p.Hello():
+                return self._hello(identity, msg, now)
+            case p.Heartbeat(owner_id=owner_id):
+                owner = self.registry.owners.get(owner_id)
+                if owner is None:
+                    raise HelloRequired(f"owner {owner_id} unknown to daemon {self.daemon_id}")
+                owner.last_seen = now
+                return p.HeartbeatReply(msg.req_id, self.daemon_id)
+            case p.Ping():
+                return p.Pong(msg.req_id, self.daemon_id, now - self.started)
+        owner = self.registry.by_identity.get(identity)
+        if owner is None:
+            raise HelloRequired(f"say Hello first (daemon {self.daemon_id} does not know this "
+                                f"connection; it may have restarted)")
+        owner.last_seen = now
+        idx = self.index
+        match msg:
+            case p.LookupRequest():
+                hits, leases, slots = idx.lookup(msg.namespace, msg.key_lists, msg.pin,
+                                                 owner.id, now)
+                return p.LookupReply(msg.req_id, hits, leases, slots)
+            case p.PrepareStoreRequest():
+                return p.PrepareStoreReply(msg.req_id,
+                                           idx.prepare_store(msg.namespace, msg.keys, owner.id, now))
+            case p.AbortStoreRequest():
+                return p.OkReply(msg.req_id, idx.abort_store(msg.slots, owner.id))
+            case p.ReleaseRequest():
+                return p.OkReply(msg.req_id, idx.release_leases(msg.leases, owner.id))
+            case p.StoreRequest() | p.LoadRequest():
+                return self._start_job(owner, msg)
+            case p.RegisterRequest():
+                return self._register(owner, msg)
+            case p.UnregisterRequest():
+                reg = self.registry.registration(owner, msg.registration_id)
+                self._close_registration(self.registry.close_registration(reg.id))
+                return p.OkReply(msg.req_id, 1)
+            case p.InfoRequest():
+                return p.InfoReply(msg.req_id, self.info(now))
+            case p.ResetRequest():
+                n = idx.reset(msg.namespace)
+                log.info("reset of namespace %s by client %d: %d blocks forgotten",
+                         msg.namespace.hex(), owner.id, n)
+                return p.OkReply(msg.req_id, n)
+        raise ProtocolError(f"unexpected message {type(msg).__name__}")
+
+    def _hello(self, identity: bytes, msg: p.Hello, now: float) -> p.Reply:
+        if msg.protocol_version != p.PROTOCOL_VERSION:
+            raise VersionMismatch(f"client speaks kvpool protocol {msg.protocol_version}, this "
+                                  f"daemon speaks {p.PROTOCOL_VERSION}: upgrade the older side")
+        old = self.registry.by_identity.get(identity)
+        if old is not None:
+            self._release_owner(old)
+        owner = self.registry.add_owner(identity, msg, now)
+        log.info("client %d connected: %s role=%s pid=%d engine=%s", owner.id, msg.name,
+                 msg.role.name, msg.pid, msg.engine_id)
+        return p.HelloReply(msg.req_id, p.PROTOCOL_VERSION, self.daemon_id, owner.id,
+                            self.pool.nbytes, self.config.heartbeat_interval_ms,
+                            self.config.max_request_bytes)
+
+    def _register(self, owner: Owner, msg: p.RegisterRequest) -> p.Reply:
+        if not msg.regions:
+            raise ProtocolError("a registration needs at least one region")
+        kinds = {type(r) for r in msg.regions}
+        engine = self.engines.get(kinds.pop()) if len(kinds) == 1 else None
+        if engine is None:
+            raise ProtocolError(f"no copy engine for {sorted(t.__name__ for t in {type(r) for r in msg.regions})}"
+                                f" in this daemon (CUDA regions need a daemon started with CUDA)")
+        if not 0 <= msg.tp_rank < msg.layout.tp_size:
+            raise OutOfRange(f"tp_rank {msg.tp_rank} outside tp_size {msg.layout.tp_size}")
+        self.index.register_namespace(msg.namespace, msg.layout)
+        mapped = engine.attach(msg)
+        old = self.registry.find_registration(owner, msg.namespace, msg.tp_rank)
+        if old is not None:   # re-registration replaces: engines re-register after restarts
+            self._close_registration(self.registry.close_registration(old.id))
+        reg = self.registry.add_registration(owner, msg.namespace, msg.layout, msg.tp_rank,
+                                             msg.num_blocks, engine, mapped)
+        log.info("client %d registered rank %d/%d of namespace %s: %d blocks", owner.id,
+                 msg.tp_rank, msg.layout.tp_size, msg.namespace.hex(), msg.num_blocks)
+        return p.RegisterReply(msg.req_id, reg.id)
+
+    # ---- jobs ------------------------------------------------------------------------------
+
+    def _start_job(self, owner: Owner, msg: p.StoreRequest | p.LoadRequest) -> p.Reply | None:
+        is_store = isinstance(msg, p.StoreRequest)
+        try:
+            reg = self.registry.registration(owner, msg.registration_id)
+            if len(msg.block_ids) != len(msg.slots):
+                raise ProtocolError(f"{len(msg.block_ids)} block ids for {len(msg.slots)} slots")
+            blocks = np.asarray(msg.block_ids, dtype=np.int64)
+            if len(blocks) and (blocks.min() < 0 or blocks.max() >= reg.num_blocks):
+                raise OutOfRange(f"block ids must be in [0, {reg.num_blocks}); got "
+                                 f"[{blocks.min()}, {blocks.max()}]")
+            if is_store:
+                slots = self.index.begin_store(reg.namespace, msg.slots, reg.tp_rank)
+            else:
+                slots = self.index.begin_load(reg.namespace, msg.slots)
+        except KvpoolError as e:
+            self.errors += 1
+            return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
+        offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
+        offsets += reg.tp_rank * reg.layout.shard_stride_bytes
+        try:
+            if is_store:
+                fut = reg.engine.submit_store(reg.mapped, blocks, offsets, msg.wait_event)
+            else:
+                fut = reg.engine.submit_load(reg.mapped, offsets, blocks)
+        except KvpoolError as e:
+            self._end_job(reg, slots, is_store, ok=False)
+            self.errors += 1
+            return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
+        reg.jobs_in_flight += 1
+        owner.jobs_in_flight += 1
+        job = asyncio.wrap_future(fut)
+        self._jobs.add(job)
+        job.add_done_callback(lambda j: self._job_done(j, owner, reg, slots, is_store, msg))
+        return None
+
+    def _job_done(self, job: asyncio.Future, owner: Owner, reg: Registration, slots: list[Slot],
+                  is_store: bool, msg: p.StoreRequest | p.LoadRequest) -> None:
+        self._jobs.discard(job)
+        reg.jobs_in_flight -= 1
+        owner.jobs_in_flight -= 1
+        exc = job.exception() if not job.cancelled() else Aborted("job cancelled")
+        # A job whose worker has gone is void even if its bytes landed: nobody will finish the
+        # slot's other ranks or read the load.
+        if exc is None and reg.closing:
+            exc = Aborted("worker disconnected during the transfer")
+        ok = exc is None
+        self._end_job(reg, slots, is_store, ok)
+        if ok:
+            result: JobResult = job.result()
+            if is_store:
+                self.stored_bytes += result.nbytes
+            else:
+                self.loaded_bytes += result.nbytes
+            reply = p.JobDone(msg.req_id, msg.job_id, 0, "", result.nbytes, result.done_event)
+        else:
+            self.errors += 1
+            if not isinstance(exc, KvpoolError):
+                log.error("copy job failed", exc_info=exc)
+            code = exc.code if isinstance(exc, KvpoolError) else ErrorCode.INTERNAL
+            reply = p.JobDone(msg.req_id, msg.job_id, int(code), str(exc))
+        if not reg.closing:
+            self._send(owner.identity, reply)
+        elif reg.jobs_in_flight == 0:
+            self._detach(reg)
+
+    def _end_job(self, reg: Registration, slots: list[Slot], is_store: bool, ok: bool) -> None:
+        if is_store:
+            self.index.end_store(slots, reg.tp_rank, ok)
+        else:
+            self.index.end_load(slots, ok)
+
+    # ---- releasing -------------------------------------------------------------------------
+
+    def _release_owner(self, owner: Owner) -> None:
+        for reg in self.registry.remove_owner(owner):
+            self._close_registration(reg)
+        self.index.release_owner(owner.id)
+
+    def _close_registration(self, reg: Registration) -> None:
+        if reg.jobs_in_flight == 0:
+            self._detach(reg)
+
+    def _detach(self, reg: Registration) -> None:
+        try:
+            reg.engine.detach(reg.mapped)
+        except Exception:
+            log.exception("detaching registration %d failed", reg.id)
+
+    # ---- info ------------------------------------------------------------------------------
+
+    def info(self, now: float | None = None) -> p.PoolInfo:
+        now = time.monotonic() if now is None else now
+        writing, committed, used = self.index.slot_counts()
+        st = self.index.stats
+        clients = [p.ClientInfo(o.id, o.role, o.name, o.pid, o.engine_id, len(o.registrations),
+                                self.index.leases_of(o.id), o.jobs_in_flight)
+                   for o in self.registry.owners.values()]
+        return p.PoolInfo(self.daemon_id, now - self.started, self.pool.nbytes, used,
+                          self.pool.nbytes - used, writing, committed, self.index.namespaces,
+                          st.hit_blocks, st.miss_blocks, st.evictions, self.index.lease_count,
+                          st.stored_blocks, st.loaded_blocks, self.stored_bytes,
+                          self.loaded_bytes, self.errors, clients, st.adopted_blocks)
+
+
+def run(config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine]) -> int:
+    """Run the server until SIGTERM/SIGINT; returns the exit code (0 after a clean stop)."""
+    server = Server(config, pool, engines)
+    try:
+        import uvloop
+    except ImportError:
+        log.warning("uvloop not installed: running on the default asyncio loop")
+        asyncio.run(server.serve())
+    else:
+        uvloop.run(server.serve())
+    return 0

@@ -1,0 +1,52 @@
+"""Wiring: open the pool, build the copy engines the host supports, run the server.
+
+Kept apart from the CLI so tests and embedders can start a daemon from a ``DaemonConfig``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvpool.daemon.copy_engine import CopyEngine
+from kvpool.daemon.host_copy import HostCopyEngine
+from kvpool.daemon.pool import Pool
+from kvpool.shared.config import DaemonConfig
+from kvpool.shared.protocol import CudaRegion, HostRegion
+
+log = logging.getLogger("kvpoold")
+
+
+def build_engines(config: DaemonConfig, pool: Pool) -> dict[type, CopyEngine]:
+    engines: dict[type, CopyEngine] = {HostRegion: HostCopyEngine(pool, config.copy_threads)}
+    if config.cuda == "off":
+        return engines
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except Exception:   # a broken CUDA install must not keep the host path from serving
+        has_cuda = False
+    if not has_cuda:
+        if config.cuda == "on":
+            raise RuntimeError("cuda=on but CUDA is not available to kvpoold")
+        log.info("no CUDA: serving the host transfer path only")
+        return engines
+    try:
+        from kvpool.daemon.cuda_copy import CudaCopyEngine
+    except ImportError as e:
+        if config.cuda == "on":
+            raise
+        log.warning("CUDA copy engine unavailable (%s): serving the host path only", e)
+        return engines
+    engines[CudaRegion] = CudaCopyEngine(pool)
+    return engines
+
+
+def run_daemon(config: DaemonConfig) -> int:
+    from kvpool.daemon.server import run
+    pool = Pool.open(config)
+    try:
+        engines = build_engines(config, pool)
+    except BaseException:
+        pool.close(unlink=not config.keep_pool)
+        raise
+    return run(config, pool, engines)

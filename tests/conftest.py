@@ -1,0 +1,117 @@
+"""Fixtures shared by every test: a real kvpoold process on a temporary socket and pool."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from kvpool.shared.config import ClientConfig
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+def wait_for(cond: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.01):
+    """Poll ``cond`` until truthy; fail with ``what`` after ``timeout_s``. Returns its value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(every_s)
+
+
+class DaemonProcess:
+    """A kvpoold subprocess. ``start``/``stop``/``kill``/``restart`` keep socket and pool name."""
+
+    def __init__(self, tmp: Path, pool_size: str = "64MiB", extra: list[str] | None = None) -> None:
+        self.socket = str(tmp / "kvpoold.sock")
+        self.pool_name = f"kvpool-test-{os.getpid()}-{secrets.token_hex(4)}"
+        self.pool_size = pool_size
+        self.extra = list(extra or [])
+        self.log_path = tmp / "kvpoold.log"
+        self.proc: subprocess.Popen | None = None
+
+    def args(self) -> list[str]:
+        return [sys.executable, "-m", "kvpool.daemon", "--socket", self.socket,
+                "--pool-name", self.pool_name, "--pool-size", self.pool_size,
+                "--extent-size", "1MiB", "--cuda", "off", "--peer-timeout-ms", "500",
+                "--log-level", "debug", *self.extra]
+
+    def start(self, extra: list[str] | None = None) -> "DaemonProcess":
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.args() + list(extra or []), stdout=log, stderr=log)
+        log.close()
+        wait_for(lambda: os.path.exists(self.socket) or self.proc.poll() is not None,
+                 STARTUP_TIMEOUT_S, "kvpoold to create its socket")
+        if self.proc.poll() is not None:
+            raise AssertionError(f"kvpoold exited with {self.proc.returncode}:\n{self.log()}")
+        return self
+
+    def client_config(self, **kw) -> ClientConfig:
+        kw.setdefault("timeout_ms", 3000)
+        kw.setdefault("reconnect_backoff_ms", 50)
+        return ClientConfig(socket=self.socket, **kw)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"kvpoold ignored signal {sig} for {timeout_s} s:\n{self.log()}")
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+        # A killed daemon leaves its socket file; a restarted one replaces it.
+
+    def restart(self, extra: list[str] | None = None) -> "DaemonProcess":
+        if os.path.exists(self.socket):
+            os.unlink(self.socket)
+        return self.start(extra)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        import posix_ipc
+        try:
+            posix_ipc.unlink_shared_memory("/" + self.pool_name)
+        except posix_ipc.ExistentialError:
+            pass
+
+
+@pytest.fixture
+def daemon_factory(tmp_path):
+    made: list[DaemonProcess] = []
+
+    def make(pool_size: str = "64MiB", extra: list[str] | None = None, start: bool = True,
+             subdir: str | None = None) -> DaemonProcess:
+        d = tmp_path / (subdir or f"d{len(made)}")
+        d.mkdir(exist_ok=True)
+        proc = DaemonProcess(d, pool_size, extra)
+        made.append(proc)
+        return proc.start() if start else proc
+
+    yield make
+    for proc in made:
+        proc.cleanup()
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> DaemonProcess:
+    return daemon_factory()
