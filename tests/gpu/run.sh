@@ -30,7 +30,7 @@ if [ "$what" = env ] || [ "$what" = all ]; then
 fi
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -p no:cacheprovider -x -q -rs --timeout 180 \
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
     tests/daemon/test_cuda_tables.py tests/gpu 2>&1 | tee "$OUT/tests.log" || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
