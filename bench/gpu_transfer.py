@@ -182,8 +182,10 @@ def engine_compare(args, res: dict) -> None:
                 w.call("fill", 2)
                 blocks = np.arange(n)
                 offs = np.arange(n, dtype=np.int64) * reg.layout.slot_bytes
-                for backend, ctas in (("dma", 0), ("kernel", 8), ("kernel", 16), ("kernel", 32)):
-                    eng.backend, eng.max_ctas = backend, ctas or 16
+                for backend, ctas, per, nstreams in args.variants:
+                    eng.backend, eng.max_ctas = backend, ctas or 32
+                    eng.dma_batch_copies, eng.dma_streams = per, nstreams
+                    eng.dma_calls_s = 0.0
                     eng.submit_store(m, blocks[:32], offs[:32]).result(120)
                     eng.submit_load(m, offs[:32], blocks[:32]).result(120)
                     row = {}
@@ -200,14 +202,17 @@ def engine_compare(args, res: dict) -> None:
                     f2 = eng.submit_load(m, offs, blocks)
                     f1.result(120), f2.result(120)
                     row["bidir_GBps"] = 2 * n * reg.layout.shard_bytes / (time.perf_counter() - t0) / GB
-                    if layout != "per_head":
+                    row["dma_call_ms_per_job"] = eng.dma_calls_s * 1e3 / (2 * args.reps + 4)
+                    if layout != "per_head" or backend == "dma":
                         row["gemm_slowdown"] = _gemm_vs_engine(gemm, eng, m, blocks, offs,
                                                                args.gemm_iters)
-                    key = f"{layout}/{backend}" + (f"/{ctas}cta" if ctas else "")
+                    key = f"{layout}/{backend}" + (f"/{ctas}cta" if backend == "kernel" else
+                                                   f"/{per}x{nstreams}")
                     out[key] = row
                     print(f"[engine] {key}: {json.dumps({k: round(v, 3) for k, v in row.items()})}",
                           flush=True)
-                eng.backend, eng.max_ctas = "auto", 16
+                eng.backend, eng.max_ctas = "auto", 32
+                eng.dma_batch_copies, eng.dma_streams = 4096, 2
                 eng.detach(m, wait_s=30)
             finally:
                 w.close()
@@ -284,7 +289,14 @@ def main() -> None:
     ap.add_argument("--pool-size", default="12GiB")
     ap.add_argument("--engine-compare", action="store_true")
     ap.add_argument("--no-daemon", action="store_true")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="engine-compare variant backend:ctas:batch_copies:streams "
+                         "(e.g. dma:0:4096:2, kernel:32:0:1); repeatable")
     args = ap.parse_args()
+    args.variants = [(b, int(c), int(p), int(s)) for b, c, p, s in
+                     (v.split(":") for v in args.variant)] or [
+        ("dma", 0, 1 << 30, 1), ("dma", 0, 4096, 1), ("dma", 0, 4096, 2), ("dma", 0, 2048, 4),
+        ("kernel", 32, 0, 1)]
     dev = device_name()
     res: dict = {"device": dev, "date": dt.datetime.now(dt.timezone.utc).isoformat(),
                  "command": " ".join(shlex.quote(a) for a in sys.argv), "blocks": args.blocks,

@@ -24,16 +24,18 @@ if [ "$what" = env ] || [ "$what" = all ]; then
   { nvidia-smi --query-gpu=name,uuid,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
     nvidia-smi topo -m 2>/dev/null | head -5
     df -h /dev/shm; ulimit -l; nproc; free -g | head -2
-    python3 -c "import torch, triton, numpy, zmq, msgspec, posix_ipc; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-    python3 -c "from kvpool.daemon import cuda; d=cuda.driver(); print('driver', d.version, 'batch', cuda.has_memcpy_batch(), [cuda.device_uuid(i) for i in range(cuda.device_count())])"
+    (cd /tmp && python3 -c "import torch, triton, numpy, zmq, msgspec, posix_ipc; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+     python3 -c "from kvpool.daemon import cuda; d=cuda.driver(); print('driver', d.version, 'batch', cuda.has_memcpy_batch(), [cuda.device_uuid(i) for i in range(cuda.device_count())])")
   } 2>&1 | tee "$OUT/env.txt"
 fi
 rc=0
+# run from outside the checkout: its kvpool/ folder (only __init__.py) would shadow /tmp/pp
+REPO=$PWD; cd /tmp
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
-    tests/daemon/test_cuda_tables.py tests/gpu 2>&1 | tee "$OUT/tests.log" || rc=1
+    -c "$REPO/pyproject.toml" --rootdir "$REPO" "$REPO/tests/daemon/test_cuda_tables.py" "$REPO/tests/gpu" 2>&1 | tee "$OUT/tests.log" || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout ${BENCH_TIMEOUT:-480} python3 bench/gpu_transfer.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" || rc=1
+  timeout ${BENCH_TIMEOUT:-480} python3 "$REPO/bench/gpu_transfer.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" || rc=1
 fi
 exit $rc

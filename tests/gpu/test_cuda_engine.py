@@ -83,11 +83,11 @@ def test_round_trip_bit_exact(engine, pool, layout, backend):
 
 
 def test_auto_backend_choice(engine):
-    w = Worker(0, "per_layer", 8)
+    w = Worker(0, "per_head", 8)
     w2 = Worker(0, "block_outer", 8)
     try:
         m, m2 = engine.attach(w.register_request()), engine.attach(w2.register_request())
-        assert engine.backend_for(m) == "kernel"      # 32 KiB copies
+        assert engine.backend_for(m) == "kernel"      # 4 KiB copies
         assert engine.backend_for(m2) == "dma"        # 2 MiB copies
         engine.detach(m, wait_s=10)
         engine.detach(m2, wait_s=10)
