@@ -78,15 +78,18 @@ def ipc_handle_of(base: int) -> bytes:
     capable = ctypes.c_int(0)
     rc = lib.cuPointerGetAttribute(ctypes.byref(capable), _IS_LEGACY_CUDA_IPC_CAPABLE, base)
     h = _Handle()
-    if rc == 0 and capable.value:
-        rc = lib.cuIpcGetMemHandle(ctypes.byref(h), base)
-        if rc == 0:
+    if rc != 0 or capable.value:
+        # the attribute is missing on some drivers: then the handle call decides
+        rc2 = lib.cuIpcGetMemHandle(ctypes.byref(h), base)
+        if rc2 == 0:
             return ctypes.string_at(ctypes.addressof(h), 64)
+    else:
+        rc2 = -1
     hint = (" PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which allocates with "
             "cuMemCreate;" if _expandable_segments_configured() else "")
     raise ConfigError(
         f"the KV cache at {base:#x} cannot be shared with kvpoold over CUDA IPC (legacy IPC "
-        f"needs cudaMalloc memory).{hint} Start the vLLM workers without "
+        f"needs cudaMalloc memory; driver codes {rc}/{capable.value}/{rc2}).{hint} Start the vLLM workers without "
         "expandable_segments:True (e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False) "
         "and without sleep mode, or use host KV memory instead.")
 

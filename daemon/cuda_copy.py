@@ -422,8 +422,8 @@ class CudaCopyEngine(CopyEngine):
     name = "cuda"
 
     def __init__(self, pool: Any, *, backend: Backend = "auto", max_ctas: int = 32,
-                 dma_min_chunk_bytes: int = 16 << 10, dma_batch_copies: int = 4096,
-                 dma_streams: int = 2, register_pool: bool = True,
+                 dma_min_chunk_bytes: int = 16 << 10, dma_batch_copies: int = 2048,
+                 dma_streams: int = 4, register_pool: bool = True,
                  register_piece_bytes: int = 1 << 30, kernel_words: int = 4096,
                  kernel_warps: int = 16) -> None:
         if backend not in ("auto", "dma", "kernel"):

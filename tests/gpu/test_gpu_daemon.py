@@ -20,7 +20,8 @@ def _keys(tag: str, n: int) -> list[bytes]:
 
 @pytest.fixture
 def gpu_daemon(daemon_factory):
-    d = daemon_factory(pool_size="3GiB", extra=["--cuda", "on", "--peer-timeout-ms", "1000"])
+    d = daemon_factory(pool_size="3GiB", extra=["--cuda", "on", "--peer-timeout-ms", "1000",
+                                                     "--extent-size", "64MiB"])
     yield d
 
 
