@@ -91,6 +91,16 @@ class Transport:
                 return out
             out.append(p.decode_reply(frame))
 
+    def wait_readable(self, timeout_s: float) -> bool:
+        """Block until a reply is waiting or ``timeout_s`` passed (for callers with nothing
+        else to do, such as ``WorkerClient.wait``); True if something arrived."""
+        if self._unsolicited:
+            return True
+        if self._sock is None:
+            time.sleep(min(timeout_s, 0.01))
+            return False
+        return bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
+
     @property
     def is_connected(self) -> bool:
         return self._sock is not None and self.owner_id is not None

@@ -9,7 +9,7 @@ from kvpool.shared.errors import (LayoutMismatch, LeaseExpired, OutOfRange, Pool
 from kvpool.shared.layout import Layout
 from kvpool.shared.protocol import SLOT_NO_SPACE, SLOT_PRESENT
 
-BIG = Layout(16, 1, "f16", (256 << 10,), "big")        # 3 slots per 1 MiB extent
+BIG = Layout(16, 1, "f16", (256 << 10,), "big")        # 4 slots per 1 MiB extent
 SMALL = Layout(16, 1, "f16", (4096,), "small")
 TP2 = Layout(16, 2, "f16", (4096,), "tp2")
 NS_BIG, NS_SMALL, NS_TP2 = b"B" * 16, b"S" * 16, b"T" * 16
@@ -122,11 +122,12 @@ def test_a_new_layout_takes_whole_extents_from_an_idle_one(index):
     index.release_owner(OWNER)
     small = store(index, NS_SMALL, keys(10, b"s"), now=1)
     assert all(r >= 0 for r in small)
+    per = index.pool.slots_per_extent(BIG.slot_bytes)
     writing, committed, _ = index.slot_counts()
-    assert committed == cap - 3 + 10      # exactly one BIG extent (3 slots) was reclaimed
+    assert committed == cap - per + 10    # exactly one BIG extent was reclaimed
     # The newest BIG blocks survive: the reclaimed extent held the least recently used ones.
     hits = index.lookup(NS_BIG, [keys(1, b"cap%d" % i) for i in range(cap)], False, OWNER, 0)[0]
-    assert hits[:3] == [0, 0, 0] and all(hits[3:])
+    assert hits[:per] == [0] * per and all(hits[per:])
 
 
 def test_lease_ttl_and_write_timeout_expire(index):

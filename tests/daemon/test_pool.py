@@ -57,6 +57,7 @@ def test_stale_segment_with_other_geometry_or_garbage_is_replaced(pool_config):
 
 def test_sizes():
     assert resolve_sizes(DaemonConfig(pool_size="64GiB")) == (64 << 30, 256 << 20)
+    assert resolve_sizes(DaemonConfig(pool_size="3GiB")) == (3 << 30, 16 << 20)
     assert resolve_sizes(DaemonConfig(pool_size="64MiB", extent_size="1MiB")) == (64 << 20, 1 << 20)
     pool, extent = resolve_sizes(DaemonConfig())
     assert pool > 0 and extent >= 4 << 20
