@@ -84,7 +84,7 @@ def connector_socket(args: list[str]) -> str:
     """The kvpool socket named in vLLM's --kv-transfer-config."""
     flag = next(a for a in args if a.startswith("--kv-transfer-config="))
     cfg = json.loads(flag.split("=", 1)[1])
-    assert cfg["kv_connector_module_path"] == "kvpool.client.connector"
+    assert cfg["kv_connector_module_path"] == "kvpool.client.vllm"
     assert cfg["kv_role"] == "kv_both"
     return cfg["kv_connector_extra_config"]["socket"]
 
