@@ -58,6 +58,11 @@ class Telemetry:
             raise
         return cls(metrics, http, events)
 
+    @classmethod
+    def disabled(cls) -> "Telemetry":
+        """Counts in memory, serves nothing: the server's placeholder until ``start``."""
+        return cls(Metrics(), None, None)
+
     @property
     def wants_index_events(self) -> bool:
         """Whether the server should collect the index's stored/removed records."""
