@@ -42,6 +42,10 @@ class Telemetry:
         self._next_info = 0.0
         self._evictions_seen = 0
         self._closed = False
+        # The index appends ("stored"|"removed", namespace, block hash) here (Index.events);
+        # None when nobody publishes events, so the index keeps no records at all.
+        self._index_events: list[tuple[str, bytes, bytes]] | None = (
+            [] if events is not None else None)
 
     @classmethod
     def start(cls, config: DaemonConfig) -> "Telemetry":
@@ -64,9 +68,17 @@ class Telemetry:
         return cls(Metrics(), None, None)
 
     @property
-    def wants_index_events(self) -> bool:
-        """Whether the server should collect the index's stored/removed records."""
-        return self.events is not None
+    def index_events(self) -> list[tuple[str, bytes, bytes]] | None:
+        """The list the server hands to the index as ``Index.events`` (None: events off)."""
+        return self._index_events
+
+    def _forward_index_events(self) -> None:
+        """Publish what the index recorded so far, to the engines attached *now*."""
+        records = self._index_events
+        if records:
+            assert self.events is not None
+            self.events.publish_index_events(records)
+            records.clear()
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -88,6 +100,7 @@ class Telemetry:
             return
         self._closed = True
         if self.events is not None:
+            self._forward_index_events()
             if not pool_kept:
                 self.events.pool_cleared()
             self.events.close()
@@ -96,15 +109,11 @@ class Telemetry:
 
     # ---- periodic (housekeeping, every ~100 ms) -----------------------------------------------
 
-    def tick(self, now: float, info: Callable[[], PoolInfo],
-             index_events: list[tuple[str, bytes, bytes]] | None) -> None:
-        """The loop is alive; refresh gauges once per ``INFO_PERIOD_S``; forward and clear the
-        index's event records."""
+    def tick(self, now: float, info: Callable[[], PoolInfo]) -> None:
+        """The loop is alive; forward the index's event records; refresh the gauges once per
+        ``INFO_PERIOD_S``."""
         try:
-            if index_events:
-                if self.events is not None:
-                    self.events.publish_index_events(index_events)
-                index_events.clear()
+            self._forward_index_events()
             if now >= self._next_info:
                 self._next_info = now + INFO_PERIOD_S
                 snapshot = info()
@@ -137,12 +146,18 @@ class Telemetry:
 
     def registration_added(self, engine_id: str, pid: int, namespace: bytes, block_tokens: int,
                            committed_hashes: Callable[[], Iterable[bytes]]) -> None:
+        """A worker registered. Records still queued go out first, to the engines attached
+        before it: the new engine learns those blocks from ``committed_hashes()`` once, not
+        twice (consumers count repeated stores of a hash)."""
         if self.events is not None:
+            self._forward_index_events()
             self.events.registration_added(engine_key(engine_id, pid), namespace, block_tokens,
                                            committed_hashes)
 
     def registration_removed(self, engine_id: str, pid: int, namespace: bytes,
                              committed_hashes: Callable[[], Iterable[bytes]]) -> None:
+        """A registration closed; queued records still reach its engine first."""
         if self.events is not None:
+            self._forward_index_events()
             self.events.registration_removed(engine_key(engine_id, pid), namespace,
                                              committed_hashes)

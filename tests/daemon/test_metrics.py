@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.daemon.metrics import Metrics, MetricsServer, start_metrics_server
 from kvpool.shared.errors import ConfigError, ErrorCode
 from kvpool.shared.protocol import ClientInfo, PoolInfo, Role
+from tests.daemon.httptest import fetch
 
 
 def make_info(**over) -> PoolInfo:
@@ -30,12 +31,6 @@ def make_info(**over) -> PoolInfo:
     return PoolInfo(**fields)
 
 
-def fetch(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import socket
 import time
-import urllib.error
-import urllib.request
 
 import msgspec
 import pytest
@@ -16,6 +14,7 @@ from kvpool.daemon.telemetry import Telemetry
 from kvpool.shared.config import DaemonConfig, build_config
 from kvpool.shared.errors import ConfigError, ErrorCode
 from kvpool.shared.protocol import PoolInfo
+from tests.daemon.httptest import free_port, fetch
 
 NS = b"n" * 16
 
@@ -24,18 +23,8 @@ def info(evictions: int = 0) -> PoolInfo:
     return PoolInfo("d", 1.0, 1 << 20, 0, 1 << 20, 0, 0, 0, 0, 0, evictions, 0, 0, 0, 0, 0, 0, [])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def test_off_by_default_except_metrics():
@@ -44,10 +33,8 @@ def test_off_by_default_except_metrics():
     assert cfg.events_endpoint == ""
     t = Telemetry.start(build_config(DaemonConfig, {"metrics_port": 0}))
     try:
-        assert t.http is None and t.events is None and not t.wants_index_events
-        records = [("stored", NS, b"k" * 16)]
-        t.tick(time.monotonic(), info, records)
-        assert records == []   # drained even with nobody listening, so it cannot grow
+        assert t.http is None and t.events is None and t.index_events is None
+        t.tick(time.monotonic(), info)
     finally:
         t.close(pool_kept=True)
 
@@ -61,9 +48,9 @@ def test_hooks_reach_metrics_health_and_events(tmp_path):
     sub = ctx.socket(zmq.SUB)
     try:
         base = f"http://127.0.0.1:{cfg.metrics_port}"
-        assert get(base + "/healthz")[0] == 503
+        assert fetch(base + "/healthz")[0] == 503
         t.serving(info())
-        assert get(base + "/healthz")[0] == 200
+        assert fetch(base + "/healthz")[0] == 200
 
         sub.setsockopt(zmq.SUBSCRIBE, b"pid-42")
         sub.connect(cfg.events_endpoint)
@@ -71,7 +58,8 @@ def test_hooks_reach_metrics_health_and_events(tmp_path):
         deadline = time.monotonic() + 10
         while not sub.poll(20):   # PUB drops until the subscription lands: repeat a probe
             assert time.monotonic() < deadline, "subscriber never connected"
-            t.tick(time.monotonic(), info, [("stored", NS, b"p" * 16)])
+            t.index_events.append(("stored", NS, b"p" * 16))
+            t.tick(time.monotonic(), info)
             t.events.flush()
         while sub.poll(100):
             sub.recv_multipart()
@@ -80,11 +68,12 @@ def test_hooks_reach_metrics_health_and_events(tmp_path):
         t.job_done(True, 4096, time.monotonic() - 0.001, 2, True)
         t.job_done(False, 0, time.monotonic(), 1, False)
         t.error(ErrorCode.LEASE_EXPIRED)
-        t.tick(time.monotonic() + 5, lambda: info(evictions=3),
-               [("stored", NS, b"x" * 16), ("stored", NS, b"y" * 16), ("removed", NS, b"x" * 16)])
+        t.index_events.extend([("stored", NS, b"x" * 16), ("stored", NS, b"y" * 16),
+                               ("removed", NS, b"x" * 16)])
+        t.tick(time.monotonic() + 5, lambda: info(evictions=3))
         t.events.flush()
 
-        text = get(base + "/metrics")[1]
+        text = fetch(base + "/metrics")[1]
         for line in ("kvpool_lookup_hit_tokens_total 32.0", "kvpool_lookup_miss_blocks_total 2.0",
                      "kvpool_store_bytes_total 4096.0",
                      'kvpool_load_jobs_total{result="failed"} 1.0',
@@ -100,7 +89,7 @@ def test_hooks_reach_metrics_health_and_events(tmp_path):
             ("BlockStored", [b"x" * 16, b"y" * 16]), ("BlockRemoved", [b"x" * 16])]
 
         t.stopping()
-        assert get(base + "/healthz")[0] == 503
+        assert fetch(base + "/healthz")[0] == 503
         t.close(pool_kept=False)
         assert sub.poll(10_000)
         cleared = msgspec.msgpack.decode(sub.recv_multipart()[2], type=KVEventBatch).events
@@ -118,3 +107,40 @@ def test_busy_metrics_port_fails_start_naming_the_setting(tmp_path):
         cfg = build_config(DaemonConfig, {"metrics_port": s.getsockname()[1]})
         with pytest.raises(ConfigError, match="metrics_port"):
             Telemetry.start(cfg)
+
+
+def test_joining_engine_gets_queued_blocks_once(tmp_path):
+    cfg = build_config(DaemonConfig, {"metrics_port": 0, "events_interval_ms": 5,
+                                      "events_endpoint": f"ipc://{tmp_path}/ev"})
+    t = Telemetry.start(cfg)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"B")
+        sub.connect(cfg.events_endpoint)
+        deadline = time.monotonic() + 10
+        t.registration_added("B", 1, NS, 16, lambda: [])
+        while not sub.poll(20):   # PUB drops until the subscription lands: repeat a probe
+            assert time.monotonic() < deadline, "subscriber never connected"
+            t.index_events.append(("stored", NS, b"p" * 16))
+            t.tick(time.monotonic(), info)
+        t.registration_removed("B", 1, NS, lambda: [])
+        t.events.flush()
+        while sub.poll(100):
+            sub.recv_multipart()
+
+        t.registration_added("A", 2, NS, 16, lambda: [])
+        t.index_events.append(("stored", NS, b"q" * 16))   # committed, not yet forwarded
+        # B joins before the next tick: the committed block reaches it in the snapshot only.
+        t.registration_added("B", 1, NS, 16, lambda: [b"q" * 16])
+        t.tick(time.monotonic(), info)
+        t.events.flush()
+        got = []
+        while sub.poll(300):
+            got += msgspec.msgpack.decode(sub.recv_multipart()[2], type=KVEventBatch).events
+        assert [(type(e).__name__, e.block_hashes) for e in got] == [
+            ("BlockStored", [b"q" * 16])]
+    finally:
+        sub.close(linger=0)
+        t.close(pool_kept=True)
+        ctx.destroy(linger=0)
