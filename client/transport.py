@@ -271,9 +271,9 @@ class _Heartbeat:
                     last_reply = time.monotonic()
                     if isinstance(reply, p.ErrorReply) or (
                             isinstance(reply, p.HeartbeatReply) and reply.daemon_id != daemon):
-                        self._mark_stale(owner)
+                        self._mark_stale(owner, daemon)
                 if time.monotonic() - last_reply > self._t.config.timeout_ms / 1000:
-                    self._mark_stale(owner)
+                    self._mark_stale(owner, daemon)
                     last_reply = time.monotonic()
                 with self._cond:
                     if not self._stop:
@@ -284,7 +284,9 @@ class _Heartbeat:
             if sock is not None:
                 sock.close(linger=0)
 
-    def _mark_stale(self, owner: int) -> None:
+    def _mark_stale(self, owner: int, daemon: str | None) -> None:
+        # Owner ids restart at 1 in every daemon: only the (owner, daemon) pair this verdict
+        # was formed under may be marked, never a connection made since.
         with self._cond:
-            if self._owner == owner:
+            if self._owner == owner and self._daemon == daemon:
                 self.is_stale = True
