@@ -181,8 +181,9 @@ def format_info(info) -> str:
         f"  used     {_human(info.used_bytes)}",
         f"  free     {_human(info.free_bytes)}",
         f"slots      committed {info.slots_committed}   writing {info.slots_writing}"
-        f"   namespaces {info.namespaces}",
-        f"lookups    hits {info.hit_blocks} blocks   misses {info.miss_blocks} blocks"
+        f"   pinned {info.slots_pinned}   namespaces {info.namespaces}",
+        f"lookups    hits {info.hit_blocks} blocks ({info.hit_tokens} tokens)   misses "
+        f"{info.miss_blocks} blocks ({info.miss_tokens} tokens)"
         f"   hit rate {info.hit_blocks / total:.1%}" if total else
         "lookups    hits 0 blocks   misses 0 blocks",
         f"transfers  stored {info.stored_blocks} blocks ({_human(info.stored_bytes)})"
@@ -196,6 +197,21 @@ def format_info(info) -> str:
                      f"{' engine ' + c.engine_id if c.engine_id else ''}   registrations "
                      f"{c.registrations} leases {c.leases} jobs {c.jobs_in_flight}")
     return "\n".join(lines)
+
+
+@operator.command()
+@_socket_opt
+@click.option("--interval", default=1.0, show_default=True, type=float,
+              help="seconds between refreshes")
+def top(socket: str | None, interval: float) -> None:
+    """Live view: hit rate, GB/s each way, pool occupancy (Ctrl-C quits)."""
+    from kvpool.daemon.top import run_top
+    client = _scheduler_client(socket, 2000)
+    try:
+        code = run_top(client.info, interval)
+    finally:
+        client.close()
+    sys.exit(code)
 
 
 @operator.command()

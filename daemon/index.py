@@ -77,6 +77,8 @@ class IndexStats:
     stored_blocks: int = 0
     loaded_blocks: int = 0
     adopted_blocks: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
 
 
 class Index:
@@ -207,6 +209,9 @@ class Index:
                 leases.append(0)
         self.stats.hit_blocks += n_hit
         self.stats.miss_blocks += n_keys - n_hit
+        block_tokens = self.block_tokens(ns)
+        self.stats.hit_tokens += n_hit * block_tokens
+        self.stats.miss_tokens += (n_keys - n_hit) * block_tokens
         return hits, leases, refs
 
     def release_leases(self, lease_ids: list[int], owner: int) -> int:
@@ -220,6 +225,20 @@ class Index:
                 self._unpin(lease.slots)
                 n += 1
         return n
+
+    def block_tokens(self, ns: bytes) -> int:
+        """Tokens per block of ``ns``; 0 for a namespace no worker registered yet."""
+        layout = self._layouts.get(ns)
+        return layout.block_tokens if layout is not None else 0
+
+    def committed_hashes(self, ns: bytes) -> list[bytes]:
+        """Block hashes of the committed blocks of ``ns`` (for the KV event feed of an engine
+        that starts or stops being able to load them). O(blocks of ns)."""
+        return [h for h, s in self._tables.get(ns, _EMPTY).items() if s.state == COMMITTED]
+
+    def pinned_count(self) -> int:
+        """Committed blocks held by a lease or an in-flight load (not evictable now)."""
+        return sum(1 for s in self._slots.values() if s.state == COMMITTED and s.pins > 0)
 
     @property
     def lease_count(self) -> int:

@@ -30,6 +30,7 @@ from kvpool.daemon.copy_engine import CopyEngine, JobResult
 from kvpool.daemon.index import Index, Slot
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.registry import Owner, Registration, Registry
+from kvpool.daemon.telemetry import Telemetry
 from kvpool.shared import protocol as p
 from kvpool.shared.config import DaemonConfig
 from kvpool.shared.errors import (Aborted, ErrorCode, HelloRequired, KvpoolError, OutOfRange,
@@ -63,6 +64,8 @@ class Server:
         self._sock: zmq.Socket | None = None
         self._lock_fd: int | None = None
         self._in_drain = False
+        # Replaced by Telemetry.start() in _startup; hooks are safe to call before that.
+        self.telemetry = Telemetry.disabled()
         if pool.adopted:
             kept = self.index.adopt()
             log.info("adopted %d committed blocks from the existing pool", kept)
@@ -105,10 +108,14 @@ class Server:
             os.umask(old)
         os.chmod(path, self.config.socket_mode_bits)
         self._sock = sock
+        # After the socket lock, so a second daemon reports "socket busy", not a busy port.
+        self.telemetry = Telemetry.start(self.config)
+        self.index.events = self.telemetry.index_events
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.should_exit.set)
         self.is_serving = True
+        self.telemetry.serving(self.info())
         log.info("kvpoold %s serving ipc://%s, pool %s: %d bytes in %d extents%s", self.daemon_id,
                  path, self.pool.name, self.pool.nbytes, self.pool.geometry.num_extents,
                  " (adopted)" if self.pool.adopted else "")
@@ -145,6 +152,7 @@ class Server:
             await asyncio.sleep(period)
             now = time.monotonic()
             self.index.expire(now)
+            self.telemetry.tick(now, self.info)
             limit = now - self.config.peer_timeout_ms / 1000
             for owner in [o for o in self.registry.owners.values() if o.last_seen < limit]:
                 log.info("client %d (%s, pid %d) went silent: releasing what it held",
@@ -154,6 +162,7 @@ class Server:
     async def _shutdown(self) -> None:
         log.info("shutting down: %d jobs in flight", len(self._jobs))
         self.is_serving = False
+        self.telemetry.stopping()
         for engine in set(self.engines.values()):
             engine.close()
         if self._jobs:
@@ -174,6 +183,7 @@ class Server:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
         self.pool.close(unlink=not self.config.keep_pool)
+        self.telemetry.close(pool_kept=self.config.keep_pool)
 
     # ---- dispatch --------------------------------------------------------------------------
 
@@ -196,9 +206,11 @@ class Server:
             reply = self._handle(identity, msg)
         except KvpoolError as e:
             self.errors += 1
+            self.telemetry.error(e.code)
             reply = p.ErrorReply(req_id, int(e.code), e.message)
         except Exception as e:   # a bug of ours: say so, keep serving
             self.errors += 1
+            self.telemetry.error(ErrorCode.INTERNAL)
             log.exception("internal error handling a request")
             reply = p.ErrorReply(req_id, int(ErrorCode.INTERNAL), f"internal error: {e!r}")
         if reply is not None:
@@ -238,6 +250,7 @@ class Server:
             case p.LookupRequest():
                 hits, leases, slots = idx.lookup(msg.namespace, msg.key_lists, msg.pin,
                                                  owner.id, now)
+                self.telemetry.lookup(hits, msg.key_lists, idx.block_tokens(msg.namespace))
                 return p.LookupReply(msg.req_id, hits, leases, slots)
             case p.PrepareStoreRequest():
                 return p.PrepareStoreReply(msg.req_id,
@@ -290,6 +303,10 @@ class Server:
         self.index.register_namespace(msg.namespace, msg.layout)
         mapped = engine.attach(msg)
         old = self.registry.find_registration(owner, msg.namespace, msg.tp_rank)
+        # Before closing the one it replaces, so the engine's event feed sees no removal.
+        self.telemetry.registration_added(owner.engine_id, owner.pid, msg.namespace,
+                                          msg.layout.block_tokens,
+                                          lambda: self.index.committed_hashes(msg.namespace))
         if old is not None:   # re-registration replaces: engines re-register after restarts
             self._close_registration(self.registry.close_registration(old.id))
         reg = self.registry.add_registration(owner, msg.namespace, msg.layout, msg.tp_rank,
@@ -302,6 +319,7 @@ class Server:
 
     def _start_job(self, owner: Owner, msg: p.StoreRequest | p.LoadRequest) -> p.Reply | None:
         is_store = isinstance(msg, p.StoreRequest)
+        started = time.monotonic()
         try:
             reg = self.registry.registration(owner, msg.registration_id)
             if len(msg.block_ids) != len(msg.slots):
@@ -316,6 +334,7 @@ class Server:
                 slots = self.index.begin_load(reg.namespace, msg.slots)
         except KvpoolError as e:
             self.errors += 1
+            self.telemetry.error(e.code)
             return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
         offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
         offsets += reg.tp_rank * reg.layout.shard_stride_bytes
@@ -327,16 +346,19 @@ class Server:
         except KvpoolError as e:
             self._end_job(reg, slots, is_store, ok=False)
             self.errors += 1
+            self.telemetry.error(e.code)
+            self.telemetry.job_done(is_store, 0, started, len(slots), ok=False)
             return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
         reg.jobs_in_flight += 1
         owner.jobs_in_flight += 1
         job = asyncio.wrap_future(fut)
         self._jobs.add(job)
-        job.add_done_callback(lambda j: self._job_done(j, owner, reg, slots, is_store, msg))
+        job.add_done_callback(lambda j: self._job_done(j, owner, reg, slots, is_store, msg,
+                                                       started))
         return None
 
     def _job_done(self, job: asyncio.Future, owner: Owner, reg: Registration, slots: list[Slot],
-                  is_store: bool, msg: p.StoreRequest | p.LoadRequest) -> None:
+                  is_store: bool, msg: p.StoreRequest | p.LoadRequest, started: float) -> None:
         self._jobs.discard(job)
         reg.jobs_in_flight -= 1
         owner.jobs_in_flight -= 1
@@ -353,12 +375,15 @@ class Server:
                 self.stored_bytes += result.nbytes
             else:
                 self.loaded_bytes += result.nbytes
+            self.telemetry.job_done(is_store, result.nbytes, started, len(slots), ok=True)
             reply = p.JobDone(msg.req_id, msg.job_id, 0, "", result.nbytes, result.done_event)
         else:
             self.errors += 1
             if not isinstance(exc, KvpoolError):
                 log.error("copy job failed", exc_info=exc)
             code = exc.code if isinstance(exc, KvpoolError) else ErrorCode.INTERNAL
+            self.telemetry.error(code)
+            self.telemetry.job_done(is_store, 0, started, len(slots), ok=False)
             reply = p.JobDone(msg.req_id, msg.job_id, int(code), str(exc))
         if not reg.closing:
             self._send(owner.identity, reply)
@@ -379,6 +404,8 @@ class Server:
         self.index.release_owner(owner.id)
 
     def _close_registration(self, reg: Registration) -> None:
+        self.telemetry.registration_removed(reg.owner.engine_id, reg.owner.pid, reg.namespace,
+                                            lambda: self.index.committed_hashes(reg.namespace))
         if reg.jobs_in_flight == 0:
             self._detach(reg)
 
@@ -401,7 +428,9 @@ class Server:
                           self.pool.nbytes - used, writing, committed, self.index.namespaces,
                           st.hit_blocks, st.miss_blocks, st.evictions, self.index.lease_count,
                           st.stored_blocks, st.loaded_blocks, self.stored_bytes,
-                          self.loaded_bytes, self.errors, clients, st.adopted_blocks)
+                          self.loaded_bytes, self.errors, clients, st.adopted_blocks,
+                          slots_pinned=self.index.pinned_count(), hit_tokens=st.hit_tokens,
+                          miss_tokens=st.miss_tokens)
 
 
 def run(config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine]) -> int:

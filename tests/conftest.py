@@ -45,7 +45,7 @@ class DaemonProcess:
         return [sys.executable, "-m", "kvpool.daemon", "--socket", self.socket,
                 "--pool-name", self.pool_name, "--pool-size", self.pool_size,
                 "--extent-size", "1MiB", "--cuda", "off", "--peer-timeout-ms", "500",
-                "--log-level", "debug", *self.extra]
+                "--log-level", "debug", "--metrics-port", "0", *self.extra]
 
     def start(self, extra: list[str] | None = None) -> "DaemonProcess":
         log = open(self.log_path, "ab")
