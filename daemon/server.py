@@ -63,6 +63,9 @@ class Server:
         self._sock: zmq.Socket | None = None
         self._lock_fd: int | None = None
         self._in_drain = False
+        # KVPOOL_TRACE=<file>: one line per job with the monotonic ns of each hop (benchmarks)
+        trace = os.environ.get("KVPOOL_TRACE")
+        self._trace = open(trace, "a", buffering=1) if trace else None
         if pool.adopted:
             kept = self.index.adopt()
             log.info("adopted %d committed blocks from the existing pool", kept)
@@ -161,6 +164,8 @@ class Server:
         for owner in list(self.registry.owners.values()):
             self._release_owner(owner)
         self._release_resources()
+        if self._trace:
+            self._trace.close()
         log.info("kvpoold stopped%s", "; pool kept for the next start" if self.config.keep_pool
                  else "")
 
@@ -301,6 +306,7 @@ class Server:
     # ---- jobs ------------------------------------------------------------------------------
 
     def _start_job(self, owner: Owner, msg: p.StoreRequest | p.LoadRequest) -> p.Reply | None:
+        t_recv = time.monotonic_ns() if self._trace else 0
         is_store = isinstance(msg, p.StoreRequest)
         try:
             reg = self.registry.registration(owner, msg.registration_id)
@@ -330,13 +336,17 @@ class Server:
             return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
         reg.jobs_in_flight += 1
         owner.jobs_in_flight += 1
+        t_sub = time.monotonic_ns() if self._trace else 0
         job = asyncio.wrap_future(fut)
         self._jobs.add(job)
-        job.add_done_callback(lambda j: self._job_done(j, owner, reg, slots, is_store, msg))
+        job.add_done_callback(lambda j: self._job_done(j, owner, reg, slots, is_store, msg,
+                                                       fut, t_recv, t_sub))
         return None
 
     def _job_done(self, job: asyncio.Future, owner: Owner, reg: Registration, slots: list[Slot],
-                  is_store: bool, msg: p.StoreRequest | p.LoadRequest) -> None:
+                  is_store: bool, msg: p.StoreRequest | p.LoadRequest, fut=None,
+                  t_recv: int = 0, t_sub: int = 0) -> None:
+        t_cb = time.monotonic_ns() if self._trace else 0
         self._jobs.discard(job)
         reg.jobs_in_flight -= 1
         owner.jobs_in_flight -= 1
@@ -364,6 +374,12 @@ class Server:
             self._send(owner.identity, reply)
         elif reg.jobs_in_flight == 0:
             self._detach(reg)
+        if self._trace:
+            # owner job store|load blocks backend recv submitted engine-stamps... callback sent
+            eng = (getattr(fut, "kvpool_trace", None) or []) + [0, 0, 0, 0]
+            self._trace.write(" ".join(map(str, [
+                owner.id, msg.job_id, "store" if is_store else "load", len(slots),
+                t_recv, t_sub, *eng[1:4], t_cb, time.monotonic_ns()])) + "\n")
 
     def _end_job(self, reg: Registration, slots: list[Slot], is_store: bool, ok: bool) -> None:
         if is_store:
