@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker import gpu_count
+from tests.gpu.gpu_worker import gpu_count
 
 GPUS = gpu_count()
 

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from gpu_worker import LAYOUTS, ShmPool, Worker, gpu_count
+from tests.gpu.gpu_worker import LAYOUTS, ShmPool, Worker, gpu_count
 
 GPUS = gpu_count()
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gpu_worker import Worker
+from tests.gpu.gpu_worker import Worker
 
 POISON = 0x5A
 
