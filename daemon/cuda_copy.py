@@ -165,10 +165,15 @@ def pitched_table(seg_dev: np.ndarray, seg_stride: np.ndarray, seg_bytes: np.nda
             np.broadcast_to(seg_bytes[first], (n, r)).ravel().astype(np.uint64))
 
 
+def split_items(shard_offsets: np.ndarray, shard_bytes: int, piece: int) -> np.ndarray:
+    """Mask of the shards that span two separately registered pieces of the pool."""
+    lo = np.asarray(shard_offsets, dtype=np.int64)
+    return (lo // piece) != ((lo + shard_bytes - 1) // piece)
+
+
 def crosses_pieces(shard_offsets: np.ndarray, shard_bytes: int, piece: int) -> bool:
     """Whether any shard spans two separately registered pieces of the pool."""
-    lo = np.asarray(shard_offsets, dtype=np.int64)
-    return bool(((lo // piece) != ((lo + shard_bytes - 1) // piece)).any())
+    return bool(split_items(shard_offsets, shard_bytes, piece).any())
 
 
 # ---- registrations ---------------------------------------------------------------------------
@@ -380,11 +385,16 @@ class _Lane:
             self._launch_kernel(job)
         else:
             split = reg is not None and len(reg.registered) > 1
-            if m.pitched_ok and eng.pitched and not (
-                    split and crosses_pieces(job.shard_offsets, shard_bytes, reg.piece_bytes)):
+            blocks, shards = job.block_ids, job.shard_offsets
+            if m.pitched_ok and eng.pitched:
+                # Shards that straddle two registered pieces of the pool (a few per GiB) go
+                # as 1D chunks, split at the boundary; every other one as pitched runs.
+                cross = (split_items(shards, shard_bytes, reg.piece_bytes) if split
+                         else None)
+                keep = slice(None) if cross is None else ~cross
                 gpu, gpitch, host, rows, width = pitched_table(
                     m.seg_dev, m.seg_stride, m.seg_bytes, m.seg_prefix, m.run_bounds,
-                    job.block_ids, job.shard_offsets, eng.pool_base)
+                    blocks[keep], shards[keep], eng.pool_base)
                 if job.to_pool:
                     ops = cuda.pitched_ops(host, width, gpu, gpitch, width, rows)
                 else:
@@ -392,10 +402,13 @@ class _Lane:
                 job.backend = "dma2d"
                 self._spread(len(ops), eng.dma_2d_batch_ops,
                              lambda a, b, st: cuda.memcpy_2d_batch_async(ops[a:b], st))
-            else:
+                if cross is None or not cross.any():
+                    blocks = blocks[:0]
+                else:
+                    blocks, shards = blocks[cross], shards[cross]
+            if len(blocks):
                 gpu, host, size = chunk_table(m.seg_dev, m.seg_stride, m.seg_bytes,
-                                              m.seg_prefix, job.block_ids, job.shard_offsets,
-                                              eng.pool_base)
+                                              m.seg_prefix, blocks, shards, eng.pool_base)
                 if split:
                     gpu, host, size = split_at_boundaries(gpu, host, size, eng.pool_base,
                                                           reg.piece_bytes)

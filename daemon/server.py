@@ -337,20 +337,31 @@ class Server:
         reg.jobs_in_flight += 1
         owner.jobs_in_flight += 1
         t_sub = time.monotonic_ns() if self._trace else 0
-        job = asyncio.wrap_future(fut)
+        # The engine's future resolves on its thread; one call_soon_threadsafe brings the
+        # completion to the loop (asyncio.wrap_future would take two loop turns).
+        loop = asyncio.get_running_loop()
+        job = loop.create_future()
         self._jobs.add(job)
-        job.add_done_callback(lambda j: self._job_done(j, owner, reg, slots, is_store, msg,
-                                                       fut, t_recv, t_sub))
+
+        def resolved(f) -> None:
+            try:
+                loop.call_soon_threadsafe(self._job_done, job, owner, reg, slots, is_store, msg,
+                                          f, t_recv, t_sub)
+            except RuntimeError:   # the loop has closed: the daemon is gone
+                pass
+        fut.add_done_callback(resolved)
         return None
 
     def _job_done(self, job: asyncio.Future, owner: Owner, reg: Registration, slots: list[Slot],
-                  is_store: bool, msg: p.StoreRequest | p.LoadRequest, fut=None,
+                  is_store: bool, msg: p.StoreRequest | p.LoadRequest, fut,
                   t_recv: int = 0, t_sub: int = 0) -> None:
         t_cb = time.monotonic_ns() if self._trace else 0
+        if not job.done():
+            job.set_result(None)
         self._jobs.discard(job)
         reg.jobs_in_flight -= 1
         owner.jobs_in_flight -= 1
-        exc = job.exception() if not job.cancelled() else Aborted("job cancelled")
+        exc = fut.exception() if not fut.cancelled() else Aborted("job cancelled")
         # A job whose worker has gone is void even if its bytes landed: nobody will finish the
         # slot's other ranks or read the load.
         if exc is None and reg.closing:
@@ -358,7 +369,7 @@ class Server:
         ok = exc is None
         self._end_job(reg, slots, is_store, ok)
         if ok:
-            result: JobResult = job.result()
+            result: JobResult = fut.result()
             if is_store:
                 self.stored_bytes += result.nbytes
             else:

@@ -30,8 +30,10 @@ if [ "$what" = env ] || [ "$what" = all ] || [ "$what" = pd ] || [ "$what" = pd+
   } 2>&1 | tee "$OUT/env.txt"
 fi
 rc=0
-# run from outside the checkout: its kvpool/ folder (only __init__.py) would shadow /tmp/pp
-REPO=$PWD; cd /tmp
+# run from a copy inside /tmp/pp: pytest puts the rootdir first on sys.path, and the checkout's
+# kvpool/ folder (only __init__.py) would shadow the import tree built above
+cp -r tests bench pyproject.toml /tmp/pp/
+REPO=/tmp/pp; cd /tmp
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
     -c "$REPO/pyproject.toml" --rootdir "$REPO" "$REPO/tests/daemon/test_cuda_tables.py" "$REPO/tests/gpu" 2>&1 | tee "$OUT/tests.log" || rc=1

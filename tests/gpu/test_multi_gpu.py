@@ -10,7 +10,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from gpu_worker import Worker, gpu_count
+from tests.gpu.gpu_worker import Worker, gpu_count
 
 POISON = 0x3C
 
