@@ -21,9 +21,10 @@ than one copy per chunk: the driver's CPU cost is per operation, and at 64 chunk
 was what bounded per-layer throughput. A pitched round trip is checked once per engine before
 it is trusted (``cuda.check_memcpy_2d_batch``).
 
-Small jobs (at most ``inline_max_ops`` copies) are launched on the caller's thread (the event
-loop) when the lane has nothing queued, saving a thread hop; launching them costs tens of
-microseconds, far less than waking the lane's thread. ``KVPOOL_TRACE`` (any value) makes every
+Small jobs (at most ``inline_max_ops`` copies) can be launched on the caller's thread (the event
+loop) when the lane has nothing queued, saving a thread hop. Off by default: on H100 and H200 it
+did not lower the single-block p50 (bench/results/gpu-notes.md, runs 4-5), as the launch itself
+(40-150 us of Python and driver calls) then delays the loop. ``KVPOOL_TRACE`` (any value) makes every
 job carry monotonic timestamps of its hops (``Future.kvpool_trace``) for latency breakdowns.
 
 Ordering: a store first makes its stream wait on the worker's IPC event (engine compute done);
@@ -563,7 +564,7 @@ class CudaCopyEngine(CopyEngine):
                  dma_streams: int = 4, register_pool: bool = True,
                  register_piece_bytes: int = 1 << 30, kernel_words: int = 4096,
                  kernel_warps: int = 16, dma_2d: bool | None = None,
-                 dma_2d_batch_ops: int = 256, inline_max_ops: int = 256) -> None:
+                 dma_2d_batch_ops: int = 256, inline_max_ops: int = 0) -> None:
         if backend not in ("auto", "dma", "kernel"):
             raise ValueError(f"backend must be auto, dma or kernel, not {backend!r}")
         self.pool = pool
