@@ -774,7 +774,11 @@ class CudaCopyEngine(CopyEngine):
             return "kernel"
         if self.backend == "dma" and can_dma:
             return "dma"
-        if can_kernel and (m.mean_chunk_bytes < self.dma_min_chunk_bytes or not can_dma):
+        # Pitched DMA moves strided small chunks at link speed without SMs (H100 run 4: 4 KiB
+        # chunks 51 / 49 GB/s); the kernel is only for small chunks that form no strided runs.
+        pitched = bool(m.pitched_ok and self.pitched and cuda.has_memcpy_2d_batch())
+        if can_kernel and ((m.mean_chunk_bytes < self.dma_min_chunk_bytes and not pitched)
+                           or not can_dma):
             return "kernel"
         if can_dma:
             return "dma"
