@@ -124,6 +124,21 @@ _SIGNATURES: dict[str, list] = {
 # CUDA 12.8 introduced the batched copy with a trailing ``failIdx``; 13.0 dropped it.
 _BATCH_12 = [_P, _P, _P, _SZ, _P, _P, _SZ, _P, _P]
 _BATCH_13 = [_P, _P, _P, _SZ, _P, _P, _SZ, _P]
+# cuMemcpy3DBatchAsync(numOps, opList, [failIdx,] flags, stream): same history.
+_BATCH3D_12 = [_SZ, _P, _P, ctypes.c_ulonglong, _P]
+_BATCH3D_13 = [_SZ, _P, ctypes.c_ulonglong, _P]
+
+# CUDA_MEMCPY3D_BATCH_OP as a numpy record, so a job's whole op list is built with array
+# arithmetic: two CUmemcpy3DOperand (type, pad, {ptr, rowLength, layerHeight, locHint}) of
+# 40 bytes each, a CUextent3D, srcAccessOrder and flags: 112 bytes, 8-aligned.
+CU_MEMCPY_OPERAND_TYPE_POINTER = 0x1
+BATCH3D_OP_DTYPE = np.dtype({
+    "names": ["src_type", "src_ptr", "src_row", "src_layer", "dst_type", "dst_ptr", "dst_row",
+              "dst_layer", "width", "height", "depth", "order", "flags"],
+    "formats": ["<i4", "<u8", "<u8", "<u8", "<i4", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8",
+                "<i4", "<u4"],
+    "offsets": [0, 8, 16, 24, 40, 48, 56, 64, 80, 88, 96, 104, 108],
+    "itemsize": 112})
 
 
 class _Driver:
@@ -146,6 +161,14 @@ class _Driver:
                     "cuMemcpyBatchAsync", _BATCH_13 if self.version >= 13000 else _BATCH_12)
             except CudaUnavailable:
                 self.cuMemcpyBatchAsync = None
+        self.cuMemcpy3DBatchAsync = None
+        if self.version >= 12080:
+            try:
+                self.cuMemcpy3DBatchAsync = self._resolve(
+                    "cuMemcpy3DBatchAsync",
+                    _BATCH3D_13 if self.version >= 13000 else _BATCH3D_12)
+            except CudaUnavailable:
+                self.cuMemcpy3DBatchAsync = None
         self.check("cuInit", self.cuInit(0))
 
     def _resolve(self, name: str, argtypes: list):
@@ -347,6 +370,11 @@ class HostRegistration:
                 self._cond.notify_all()
 
     @property
+    def is_finished(self) -> bool:
+        """Registration has stopped (every piece done, or it failed)."""
+        return self._finished
+
+    @property
     def is_complete(self) -> bool:
         """Every piece registered, with no error."""
         return self._finished and self.registered_end == self.addr + self.nbytes
@@ -514,6 +542,95 @@ def memcpy_batch_async(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
         args.append(ctypes.addressof(fail_idx))
     args.append(stream)
     d.check("cuMemcpyBatchAsync", d.cuMemcpyBatchAsync(*args))
+
+
+def has_memcpy_2d_batch() -> bool:
+    return driver().cuMemcpy3DBatchAsync is not None
+
+
+def pitched_ops(dst: np.ndarray, dst_pitch: np.ndarray, src: np.ndarray, src_pitch: np.ndarray,
+                width: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """A ``CUDA_MEMCPY3D_BATCH_OP`` array of 2D copies: op ``i`` moves ``rows[i]`` rows of
+    ``width[i]`` bytes from ``src[i]`` (rows ``src_pitch[i]`` apart) to ``dst[i]`` (rows
+    ``dst_pitch[i]`` apart), all pointer operands in unified addressing (element = byte)."""
+    n = len(dst)
+    ops = np.zeros(n, dtype=BATCH3D_OP_DTYPE)
+    ops["src_type"] = CU_MEMCPY_OPERAND_TYPE_POINTER
+    ops["dst_type"] = CU_MEMCPY_OPERAND_TYPE_POINTER
+    ops["src_ptr"] = src
+    ops["dst_ptr"] = dst
+    ops["src_row"] = src_pitch
+    ops["dst_row"] = dst_pitch
+    ops["src_layer"] = rows
+    ops["dst_layer"] = rows
+    ops["width"] = width
+    ops["height"] = rows
+    ops["depth"] = 1
+    ops["order"] = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    return ops
+
+
+def memcpy_2d_batch_async(ops: np.ndarray, stream: int) -> None:
+    """One ``cuMemcpy3DBatchAsync`` over ``pitched_ops`` records: a strided run of chunks
+    (every layer's K and V of one block) is one copy-engine operation instead of one per
+    chunk, which is what bounds per-layer layouts (the driver's cost is per operation)."""
+    d = driver()
+    if d.cuMemcpy3DBatchAsync is None:
+        raise CudaUnavailable("this driver has no cuMemcpy3DBatchAsync (needs CUDA 12.8+)")
+    if len(ops) == 0:
+        return
+    assert ops.dtype == BATCH3D_OP_DTYPE and ops.flags.c_contiguous
+    if d.version >= 13000:
+        rc = d.cuMemcpy3DBatchAsync(len(ops), ops.ctypes.data, 0, stream)
+    else:
+        fail_idx = _SZ(0)
+        rc = d.cuMemcpy3DBatchAsync(len(ops), ops.ctypes.data, ctypes.addressof(fail_idx), 0,
+                                    stream)
+    d.check("cuMemcpy3DBatchAsync", rc)
+
+
+def check_memcpy_2d_batch(ordinal: int) -> str:
+    """Run a small pitched round trip through ``cuMemcpy3DBatchAsync`` on ``ordinal`` and
+    compare bytes; returns "" when it is right, else why not (the caller then keeps to 1D
+    batches). Guards the hand-written struct layout against a driver that reads it otherwise."""
+    if not has_memcpy_2d_batch():
+        return "no cuMemcpy3DBatchAsync in this driver"
+    use_device(ordinal)
+    rows, width, pitch = 4, 4096, 3 * 4096
+    src = host_alloc(rows * width)
+    back = host_alloc(rows * width)
+    dev = mem_alloc(rows * pitch)
+    stream = stream_create()
+    try:
+        pattern = (np.arange(rows * width, dtype=np.uint32) * 2654435761 >> 7).astype(np.uint8)
+        ctypes.memmove(src, pattern.ctypes.data, rows * width)
+        ctypes.memset(back, 0, rows * width)
+        driver().check("cuMemsetD8Async", driver().cuMemsetD8Async(dev, 0x5A, rows * pitch,
+                                                                      stream))
+        one = np.ones(1, dtype=np.uint64)
+        memcpy_2d_batch_async(pitched_ops(one * dev, one * pitch, one * src, one * width,
+                                          one * width, one * rows), stream)
+        # out again as plain 1D copies (known good), row by row
+        for r in range(rows):
+            memcpy_async(back + r * width, dev + r * pitch, width, stream)
+        stream_synchronize(stream)
+        got = np.ctypeslib.as_array((ctypes.c_uint8 * (rows * width)).from_address(back))
+        if not np.array_equal(got, pattern):
+            return "pitched host->device copy moved the wrong bytes"
+        ctypes.memset(back, 0, rows * width)
+        memcpy_2d_batch_async(pitched_ops(one * back, one * width, one * dev, one * pitch,
+                                          one * width, one * rows), stream)
+        stream_synchronize(stream)
+        if not np.array_equal(got, pattern):
+            return "pitched device->host copy moved the wrong bytes"
+        return ""
+    except CudaError as e:
+        return str(e)
+    finally:
+        stream_destroy(stream)
+        mem_free(dev)
+        host_free(src)
+        host_free(back)
 
 
 def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:

@@ -14,7 +14,18 @@ Per job, exactly one batched operation runs on the lane's stream, chosen per job
   where the DMA engines' per-copy cost dominates.
 
 Address tables are built with numpy over (items x segments) at once; nothing in Python runs per
-block or per layer.
+block or per layer. Where a registration's segments form strided runs (per-layer layouts: every
+layer's K and V of a block sit one fixed pitch apart on the GPU and back to back in the shard),
+``dma`` sends one pitched 2D operation per (block, run) through ``cuMemcpy3DBatchAsync`` rather
+than one copy per chunk: the driver's CPU cost is per operation, and at 64 chunks per block it
+was what bounded per-layer throughput. A pitched round trip is checked once per engine before
+it is trusted (``cuda.check_memcpy_2d_batch``).
+
+Small jobs (at most ``inline_max_ops`` copies) can be launched on the caller's thread (the event
+loop) when the lane has nothing queued, saving a thread hop. Off by default: on H100 and H200 it
+did not lower the single-block p50 (bench/results/gpu-notes.md, runs 4-5), as the launch itself
+(40-150 us of Python and driver calls) then delays the loop. ``KVPOOL_TRACE`` (any value) makes every
+job carry monotonic timestamps of its hops (``Future.kvpool_trace``) for latency breakdowns.
 
 Ordering: a store first makes its stream wait on the worker's IPC event (engine compute done);
 a load ends by recording one of the registration's interprocess events, whose handle goes back
@@ -31,11 +42,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -116,6 +128,55 @@ def split_at_boundaries(gpu: np.ndarray, host: np.ndarray, size: np.ndarray, bas
     return (g.astype(np.uint64), (lo + base).astype(np.uint64), (hi - lo).astype(np.uint64))
 
 
+def strided_runs(region: np.ndarray, seg_dev: np.ndarray, seg_stride: np.ndarray,
+                 seg_bytes: np.ndarray, max_pitch: int = (1 << 31) - 1) -> np.ndarray:
+    """Cut segments (in shard order) into runs a pitched copy can move at once: same region,
+    block stride and size, GPU addresses one constant pitch apart (>= the size, so rows never
+    overlap). Returns each run's first segment index plus a final ``len(seg_dev)``."""
+    starts = [0]
+    pitch = 0
+    for s in range(1, len(seg_dev)):
+        d = int(seg_dev[s] - seg_dev[s - 1])
+        same = (region[s] == region[s - 1] and seg_stride[s] == seg_stride[s - 1]
+                and seg_bytes[s] == seg_bytes[s - 1] and seg_bytes[s] <= d <= max_pitch)
+        if same and (s - starts[-1] == 1 or d == pitch):
+            pitch = d
+            continue
+        starts.append(s)
+        pitch = 0
+    return np.asarray(starts + [len(seg_dev)], dtype=np.int64)
+
+
+def pitched_table(seg_dev: np.ndarray, seg_stride: np.ndarray, seg_bytes: np.ndarray,
+                  seg_prefix: np.ndarray, bounds: np.ndarray, block_ids: np.ndarray,
+                  shard_offsets: np.ndarray, pool_base: int) -> tuple[np.ndarray, ...]:
+    """(gpu address, gpu pitch, pool address, rows, row bytes) of every pitched copy of a job:
+    one per (item, run), rows back to back in the shard (pool pitch = row bytes)."""
+    first = bounds[:-1]
+    rows = np.diff(bounds)
+    pitch = np.where(rows > 1, seg_dev[np.minimum(first + 1, len(seg_dev) - 1)] - seg_dev[first],
+                     seg_bytes[first])
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    shards = np.asarray(shard_offsets, dtype=np.int64)
+    n, r = len(blocks), len(first)
+    gpu = (seg_dev[first][None, :] + blocks[:, None] * seg_stride[first][None, :]).ravel()
+    host = (pool_base + shards[:, None] + seg_prefix[first][None, :]).ravel()
+    return (gpu.astype(np.uint64), np.broadcast_to(pitch, (n, r)).ravel().astype(np.uint64),
+            host.astype(np.uint64), np.broadcast_to(rows, (n, r)).ravel().astype(np.uint64),
+            np.broadcast_to(seg_bytes[first], (n, r)).ravel().astype(np.uint64))
+
+
+def split_items(shard_offsets: np.ndarray, shard_bytes: int, piece: int) -> np.ndarray:
+    """Mask of the shards that span two separately registered pieces of the pool."""
+    lo = np.asarray(shard_offsets, dtype=np.int64)
+    return (lo // piece) != ((lo + shard_bytes - 1) // piece)
+
+
+def crosses_pieces(shard_offsets: np.ndarray, shard_bytes: int, piece: int) -> bool:
+    """Whether any shard spans two separately registered pieces of the pool."""
+    return bool(split_items(shard_offsets, shard_bytes, piece).any())
+
+
 # ---- registrations ---------------------------------------------------------------------------
 
 class CudaMapped(Mapped):
@@ -140,6 +201,9 @@ class CudaMapped(Mapped):
         g, _, s = chunk_table(self.seg_dev, stride, nbytes, prefix, np.arange(1),
                               np.zeros(1, dtype=np.int64), 0)
         self.mean_chunk_bytes = int(s.sum()) // max(1, len(s))
+        # pitched runs, worth using where they cut the operations per block at least in half
+        self.run_bounds = strided_runs(region, self.seg_dev, stride, nbytes)
+        self.pitched_ok = len(self.run_bounds) - 1 <= len(s) // 2
         self.seg_table_gpu: Any = None      # torch int64 [4, S] on the device, for the kernel
         self.load_events: list[int] = []
         self.load_event_handles: list[bytes] = []
@@ -177,7 +241,7 @@ class _Job:
     recycle_event: bool = False
     staging: Any = None
     backend: str = ""
-    t_submit: float = field(default_factory=time.perf_counter)
+    trace: list[int] | None = None   # monotonic ns: submitted, launch start, launched, done
 
 
 class _Lane:
@@ -197,6 +261,12 @@ class _Lane:
         self.staging: list[tuple[int, int, int]] = []   # (addr, capacity bytes, last event)
         self.staging_next = 0
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        # Held while a job's copies are enqueued on the stream (by either thread); ``queued``
+        # counts jobs handed to the submit thread but not launched yet, so an inline launch
+        # never overtakes one of them.
+        self.launch_lock = threading.Lock()
+        self.qlock = threading.Lock()
+        self.queued = 0
         self.waits: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.recycled: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.submitter = threading.Thread(target=self._submit_loop, name=name + "-submit",
@@ -205,22 +275,50 @@ class _Lane:
         self.submitter.start()
         self.waiter.start()
 
-    # -- launching (submit thread) --
+    # -- launching (caller's thread for small jobs, else the submit thread) --
+
+    def submit(self, job: _Job) -> None:
+        eng = self.engine
+        small = len(job.block_ids) * len(job.mapped.seg_dev) <= eng.inline_max_ops
+        if small and self.launch_lock.acquire(blocking=False):
+            try:
+                with self.qlock:
+                    idle = self.queued == 0
+                if idle:
+                    try:
+                        cuda.use_device(self.gpu.ordinal)
+                        launched = self._launch(job, inline=True)
+                    except Exception as e:  # noqa: BLE001 - failures go back through the future
+                        eng._finish(job, e)
+                        return
+                    if launched:
+                        self.waits.put(job)
+                        return
+            finally:
+                self.launch_lock.release()
+        with self.qlock:
+            self.queued += 1
+        self.jobs.put(job)
 
     def _submit_loop(self) -> None:
         cuda.use_device(self.gpu.ordinal)
+        self.engine._check_pitched(self.gpu.ordinal)
         self._warm_kernel()
         while True:
             job = self.jobs.get()
             if job is None:
                 self.waits.put(None)
                 return
-            try:
-                self._launch(job)
-            except Exception as e:  # noqa: BLE001 - every failure goes back through the future
-                self.engine._finish(job, e)
-                continue
-            self.waits.put(job)
+            with self.launch_lock:
+                try:
+                    self._launch(job)
+                except Exception as e:  # noqa: BLE001 - every failure goes back through the future
+                    self.engine._finish(job, e)
+                else:
+                    self.waits.put(job)
+                finally:
+                    with self.qlock:
+                        self.queued -= 1
 
     def _warm_kernel(self) -> None:
         """Import torch and compile this direction's kernel before the first job needs it
@@ -258,48 +356,87 @@ class _Lane:
                 break
         return self.free_events.pop() if self.free_events else cuda.event_create()
 
-    def _launch(self, job: _Job) -> None:
+    def _launch(self, job: _Job, inline: bool = False) -> bool:
+        """Enqueue the job's copies and its completion event on the lane's stream; the caller
+        holds ``launch_lock``. ``inline`` (the event loop's thread) must not block: it returns
+        False, having done nothing, for a job that needs something that could (a pool piece
+        still being registered, the kernel path's first compile, the pitched-copy check)."""
         m = job.mapped
         eng = self.engine
+        shard_bytes = int(m.registration.layout.shard_bytes)
+        shard_end = eng.pool_base + int(job.shard_offsets.max()) + shard_bytes
+        reg = eng.registration
+        if reg is None:
+            pinned = False
+        elif inline:
+            pinned = reg.registered_end >= shard_end
+            if not pinned and not reg.is_finished:
+                return False
+        else:
+            pinned = reg.wait_until(shard_end)
+        backend = eng._choose(m, pinned)
+        if inline and (backend == "kernel" or (m.pitched_ok and eng.pitched is None)):
+            return False
+        if job.trace is not None:
+            job.trace.append(time.monotonic_ns())
         if job.wait_event:
             cuda.stream_wait_event(self.stream, eng._open_event(m, job.wait_event))
-        shard_end = int(job.shard_offsets.max()) + int(m.registration.layout.shard_bytes)
-        reg = eng.registration
-        pinned = reg is not None and reg.wait_until(eng.pool_base + shard_end)
-        backend = eng._choose(m, pinned)
         job.backend = backend
         if backend == "kernel":
             self._launch_kernel(job)
         else:
-            gpu, host, size = chunk_table(m.seg_dev, m.seg_stride, m.seg_bytes, m.seg_prefix,
-                                          job.block_ids, job.shard_offsets, eng.pool_base)
-            if reg is not None and len(reg.registered) > 1:
-                gpu, host, size = split_at_boundaries(gpu, host, size, eng.pool_base,
-                                                      reg.piece_bytes)
-            if job.to_pool:
-                self._dma(host, gpu, size)
-            else:
-                self._dma(gpu, host, size)
+            split = reg is not None and len(reg.registered) > 1
+            blocks, shards = job.block_ids, job.shard_offsets
+            if m.pitched_ok and eng.pitched:
+                # Shards that straddle two registered pieces of the pool (a few per GiB) go
+                # as 1D chunks, split at the boundary; every other one as pitched runs.
+                cross = (split_items(shards, shard_bytes, reg.piece_bytes) if split
+                         else None)
+                keep = slice(None) if cross is None else ~cross
+                gpu, gpitch, host, rows, width = pitched_table(
+                    m.seg_dev, m.seg_stride, m.seg_bytes, m.seg_prefix, m.run_bounds,
+                    blocks[keep], shards[keep], eng.pool_base)
+                if job.to_pool:
+                    ops = cuda.pitched_ops(host, width, gpu, gpitch, width, rows)
+                else:
+                    ops = cuda.pitched_ops(gpu, gpitch, host, width, width, rows)
+                job.backend = "dma2d"
+                self._spread(len(ops), eng.dma_2d_batch_ops,
+                             lambda a, b, st: cuda.memcpy_2d_batch_async(ops[a:b], st))
+                if cross is None or not cross.any():
+                    blocks = blocks[:0]
+                else:
+                    blocks, shards = blocks[cross], shards[cross]
+            if len(blocks):
+                gpu, host, size = chunk_table(m.seg_dev, m.seg_stride, m.seg_bytes,
+                                              m.seg_prefix, blocks, shards, eng.pool_base)
+                if split:
+                    gpu, host, size = split_at_boundaries(gpu, host, size, eng.pool_base,
+                                                          reg.piece_bytes)
+                dst, src = (host, gpu) if job.to_pool else (gpu, host)
+                self._spread(len(size), eng.dma_batch_copies,
+                             lambda a, b, st: cuda.memcpy_batch_async(dst[a:b], src[a:b],
+                                                                      size[a:b], st))
         if job.to_pool:
             job.event = self._event()
             job.recycle_event = True
         else:
             job.event, job.done_handle = eng._load_event(m)
         cuda.event_record(job.event, self.stream)
+        if job.trace is not None:
+            job.trace.append(time.monotonic_ns())
+        return True
 
-    def _dma(self, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> None:
-        """The job's copies as batched DMA: cut into batches of at most ``dma_batch_copies``
-        (the GPU starts on the first while the driver still reads the next; the driver's cost
-        is per copy) spread round robin over ``dma_streams`` streams (several copy engines
-        work at once), all joined back into the lane's stream."""
+    def _spread(self, n: int, per: int, call) -> None:
+        """A job's batched DMA: ``call(lo, hi, stream)`` for batches of at most ``per``
+        operations (the GPU starts on the first while the driver still reads the next; the
+        driver's cost is per operation) spread round robin over ``dma_streams`` streams
+        (several copy engines work at once), all joined back into the lane's stream."""
         eng = self.engine
-        per = eng.dma_batch_copies
-        n = len(size)
         t0 = time.perf_counter()
         if n <= per or eng.dma_streams <= 1:
             for i in range(0, n, per):
-                cuda.memcpy_batch_async(dst[i:i + per], src[i:i + per], size[i:i + per],
-                                        self.stream)
+                call(i, i + per, self.stream)
         else:
             while len(self.aux) < eng.dma_streams - 1:
                 self.aux.append((cuda.stream_create(), cuda.event_create()))
@@ -309,8 +446,7 @@ class _Lane:
             for s in streams[1:]:
                 cuda.stream_wait_event(s, fork)
             for k, i in enumerate(range(0, n, per)):
-                cuda.memcpy_batch_async(dst[i:i + per], src[i:i + per], size[i:i + per],
-                                        streams[k % len(streams)])
+                call(i, i + per, streams[k % len(streams)])
             for s, ev in self.aux[:eng.dma_streams - 1]:
                 cuda.event_record(ev, s)
                 cuda.stream_wait_event(self.stream, ev)
@@ -381,6 +517,8 @@ class _Lane:
                 cuda.event_synchronize(job.event)
             except Exception as e:  # noqa: BLE001
                 err = e
+            if job.trace is not None:
+                job.trace.append(time.monotonic_ns())
             if job.recycle_event:
                 self.recycled.put(job.event)
             self.engine._finish(job, err)
@@ -425,7 +563,8 @@ class CudaCopyEngine(CopyEngine):
                  dma_min_chunk_bytes: int = 16 << 10, dma_batch_copies: int = 2048,
                  dma_streams: int = 4, register_pool: bool = True,
                  register_piece_bytes: int = 1 << 30, kernel_words: int = 4096,
-                 kernel_warps: int = 16) -> None:
+                 kernel_warps: int = 16, dma_2d: bool | None = None,
+                 dma_2d_batch_ops: int = 256, inline_max_ops: int = 0) -> None:
         if backend not in ("auto", "dma", "kernel"):
             raise ValueError(f"backend must be auto, dma or kernel, not {backend!r}")
         self.pool = pool
@@ -439,6 +578,16 @@ class CudaCopyEngine(CopyEngine):
         self.dma_calls_s = 0.0    # CPU seconds inside cuMemcpyBatchAsync (benchmarks)
         self.kernel_words = kernel_words
         self.kernel_warps = kernel_warps
+        # Benchmark and debugging knobs from the environment (A/B runs of one daemon build).
+        env = os.environ
+        if "KVPOOL_CUDA_DMA_2D" in env:
+            dma_2d = env["KVPOOL_CUDA_DMA_2D"] not in ("0", "off", "false")
+        # pitched copies: True/False forced, None until the first lane has checked them
+        self.pitched: bool | None = dma_2d
+        self.dma_2d_batch_ops = dma_2d_batch_ops
+        self.inline_max_ops = int(env.get("KVPOOL_CUDA_INLINE_OPS", inline_max_ops))
+        self.trace = bool(env.get("KVPOOL_TRACE"))
+        self._pitched_lock = threading.Lock()
         self.registration: cuda.HostRegistration | None = None
         self.kernel_broken = False
         self._gpus: dict[int, _Gpu] = {}
@@ -461,6 +610,17 @@ class CudaCopyEngine(CopyEngine):
             self._init_error = e
         finally:
             self._ready.set()
+
+    def _check_pitched(self, ordinal: int) -> None:
+        """Decide once, on a lane thread, whether pitched batches move the right bytes."""
+        with self._pitched_lock:
+            if self.pitched is not None:
+                return
+            why = cuda.check_memcpy_2d_batch(ordinal)
+            if why:
+                log.warning("kvpool: pitched batched copies unusable (%s); per-layer layouts "
+                            "use one copy per chunk", why)
+            self.pitched = not why
 
     def _require_ready(self) -> None:
         self._ready.wait()
@@ -597,11 +757,13 @@ class CudaCopyEngine(CopyEngine):
             return fut
         nbytes = len(blocks) * mapped.registration.layout.shard_bytes
         job = _Job(mapped, to_pool, blocks, shards, wait_event, fut, nbytes)
+        if self.trace:
+            job.trace = [time.monotonic_ns()]
         if len(blocks) == 0:
             self._finish(job, None)
             return fut
         gpu = self._gpus[mapped.ordinal]
-        (gpu.store if to_pool else gpu.load).jobs.put(job)
+        (gpu.store if to_pool else gpu.load).submit(job)
         return fut
 
     def _choose(self, m: CudaMapped, pinned: bool) -> str:
@@ -612,7 +774,11 @@ class CudaCopyEngine(CopyEngine):
             return "kernel"
         if self.backend == "dma" and can_dma:
             return "dma"
-        if can_kernel and (m.mean_chunk_bytes < self.dma_min_chunk_bytes or not can_dma):
+        # Pitched DMA moves strided small chunks at link speed without SMs (H100 run 4: 4 KiB
+        # chunks 51 / 49 GB/s); the kernel is only for small chunks that form no strided runs.
+        pitched = bool(m.pitched_ok and self.pitched and cuda.has_memcpy_2d_batch())
+        if can_kernel and ((m.mean_chunk_bytes < self.dma_min_chunk_bytes and not pitched)
+                           or not can_dma):
             return "kernel"
         if can_dma:
             return "dma"
@@ -642,6 +808,8 @@ class CudaCopyEngine(CopyEngine):
 
     def _finish(self, job: _Job, err: BaseException | None) -> None:
         m = job.mapped
+        if job.trace is not None:
+            job.future.kvpool_trace = job.trace  # type: ignore[attr-defined]
         try:
             if err is None:
                 job.future.set_result(JobResult(job.nbytes, job.done_handle))

@@ -66,6 +66,9 @@ class Server:
         self._in_drain = False
         # Replaced by Telemetry.start() in _startup; hooks are safe to call before that.
         self.telemetry = Telemetry.disabled()
+        # KVPOOL_TRACE=<file>: one line per job with the monotonic ns of each hop (benchmarks)
+        trace = os.environ.get("KVPOOL_TRACE")
+        self._trace = open(trace, "a", buffering=1) if trace else None
         if pool.adopted:
             kept = self.index.adopt()
             log.info("adopted %d committed blocks from the existing pool", kept)
@@ -170,6 +173,8 @@ class Server:
         for owner in list(self.registry.owners.values()):
             self._release_owner(owner)
         self._release_resources()
+        if self._trace:
+            self._trace.close()
         log.info("kvpoold stopped%s", "; pool kept for the next start" if self.config.keep_pool
                  else "")
 
@@ -318,6 +323,7 @@ class Server:
     # ---- jobs ------------------------------------------------------------------------------
 
     def _start_job(self, owner: Owner, msg: p.StoreRequest | p.LoadRequest) -> p.Reply | None:
+        t_recv = time.monotonic_ns() if self._trace else 0
         is_store = isinstance(msg, p.StoreRequest)
         started = time.monotonic()
         try:
@@ -351,18 +357,32 @@ class Server:
             return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
         reg.jobs_in_flight += 1
         owner.jobs_in_flight += 1
-        job = asyncio.wrap_future(fut)
+        t_sub = time.monotonic_ns() if self._trace else 0
+        # The engine's future resolves on its thread; one call_soon_threadsafe brings the
+        # completion to the loop (asyncio.wrap_future would take two loop turns).
+        loop = asyncio.get_running_loop()
+        job = loop.create_future()
         self._jobs.add(job)
-        job.add_done_callback(lambda j: self._job_done(j, owner, reg, slots, is_store, msg,
-                                                       started))
+
+        def resolved(f) -> None:
+            try:
+                loop.call_soon_threadsafe(self._job_done, job, owner, reg, slots, is_store, msg,
+                                          f, started, t_recv, t_sub)
+            except RuntimeError:   # the loop has closed: the daemon is gone
+                pass
+        fut.add_done_callback(resolved)
         return None
 
     def _job_done(self, job: asyncio.Future, owner: Owner, reg: Registration, slots: list[Slot],
-                  is_store: bool, msg: p.StoreRequest | p.LoadRequest, started: float) -> None:
+                  is_store: bool, msg: p.StoreRequest | p.LoadRequest, fut, started: float,
+                  t_recv: int = 0, t_sub: int = 0) -> None:
+        t_cb = time.monotonic_ns() if self._trace else 0
+        if not job.done():
+            job.set_result(None)
         self._jobs.discard(job)
         reg.jobs_in_flight -= 1
         owner.jobs_in_flight -= 1
-        exc = job.exception() if not job.cancelled() else Aborted("job cancelled")
+        exc = fut.exception() if not fut.cancelled() else Aborted("job cancelled")
         # A job whose worker has gone is void even if its bytes landed: nobody will finish the
         # slot's other ranks or read the load.
         if exc is None and reg.closing:
@@ -370,7 +390,7 @@ class Server:
         ok = exc is None
         self._end_job(reg, slots, is_store, ok)
         if ok:
-            result: JobResult = job.result()
+            result: JobResult = fut.result()
             if is_store:
                 self.stored_bytes += result.nbytes
             else:
@@ -389,6 +409,12 @@ class Server:
             self._send(owner.identity, reply)
         elif reg.jobs_in_flight == 0:
             self._detach(reg)
+        if self._trace:
+            # owner job store|load blocks backend recv submitted engine-stamps... callback sent
+            eng = (getattr(fut, "kvpool_trace", None) or []) + [0, 0, 0, 0]
+            self._trace.write(" ".join(map(str, [
+                owner.id, msg.job_id, "store" if is_store else "load", len(slots),
+                t_recv, t_sub, *eng[1:4], t_cb, time.monotonic_ns()])) + "\n")
 
     def _end_job(self, reg: Registration, slots: list[Slot], is_store: bool, ok: bool) -> None:
         if is_store:

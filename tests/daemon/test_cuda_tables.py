@@ -82,3 +82,77 @@ def test_cuda_modules_import_without_cuda():
     if not cuda.is_available():
         with pytest.raises((cuda.CudaUnavailable, cuda.CudaError)):
             cuda.device_count()
+
+
+def _expand_pitched(gpu, gpitch, host, rows, width):
+    out = []
+    for g, p, h, r, w in zip(*(x.astype(np.int64) for x in (gpu, gpitch, host, rows, width))):
+        out += [(g + k * p, h + k * w, w) for k in range(r)]
+    return out
+
+
+@pytest.mark.parametrize("case", ["per_layer", "mla", "mixed", "block_outer"])
+def test_pitched_table_moves_the_same_bytes_as_the_chunk_table(case):
+    from kvpool.daemon.cuda_copy import pitched_table, strided_runs
+    nb = 9
+    if case == "per_layer":     # [L, 2, NB, inner]: one run of 2L rows
+        lead, inner = 8, 64
+        seg_dev = np.array([4096 + i * nb * inner for i in range(lead)], dtype=np.int64)
+        seg_bytes = np.full(lead, inner, dtype=np.int64)
+        region = np.zeros(lead, dtype=np.int64)
+    elif case == "mla":         # two regions (e.g. two KV-cache tensors)
+        lead, inner = 6, 48
+        seg_dev = np.array([4096 + (i % 3) * nb * inner + (i // 3) * (1 << 20)
+                            for i in range(lead)], dtype=np.int64)
+        seg_bytes = np.full(lead, inner, dtype=np.int64)
+        region = np.array([0, 0, 0, 1, 1, 1], dtype=np.int64)
+    elif case == "mixed":       # sizes and pitches change along the shard
+        seg_dev = np.array([0, 1000, 2000, 3000, 9000, 9100, 20000], dtype=np.int64) + 4096
+        seg_bytes = np.array([32, 32, 32, 16, 16, 16, 64], dtype=np.int64)
+        region = np.zeros(7, dtype=np.int64)
+        lead = 7
+    else:
+        lead, inner = 1, 256
+        seg_dev = np.array([4096], dtype=np.int64)
+        seg_bytes = np.full(1, inner, dtype=np.int64)
+        region = np.zeros(1, dtype=np.int64)
+    seg_stride = np.full(lead, int(seg_bytes.max()), dtype=np.int64)
+    seg_prefix = np.zeros(lead, dtype=np.int64)
+    np.cumsum(seg_bytes[:-1], out=seg_prefix[1:])
+    bounds = strided_runs(region, seg_dev, seg_stride, seg_bytes)
+    if case == "per_layer":
+        assert list(bounds) == [0, lead]
+    if case == "mla":
+        assert list(bounds) == [0, 3, 6]
+    blocks = np.array([5, 0, 7, 2])
+    shards = np.arange(4, dtype=np.int64) * int(seg_bytes.sum()) * 3
+    table = pitched_table(seg_dev, seg_stride, seg_bytes, seg_prefix, bounds, blocks, shards,
+                          1 << 30)
+    assert all(t.dtype == np.uint64 for t in table)
+    assert len(table[0]) == len(blocks) * (len(bounds) - 1)
+    naive = _naive(seg_dev, seg_stride, seg_bytes, seg_prefix, blocks, shards, 1 << 30)
+    g1, h1 = _bytes_map(*zip(*naive))
+    g2, h2 = _bytes_map(*zip(*_expand_pitched(*table)))
+    assert np.array_equal(np.sort(g1), np.sort(g2))
+    assert np.array_equal(g1[np.argsort(g1)], g2[np.argsort(g2)])
+    assert np.array_equal(h1[np.argsort(g1)], h2[np.argsort(g2)])
+
+
+def test_pitched_ops_record_layout():
+    from kvpool.daemon import cuda
+    one = np.ones(2, dtype=np.uint64)
+    ops = cuda.pitched_ops(one * 10, one * 20, one * 30, one * 40, one * 50, one * 60)
+    assert ops.dtype.itemsize == 112 and ops.flags.c_contiguous
+    raw = ops.view(np.uint8).reshape(2, 112)
+    word = lambda off: int(raw[0, off:off + 8].view(np.uint64)[0])   # noqa: E731
+    assert [word(8), word(16), word(24)] == [30, 40, 60]        # src ptr, rowLength, layerHeight
+    assert [word(48), word(56), word(64)] == [10, 20, 60]       # dst
+    assert [word(80), word(88), word(96)] == [50, 60, 1]        # extent w, h, d
+    assert int(raw[0, 0:4].view(np.int32)[0]) == 1 and int(raw[0, 40:44].view(np.int32)[0]) == 1
+    assert int(raw[0, 104:108].view(np.int32)[0]) == 1          # srcAccessOrder = stream
+
+
+def test_crosses_pieces():
+    from kvpool.daemon.cuda_copy import crosses_pieces
+    assert not crosses_pieces(np.array([0, 1 << 21]), 1 << 21, 1 << 30)
+    assert crosses_pieces(np.array([(1 << 30) - 4096]), 1 << 21, 1 << 30)

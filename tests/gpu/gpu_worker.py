@@ -148,10 +148,40 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int) -> None:
             dones = client.wait(ids, 120)
             dt = time.perf_counter() - t0
             conn.send((dt, all(d.ok for d in dones), [d.message for d in dones if not d.ok][:1]))
+        elif cmd == "pd_store":      # [(blocks, slots)...]: submit all, report each completion
+            ids = [client.submit_store(reg_id, blocks, slots, store_events.record())
+                   for blocks, slots in args[0]]
+            order = {j: k for k, j in enumerate(ids)}
+            left = set(ids)
+            while left:
+                for c in _some(client, left):
+                    left.discard(c.job_id)
+                    conn.send(("done", order[c.job_id], c.ok, c.message, time.monotonic_ns()))
+            conn.send(("end",))
+        elif cmd == "submit_load":   # (slots, blocks) -> job id, not waiting
+            conn.send(client.submit_load(reg_id, args[0], args[1]))
+        elif cmd == "wait_loads":    # (job ids) -> monotonic ns once every load's KV is usable
+            for d in client.wait(args[0], 120):
+                if not d.ok:
+                    conn.send(RuntimeError(f"load failed: {d.message}"))
+                    break
+                load_events.wait(d.done_event)
+            else:
+                torch.cuda.current_stream().synchronize()
+                conn.send(time.monotonic_ns())
         elif cmd == "mem_free":
             conn.send(torch.cuda.mem_get_info()[0])
         else:
             conn.send(RuntimeError(f"unknown command {cmd}"))
+
+
+def _some(client: Any, want: set[int]) -> list:
+    """At least one completion of ``want`` (blocking on the client's socket for it)."""
+    while True:
+        got = [c for c in client.poll() if c.job_id in want]
+        if got:
+            return got
+        client._t.wait_readable(0.05)
 
 
 class _DaemonBench:
@@ -239,21 +269,80 @@ class _DaemonBench:
         self._commit(slots)
         return dt
 
-    def single(self, block: int, reps: int) -> tuple[list[float], list[float]]:
-        """Seconds of ``reps`` one-block stores and of ``reps`` one-block loads."""
+    def single(self, block: int, reps: int) -> tuple[list[float], list[float], dict]:
+        """Seconds of ``reps`` one-block stores and of ``reps`` one-block loads, and the
+        client's side of each job's hop timestamps (owner id, job id, monotonic ns of: before
+        submit, completion seen, KV usable) for joining with the daemon's ``KVPOOL_TRACE``."""
+        import torch
         slots = self.prepare(reps)
-        st, ld = [], []
+        st, ld, stamps = [], [], []
+        mono = time.monotonic_ns
         for s in slots:
             t0 = time.perf_counter()
-            self._wait([self.client.submit_store(self.reg_id, [block], [s],
-                                                 self.store_events.record())], False)
+            n0 = mono()
+            jid = self.client.submit_store(self.reg_id, [block], [s], self.store_events.record())
+            self._wait([jid], False)
+            n1 = mono()
             st.append(time.perf_counter() - t0)
+            stamps.append((jid, n0, n1, n1))
         self._commit(slots)
         for s in self.committed:
             t0 = time.perf_counter()
-            self._wait([self.client.submit_load(self.reg_id, [s], [block + 1])], True)
+            n0 = mono()
+            jid = self.client.submit_load(self.reg_id, [s], [block + 1])
+            done = self.client.wait([jid], 120)[0]
+            n1 = mono()
+            if not done.ok:
+                raise RuntimeError(f"job failed: {done.message}")
+            self.load_events.wait(done.done_event)
+            torch.cuda.current_stream().synchronize()
             ld.append(time.perf_counter() - t0)
-        return st, ld
+            stamps.append((jid, n0, n1, mono()))
+        return st, ld, {"owner": self.client._t.owner_id, "jobs": stamps}
+
+    def gemm_offload(self, iters: int, blocks_per_job: int, store_blocks: list[int],
+                     load_blocks: list[int]) -> tuple[float, float, float]:
+        """The GEMM in this worker's own process (as in vLLM: the offloading worker is the
+        engine): seconds of ``iters`` bf16 8192^3 GEMMs alone, then while another thread of
+        this process offloads at full speed; returns (alone, with, blocks/s moved). The
+        offload thread records its store events and waits its loads on a side stream, as a
+        connector does for blocks computed earlier, so it never waits for the GEMM queue."""
+        import threading
+
+        import torch
+        n = 8192
+        dev = torch.cuda.current_device()
+        a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+
+        def loop() -> float:
+            for _ in range(3):
+                a @ b
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                a @ b
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+        alone = loop()
+        side = torch.cuda.Stream()
+        out: dict = {}
+
+        def offload() -> None:
+            try:
+                with torch.cuda.stream(side):
+                    out["rate"] = self.offload_for(3 * alone + 1.0, blocks_per_job,
+                                                   store_blocks, load_blocks)
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                out["error"] = e
+        th = threading.Thread(target=offload)
+        th.start()
+        time.sleep(0.3)
+        with_offload = loop()
+        th.join()
+        if "error" in out:
+            raise out["error"]
+        return alone, with_offload, out["rate"]
 
     def offload_for(self, seconds: float, blocks_per_job: int, store_blocks: list[int],
                     load_blocks: list[int]) -> float:

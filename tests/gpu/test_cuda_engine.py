@@ -30,6 +30,9 @@ def engine(pool):
     eng = CudaCopyEngine(pool, register_piece_bytes=64 << 20)   # several pieces: split path
     assert eng.registration.wait(60), "pool registration did not finish"
     assert eng.registration.is_complete, eng.registration.error
+    eng._require_ready()
+    eng._check_pitched(0)      # settle it now: tests below force it either way
+    eng.pitched_checked = eng.pitched
     yield eng
     eng.close()
 
@@ -45,14 +48,27 @@ def _pool_shards(pool, reg, offsets):
     return np.stack([a[o:o + n] for o in offsets])
 
 
-@pytest.mark.parametrize("backend", ["dma", "kernel"])
+def test_pitched_copies_pass_their_check(engine):
+    from kvpool.daemon import cuda
+    if not cuda.has_memcpy_2d_batch():
+        pytest.skip("driver has no cuMemcpy3DBatchAsync")
+    assert engine.pitched_checked is True, cuda.check_memcpy_2d_batch(0)
+
+
+@pytest.mark.parametrize("backend", ["dma", "dma2d", "kernel"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_round_trip_bit_exact(engine, pool, layout, backend):
+    from kvpool.daemon import cuda
+    if backend == "dma2d" and not cuda.has_memcpy_2d_batch():
+        pytest.skip("driver has no cuMemcpy3DBatchAsync")
     w = Worker(0, layout, NUM_BLOCKS)
     try:
         reg = w.register_request()
-        engine.backend = backend
+        engine.backend = backend.replace("dma2d", "dma")
+        engine.pitched = backend == "dma2d"
         m = engine.attach(reg)
+        if backend == "dma2d" and layout != "block_outer":
+            assert m.pitched_ok, "strided segments should make pitched runs"
         rng = np.random.default_rng(hash((layout, backend)) & 0xFFFF)
         src = rng.choice(NUM_BLOCKS, 40, replace=False)
         dst = rng.choice(NUM_BLOCKS, 40, replace=False)
@@ -79,6 +95,7 @@ def test_round_trip_bit_exact(engine, pool, layout, backend):
         assert m.released.is_set()
     finally:
         engine.backend = "auto"
+        engine.pitched = engine.pitched_checked
         w.close()
 
 
@@ -87,7 +104,8 @@ def test_auto_backend_choice(engine):
     w2 = Worker(0, "block_outer", 8)
     try:
         m, m2 = engine.attach(w.register_request()), engine.attach(w2.register_request())
-        assert engine.backend_for(m) == "kernel"      # 4 KiB copies
+        # 4 KiB copies: pitched DMA where the driver has it (strided runs), else the kernel
+        assert engine.backend_for(m) == ("dma" if engine.pitched_checked else "kernel")
         assert engine.backend_for(m2) == "dma"        # 2 MiB copies
         engine.detach(m, wait_s=10)
         engine.detach(m2, wait_s=10)
