@@ -317,7 +317,8 @@ class Index:
         """A store job finished (or failed): commit slots whose every rank has landed; drop
         the others of a failed job. Returns how many slots committed."""
         bit = 1 << rank
-        committed = 0
+        ready: list[Slot] = []
+        full = (1 << self._layouts[slots[0].ns].tp_size) - 1 if slots else 0
         for s in slots:
             s.writing &= ~bit
             s.pins -= 1
@@ -325,12 +326,13 @@ class Index:
                 s.doomed = True
             elif not s.doomed:
                 s.landed |= bit
-                if s.landed == (1 << self._layouts[s.ns].tp_size) - 1:
-                    self._commit(s)
-                    committed += 1
+                if s.landed == full:
+                    ready.append(s)
             if s.doomed:
                 self._drop(s)
-        return committed
+        if ready:
+            self._commit(ready)
+        return len(ready)
 
     # ---- loads -----------------------------------------------------------------------------
 
@@ -482,15 +484,20 @@ class Index:
             del self._slots[s.id]
         self.pool.release_extent(extent)
 
-    def _commit(self, s: Slot) -> None:
-        del self._writing[s.id]
-        s.state = COMMITTED
-        s.last_use = next(self._tick)
-        self.pool.write_record(s.extent, s.index, s.key, COMMITTED, s.generation)
-        s.size_class.lru.insert(s.id)
-        self.stats.stored_blocks += 1
+    def _commit(self, slots: list[Slot]) -> None:
+        """Make landed slots visible: records first (one vectorised write per extent), then
+        the in-memory state lookups read."""
+        self.pool.commit_records([(s.extent, s.index, s.key, s.generation) for s in slots])
+        tick = next(self._tick)
+        writing = self._writing
+        for s in slots:
+            del writing[s.id]
+            s.state = COMMITTED
+            s.last_use = tick
+            s.size_class.lru.insert(s.id)
+        self.stats.stored_blocks += len(slots)
         if self.events is not None:
-            self.events.append(("stored", s.ns, s.key[16:]))
+            self.events.extend(("stored", s.ns, s.key[16:]) for s in slots)
 
     def _evict(self, s: Slot) -> None:
         self.stats.evictions += 1

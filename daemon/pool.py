@@ -280,6 +280,19 @@ class Pool:
             r["generation"] = generation
         r["state"] = state
 
+    def commit_records(self, entries: list[tuple[int, int, bytes, int]]) -> None:
+        """Mark many slots COMMITTED: (extent, index, key, generation) each. Key and generation
+        land before the state byte, so a crash in between leaves the record uncommitted."""
+        by_extent: dict[int, list[tuple[int, bytes, int]]] = {}
+        for e, i, key, gen in entries:
+            by_extent.setdefault(e, []).append((i, key, gen))
+        for e, rows in by_extent.items():
+            rec = self.records(e)
+            idx = np.fromiter((r[0] for r in rows), np.int64, len(rows))
+            rec["key"][idx] = np.frombuffer(b"".join(r[1] for r in rows), dtype="V32")
+            rec["generation"][idx] = np.fromiter((r[2] for r in rows), np.uint32, len(rows))
+            rec["state"][idx] = COMMITTED
+
     # ---- layout table ----------------------------------------------------------------------
 
     def save_layouts(self, layouts: dict[bytes, Layout]) -> None:
