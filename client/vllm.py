@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from kvpool.client.vllm_worker import WorkerRole
 
 # kv_connector_extra_config keys that are not ClientConfig fields.
-CONNECTOR_KEYS = ("model_id",)
+CONNECTOR_KEYS = ("model_id", "pd_wait_s")
 
 
 def client_config(extra: dict[str, Any]) -> ClientConfig:
@@ -93,9 +93,12 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
             client = SchedulerClient(config, name=f"vllm scheduler {engine_id}",
                                      engine_id=engine_id)
-            self.scheduler = SchedulerRole(groups, pc.world_size, client,
-                                           config.reconnect_backoff_ms / 1000,
-                                           config.reconnect_backoff_max_ms / 1000)
+            self.scheduler = SchedulerRole(
+                groups, pc.world_size, client, config.reconnect_backoff_ms / 1000,
+                config.reconnect_backoff_max_ms / 1000,
+                kv_producer=self._kv_transfer_config.kv_role == "kv_producer",
+                engine_id=engine_id, tp_size=pc.tensor_parallel_size,
+                pd_wait_s=float(extra.get("pd_wait_s", 3.0)))
         else:
             from kvpool.client.vllm_worker import WorkerRole
             from kvpool.client.worker import WorkerClient
@@ -109,8 +112,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        # A best-effort cache: a dropped store is a later miss, not a lost hand-off.
-        return False
+        # As kv_both this is a best-effort cache (a dropped store is a later miss); as a P/D
+        # producer its stores are the hand-off.
+        return self._kv_transfer_config.kv_role == "kv_producer"
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:

@@ -77,6 +77,12 @@ class _Req:
     tickets: set[int] = field(default_factory=set)
     finishing: bool = False    # request_finished returned True: free via free_now
     finished: bool = False
+    # P/D: a producer stores every block (also those it loaded) and hands the prompt over; a
+    # consumer waits (bounded) for the producer's blocks to land before taking its hit.
+    producer: bool = False
+    load_failed: bool = False  # a load from the pool failed: recompute, never offer it again
+    expect_blocks: int = 0
+    wait_until: float = 0.0
 
 
 class SchedulerRole:
@@ -84,9 +90,16 @@ class SchedulerRole:
     and are called only from vLLM's scheduler thread."""
 
     def __init__(self, groups: list[GroupInfo], world_size: int, client: Any,
-                 backoff_s: float = 0.2, backoff_max_s: float = 5.0) -> None:
+                 backoff_s: float = 0.2, backoff_max_s: float = 5.0, *,
+                 kv_producer: bool = False, engine_id: str = "", tp_size: int = 1,
+                 pd_wait_s: float = 3.0) -> None:
         self.groups = groups
         self.world_size = world_size
+        self.kv_producer = kv_producer
+        self.engine_id = engine_id
+        self.tp_size = tp_size
+        self.pd_wait_s = pd_wait_s
+        self._retry: list[str] = []     # P/D consumers to look up again next step
         self.client = client
         sizes = {g.block_tokens for g in groups}
         # One token→block grid for every group: vLLM's hybrid allocator gives attention groups
@@ -157,6 +170,17 @@ class SchedulerRole:
             st = _Req(request, RequestKeys(request, self.groups),
                       cursor=[0] * len(self.groups))
             self._reqs[request.request_id] = st
+            params = request.kv_transfer_params or {}
+            st.producer = self.kv_producer or bool(params.get("do_remote_decode"))
+            if params.get("do_remote_prefill") and params.get("kvpool_tokens"):
+                tp = params.get("kvpool_tp", self.tp_size)
+                if tp != self.tp_size:
+                    logger.error("kvpool: request %s was prefilled with TP %s but this engine "
+                                 "runs TP %s; P/D across TP sizes is not supported, "
+                                 "recomputing its prompt", request.request_id, tp, self.tp_size)
+                else:
+                    st.expect_blocks = int(params["kvpool_tokens"]) // self.block_tokens
+                    st.wait_until = time.monotonic() + self.pd_wait_s
         return st
 
     def on_new_request(self, request: "Request") -> None:
@@ -168,7 +192,7 @@ class SchedulerRole:
         if not self.enabled:
             return 0, False
         st = self._state(request)
-        if not st.keys.cacheable or request.skip_reading_prefix_cache:
+        if not st.keys.cacheable or request.skip_reading_prefix_cache or st.load_failed:
             return 0, False
         st.local_tokens = num_computed_tokens
         if st.hit is None:
@@ -304,6 +328,13 @@ class SchedulerRole:
                 self._release.extend(leases)
                 continue
             hit = self._combine(st, answers)
+            if (hit is not None and hit < min(st.expect_blocks, st.target)
+                    and time.monotonic() < st.wait_until):
+                # The producer's stores have not all landed yet: ask again next step.
+                self._release.extend(leases)
+                st.state = "queued"
+                self._retry.append(rid)
+                continue
             if hit is None:                 # a window elsewhere: ask again for that target
                 self._release.extend(leases)
                 st.state = "queued"
@@ -354,7 +385,7 @@ class SchedulerRole:
         bt = self.block_tokens
         if num_external_tokens == 0 or st.hit is None:
             # Blocks the pool already holds need no store; the GPU-cached ones past them do.
-            st.cursor = [st.hit or 0] * len(self.groups)
+            st.cursor = [0 if st.producer else st.hit or 0] * len(self.groups)
             self._consume_lookup(st, keep_leases=False)
             return
         local_blocks = st.local_tokens // bt
@@ -387,7 +418,7 @@ class SchedulerRole:
             # request as received so vLLM leaves WAITING_FOR_REMOTE_KVS.
             self._step_loads.append(LoadSpec(request.request_id, 0, [], []))
         self._consume_lookup(st, keep_leases=True)
-        st.cursor = [hit] * len(self.groups)
+        st.cursor = [0 if st.producer else hit] * len(self.groups)
 
     def _consume_lookup(self, st: _Req, keep_leases: bool) -> None:
         """The lookup result is used up; its leases go now unless a load holds them."""
@@ -432,6 +463,9 @@ class SchedulerRole:
         if self._release:
             leases, self._release = sorted(set(self._release)), []
             self._call(self.client.release, leases)
+        if self._retry:
+            self._queued.extend(self._retry)
+            self._retry = []
         if self._queued and not self._inflight_calls:
             self._send_lookups()
         return meta
@@ -529,6 +563,7 @@ class SchedulerRole:
             st.leases, st.hit = [], None
             if rid in failed or (invalid and not invalid.isdisjoint(st.load_blocks)):
                 st.cursor = [0] * len(self.groups)   # recomputed blocks get stored again
+                st.load_failed = True
             st.load_blocks = []
             if st.finished:
                 self._forget(rid)
@@ -583,24 +618,37 @@ class SchedulerRole:
         st = self._reqs.get(request.request_id)
         if st is None or st.request is not request:
             return False, None
+        params = self._handoff_params(st) if st.producer else None
         st.finished = True
         if st.loading:
             # vLLM keeps the blocks of a request aborted mid-load until the workers report
             # the load; the lease goes when that report arrives.
-            return False, None
+            return False, params
         # A lookup reply that lands later finds the request gone and releases its leases.
         self._consume_lookup(st, keep_leases=False)
         if st.tickets:
             st.finishing = True
-            return True, None
+            return True, params
         self._forget(request.request_id)
-        return False, None
+        return False, params
+
+    def _handoff_params(self, st: _Req) -> dict[str, Any]:
+        """What a decode instance needs to take this prompt from the pool; shaped like the
+        parameters vLLM's disaggregated-serving proxies pass from prefill to decode."""
+        req = st.request
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": self.engine_id, "remote_block_ids": None,
+                "remote_host": None, "remote_port": None,
+                "kvpool_tokens": min(req.num_computed_tokens, req.num_tokens) //
+                self.block_tokens * self.block_tokens,
+                "kvpool_tp": self.tp_size}
 
     def _forget(self, rid: str) -> None:
         self._reqs.pop(rid, None)
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._tickets or self._free_ready or self._release or self._abort_slots)
+        return bool(self._tickets or self._free_ready or self._release or self._abort_slots
+                    or self._retry)
 
     def reset_cache(self) -> bool:
         """Forget every block of this engine's namespaces in the pool; False if the daemon

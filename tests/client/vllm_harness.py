@@ -137,6 +137,7 @@ class Stats:
     loaded_reqs: set[str] = field(default_factory=set)
     failed_loads: set[str] = field(default_factory=set)
     finished: list[str] = field(default_factory=list)
+    params: dict[str, dict | None] = field(default_factory=dict)   # kv_transfer_params out
     max_steps: int = 5000
 
 
@@ -179,8 +180,10 @@ class Engine:
                 spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
                                          dtype=torch.float16)
             specs.append(KVCacheGroupSpec(g.layers, spec))
+        # What vLLM's engine core resolves and hands to both roles.
         self.kv_cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                    kv_cache_groups=specs)
+                                    kv_cache_groups=specs,
+                                    kv_cache_layout="BLNHC" if block_outermost else "LBNHC")
         cls = self.cfg.scheduler_config.get_scheduler_cls()
         self.sched = cls(vllm_config=self.cfg, kv_cache_config=self.kv_cfg, block_size=BS,
                          structured_output_manager=StructuredOutputManager(self.cfg),
@@ -211,8 +214,10 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 4,
-            cache_salt: str | None = None) -> Request:
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            cache_salt: str | None = None, kv_transfer_params: dict | None = None) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                            extra_args={"kv_transfer_params": kv_transfer_params}
+                            if kv_transfer_params else None)
         sp.update_from_generation_config({}, EOS)
         req = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp,
                       pooling_params=None, block_hasher=get_request_block_hasher(BS, sha256),
@@ -264,6 +269,7 @@ class Engine:
             for o in outs.outputs:
                 if o.finished:
                     self.stats.finished.append(o.request_id)
+                    self.stats.params[o.request_id] = o.kv_transfer_params
 
     def _execute(self, so) -> ModelRunnerOutput:
         meta = so.kv_connector_metadata
