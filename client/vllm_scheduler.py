@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from kvpool.client.vllm_keys import GroupInfo, RequestKeys
 from kvpool.client.vllm_meta import LoadSpec, StepMeta, StoreSpec, WorkerAcks
-from kvpool.shared.errors import DaemonUnavailable, KvpoolError
+from kvpool.shared.errors import DaemonUnavailable, KvpoolError, PoolFull
 from kvpool.shared.protocol import SLOT_NO_SPACE, SLOT_PRESENT
 
 if TYPE_CHECKING:
@@ -156,6 +156,10 @@ class SchedulerRole:
         except DaemonUnavailable as e:
             self._daemon_failed(e)
             return default
+        except PoolFull as e:
+            # Every slot is pinned or being written: normal under load, the blocks stay unpooled.
+            logger.debug("kvpool: %s", e)
+            return default
         except KvpoolError as e:
             logger.warning("kvpool: %s failed: %s", getattr(fn, "__name__", fn), e)
             return default
@@ -245,25 +249,13 @@ class SchedulerRole:
                 calls.append((self.client.lookup_start(g.namespace, lists, True), gi, spans))
         except DaemonUnavailable as e:
             self._daemon_failed(e)
-            for call, _, _ in calls:
-                self._drop_call(call)
+            self._orphans.extend(call for call, _, _ in calls)   # their leases get released
             self._resolve_miss(ids)
             return
         for rid in ids:
             self._reqs[rid].state = "sent"
         self._inflight_calls = calls
         self._inflight_replies = [None] * len(calls)
-
-    def _drop_call(self, call: Any) -> None:
-        """A call whose answer nobody will use; its leases (if it ever lands) are released."""
-        try:
-            reply = call.result()
-        except DaemonUnavailable:
-            return
-        if reply is not None:
-            self._release.extend(x for x in reply.leases if x)
-        else:
-            self._orphans.append(call)
 
     def _resolve_miss(self, ids: Iterable[str]) -> None:
         for rid in ids:

@@ -130,6 +130,30 @@ def test_concurrent_requests_sharing_a_prefix_load_it_once(make_engine, info,
     e.assert_clean(info)
 
 
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_gpu_prefix_hit_covers_the_pool_hit_and_releases_the_lease(make_engine, info,
+                                                                   async_scheduling):
+    e = make_engine(async_scheduling=async_scheduling)
+    p = prompt(70)
+    e.add("a", p, max_tokens=1)
+    e.run()
+    role = e.connector.scheduler
+    leases = []
+    original = role._poll_lookups
+
+    def spy():
+        original()
+        leases.extend(x for st in role._reqs.values() for x in st.leases)
+
+    role._poll_lookups = spy
+    # The GPU prefix cache still holds a's 4 blocks; the pool has the same 4 and no more.
+    e.add("b", p + [1] * 40, max_tokens=1)
+    e.run()
+    assert leases, "the pool hit should have been pinned"
+    assert e.stats.loaded_reqs == set()
+    e.assert_clean(info)
+
+
 # ---- preemption, abort, failure -----------------------------------------------------------
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
@@ -143,6 +167,8 @@ def test_preemption_during_stores_and_loads(make_engine, info, async_scheduling)
     assert sorted(e.stats.finished) == sorted(prompts)
     preempted = [r for r in e.stats.finished if r in e.preemptions]
     assert preempted, "the small GPU cache must have preempted someone"
+    assert e.flushed_tickets, "a preempted request's stores should have been in flight"
+    assert e.stats.loaded_reqs, "a preempted request should have resumed from the pool"
     e.assert_clean(info)
 
 

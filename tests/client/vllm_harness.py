@@ -210,6 +210,7 @@ class Engine:
         self.fail_next_loads = 0   # test hook: make the loads of the next N steps fail
         self._bad_loads: set[str] = set()
         self.preemptions: set[str] = set()
+        self.flushed_tickets = 0   # stores the workers had to finish before blocks were reused
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -276,6 +277,7 @@ class Engine:
         assert isinstance(meta, StepMeta)
         ids = list(so.num_scheduled_tokens)
         outs = []
+        self.flushed_tickets += len(meta.flush_tickets)
         if self.fail_next_loads and meta.loads:
             self._break_loads(meta)
             self.fail_next_loads -= 1
