@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.client.kv_layout import plan_kv_memory
 from kvpool.client.vllm_keys import GroupInfo
-from kvpool.client.vllm_memory import block_dim, record_wait_event, regions_for
+from kvpool.client.vllm_memory import TransferEvents, block_dim, regions_for
 from kvpool.client.vllm_meta import StepMeta, WorkerAcks
 from kvpool.shared.errors import DaemonUnavailable, KvpoolError
 from kvpool.shared.layout import Layout
@@ -43,6 +43,7 @@ class WorkerRole:
         self.client = client
         self._regs: dict[int, int] = {}            # group → local registration id
         self._tensors: list["torch.Tensor"] = []
+        self._events = TransferEvents([])
         self._load_jobs: dict[int, list[str]] = {}  # job → request ids
         self._load_pending: dict[str, int] = {}     # request → jobs not finished on this rank
         self._load_blocks: dict[str, list[int]] = {}
@@ -92,6 +93,7 @@ class WorkerRole:
                                "pooled once it is back", g.index)
             except KvpoolError as e:
                 logger.error("kvpool refused the registration of group %d: %s", g.index, e)
+        self._events = TransferEvents(self._tensors)
 
     # ---- per step --------------------------------------------------------------------------
 
@@ -147,7 +149,7 @@ class WorkerRole:
             slots.extend(spec.slots)
             bids.extend(spec.block_ids)
             tickets.append(spec.ticket)
-        event = record_wait_event(self._tensors)
+        event = self._events.store_event()
         for gi, (slots, bids, tickets) in by_group.items():
             reg = self._regs.get(gi)
             try:
@@ -189,7 +191,9 @@ class WorkerRole:
         for c in completions:
             reqs = self._load_jobs.pop(c.job_id, None)
             if reqs is not None:
-                if not c.ok:
+                if c.ok:
+                    self._events.loaded(c.done_event)
+                else:
                     logger.debug("kvpool: load job failed (%s); recomputing", c.message)
                 for r in reqs:
                     if not c.ok:
