@@ -64,9 +64,20 @@ def seed(e: Engine, tokens: list[int], rid: str = "seed", max_tokens: int = 1) -
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_lifecycle_stores_full_blocks_and_frees_after_they_land(make_engine, info,
                                                                  async_scheduling):
-    e = make_engine(async_scheduling=async_scheduling)
+    e = make_engine(async_scheduling=async_scheduling, slow_stores=2)
+    role = e.connector.scheduler
+    answers = []
+    original = role.request_finished
+
+    def spy(request):
+        answers.append(original(request))
+        return answers[-1]
+
+    role.request_finished = spy
     e.add("a", prompt(70), max_tokens=12)          # 82 tokens → 5 full blocks
     e.run()
+    # its last stores were still in flight: vLLM kept the blocks until they landed
+    assert answers == [(True, None)]
     assert e.stats.finished == ["a"]
     e.assert_clean(info)
     assert info.info().stored_blocks == 5
@@ -158,8 +169,9 @@ def test_gpu_prefix_hit_covers_the_pool_hit_and_releases_the_lease(make_engine, 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_preemption_during_stores_and_loads(make_engine, info, async_scheduling):
+    # Stores land three steps late, so preemption finds some still reading their blocks.
     e = make_engine(async_scheduling=async_scheduling, num_blocks=24,
-                    max_num_batched_tokens=128)
+                    max_num_batched_tokens=128, slow_stores=3)
     prompts = {f"p{i}": prompt(90, 300 * i) for i in range(4)}
     for rid, p in prompts.items():
         e.add(rid, p, max_tokens=40)

@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 
 from .test_vllm_connector import prompt  # noqa: E402
-from .vllm_harness import BS, Engine  # noqa: E402
+from .vllm_harness import BS, Engine, run_together  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -102,7 +102,7 @@ def _prefill(p_engine: Engine, rid: str, tokens: list[int]) -> dict:
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
 def test_pd_hand_off_through_the_pool(engines, daemon, observer, async_scheduling):
     pe = engines(daemon, engine_id="prefill", async_scheduling=async_scheduling,
-                 kv_role="kv_producer")
+                 kv_role="kv_producer", slow_stores=2)
     de = engines(daemon, engine_id="decode", async_scheduling=async_scheduling,
                  kv_role="kv_consumer")
     shared = prompt(48, 5000)
@@ -111,12 +111,35 @@ def test_pd_hand_off_through_the_pool(engines, daemon, observer, async_schedulin
     pe.run()
     pe.sched.reset_prefix_cache()
     tokens = shared + prompt(50, 8000)           # 98 tokens: 6 full blocks
-    params = _prefill(pe, "r1", tokens)
+    pe.add("r1", tokens, max_tokens=1,
+           kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+    pe.run(until=lambda: "r1" in pe.stats.params)
+    params = pe.stats.params["r1"]
     assert params["kvpool_tokens"] == 6 * BS and params["remote_engine_id"] == "prefill"
+    assert pe.connector.scheduler._tickets, "its blocks stay allocated until the stores land"
+    pe.run()
     de.add("r1", tokens, max_tokens=5, kv_transfer_params=params)
     de.run()
     assert de.stats.loaded_reqs == {"r1"}
     assert de.workers[0].verified_blocks == 6     # the whole prompt but the partial tail
+    pe.assert_clean(observer)
+    de.assert_clean(observer)
+
+
+def test_decode_waits_for_a_hand_off_still_landing(engines, daemon, observer):
+    """The decode request can reach its instance before the prefill's blocks are in the pool
+    (the prefill answers as soon as it finishes); it asks again until they are."""
+    pe = engines(daemon, engine_id="prefill", async_scheduling=True, kv_role="kv_producer")
+    de = engines(daemon, engine_id="decode", async_scheduling=True, kv_role="kv_consumer")
+    tokens = prompt(98, 6000)
+    params = {"do_remote_prefill": True, "do_remote_decode": False,
+              "remote_engine_id": "prefill", "kvpool_tokens": 6 * BS, "kvpool_tp": 1}
+    de.add("r1", tokens, max_tokens=3, kv_transfer_params=params)
+    de.run(until=lambda: de.stats.steps >= 6)
+    assert de.sched.requests["r1"].num_computed_tokens == 0, "it should wait, not compute"
+    pe.add("r1", tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    run_together(pe, de)
+    assert de.stats.loaded_reqs == {"r1"} and de.workers[0].verified_blocks == 6
     pe.assert_clean(observer)
     de.assert_clean(observer)
 

@@ -67,6 +67,43 @@ def _pattern(token: int, pos: int, layer: int, kv: int, rank: int) -> torch.Tens
     return (torch.arange(HEADS * HEAD, dtype=torch.float16) + base).view(HEADS, HEAD)
 
 
+class SlowStores:
+    """Makes one worker's store completions arrive ``steps`` steps late, as a copy queued
+    behind a busy GPU would; ``wait`` (handle_preemptions) still gets them at once."""
+
+    def __init__(self, role, steps: int) -> None:
+        self.role, self.steps, self.step = role, steps, 0
+        self.held: list[tuple[int, object]] = []
+        client = role.client
+        self._poll, self._wait = client.poll, client.wait
+        self._passthrough = False
+        client.poll, client.wait = self.poll, self.wait
+
+    def poll(self):
+        got = self._poll()
+        if self._passthrough:
+            return got
+        out = []
+        for c in got:
+            if c.job_id in self.role._store_jobs:
+                self.held.append((self.step + self.steps, c))
+            else:
+                out.append(c)
+        out += [c for due, c in self.held if due <= self.step]
+        self.held = [(due, c) for due, c in self.held if due > self.step]
+        return out
+
+    def wait(self, job_ids, timeout_s):
+        want = set(job_ids)
+        self.role.client._done.extend(c for _, c in self.held if c.job_id in want)
+        self.held = [(due, c) for due, c in self.held if c.job_id not in want]
+        self._passthrough = True
+        try:
+            return self._wait(job_ids, timeout_s)
+        finally:
+            self._passthrough = False
+
+
 @dataclass
 class Group:
     layers: list[str]
@@ -148,7 +185,7 @@ class Engine:
                  num_blocks: int = 128, hybrid: bool = False, engine_id: str = "engine-a",
                  block_outermost: bool = False, max_num_batched_tokens: int = 64,
                  extra: dict | None = None, kv_role: str = "kv_both",
-                 load_failure_policy: str = "recompute") -> None:
+                 load_failure_policy: str = "recompute", slow_stores: int = 0) -> None:
         model = ModelConfig(model=model_dir(root), dtype="float16", seed=42,
                             skip_tokenizer_init=True)
         self.groups = ([Group(["model.layers.0.self_attn"]),
@@ -204,6 +241,8 @@ class Engine:
         self.workers = [FakeWorker(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
                         for r in range(tp)]
         self.aggregator = KVOutputAggregator(expected_finished_count=tp)
+        self.slow = [SlowStores(w.conn.worker, slow_stores) for w in self.workers] \
+            if slow_stores else []
         self.stats = Stats()
         self._queue: list[tuple[object, ModelRunnerOutput]] = []
         init_none_hash(sha256)
@@ -278,6 +317,8 @@ class Engine:
         ids = list(so.num_scheduled_tokens)
         outs = []
         self.flushed_tickets += len(meta.flush_tickets)
+        for slow in self.slow:
+            slow.step += 1
         if self.fail_next_loads and meta.loads:
             self._break_loads(meta)
             self.fail_next_loads -= 1
@@ -378,3 +419,15 @@ class Engine:
         for w in self.workers:
             w.close()
         self.connector.shutdown()
+
+
+def run_together(*engines: Engine, timeout_s: float = 60.0) -> None:
+    """Step several engines in turns until all are idle, as concurrent instances would run."""
+    deadline = time.monotonic() + timeout_s
+    while any(e.sched.has_requests() for e in engines):
+        for e in engines:
+            if e.sched.has_requests():
+                e.step()
+        assert time.monotonic() < deadline, "engines did not settle"
+    for e in engines:
+        e.drain_queue()
