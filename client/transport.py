@@ -91,6 +91,16 @@ class Transport:
                 return out
             out.append(p.decode_reply(frame))
 
+    def wait_readable(self, timeout_s: float) -> bool:
+        """Block until a reply is waiting or ``timeout_s`` passed (for callers with nothing
+        else to do, such as ``WorkerClient.wait``); True if something arrived."""
+        if self._unsolicited:
+            return True
+        if self._sock is None:
+            time.sleep(min(timeout_s, 0.01))
+            return False
+        return bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
+
     @property
     def is_connected(self) -> bool:
         return self._sock is not None and self.owner_id is not None
@@ -261,9 +271,9 @@ class _Heartbeat:
                     last_reply = time.monotonic()
                     if isinstance(reply, p.ErrorReply) or (
                             isinstance(reply, p.HeartbeatReply) and reply.daemon_id != daemon):
-                        self._mark_stale(owner)
+                        self._mark_stale(owner, daemon)
                 if time.monotonic() - last_reply > self._t.config.timeout_ms / 1000:
-                    self._mark_stale(owner)
+                    self._mark_stale(owner, daemon)
                     last_reply = time.monotonic()
                 with self._cond:
                     if not self._stop:
@@ -274,7 +284,9 @@ class _Heartbeat:
             if sock is not None:
                 sock.close(linger=0)
 
-    def _mark_stale(self, owner: int) -> None:
+    def _mark_stale(self, owner: int, daemon: str | None) -> None:
+        # Owner ids restart at 1 in every daemon: only the (owner, daemon) pair this verdict
+        # was formed under may be marked, never a connection made since.
         with self._cond:
-            if self._owner == owner:
+            if self._owner == owner and self._daemon == daemon:
                 self.is_stale = True

@@ -118,9 +118,11 @@ class WorkerClient:
                     self._done.append(c)
             if not want - got.keys():
                 break
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TimeoutError(f"jobs {sorted(want - got.keys())} not done in {timeout_s} s")
-            time.sleep(0.0005)
+            # Block on the socket, waking at least every 50 ms to notice a vanished daemon.
+            self._t.wait_readable(min(left, 0.05))
         return [got[j] for j in job_ids]
 
     @property

@@ -26,14 +26,18 @@ STARTUP_FAILURE = 3
 UNREACHABLE = 1
 
 
+def _describe(t) -> tuple[str, object]:
+    """(help text, inner type) of a DaemonConfig field's msgspec.inspect type."""
+    if isinstance(t, msgspec.inspect.Metadata):
+        return (t.extra_json_schema or {}).get("description", ""), t.type
+    return "", t
+
+
 def _daemon_options(func):
     """One click option per DaemonConfig field, defaulting to None so only given ones count."""
     info = msgspec.inspect.type_info(DaemonConfig)
     for field in reversed(info.fields):
-        t = field.type
-        desc = getattr(t, "extra", None)
-        help_text = getattr(t, "description", None) or ""
-        inner = getattr(t, "type", t)
+        help_text, inner = _describe(field.type)
         flag = "--" + field.name.replace("_", "-")
         shown = f"{help_text} [default: {field.default}]"
         if isinstance(inner, msgspec.inspect.BoolType):
@@ -44,9 +48,23 @@ def _daemon_options(func):
         else:
             py = {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(inner), str)
             opt = click.option(flag, field.name, type=py, default=None, help=shown)
-        del desc
         func = opt(func)
     return func
+
+
+def settings_table() -> str:
+    """The README's table of settings, generated from DaemonConfig (a test keeps them equal)."""
+    rows = ["| flag | env var | default | meaning |", "| --- | --- | --- | --- |"]
+    for f in msgspec.inspect.type_info(DaemonConfig).fields:
+        default = f.default if f.default != "" else "(empty)"
+        if isinstance(default, bool):
+            default = str(default).lower()
+        desc = _describe(f.type)[0].replace("|", "\\|")
+        rows.append(f"| `--{f.name.replace('_', '-')}` | `KVPOOL_{f.name.upper()}` | `{default}` "
+                    f"| {desc} |")
+    rows.append("| `--config FILE` | `KVPOOL_CONFIG` | (none) | TOML file with the keys above "
+                "(underscores) |")
+    return "\n".join(rows)
 
 
 def _setup_logging(config: DaemonConfig) -> None:

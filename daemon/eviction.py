@@ -35,10 +35,13 @@ class LruPolicy:
             self._order.move_to_end(slot)
 
     def touch_many(self, slots: Iterable[int]) -> None:
-        order = self._order
+        """Touch in order (the last one becomes the most recent); unknown ids are ignored."""
+        move = self._order.move_to_end
         for s in slots:
-            if s in order:
-                order.move_to_end(s)
+            try:
+                move(s)
+            except KeyError:
+                pass
 
     def remove(self, slot: int) -> None:
         self._order.pop(slot, None)

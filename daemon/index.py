@@ -43,7 +43,8 @@ class Slot:
     state: int = FREE
     generation: int = 0
     ns: bytes = b""
-    key: bytes = b""            # ns + block hash (32 bytes)
+    key: bytes = b""            # ns + block hash (32 bytes), as in the slot record
+    ref: int = 0                # slot ref for the current generation
     pins: int = 0
     landed: int = 0             # bit r: rank r's shard is in
     writing: int = 0            # bit r: rank r's store job is in flight
@@ -87,7 +88,9 @@ class Index:
         self.write_timeout_s = write_timeout_s
         self.stats = IndexStats()
         self._slots: dict[int, Slot] = {}
-        self._by_key: dict[bytes, Slot] = {}
+        # namespace -> block hash -> slot (WRITING or COMMITTED). Per-namespace tables keep a
+        # lookup to one dict probe per key with no key concatenation.
+        self._tables: dict[bytes, dict[bytes, Slot]] = {}
         self._writing: dict[int, Slot] = {}
         self._classes: dict[int, SizeClass] = {}
         self._extent_class: dict[int, SizeClass] = {}
@@ -146,13 +149,15 @@ class Index:
             for slot, rec in zip(slots, recs):
                 key = bytes(rec["key"])
                 layout = self._layouts.get(key[:16])
+                table = self._tables.setdefault(key[:16], {})
                 if (int(rec["state"]) == COMMITTED and layout is not None
-                        and layout.slot_bytes == slot_bytes and key not in self._by_key):
+                        and layout.slot_bytes == slot_bytes and key[16:] not in table):
                     slot.state, slot.key, slot.ns = COMMITTED, key, key[:16]
                     slot.generation = int(rec["generation"])
+                    slot.ref = make_slot_ref(slot.id, slot.generation)
                     slot.landed = (1 << layout.tp_size) - 1
                     slot.last_use = next(self._tick)
-                    self._by_key[key] = slot
+                    table[key[16:]] = slot
                     cls.lru.insert(slot.id)
                     kept += 1
                 else:
@@ -172,23 +177,26 @@ class Index:
         Hit slots become most recently used, the first block of a run last, so a run's tail
         is evicted before its head (a tail is useless without its head, not the other way).
         """
-        by_key = self._by_key
+        get = self._tables.get(ns, _EMPTY).get
+        tick = next(self._tick)
         hits, leases, refs = [], [], []
+        n_hit = n_keys = 0
         for keys in key_lists:
             run: list[Slot] = []
             for k in keys:
-                s = by_key.get(ns + k)
+                s = get(k)
                 if s is None or s.state != COMMITTED:
                     break
                 run.append(s)
-            n = len(run)
-            hits.append(n)
-            self.stats.hit_blocks += n
-            self.stats.miss_blocks += len(keys) - n
-            for s in reversed(run):
-                s.last_use = next(self._tick)
-                s.size_class.lru.touch(s.id)
-            refs.append([make_slot_ref(s.id, s.generation) for s in run])
+            hits.append(len(run))
+            n_hit += len(run)
+            n_keys += len(keys)
+            if run:
+                for s in run:
+                    s.last_use = tick
+                # One namespace has one slot size, so one LRU; head of the run touched last.
+                run[0].size_class.lru.touch_many([s.id for s in reversed(run)])
+            refs.append([s.ref for s in run])
             if pin and run:
                 lease_id = next(self._lease_ids)
                 for s in run:
@@ -197,6 +205,8 @@ class Index:
                 leases.append(lease_id)
             else:
                 leases.append(0)
+        self.stats.hit_blocks += n_hit
+        self.stats.miss_blocks += n_keys - n_hit
         return hits, leases, refs
 
     def release_leases(self, lease_ids: list[int], owner: int) -> int:
@@ -226,9 +236,9 @@ class Index:
         layout = self.layout_of(ns)
         out: list[int] = []
         allocated = full = 0
+        table = self._tables.setdefault(ns, {})
         for k in keys:
-            key = ns + k
-            s = self._by_key.get(key)
+            s = table.get(k)
             if s is not None:
                 out.append(SLOT_PRESENT)
                 continue
@@ -237,15 +247,16 @@ class Index:
                 out.append(SLOT_NO_SPACE)
                 full += 1
                 continue
-            s.state, s.ns, s.key, s.owner = WRITING, ns, key, owner
+            s.state, s.ns, s.key, s.owner = WRITING, ns, ns + k, owner
             s.generation = (s.generation + 1) & 0x7FFF_FFFF
+            s.ref = make_slot_ref(s.id, s.generation)
             s.landed = s.writing = 0
             s.deadline = now + self.write_timeout_s
             s.doomed = False
-            self.pool.write_record(s.extent, s.index, key, WRITING, s.generation)
-            self._by_key[key] = s
+            self.pool.write_record(s.extent, s.index, s.key, WRITING, s.generation)
+            table[k] = s
             self._writing[s.id] = s
-            out.append(make_slot_ref(s.id, s.generation))
+            out.append(s.ref)
             allocated += 1
         if full and not allocated and not any(r == SLOT_PRESENT for r in out):
             raise PoolFull(f"no room for {full} blocks of {layout.slot_bytes} bytes: every slot "
@@ -346,7 +357,7 @@ class Index:
     def reset(self, ns: bytes) -> int:
         """Forget every block of ``ns``: lookups miss at once; pinned ones are freed when their
         last pin goes. Returns how many blocks were forgotten."""
-        victims = [s for s in self._by_key.values() if s.ns == ns]
+        victims = list(self._tables.get(ns, _EMPTY).values())
         for s in victims:
             self._drop(s)
         return len(victims)
@@ -363,7 +374,7 @@ class Index:
 
     def _resolve(self, ref: int) -> Slot | None:
         s = self._slots.get(ref & 0xFFFF_FFFF)
-        if s is None or s.generation != ref >> 32:
+        if s is None or s.ref != ref:
             return None if s is None else _STALE
         return s
 
@@ -469,8 +480,7 @@ class Index:
     def _drop(self, s: Slot) -> None:
         """Make ``s`` unreachable now and free it once unpinned."""
         s.doomed = True
-        if self._by_key.get(s.key) is s:
-            del self._by_key[s.key]
+        if self._unmap(s):
             if s.state == COMMITTED:
                 s.size_class.lru.remove(s.id)
                 if self.events is not None:
@@ -480,8 +490,7 @@ class Index:
             self._free(s)
 
     def _free(self, s: Slot) -> None:
-        if s.state == COMMITTED and self._by_key.get(s.key) is s:
-            del self._by_key[s.key]
+        if s.state == COMMITTED and self._unmap(s):
             s.size_class.lru.remove(s.id)
             if self.events is not None:
                 self.events.append(("removed", s.ns, s.key[16:]))
@@ -492,12 +501,23 @@ class Index:
         self.pool.write_record(s.extent, s.index, b"", FREE, s.generation)
         s.size_class.free.append(s)
 
+    def _unmap(self, s: Slot) -> bool:
+        """Remove ``s`` from its namespace table if it is still the slot for its key."""
+        table = self._tables.get(s.ns)
+        h = s.key[16:]
+        if table is not None and table.get(h) is s:
+            del table[h]
+            return True
+        return False
+
     def _unpin(self, slots: list[Slot]) -> None:
         for s in slots:
             s.pins -= 1
             if s.doomed and s.pins == 0 and s.state != FREE:
                 self._free(s)
 
+
+_EMPTY: dict[bytes, Slot] = {}
 
 # A sentinel for "this ref's slot exists but was reused": resolves to a slot in no valid state.
 _STALE = Slot(-1, -1, -1, 0, SizeClass(0), state=FREE, doomed=True)

@@ -2,11 +2,13 @@
 
 Layout of the segment (all little-endian, offsets from byte 0):
 
-    [header 4 KiB][extent table][layout table][extent 0][extent 1]...
+    [header 4 KiB][extent table][layout table][record table][extent 0][extent 1]...
 
 The data area is cut into equal *extents*. An extent is handed to one slot size at a time
-(``assign_extent``) and holds a record array followed by that many slots; a slot holds every TP
-rank's shard of one block. The records (key, state, generation) and the layout table live in the
+(``assign_extent``) and holds only slots, packed, so an extent of a power-of-two size wastes
+nothing on the usual power-of-two block sizes; a slot holds every TP rank's shard of one block.
+The record table keeps a fixed number of records per extent, enough for slots of 16 KiB; smaller
+slots fill only part of an extent. The records (key, state, generation) and the layout table live in the
 segment itself, so a daemon started after a crash or an upgrade re-reads them and adopts every
 committed block (``Index.adopt``). Writes are ordered data-then-record, so a record that says
 COMMITTED always describes bytes that landed; anything else is dropped on adoption.
@@ -42,6 +44,8 @@ HEADER_BYTES = 4096
 LAYOUT_TABLE_BYTES = 1 << 20
 PAGE = 4096
 
+MIN_PACKED_SLOT_BYTES = 16 << 10
+
 # Record states. FREE must be 0: a fresh (zero-filled) extent is all free.
 FREE, WRITING, COMMITTED = 0, 1, 2
 
@@ -49,8 +53,10 @@ HEADER_DTYPE = np.dtype([
     ("magic", "V8"), ("format_version", "<u4"), ("num_extents", "<u4"),
     ("pool_bytes", "<u8"), ("extent_bytes", "<u8"), ("data_offset", "<u8"),
     ("layout_table_offset", "<u8"), ("layout_blob_bytes", "<u8"),
+    ("record_table_offset", "<u8"), ("records_per_extent", "<u8"),
 ])
 EXTENT_DTYPE = np.dtype([("slot_bytes", "<u8"), ("num_slots", "<u4"), ("records_bytes", "<u4")])
+# records_bytes is always 0 in format 1 (records live in the record table); kept for layout.
 RECORD_DTYPE = np.dtype([("key", "V32"), ("generation", "<u4"), ("state", "u1"),
                          ("pad", "V11")])
 assert RECORD_DTYPE.itemsize == 48
@@ -84,7 +90,10 @@ def resolve_sizes(config: DaemonConfig) -> tuple[int, int]:
     else:
         pool = parse_size(config.pool_size)
     if config.extent_size == "auto":
-        extent = min(256 << 20, max(4 << 20, pool // 256))
+        # Many extents let several models share the pool finely; a power of two keeps the
+        # usual power-of-two block sizes packed without waste.
+        extent = min(256 << 20, max(4 << 20, pool // 128))
+        extent = 1 << (extent.bit_length() - 1)
     else:
         extent = parse_size(config.extent_size)
     extent = _align(extent, PAGE)
@@ -101,18 +110,21 @@ class Geometry:
     num_extents: int
     data_offset: int
     layout_table_offset: int
+    record_table_offset: int
+    records_per_extent: int
 
     @classmethod
     def plan(cls, pool_bytes: int, extent_bytes: int) -> "Geometry":
-        layout_off = _align(HEADER_BYTES, PAGE)
-        # The extent table sits between header and layout table; size it for the most extents
-        # that could fit, then recompute how many really do.
+        per_extent = max(64, extent_bytes // MIN_PACKED_SLOT_BYTES)
+        # The tables are sized for the most extents that could fit, then the data area takes
+        # whole extents of what is left.
         n = pool_bytes // extent_bytes
-        table_bytes = _align(n * EXTENT_DTYPE.itemsize, PAGE)
-        layout_off = HEADER_BYTES + table_bytes
-        data_off = _align(layout_off + LAYOUT_TABLE_BYTES, PAGE)
-        n = (pool_bytes - data_off) // extent_bytes
-        return cls(data_off + n * extent_bytes, extent_bytes, n, data_off, layout_off)
+        layout_off = HEADER_BYTES + _align(n * EXTENT_DTYPE.itemsize, PAGE)
+        record_off = _align(layout_off + LAYOUT_TABLE_BYTES, PAGE)
+        data_off = _align(record_off + n * per_extent * RECORD_DTYPE.itemsize, PAGE)
+        n = max(0, (pool_bytes - data_off) // extent_bytes)
+        return cls(data_off + n * extent_bytes, extent_bytes, n, data_off, layout_off,
+                   record_off, per_extent)
 
 
 class Pool:
@@ -133,9 +145,9 @@ class Pool:
         self.header = np.ndarray(1, HEADER_DTYPE, buffer, 0)
         self.extents = np.ndarray(g.num_extents, EXTENT_DTYPE, buffer, HEADER_BYTES)
         self._records: dict[int, np.ndarray] = {}
-        # Slot ids are extent * stride + index, dense enough to fit the 32 bits of a slot ref
-        # for pools up to 16 TiB (a slot is at least one page).
-        self.slot_id_stride = g.extent_bytes // (PAGE + RECORD_DTYPE.itemsize) + 1
+        # Slot ids are extent * records_per_extent + index: dense, so they fit the 32 bits of
+        # a slot ref for any pool of fewer than 2**32 records (1 PiB of 256 MiB extents).
+        self.slot_id_stride = g.records_per_extent
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -185,7 +197,8 @@ class Pool:
         if bytes(h["magic"]) != MAGIC or int(h["format_version"]) != FORMAT_VERSION:
             return None
         return Geometry(int(h["pool_bytes"]), int(h["extent_bytes"]), int(h["num_extents"]),
-                        int(h["data_offset"]), int(h["layout_table_offset"]))
+                        int(h["data_offset"]), int(h["layout_table_offset"]),
+                        int(h["record_table_offset"]), int(h["records_per_extent"]))
 
     @classmethod
     def _map(cls, name, shm, fd, geometry, adopted) -> "Pool":
@@ -204,6 +217,8 @@ class Pool:
         h["data_offset"] = g.data_offset
         h["layout_table_offset"] = g.layout_table_offset
         h["layout_blob_bytes"] = 0
+        h["record_table_offset"] = g.record_table_offset
+        h["records_per_extent"] = g.records_per_extent
         # Magic last: a crash mid-format leaves a header that the next start replaces.
         h["magic"] = np.void(MAGIC)
 
@@ -227,41 +242,36 @@ class Pool:
     def extent_offset(self, extent: int) -> int:
         return self.geometry.data_offset + extent * self.geometry.extent_bytes
 
-    def slots_per_extent(self, slot_bytes: int) -> tuple[int, int]:
-        """(number of slots, bytes of the record array before them) for one slot size."""
-        e = self.geometry.extent_bytes
-        n = e // (slot_bytes + RECORD_DTYPE.itemsize)
-        while n > 0 and _align(n * RECORD_DTYPE.itemsize, PAGE) + n * slot_bytes > e:
-            n -= 1
-        return n, _align(max(n, 1) * RECORD_DTYPE.itemsize, PAGE)
+    def slots_per_extent(self, slot_bytes: int) -> int:
+        return min(self.geometry.extent_bytes // slot_bytes, self.geometry.records_per_extent)
 
     def assign_extent(self, extent: int, slot_bytes: int) -> int:
         """Dedicate a free extent to ``slot_bytes`` slots; returns how many it holds."""
-        n, rec_bytes = self.slots_per_extent(slot_bytes)
+        n = self.slots_per_extent(slot_bytes)
         self._records.pop(extent, None)
-        self.records(extent, n, rec_bytes)["state"] = FREE
+        self.records(extent, n)["state"] = FREE
         e = self.extents[extent]
-        e["num_slots"], e["records_bytes"], e["slot_bytes"] = n, rec_bytes, slot_bytes
+        e["num_slots"], e["records_bytes"], e["slot_bytes"] = n, 0, slot_bytes
         return n
 
     def release_extent(self, extent: int) -> None:
         self.extents[extent]["slot_bytes"] = 0
         self._records.pop(extent, None)
 
-    def records(self, extent: int, n: int | None = None, rec_bytes: int | None = None) -> np.ndarray:
+    def records(self, extent: int, n: int | None = None) -> np.ndarray:
         """The record array of an assigned extent (a live view into the segment)."""
         rec = self._records.get(extent)
         if rec is None:
             if n is None:
                 n = int(self.extents[extent]["num_slots"])
-            rec = np.ndarray(n, RECORD_DTYPE, self.buffer, self.extent_offset(extent))
+            g = self.geometry
+            off = g.record_table_offset + extent * g.records_per_extent * RECORD_DTYPE.itemsize
+            rec = np.ndarray(n, RECORD_DTYPE, self.buffer, off)
             self._records[extent] = rec
         return rec
 
     def slot_offset(self, extent: int, index: int) -> int:
-        e = self.extents[extent]
-        return (self.extent_offset(extent) + int(e["records_bytes"])
-                + index * int(e["slot_bytes"]))
+        return self.extent_offset(extent) + index * int(self.extents[extent]["slot_bytes"])
 
     def write_record(self, extent: int, index: int, key: bytes, state: int, generation: int) -> None:
         r = self.records(extent)[index]

@@ -25,7 +25,6 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import zmq
-import zmq.asyncio
 
 from kvpool.daemon.copy_engine import CopyEngine, JobResult
 from kvpool.daemon.index import Index, Slot
@@ -39,6 +38,10 @@ from kvpool.shared.errors import (Aborted, ErrorCode, HelloRequired, KvpoolError
 log = logging.getLogger("kvpoold")
 
 SHUTDOWN_GRACE_S = 5.0
+
+
+class SocketBusy(KvpoolError):
+    """Another live daemon serves this socket path."""
 
 
 class Server:
@@ -56,9 +59,10 @@ class Server:
         self.should_exit = asyncio.Event()
         self.is_serving = False
         self._jobs: set[asyncio.Future] = set()
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
         self._lock_fd: int | None = None
+        self._in_drain = False
         if pool.adopted:
             kept = self.index.adopt()
             log.info("adopted %d committed blocks from the existing pool", kept)
@@ -66,7 +70,11 @@ class Server:
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def serve(self) -> None:
-        self._startup()
+        try:
+            self._startup()
+        except BaseException:
+            self._release_resources()
+            raise
         try:
             housekeeping = asyncio.create_task(self._housekeeping())
             await self._main_loop()
@@ -82,8 +90,8 @@ class Server:
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise SystemExit(f"kvpoold: another daemon is serving {path}") from None
-        self._ctx = zmq.asyncio.Context()
+            raise SocketBusy(f"another daemon is serving {path}") from None
+        self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # replies to vanished peers are dropped
@@ -106,17 +114,30 @@ class Server:
                  " (adopted)" if self.pool.adopted else "")
 
     async def _main_loop(self) -> None:
+        # A plain socket drained from the loop's reader callback: no future per message.
+        # ZeroMQ's FD is edge-triggered, so every wake-up drains until EAGAIN, and sends made
+        # outside the callback schedule one more drain (a send can consume the edge).
         assert self._sock is not None
-        recv = asyncio.ensure_future(self._sock.recv_multipart())
-        stop = asyncio.ensure_future(self.should_exit.wait())
-        while True:
-            done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if stop in done:
-                recv.cancel()
-                return
-            frames = recv.result()
-            recv = asyncio.ensure_future(self._sock.recv_multipart())
-            self._dispatch(frames)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+        loop.call_soon(self._drain)
+        try:
+            await self.should_exit.wait()
+        finally:
+            loop.remove_reader(self._sock.getsockopt(zmq.FD))
+
+    def _drain(self) -> None:
+        sock = self._sock
+        if sock is None or sock.closed or not self.is_serving:
+            return
+        self._in_drain = True
+        try:
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._dispatch(sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            pass
+        finally:
+            self._in_drain = False
 
     async def _housekeeping(self) -> None:
         period = min(0.1, self.config.peer_timeout_ms / 4000)
@@ -139,17 +160,20 @@ class Server:
             await asyncio.wait(set(self._jobs), timeout=SHUTDOWN_GRACE_S)
         for owner in list(self.registry.owners.values()):
             self._release_owner(owner)
+        self._release_resources()
+        log.info("kvpoold stopped%s", "; pool kept for the next start" if self.config.keep_pool
+                 else "")
+
+    def _release_resources(self) -> None:
         if self._sock is not None:
             self._sock.close(linger=0)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.socket_path)
         if self._ctx is not None:
             self._ctx.term()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.config.socket_path)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
         self.pool.close(unlink=not self.config.keep_pool)
-        log.info("kvpoold stopped%s", "; pool kept for the next start" if self.config.keep_pool
-                 else "")
 
     # ---- dispatch --------------------------------------------------------------------------
 
@@ -181,8 +205,15 @@ class Server:
             self._send(identity, reply)
 
     def _send(self, identity: bytes, reply: p.Reply) -> None:
-        if self._sock is not None and not self._sock.closed:
-            self._sock.send_multipart([identity, p.encode(reply)])
+        sock = self._sock
+        if sock is None or sock.closed:
+            return
+        try:
+            sock.send_multipart([identity, p.encode(reply)], zmq.NOBLOCK)
+        except zmq.Again:   # the peer's queue is full: it is not reading; drop, it will time out
+            log.warning("reply dropped: client queue full")
+        if not self._in_drain:
+            asyncio.get_running_loop().call_soon(self._drain)
 
     def _handle(self, identity: bytes, msg: p.Request) -> p.Reply | None:
         now = time.monotonic()

@@ -34,10 +34,19 @@ def parse_size(text: str | int) -> int:
 
 
 def default_socket_path() -> str:
-    """``$XDG_RUNTIME_DIR/kvpool/kvpoold.sock`` for a user daemon, else the systemd unit's
-    ``/run/kvpool/kvpoold.sock``."""
+    """Where daemon and clients meet when nobody says otherwise.
+
+    ``$XDG_RUNTIME_DIR/kvpool/`` for a user session; else ``/run/kvpool/`` (the systemd unit's
+    RuntimeDirectory) when it exists or we are root; else ``/tmp/kvpool-<uid>/``, so a plain
+    ``kvpoold`` works for an unprivileged user on a machine without a session runtime dir.
+    """
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) / "kvpool" if runtime else Path("/run/kvpool")
+    if runtime:
+        base = Path(runtime) / "kvpool"
+    elif os.path.isdir("/run/kvpool") or os.geteuid() == 0:
+        base = Path("/run/kvpool")
+    else:
+        base = Path(f"/tmp/kvpool-{os.geteuid()}")
     return str(base / "kvpoold.sock")
 
 
@@ -51,8 +60,9 @@ def _doc(text: str, **bounds: Any) -> msgspec.Meta:
 class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Every daemon setting: a ``kvpoold --flag``, a ``KVPOOL_<NAME>`` variable and a TOML key."""
 
-    socket: Annotated[str, _doc("ZeroMQ ipc:// socket path; empty: $XDG_RUNTIME_DIR/kvpool/"
-                                "kvpoold.sock, else /run/kvpool/kvpoold.sock")] = ""
+    socket: Annotated[str, _doc("ZeroMQ ipc:// socket path; empty: kvpoold.sock in "
+                                "$XDG_RUNTIME_DIR/kvpool/, else /run/kvpool/ (if it exists or "
+                                "for root), else /tmp/kvpool-UID/")] = ""
     socket_mode: Annotated[str, _doc("file mode of the socket; 0660 lets its group (the engines) "
                                      "connect", pattern=r"^0?[0-7]{3}$")] = "0600"
     pool_name: Annotated[str, _doc("POSIX shm object of the pool (/dev/shm/NAME); one daemon per "

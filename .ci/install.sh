@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs kvpool and everything its tests need into ./.venv, from scratch, idempotently.
+#   bash .ci/install.sh            # daemon, clients, tests
+# torch 2.13.0 goes in first, alone: a bare or ranged torch requirement resolved with nothing
+# installed would pull the multi-GB CUDA build. With it present, pip keeps it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip"
+$PIP install -q --disable-pip-version-check "torch==2.13.0"
+$PIP install -q --disable-pip-version-check -e '.[test]'
+if [ -f .ci/install-vllm.sh ]; then
+    bash .ci/install-vllm.sh .venv
+fi
+.venv/bin/python -c "import kvpool.daemon.server, kvpool.client.worker; print('kvpool installed in .venv')"

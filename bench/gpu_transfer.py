@@ -1,0 +1,341 @@
+"""GPU <-> pool transfer benchmark (issue 3, item 7), measured in one run on one GPU.
+
+End to end through a real kvpoold (request sent -> completion seen, in a worker process that
+owns the KV tensors): store, load and simultaneous store+load for the block-outermost and the
+per-layer layout of Llama-3.1-8B (32 layers, 8 KV heads, head dim 128, bf16, 16-token blocks:
+2 MiB per block, 1024 blocks per job); the contiguous pinned memcpy limit of the same run
+(H2D, D2H, both at once); a bf16 8192^3 GEMM loop alone and while kvpool offloads at full
+speed (GEMM in its own process, as in vLLM); the p50 of single-block stores and loads.
+
+``--engine-compare`` adds a side table that drives the copy engine directly (no daemon) with
+each backend forced, to show what the automatic choice picks between.
+
+Writes ``<out>/gpu-<device>-<date>.json`` and a PNG chart beside it.
+
+Run: ``python bench/gpu_transfer.py --out bench/results`` (needs a GPU, and tests/gpu on the path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+
+from gpu_worker import LAYOUTS, ShmPool, Worker  # noqa: E402
+
+from kvpool.daemon import cuda  # noqa: E402
+
+GB = 1e9
+BLOCK_BYTES = 2 << 20
+
+
+def memcpy_limits(nbytes: int, reps: int) -> dict[str, float]:
+    """Contiguous pinned memcpy GB/s: H2D, D2H, and both directions at once (total)."""
+    cuda.use_device(0)
+    host = ShmPool(2 * nbytes, name=f"kvpool-bench-limit-{os.getpid()}")
+    cuda.host_register(host.base_address, host.nbytes)
+    dev = [cuda.mem_alloc(nbytes), cuda.mem_alloc(nbytes)]
+    streams = [cuda.stream_create(), cuda.stream_create()]
+    h = [host.base_address, host.base_address + nbytes]
+
+    def timed(copies) -> float:
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            for s, (dst, src) in zip(streams, copies):
+                cuda.memcpy_async(dst, src, nbytes, s)
+            for s in streams[:len(copies)]:
+                cuda.stream_synchronize(s)
+            times.append(time.perf_counter() - t0)
+        return len(copies) * nbytes / statistics.median(times[1:]) / GB
+
+    out = {"limit_h2d_GBps": timed([(dev[0], h[0])]),
+           "limit_d2h_GBps": timed([(h[0], dev[0])]),
+           "limit_bidir_GBps": timed([(h[0], dev[0]), (dev[1], h[1])])}
+    for s in streams:
+        cuda.stream_destroy(s)
+    for d in dev:
+        cuda.mem_free(d)
+    cuda.host_unregister(host.base_address)
+    host.close()
+    return out
+
+
+def start_daemon(tmp: Path, pool_size: str) -> tuple[subprocess.Popen, str]:
+    sock = str(tmp / "kvpoold.sock")
+    log = open(tmp / "kvpoold.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.daemon", "--socket", sock,
+                             "--pool-name", f"kvpool-bench-{os.getpid()}", "--pool-size",
+                             pool_size, "--cuda", "on", "--log-level", "info"],
+                            stdout=log, stderr=log)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sock):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"kvpoold did not start: {(tmp / 'kvpoold.log').read_text()}")
+        time.sleep(0.05)
+    return proc, sock
+
+
+def gemm_alone_and_with(gemm: Worker, offloader: Worker | None, iters: int, offload_cmd
+                        ) -> tuple[float, float | None]:
+    gemm.conn.send(("gemm", iters))
+    assert gemm.conn.recv() == "ready"
+    gemm.conn.send("go")
+    t_alone = gemm.conn.recv()
+    if offloader is None:
+        return t_alone, None
+    offloader.conn.send(offload_cmd(3 * t_alone + 1.0))
+    time.sleep(0.3)                                  # offload at full speed first
+    gemm.conn.send(("gemm", iters))
+    assert gemm.conn.recv() == "ready"
+    gemm.conn.send("go")
+    t_with = gemm.conn.recv()
+    rate = offloader.conn.recv()
+    if isinstance(rate, Exception):
+        raise rate
+    return t_alone, (t_with, rate)
+
+
+def daemon_run(args, res: dict) -> None:
+    tmp = Path(args.tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    proc, sock = start_daemon(tmp, args.pool_size)
+    n = args.blocks
+    gemm = Worker(0, "block_outer", 4)
+    try:
+        for layout in ("block_outer", "per_layer"):
+            w = Worker(0, layout, n)
+            try:
+                w.call("connect", sock, layout.encode().ljust(16, b"\0")[:16], 0, 1)
+                w.call("fill", 1)
+                bench = lambda *a: w.call("bench", *a, timeout_s=300)  # noqa: E731
+                # loads land in the blocks the stores read: the bytes are the same either way,
+                # and one 2 GiB allocation per layout keeps the GPU footprint of the run small
+                lo = hi = list(range(n))
+                bench("store", lo[:64])                      # warm: registration, kernels
+                bench("load", hi[:64])
+                st = [bench("store", lo) for _ in range(args.reps)]
+                ld = [bench("load", hi) for _ in range(args.reps)]
+                bi = [bench("bidir", lo, hi) for _ in range(args.reps)]
+                st8 = [bench("store", lo, 8) for _ in range(args.reps)]
+                ld8 = [bench("load", hi, 8) for _ in range(args.reps)]
+                nbytes = n * BLOCK_BYTES
+                r = res["layouts"][layout] = {
+                    "store_GBps": nbytes / statistics.median(st) / GB,
+                    "load_GBps": nbytes / statistics.median(ld) / GB,
+                    "bidir_GBps": 2 * nbytes / statistics.median(bi) / GB,
+                    "store_8jobs_GBps": nbytes / statistics.median(st8) / GB,
+                    "load_8jobs_GBps": nbytes / statistics.median(ld8) / GB,
+                    "store_s": st, "load_s": ld, "bidir_s": bi}
+                sst, sld = bench("single", 0, args.single_reps)
+                r["single_store_p50_us"] = statistics.median(sst) * 1e6
+                r["single_load_p50_us"] = statistics.median(sld) * 1e6
+                r["single_store_p99_us"] = float(np.percentile(sst, 99) * 1e6)
+                r["single_load_p99_us"] = float(np.percentile(sld, 99) * 1e6)
+                t_alone, (t_with, rate) = gemm_alone_and_with(
+                    gemm, w, args.gemm_iters,
+                    lambda secs: ("bench", "offload_for", secs, 128, lo, hi))
+                r["gemm_alone_s"] = t_alone
+                r["gemm_with_offload_s"] = t_with
+                r["gemm_slowdown"] = t_with / t_alone
+                r["offload_during_gemm_GBps"] = rate * BLOCK_BYTES / GB
+                print(f"[daemon] {layout}: " + json.dumps(
+                    {k: round(v, 3) for k, v in r.items() if not isinstance(v, list)}),
+                    flush=True)
+            finally:
+                w.close()
+    finally:
+        gemm.close()
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        res["daemon_log_tail"] = (tmp / "kvpoold.log").read_text(errors="replace")[-4000:]
+
+
+def engine_compare(args, res: dict) -> None:
+    """The copy engine alone, each backend forced: where the automatic choice comes from."""
+    from kvpool.daemon.cuda_copy import CudaCopyEngine
+    n = args.blocks
+    pool = ShmPool(n * BLOCK_BYTES + (64 << 20), name=f"kvpool-bench-eng-{os.getpid()}")
+    eng = CudaCopyEngine(pool)
+    eng.registration.wait()
+    out = res["engine_compare"] = {}
+    gemm = Worker(0, "block_outer", 4)
+    try:
+        for layout in ("block_outer", "per_layer", "per_head"):
+            w = Worker(0, layout, n)
+            try:
+                reg = w.register_request()
+                m = eng.attach(reg)
+                w.call("fill", 2)
+                blocks = np.arange(n)
+                offs = np.arange(n, dtype=np.int64) * reg.layout.slot_bytes
+                for backend, ctas, per, nstreams in args.variants:
+                    eng.backend, eng.max_ctas = backend, ctas or 32
+                    eng.dma_batch_copies, eng.dma_streams = per, nstreams
+                    eng.dma_calls_s = 0.0
+                    eng.submit_store(m, blocks[:32], offs[:32]).result(120)
+                    eng.submit_load(m, offs[:32], blocks[:32]).result(120)
+                    row = {}
+                    for name, fn in (("store", lambda: eng.submit_store(m, blocks, offs)),
+                                     ("load", lambda: eng.submit_load(m, offs, blocks))):
+                        ts = []
+                        for _ in range(args.reps):
+                            t0 = time.perf_counter()
+                            fn().result(120)
+                            ts.append(time.perf_counter() - t0)
+                        row[f"{name}_GBps"] = n * reg.layout.shard_bytes / statistics.median(ts) / GB
+                    t0 = time.perf_counter()
+                    f1 = eng.submit_store(m, blocks, offs)
+                    f2 = eng.submit_load(m, offs, blocks)
+                    f1.result(120), f2.result(120)
+                    row["bidir_GBps"] = 2 * n * reg.layout.shard_bytes / (time.perf_counter() - t0) / GB
+                    row["dma_call_ms_per_job"] = eng.dma_calls_s * 1e3 / (2 * args.reps + 4)
+                    if layout != "per_head" or backend == "dma":
+                        row["gemm_slowdown"] = _gemm_vs_engine(gemm, eng, m, blocks, offs,
+                                                               args.gemm_iters)
+                    key = f"{layout}/{backend}" + (f"/{ctas}cta" if backend == "kernel" else
+                                                   f"/{per}x{nstreams}")
+                    out[key] = row
+                    print(f"[engine] {key}: {json.dumps({k: round(v, 3) for k, v in row.items()})}",
+                          flush=True)
+                eng.backend, eng.max_ctas = "auto", 32
+                eng.dma_batch_copies, eng.dma_streams = 2048, 4
+                eng.detach(m, wait_s=30)
+            finally:
+                w.close()
+    finally:
+        gemm.close()
+        eng.close()
+        pool.close()
+
+
+def _gemm_vs_engine(gemm: Worker, eng, m, blocks, offs, iters: int) -> float:
+    import threading
+    gemm.conn.send(("gemm", iters))
+    assert gemm.conn.recv() == "ready"
+    gemm.conn.send("go")
+    t_alone = gemm.conn.recv()
+    stop = threading.Event()
+
+    def offload():
+        half = len(blocks) // 2
+        while not stop.is_set():
+            f1 = eng.submit_store(m, blocks[:half], offs[:half])
+            f2 = eng.submit_load(m, offs[half:], blocks[half:])
+            f1.result(120), f2.result(120)
+    th = threading.Thread(target=offload)
+    th.start()
+    time.sleep(0.3)
+    gemm.conn.send(("gemm", iters))
+    assert gemm.conn.recv() == "ready"
+    gemm.conn.send("go")
+    t_with = gemm.conn.recv()
+    stop.set()
+    th.join()
+    return t_with / t_alone
+
+
+def device_name() -> str:
+    import torch
+    return torch.cuda.get_device_name(0)
+
+
+def chart(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels, vals, colors = [], [], []
+    for layout, r in res.get("layouts", {}).items():
+        for d, c in (("store", "tab:blue"), ("load", "tab:orange"), ("bidir", "tab:green")):
+            labels.append(f"{layout}\n{d}")
+            vals.append(r[f"{d}_GBps"])
+            colors.append(c)
+    ax.bar(range(len(vals)), vals, color=colors)
+    ax.set_xticks(range(len(vals)), labels, fontsize=8)
+    for key, style in (("limit_d2h_GBps", "--"), ("limit_h2d_GBps", ":"),
+                       ("limit_bidir_GBps", "-.")):
+        if key in res:
+            ax.axhline(res[key], linestyle=style, color="k", linewidth=1,
+                       label=f"{key[6:-5]} memcpy limit {res[key]:.1f}")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"kvpool GPU<->pool through kvpoold, {res['device']}, {res['blocks']} x 2 MiB")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--tmp", default="/tmp/kvpool-bench")
+    ap.add_argument("--blocks", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--single-reps", type=int, default=200)
+    ap.add_argument("--gemm-iters", type=int, default=200)
+    ap.add_argument("--pool-size", default="12GiB")
+    ap.add_argument("--engine-compare", action="store_true")
+    ap.add_argument("--no-daemon", action="store_true")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="engine-compare variant backend:ctas:batch_copies:streams "
+                         "(e.g. dma:0:4096:2, kernel:32:0:1); repeatable")
+    args = ap.parse_args()
+    args.variants = [(b, int(c), int(p), int(s)) for b, c, p, s in
+                     (v.split(":") for v in args.variant)] or [
+        ("dma", 0, 1 << 30, 1), ("dma", 0, 4096, 1), ("dma", 0, 4096, 2), ("dma", 0, 2048, 4),
+        ("kernel", 32, 0, 1)]
+    dev = device_name()
+    res: dict = {"device": dev, "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+                 "command": " ".join(shlex.quote(a) for a in sys.argv), "blocks": args.blocks,
+                 "block_bytes": BLOCK_BYTES, "layouts": {}}
+    res.update(memcpy_limits(args.blocks * BLOCK_BYTES, args.reps))
+    print("[limits] " + json.dumps({k: round(v, 2) for k, v in res.items()
+                                    if k.startswith("limit")}), flush=True)
+    if args.engine_compare:
+        engine_compare(args, res)
+    if not args.no_daemon:
+        daemon_run(args, res)
+        b, p = res["layouts"]["block_outer"], res["layouts"]["per_layer"]
+        res.update({
+            "store_ratio_block": b["store_GBps"] / res["limit_d2h_GBps"],
+            "load_ratio_block": b["load_GBps"] / res["limit_h2d_GBps"],
+            "store_ratio_per_layer": p["store_GBps"] / res["limit_d2h_GBps"],
+            "load_ratio_per_layer": p["load_GBps"] / res["limit_h2d_GBps"],
+            "bidir_ratio": b["bidir_GBps"] / res["limit_bidir_GBps"],
+            "bidir_ratio_per_layer": p["bidir_GBps"] / res["limit_bidir_GBps"],
+            "gemm_slowdown": b["gemm_slowdown"],
+            "gemm_slowdown_per_layer": p["gemm_slowdown"],
+            # p50 request->completion of one 2 MiB block, the slower of store and load
+            "single_block_roundtrip_us": max(b["single_store_p50_us"], b["single_load_p50_us"]),
+            "single_block_roundtrip_us_per_layer": max(p["single_store_p50_us"],
+                                                       p["single_load_p50_us"]),
+        })
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"gpu-{dev.replace(' ', '_').replace('/', '_')}-{dt.date.today().isoformat()}"
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    if res["layouts"]:
+        chart(res, out / f"{stem}.png")
+    print("[summary] " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
+                                     for k, v in res.items()
+                                     if not isinstance(v, (dict, list)) and k != "daemon_log_tail"}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,533 @@
+"""Thin wrappers over the CUDA driver API: the daemon's only low-level CUDA module.
+
+Owns: loading ``libcuda``, contexts (each device's *primary* context, the one PyTorch and Triton
+use too, so pointers and streams made here are valid there), host registration of the pool,
+CUDA IPC memory and event handles, streams, events, device lookup by UUID and the batched DMA
+call ``cuMemcpyBatchAsync``.
+
+Why ctypes on the driver library rather than ``cuda.bindings``: the batched copy takes three
+arrays of up to ~10^5 pointers per job; ctypes hands numpy buffers over without touching each
+element, where the bindings convert a Python list element by element. The driver library ships
+with the driver, so this works wherever a GPU does, whichever toolkit is installed.
+
+Must never: import torch or triton (the copy engine does that, lazily), run at import time
+(``libcuda`` is loaded on first use, so this module imports on machines without CUDA), or block
+anything but the calling thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+CU_MEMHOSTREGISTER_PORTABLE = 0x01
+CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
+CU_MEMHOSTALLOC_PORTABLE = 0x01
+CU_MEMHOSTALLOC_DEVICEMAP = 0x02
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
+CU_EVENT_DISABLE_TIMING = 0x2
+CU_EVENT_INTERPROCESS = 0x4
+CU_STREAM_NON_BLOCKING = 0x1
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1
+CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 0x1
+CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 18
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_NOT_READY = 600
+CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+
+IPC_HANDLE_BYTES = 64
+
+
+class CudaError(RuntimeError):
+    """A driver call failed; ``code`` is the ``CUresult``."""
+
+    def __init__(self, call: str, code: int, name: str) -> None:
+        super().__init__(f"{call} failed: {name} ({code})")
+        self.call = call
+        self.code = code
+
+
+class CudaUnavailable(RuntimeError):
+    """No driver library or no device: the CUDA path is off."""
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * IPC_HANDLE_BYTES)]
+
+    def raw(self) -> bytes:
+        return ctypes.string_at(ctypes.addressof(self), IPC_HANDLE_BYTES)
+
+
+class _CUuuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation),
+                ("dstLocHint", _MemLocation), ("flags", ctypes.c_uint)]
+
+
+_P = ctypes.c_void_p
+_U64 = ctypes.c_uint64
+_SZ = ctypes.c_size_t
+_I = ctypes.c_int
+_UI = ctypes.c_uint
+
+# name -> argtypes. Resolved through cuGetProcAddress with the driver's own version, so each
+# name binds the ABI that the installed driver documents (e.g. cuMemHostRegister -> _v2).
+_SIGNATURES: dict[str, list] = {
+    "cuInit": [_UI],
+    "cuDriverGetVersion": [ctypes.POINTER(_I)],
+    "cuDeviceGetCount": [ctypes.POINTER(_I)],
+    "cuDeviceGet": [ctypes.POINTER(_I), _I],
+    "cuDeviceGetUuid": [ctypes.POINTER(_CUuuid), _I],
+    "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_P), _I],
+    "cuCtxSetCurrent": [_P],
+    "cuMemHostRegister": [_P, _SZ, _UI],
+    "cuMemHostUnregister": [_P],
+    "cuMemHostGetDevicePointer": [ctypes.POINTER(_U64), _P, _UI],
+    "cuMemHostAlloc": [ctypes.POINTER(_P), _SZ, _UI],
+    "cuMemFreeHost": [_P],
+    "cuMemAlloc": [ctypes.POINTER(_U64), _SZ],
+    "cuMemFree": [_U64],
+    "cuMemGetInfo": [ctypes.POINTER(_SZ), ctypes.POINTER(_SZ)],
+    "cuMemGetAddressRange": [ctypes.POINTER(_U64), ctypes.POINTER(_SZ), _U64],
+    "cuPointerGetAttribute": [_P, _I, _U64],
+    "cuIpcGetMemHandle": [ctypes.POINTER(_IpcHandle), _U64],
+    "cuIpcOpenMemHandle": [ctypes.POINTER(_U64), _IpcHandle, _UI],
+    "cuIpcCloseMemHandle": [_U64],
+    "cuIpcGetEventHandle": [ctypes.POINTER(_IpcHandle), _P],
+    "cuIpcOpenEventHandle": [ctypes.POINTER(_P), _IpcHandle],
+    "cuEventCreate": [ctypes.POINTER(_P), _UI],
+    "cuEventDestroy": [_P],
+    "cuEventRecord": [_P, _P],
+    "cuEventQuery": [_P],
+    "cuEventSynchronize": [_P],
+    "cuStreamCreate": [ctypes.POINTER(_P), _UI],
+    "cuStreamDestroy": [_P],
+    "cuStreamWaitEvent": [_P, _P, _UI],
+    "cuStreamSynchronize": [_P],
+    "cuMemcpyAsync": [_U64, _U64, _SZ, _P],
+    "cuMemsetD8Async": [_U64, ctypes.c_ubyte, _SZ, _P],
+}
+
+# CUDA 12.8 introduced the batched copy with a trailing ``failIdx``; 13.0 dropped it.
+_BATCH_12 = [_P, _P, _P, _SZ, _P, _P, _SZ, _P, _P]
+_BATCH_13 = [_P, _P, _P, _SZ, _P, _P, _SZ, _P]
+
+
+class _Driver:
+    def __init__(self) -> None:
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise CudaUnavailable(f"no CUDA driver library: {e}") from None
+        self.lib.cuGetErrorName.argtypes = [_I, ctypes.POINTER(ctypes.c_char_p)]
+        version = _I()
+        self.lib.cuDriverGetVersion(ctypes.byref(version))
+        self.version = version.value
+        self._getproc = getattr(self.lib, "cuGetProcAddress_v2", None)
+        for name, argtypes in _SIGNATURES.items():
+            setattr(self, name, self._resolve(name, argtypes))
+        self.cuMemcpyBatchAsync = None
+        if self.version >= 12080:
+            try:
+                self.cuMemcpyBatchAsync = self._resolve(
+                    "cuMemcpyBatchAsync", _BATCH_13 if self.version >= 13000 else _BATCH_12)
+            except CudaUnavailable:
+                self.cuMemcpyBatchAsync = None
+        self.check("cuInit", self.cuInit(0))
+
+    def _resolve(self, name: str, argtypes: list):
+        fn_ptr = _P()
+        if self._getproc is not None:
+            self._getproc.argtypes = [ctypes.c_char_p, ctypes.POINTER(_P), _I, _U64,
+                                      ctypes.POINTER(_I)]
+            status = _I()
+            rc = self._getproc(name.encode(), ctypes.byref(fn_ptr), self.version, 0,
+                               ctypes.byref(status))
+            if rc != CUDA_SUCCESS or not fn_ptr.value:
+                raise CudaUnavailable(f"driver has no {name}")
+            fn = ctypes.CFUNCTYPE(_I, *argtypes)(fn_ptr.value)
+        else:
+            fn = getattr(self.lib, name, None) or getattr(self.lib, name + "_v2", None)
+            if fn is None:
+                raise CudaUnavailable(f"driver has no {name}")
+            fn.argtypes = argtypes
+            fn.restype = _I
+        return fn
+
+    def error_name(self, code: int) -> str:
+        s = ctypes.c_char_p()
+        self.lib.cuGetErrorName(code, ctypes.byref(s))
+        return s.value.decode() if s.value else "CUDA_ERROR_UNKNOWN"
+
+    def check(self, call: str, code: int) -> None:
+        if code != CUDA_SUCCESS:
+            raise CudaError(call, code, self.error_name(code))
+
+
+_driver: _Driver | None = None
+_driver_lock = threading.Lock()
+
+
+def driver() -> _Driver:
+    """The loaded, initialised driver; raises ``CudaUnavailable`` where there is none."""
+    global _driver
+    if _driver is None:
+        with _driver_lock:
+            if _driver is None:
+                _driver = _Driver()
+    return _driver
+
+
+def is_available() -> bool:
+    try:
+        return device_count() > 0
+    except (CudaUnavailable, CudaError):
+        return False
+
+
+def device_count() -> int:
+    d = driver()
+    n = _I()
+    d.check("cuDeviceGetCount", d.cuDeviceGetCount(ctypes.byref(n)))
+    return n.value
+
+
+def normalize_uuid(uuid: str) -> str:
+    """``GPU-3f2a…`` (nvidia-smi), ``3f2a…`` (torch) and upper case all name one device."""
+    u = uuid.strip().lower()
+    if u.startswith("gpu-"):
+        u = u[4:]
+    return u.replace("-", "")
+
+
+def device_uuid(ordinal: int) -> str:
+    d = driver()
+    dev = _I()
+    d.check("cuDeviceGet", d.cuDeviceGet(ctypes.byref(dev), ordinal))
+    u = _CUuuid()
+    d.check("cuDeviceGetUuid", d.cuDeviceGetUuid(ctypes.byref(u), dev))
+    return bytes(u.bytes).hex()
+
+
+def device_by_uuid(uuid: str) -> int:
+    """The ordinal *this process* sees for ``uuid``; ``KeyError`` if it sees no such GPU."""
+    want = normalize_uuid(uuid)
+    for i in range(device_count()):
+        if device_uuid(i) == want:
+            return i
+    raise KeyError(uuid)
+
+
+_contexts: dict[int, int] = {}
+
+
+def use_device(ordinal: int) -> int:
+    """Make ``ordinal``'s primary context current on the calling thread; returns it."""
+    d = driver()
+    ctx = _contexts.get(ordinal)
+    if ctx is None:
+        dev = _I()
+        d.check("cuDeviceGet", d.cuDeviceGet(ctypes.byref(dev), ordinal))
+        c = _P()
+        d.check("cuDevicePrimaryCtxRetain", d.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev))
+        ctx = _contexts.setdefault(ordinal, c.value)
+    d.check("cuCtxSetCurrent", d.cuCtxSetCurrent(ctx))
+    return ctx
+
+
+def mem_get_info() -> tuple[int, int]:
+    """(free, total) bytes of the current device."""
+    d = driver()
+    free, total = _SZ(), _SZ()
+    d.check("cuMemGetInfo", d.cuMemGetInfo(ctypes.byref(free), ctypes.byref(total)))
+    return free.value, total.value
+
+
+# ---- host memory ---------------------------------------------------------------------------
+
+def host_register(addr: int, nbytes: int) -> None:
+    d = driver()
+    d.check("cuMemHostRegister", d.cuMemHostRegister(
+        addr, nbytes, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP))
+
+
+def host_unregister(addr: int) -> None:
+    d = driver()
+    d.check("cuMemHostUnregister", d.cuMemHostUnregister(addr))
+
+
+def host_device_pointer(addr: int) -> int:
+    d = driver()
+    out = _U64()
+    d.check("cuMemHostGetDevicePointer", d.cuMemHostGetDevicePointer(ctypes.byref(out), addr, 0))
+    return out.value
+
+
+def host_alloc(nbytes: int) -> int:
+    """Pinned, portable, device-mapped host memory (staging tables the kernels read over UVA)."""
+    d = driver()
+    p = _P()
+    d.check("cuMemHostAlloc", d.cuMemHostAlloc(
+        ctypes.byref(p), nbytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP))
+    return p.value
+
+
+def host_free(addr: int) -> None:
+    driver().check("cuMemFreeHost", driver().cuMemFreeHost(addr))
+
+
+class HostRegistration:
+    """Registers ``[addr, addr + nbytes)`` with CUDA in ``piece_bytes`` pieces, in address
+    order, on a background thread, so a daemon with a pool of any size answers at once (8 GiB
+    take ~0.3 s on the H100 host, DESIGN.md). A copy waits only until the pieces it touches are
+    registered (``wait_until``), never for the whole pool.
+
+    A failure is a warning, never a crash: pinning is a bandwidth optimisation, and DMA works on
+    pageable memory at about a third of the speed (DESIGN.md: 17.4 / 13.9 GB/s).
+    """
+
+    def __init__(self, addr: int, nbytes: int, piece_bytes: int = 1 << 30) -> None:
+        self.addr = addr
+        self.nbytes = nbytes
+        self.piece_bytes = piece_bytes
+        self.registered: list[tuple[int, int]] = []
+        self.registered_end = addr       # [addr, registered_end) is pinned
+        self.error = ""
+        self.elapsed_s = 0.0
+        self.is_uva_identity = False     # device pointer == host pointer: kernels may use it
+        self._cond = threading.Condition()
+        self._finished = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def start(self, ordinal: int = 0) -> HostRegistration:
+        self._thread = threading.Thread(target=self._run, args=(ordinal,),
+                                        name="kvpool-cuda-register", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self, ordinal: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            use_device(ordinal)
+            end = self.addr + self.nbytes
+            pos = self.addr
+            while pos < end and not self._stop:
+                n = min(self.piece_bytes, end - pos)
+                host_register(pos, n)
+                if pos == self.addr:
+                    self.is_uva_identity = host_device_pointer(pos) == pos
+                with self._cond:
+                    self.registered.append((pos, n))
+                    self.registered_end = pos + n
+                    self._cond.notify_all()
+                pos += n
+        except (CudaError, CudaUnavailable) as e:
+            self.error = str(e)
+            log.warning("kvpool: could not pin the pool with cudaHostRegister (%s); GPU copies "
+                        "run from pageable memory at roughly a third of the PCIe bandwidth. "
+                        "Check `ulimit -l` (locked memory) and the container's memlock limit.", e)
+        finally:
+            self.elapsed_s = time.perf_counter() - t0
+            with self._cond:
+                self._finished = True
+                self._cond.notify_all()
+
+    @property
+    def is_complete(self) -> bool:
+        """Every piece registered, with no error."""
+        return self._finished and self.registered_end == self.addr + self.nbytes
+
+    def wait_until(self, end_addr: int, timeout_s: float | None = None) -> bool:
+        """Wait until ``[addr, end_addr)`` is pinned or registration has stopped; True if pinned."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.registered_end >= end_addr or self._finished,
+                                timeout_s)
+            return self.registered_end >= end_addr
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._finished, timeout_s)
+
+    def unregister(self) -> None:
+        self._stop = True
+        self.wait()
+        for a, _ in reversed(self.registered):
+            try:
+                host_unregister(a)
+            except CudaError as e:
+                log.warning("kvpool: cuMemHostUnregister failed: %s", e)
+        self.registered.clear()
+        self.registered_end = self.addr
+
+
+# ---- IPC ------------------------------------------------------------------------------------
+
+def ipc_open_mem(handle: bytes) -> int:
+    """Map another process's allocation; returns the device pointer of its base."""
+    if len(handle) != IPC_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC memory handle is {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+    d = driver()
+    out = _U64()
+    d.check("cuIpcOpenMemHandle", d.cuIpcOpenMemHandle(
+        ctypes.byref(out), _IpcHandle.from_buffer_copy(handle),
+        CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+    return out.value
+
+
+def ipc_close_mem(devptr: int) -> None:
+    d = driver()
+    d.check("cuIpcCloseMemHandle", d.cuIpcCloseMemHandle(devptr))
+
+
+def address_range(devptr: int) -> tuple[int, int]:
+    """(base, size) of the allocation holding ``devptr``."""
+    d = driver()
+    base, size = _U64(), _SZ()
+    d.check("cuMemGetAddressRange", d.cuMemGetAddressRange(
+        ctypes.byref(base), ctypes.byref(size), devptr))
+    return base.value, size.value
+
+
+def ipc_get_mem_handle(devptr: int) -> bytes:
+    d = driver()
+    h = _IpcHandle()
+    d.check("cuIpcGetMemHandle", d.cuIpcGetMemHandle(ctypes.byref(h), devptr))
+    return h.raw()
+
+
+# ---- events and streams ---------------------------------------------------------------------
+
+def event_create(interprocess: bool = False) -> int:
+    d = driver()
+    ev = _P()
+    flags = CU_EVENT_DISABLE_TIMING | (CU_EVENT_INTERPROCESS if interprocess else 0)
+    d.check("cuEventCreate", d.cuEventCreate(ctypes.byref(ev), flags))
+    return ev.value
+
+
+def event_destroy(ev: int) -> None:
+    d = driver()
+    d.check("cuEventDestroy", d.cuEventDestroy(ev))
+
+
+def event_ipc_handle(ev: int) -> bytes:
+    d = driver()
+    h = _IpcHandle()
+    d.check("cuIpcGetEventHandle", d.cuIpcGetEventHandle(ctypes.byref(h), ev))
+    return h.raw()
+
+
+def event_open_ipc(handle: bytes) -> int:
+    if len(handle) != IPC_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC event handle is {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+    d = driver()
+    ev = _P()
+    d.check("cuIpcOpenEventHandle",
+            d.cuIpcOpenEventHandle(ctypes.byref(ev), _IpcHandle.from_buffer_copy(handle)))
+    return ev.value
+
+
+def event_record(ev: int, stream: int) -> None:
+    d = driver()
+    d.check("cuEventRecord", d.cuEventRecord(ev, stream))
+
+
+def event_query(ev: int) -> bool:
+    d = driver()
+    rc = d.cuEventQuery(ev)
+    if rc == CUDA_ERROR_NOT_READY:
+        return False
+    d.check("cuEventQuery", rc)
+    return True
+
+
+def event_synchronize(ev: int) -> None:
+    d = driver()
+    d.check("cuEventSynchronize", d.cuEventSynchronize(ev))
+
+
+def stream_create() -> int:
+    d = driver()
+    s = _P()
+    d.check("cuStreamCreate", d.cuStreamCreate(ctypes.byref(s), CU_STREAM_NON_BLOCKING))
+    return s.value
+
+
+def stream_destroy(stream: int) -> None:
+    d = driver()
+    d.check("cuStreamDestroy", d.cuStreamDestroy(stream))
+
+
+def stream_wait_event(stream: int, ev: int) -> None:
+    d = driver()
+    d.check("cuStreamWaitEvent", d.cuStreamWaitEvent(stream, ev, 0))
+
+
+def stream_synchronize(stream: int) -> None:
+    d = driver()
+    d.check("cuStreamSynchronize", d.cuStreamSynchronize(stream))
+
+
+# ---- copies ---------------------------------------------------------------------------------
+
+def has_memcpy_batch() -> bool:
+    return driver().cuMemcpyBatchAsync is not None
+
+
+_batch_attr = _MemcpyAttributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, _MemLocation(0, 0),
+                                _MemLocation(0, 0), CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+_batch_attr_idx = (_SZ * 1)(0)
+
+
+def memcpy_batch_async(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
+                       stream: int) -> None:
+    """One ``cuMemcpyBatchAsync`` over unified addresses: copy engines only, no SMs.
+
+    The arrays must be contiguous uint64 and stay alive until the call returns (the driver
+    reads them during the call, not later).
+    """
+    d = driver()
+    if d.cuMemcpyBatchAsync is None:
+        raise CudaUnavailable("this driver has no cuMemcpyBatchAsync (needs CUDA 12.8+)")
+    count = len(sizes)
+    if count == 0:
+        return
+    assert dsts.dtype == srcs.dtype == sizes.dtype == np.uint64
+    args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, count,
+            ctypes.addressof(_batch_attr), ctypes.addressof(_batch_attr_idx), 1]
+    if d.version < 13000:
+        fail_idx = _SZ(0)
+        args.append(ctypes.addressof(fail_idx))
+    args.append(stream)
+    d.check("cuMemcpyBatchAsync", d.cuMemcpyBatchAsync(*args))
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    d = driver()
+    d.check("cuMemcpyAsync", d.cuMemcpyAsync(dst, src, nbytes, stream))
+
+
+def mem_alloc(nbytes: int) -> int:
+    d = driver()
+    p = _U64()
+    d.check("cuMemAlloc", d.cuMemAlloc(ctypes.byref(p), nbytes))
+    return p.value
+
+
+def mem_free(devptr: int) -> None:
+    d = driver()
+    d.check("cuMemFree", d.cuMemFree(devptr))

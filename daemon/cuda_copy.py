@@ -1,0 +1,675 @@
+"""The CUDA copy engine: moves KV blocks between workers' GPU memory (CUDA IPC) and the pool.
+
+Owns, per GPU: a store lane and a load lane, each a CUDA stream with a submitting thread and a
+waiting thread, so a long store never delays a load's completion. Owns the pool's host
+registration (``cuda.HostRegistration``, started at construction, background) and each
+registration's IPC mappings, reference-counted by handle.
+
+Per job, exactly one batched operation runs on the lane's stream, chosen per job:
+
+- ``dma``: one ``cuMemcpyBatchAsync`` over the job's chunk table: copy engines only, no SMs, so
+  the model runs at full speed beside it. Best for large chunks (block-outermost layouts).
+- ``kernel``: one launch of a Triton gather/scatter kernel on at most ``max_ctas`` CTAs that
+  reads or writes the registered pool over UVA. Best for many small chunks (per-layer layouts),
+  where the DMA engines' per-copy cost dominates.
+
+Address tables are built with numpy over (items x segments) at once; nothing in Python runs per
+block or per layer.
+
+Ordering: a store first makes its stream wait on the worker's IPC event (engine compute done);
+a load ends by recording one of the registration's interprocess events, whose handle goes back
+in ``JobResult.done_event`` for the worker's stream to wait on. Jobs of one lane run in
+submission order; stores and loads run concurrently (the index never loads into a block that is
+being stored, nor loads a slot that is not committed).
+
+Must never: block the event loop (``submit_*`` only enqueue; completion resolves a
+``concurrent.futures.Future`` from the waiting thread), unmap a worker's memory while a copy
+that touches it is in flight, or run a Python call per block.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from kvpool.daemon import cuda
+from kvpool.daemon.copy_engine import CopyEngine, JobResult, Mapped, segment_address_table
+from kvpool.shared.errors import (Aborted, InternalError, KvpoolError, LayoutMismatch,
+                                  OutOfRange, UnknownId)
+from kvpool.shared.layout import check_placement
+from kvpool.shared.protocol import CudaRegion, RegisterRequest
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["auto", "dma", "kernel"]
+
+# Kernel vector alignment: every chunk address and size must be a multiple of this.
+_KERNEL_ALIGN = 16
+_LOAD_EVENTS = 32          # interprocess "load done" events per registration, used round robin
+_OPENED_EVENTS_MAX = 256   # a worker's store events we keep open (it should reuse a ring)
+
+
+# ---- address tables (pure numpy; tested on CPU) ----------------------------------------------
+
+def chunk_table(seg_dev: np.ndarray, seg_stride: np.ndarray, seg_bytes: np.ndarray,
+                seg_prefix: np.ndarray, block_ids: np.ndarray, shard_offsets: np.ndarray,
+                pool_base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(gpu address, pool address, nbytes) of every chunk of a job, as uint64 arrays, with runs
+    that are contiguous on *both* sides merged into one copy.
+
+    Item ``i`` pairs GPU block ``block_ids[i]`` with the shard at pool byte offset
+    ``shard_offsets[i]``; segment ``s`` of it lives at ``seg_dev[s] + block * seg_stride[s]`` on
+    the GPU and at ``shard_offset + seg_prefix[s]`` in the shard.
+    """
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    shards = np.asarray(shard_offsets, dtype=np.int64)
+    gpu = (seg_dev[None, :] + blocks[:, None] * seg_stride[None, :]).ravel()
+    host = (pool_base + shards[:, None] + seg_prefix[None, :]).ravel()
+    size = np.broadcast_to(seg_bytes[None, :], (len(blocks), len(seg_bytes))).ravel()
+    return merge_runs(gpu, host, size)
+
+
+def merge_runs(gpu: np.ndarray, host: np.ndarray, size: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge each chunk into its predecessor where both sides continue it exactly."""
+    if len(size) == 0:
+        e = np.zeros(0, dtype=np.uint64)
+        return e, e, e
+    cont = np.empty(len(size), dtype=bool)
+    cont[0] = False
+    np.logical_and(gpu[:-1] + size[:-1] == gpu[1:], host[:-1] + size[:-1] == host[1:],
+                   out=cont[1:])
+    starts = np.flatnonzero(~cont)
+    merged = np.add.reduceat(size, starts)
+    return (gpu[starts].astype(np.uint64), host[starts].astype(np.uint64),
+            merged.astype(np.uint64))
+
+
+def split_at_boundaries(gpu: np.ndarray, host: np.ndarray, size: np.ndarray, base: int,
+                        piece: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut chunks whose pool range crosses a multiple of ``piece`` from ``base``, so no DMA copy
+    spans two separately registered pieces of the pool. Chunks may span several pieces."""
+    if len(size) == 0:
+        return gpu, host, size
+    h = host.astype(np.int64) - base
+    s = size.astype(np.int64)
+    first = h // piece
+    last = (h + s - 1) // piece
+    n = (last - first + 1)
+    if (n == 1).all():
+        return gpu, host, size
+    idx = np.repeat(np.arange(len(s)), n)
+    # k-th sub-chunk of each chunk: k = position within its run of repeats
+    k = np.arange(len(idx)) - np.repeat(np.cumsum(n) - n, n)
+    piece_no = first[idx] + k
+    lo = np.maximum(h[idx], piece_no * piece)
+    hi = np.minimum(h[idx] + s[idx], (piece_no + 1) * piece)
+    g = gpu.astype(np.int64)[idx] + (lo - h[idx])
+    return (g.astype(np.uint64), (lo + base).astype(np.uint64), (hi - lo).astype(np.uint64))
+
+
+# ---- registrations ---------------------------------------------------------------------------
+
+class CudaMapped(Mapped):
+    """One registration as this engine mapped it: IPC base pointers, per-segment tables."""
+
+    def __init__(self, registration: RegisterRequest, ordinal: int, handles: list[bytes],
+                 region_base: list[int]) -> None:
+        self.registration = registration
+        self.ordinal = ordinal
+        self.handles = handles
+        self.region_base = region_base
+        region, offset, stride, nbytes, prefix = segment_address_table(registration)
+        base = np.asarray(region_base, dtype=np.int64)
+        self.seg_dev = base[region] + offset
+        self.seg_stride = stride
+        self.seg_bytes = nbytes
+        self.seg_prefix = prefix
+        self.kernel_ok = bool(
+            (self.seg_dev % _KERNEL_ALIGN == 0).all() and (stride % _KERNEL_ALIGN == 0).all()
+            and (nbytes % _KERNEL_ALIGN == 0).all() and (prefix % _KERNEL_ALIGN == 0).all())
+        # mean bytes per copy of one block once contiguous segments merge
+        g, _, s = chunk_table(self.seg_dev, stride, nbytes, prefix, np.arange(1),
+                              np.zeros(1, dtype=np.int64), 0)
+        self.mean_chunk_bytes = int(s.sum()) // max(1, len(s))
+        self.seg_table_gpu: Any = None      # torch int64 [4, S] on the device, for the kernel
+        self.load_events: list[int] = []
+        self.load_event_handles: list[bytes] = []
+        self.next_load_event = 0
+        self.opened_events: dict[bytes, int] = {}
+        self.lock = threading.Lock()
+        self.pending = 0
+        self.closing = False
+        self.released = threading.Event()
+
+    def job_started(self) -> None:
+        with self.lock:
+            if self.closing:
+                raise UnknownId("registration was unregistered")
+            self.pending += 1
+
+    def job_finished(self) -> bool:
+        """True when this was the last job of a closing registration (release it now)."""
+        with self.lock:
+            self.pending -= 1
+            return self.closing and self.pending == 0
+
+
+@dataclass
+class _Job:
+    mapped: CudaMapped
+    to_pool: bool
+    block_ids: np.ndarray
+    shard_offsets: np.ndarray
+    wait_event: bytes
+    future: Future
+    nbytes: int = 0
+    event: int = 0               # completion event (recorded after the copy)
+    done_handle: bytes = b""     # interprocess handle of ``event`` for loads
+    recycle_event: bool = False
+    staging: Any = None
+    backend: str = ""
+    t_submit: float = field(default_factory=time.perf_counter)
+
+
+class _Lane:
+    """One direction on one GPU: a stream, a thread that launches, a thread that waits."""
+
+    def __init__(self, engine: CudaCopyEngine, gpu: _Gpu, to_pool: bool) -> None:
+        self.engine = engine
+        self.gpu = gpu
+        self.to_pool = to_pool
+        name = f"kvpool-cuda{gpu.ordinal}-{'store' if to_pool else 'load'}"
+        cuda.use_device(gpu.ordinal)
+        self.stream = cuda.stream_create()
+        self.torch_stream: Any = None
+        self.aux: list[tuple[int, int]] = []       # extra DMA streams and their join events
+        self._fork_event = cuda.event_create()
+        self.free_events: list[int] = []
+        self.staging: list[tuple[int, int, int]] = []   # (addr, capacity bytes, last event)
+        self.staging_next = 0
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.waits: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.recycled: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.submitter = threading.Thread(target=self._submit_loop, name=name + "-submit",
+                                          daemon=True)
+        self.waiter = threading.Thread(target=self._wait_loop, name=name + "-wait", daemon=True)
+        self.submitter.start()
+        self.waiter.start()
+
+    # -- launching (submit thread) --
+
+    def _submit_loop(self) -> None:
+        cuda.use_device(self.gpu.ordinal)
+        self._warm_kernel()
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                self.waits.put(None)
+                return
+            try:
+                self._launch(job)
+            except Exception as e:  # noqa: BLE001 - every failure goes back through the future
+                self.engine._finish(job, e)
+                continue
+            self.waits.put(job)
+
+    def _warm_kernel(self) -> None:
+        """Import torch and compile this direction's kernel before the first job needs it
+        (seconds, on this thread, never on the event loop)."""
+        eng = self.engine
+        reg = eng.registration
+        if eng.backend == "dma" or reg is None or not reg.wait_until(eng.pool_base + 1):
+            return
+        if not reg.is_uva_identity:
+            return
+        try:
+            import torch
+
+            from kvpool.daemon._copy_kernel import copy_chunks_kernel
+            dev = f"cuda:{self.gpu.ordinal}"
+            torch.cuda.set_device(self.gpu.ordinal)
+            self.torch_stream = torch.cuda.ExternalStream(self.stream, device=dev)
+            seg = torch.zeros((4, 1), dtype=torch.int64, device=dev)
+            with torch.cuda.stream(self.torch_stream):
+                copy_chunks_kernel[(1,)](
+                    seg[0], 0, seg[0], seg[1], seg[2], seg[3], 1, eng.pool_base,
+                    _Ptr(eng.pool_base, torch.int32), TO_POOL=self.to_pool,
+                    WORDS=eng.kernel_words, num_warps=eng.kernel_warps)
+            cuda.stream_synchronize(self.stream)
+        except Exception as e:  # noqa: BLE001 - the DMA path still works
+            log.warning("kvpool: copy kernel unavailable on GPU %d (%s); using DMA only",
+                        self.gpu.ordinal, e)
+            eng.kernel_broken = True
+
+    def _event(self) -> int:
+        while True:
+            try:
+                self.free_events.append(self.recycled.get_nowait())
+            except queue.Empty:
+                break
+        return self.free_events.pop() if self.free_events else cuda.event_create()
+
+    def _launch(self, job: _Job) -> None:
+        m = job.mapped
+        eng = self.engine
+        if job.wait_event:
+            cuda.stream_wait_event(self.stream, eng._open_event(m, job.wait_event))
+        shard_end = int(job.shard_offsets.max()) + int(m.registration.layout.shard_bytes)
+        reg = eng.registration
+        pinned = reg is not None and reg.wait_until(eng.pool_base + shard_end)
+        backend = eng._choose(m, pinned)
+        job.backend = backend
+        if backend == "kernel":
+            self._launch_kernel(job)
+        else:
+            gpu, host, size = chunk_table(m.seg_dev, m.seg_stride, m.seg_bytes, m.seg_prefix,
+                                          job.block_ids, job.shard_offsets, eng.pool_base)
+            if reg is not None and len(reg.registered) > 1:
+                gpu, host, size = split_at_boundaries(gpu, host, size, eng.pool_base,
+                                                      reg.piece_bytes)
+            if job.to_pool:
+                self._dma(host, gpu, size)
+            else:
+                self._dma(gpu, host, size)
+        if job.to_pool:
+            job.event = self._event()
+            job.recycle_event = True
+        else:
+            job.event, job.done_handle = eng._load_event(m)
+        cuda.event_record(job.event, self.stream)
+
+    def _dma(self, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> None:
+        """The job's copies as batched DMA: cut into batches of at most ``dma_batch_copies``
+        (the GPU starts on the first while the driver still reads the next; the driver's cost
+        is per copy) spread round robin over ``dma_streams`` streams (several copy engines
+        work at once), all joined back into the lane's stream."""
+        eng = self.engine
+        per = eng.dma_batch_copies
+        n = len(size)
+        t0 = time.perf_counter()
+        if n <= per or eng.dma_streams <= 1:
+            for i in range(0, n, per):
+                cuda.memcpy_batch_async(dst[i:i + per], src[i:i + per], size[i:i + per],
+                                        self.stream)
+        else:
+            while len(self.aux) < eng.dma_streams - 1:
+                self.aux.append((cuda.stream_create(), cuda.event_create()))
+            streams = [self.stream] + [s for s, _ in self.aux[:eng.dma_streams - 1]]
+            fork = self._fork_event
+            cuda.event_record(fork, self.stream)
+            for s in streams[1:]:
+                cuda.stream_wait_event(s, fork)
+            for k, i in enumerate(range(0, n, per)):
+                cuda.memcpy_batch_async(dst[i:i + per], src[i:i + per], size[i:i + per],
+                                        streams[k % len(streams)])
+            for s, ev in self.aux[:eng.dma_streams - 1]:
+                cuda.event_record(ev, s)
+                cuda.stream_wait_event(self.stream, ev)
+        eng.dma_calls_s += time.perf_counter() - t0
+
+    def _stage_items(self, job: _Job) -> int:
+        """Copy (block_id, shard_offset) pairs into a pinned ring slot the kernel reads over
+        UVA; a slot is reused only after the job that last used it has finished."""
+        items = np.empty((len(job.block_ids), 2), dtype=np.int64)
+        items[:, 0] = job.block_ids
+        items[:, 1] = job.shard_offsets
+        need = max(items.nbytes, 4096)
+        if len(self.staging) < 8:
+            self.staging.append((0, 0, 0))
+        k = self.staging_next % len(self.staging)
+        self.staging_next += 1
+        addr, cap, last = self.staging[k]
+        if last:
+            cuda.event_synchronize(last)
+        if cap < need:
+            if addr:
+                cuda.host_free(addr)
+            cap = 1 << (need - 1).bit_length()
+            addr = cuda.host_alloc(cap)
+        np.frombuffer((ctypes.c_int64 * items.size).from_address(addr), dtype=np.int64)[:] \
+            = items.ravel()
+        ev = last or cuda.event_create()
+        self.staging[k] = (addr, cap, ev)
+        job.staging = ev
+        return addr
+
+    def _launch_kernel(self, job: _Job) -> None:
+        import torch
+
+        from kvpool.daemon._copy_kernel import copy_chunks_kernel
+        eng = self.engine
+        m = job.mapped
+        if self.torch_stream is None:
+            torch.cuda.set_device(self.gpu.ordinal)
+            self.torch_stream = torch.cuda.ExternalStream(self.stream,
+                                                          device=f"cuda:{self.gpu.ordinal}")
+        if m.seg_table_gpu is None:
+            t = np.stack([m.seg_dev, m.seg_stride, m.seg_bytes, m.seg_prefix])
+            m.seg_table_gpu = torch.from_numpy(t).to(f"cuda:{self.gpu.ordinal}")
+        items = self._stage_items(job)
+        seg = m.seg_table_gpu
+        n_seg = seg.shape[1]
+        total = len(job.block_ids) * n_seg
+        grid = (max(1, min(eng.max_ctas, total)),)
+        with torch.cuda.stream(self.torch_stream):
+            copy_chunks_kernel[grid](
+                _Ptr(items, torch.int64), len(job.block_ids), seg[0], seg[1], seg[2], seg[3],
+                n_seg, eng.pool_base, _Ptr(eng.pool_base, torch.int32),
+                TO_POOL=job.to_pool, WORDS=eng.kernel_words, num_warps=eng.kernel_warps)
+        # the staging slot is free again once this launch is done
+        cuda.event_record(job.staging, self.stream)
+
+    # -- completing (wait thread) --
+
+    def _wait_loop(self) -> None:
+        cuda.use_device(self.gpu.ordinal)
+        while True:
+            job = self.waits.get()
+            if job is None:
+                return
+            err: BaseException | None = None
+            try:
+                cuda.event_synchronize(job.event)
+            except Exception as e:  # noqa: BLE001
+                err = e
+            if job.recycle_event:
+                self.recycled.put(job.event)
+            self.engine._finish(job, err)
+
+
+class _Ptr:
+    """A raw address Triton accepts as a pointer argument (it reads ``data_ptr`` and
+    ``dtype``), so the kernel sees an aligned typed pointer rather than an integer."""
+
+    __slots__ = ("addr", "dtype")
+
+    def __init__(self, addr: int, dtype: Any) -> None:
+        self.addr = addr
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self.addr
+
+
+class _Gpu:
+    def __init__(self, engine: CudaCopyEngine, ordinal: int) -> None:
+        self.ordinal = ordinal
+        self.store = _Lane(engine, self, to_pool=True)
+        self.load = _Lane(engine, self, to_pool=False)
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+class CudaCopyEngine(CopyEngine):
+    """Copies for ``CudaRegion`` registrations, on every GPU of the host.
+
+    ``pool`` needs ``.base_address`` (int) and ``.nbytes``; shard offsets are byte offsets
+    from ``base_address``. Construction returns at once: CUDA initialisation and pool
+    registration run on a background thread (``register_pool=False`` skips registration, e.g.
+    when the pool is already pinned). ``backend`` forces one path for every job ("auto"
+    chooses per registration: kernel when its copies average under ``dma_min_chunk_bytes``).
+    """
+
+    name = "cuda"
+
+    def __init__(self, pool: Any, *, backend: Backend = "auto", max_ctas: int = 32,
+                 dma_min_chunk_bytes: int = 16 << 10, dma_batch_copies: int = 2048,
+                 dma_streams: int = 4, register_pool: bool = True,
+                 register_piece_bytes: int = 1 << 30, kernel_words: int = 4096,
+                 kernel_warps: int = 16) -> None:
+        if backend not in ("auto", "dma", "kernel"):
+            raise ValueError(f"backend must be auto, dma or kernel, not {backend!r}")
+        self.pool = pool
+        self.pool_base = int(pool.base_address)
+        self.pool_nbytes = int(pool.nbytes)
+        self.backend = backend
+        self.max_ctas = max_ctas
+        self.dma_min_chunk_bytes = dma_min_chunk_bytes
+        self.dma_batch_copies = dma_batch_copies
+        self.dma_streams = dma_streams
+        self.dma_calls_s = 0.0    # CPU seconds inside cuMemcpyBatchAsync (benchmarks)
+        self.kernel_words = kernel_words
+        self.kernel_warps = kernel_warps
+        self.registration: cuda.HostRegistration | None = None
+        self.kernel_broken = False
+        self._gpus: dict[int, _Gpu] = {}
+        self._ipc: dict[bytes, list[int]] = {}   # handle -> [devptr, refs]
+        self._lock = threading.Lock()
+        self._closed = False
+        self._ready = threading.Event()
+        self._init_error: BaseException | None = None
+        if register_pool:
+            self.registration = cuda.HostRegistration(self.pool_base, self.pool_nbytes,
+                                                      register_piece_bytes)
+        threading.Thread(target=self._init, name="kvpool-cuda-init", daemon=True).start()
+
+    def _init(self) -> None:
+        try:
+            cuda.driver()
+            if self.registration is not None:
+                self.registration.start(0)
+        except BaseException as e:  # noqa: BLE001 - reported on first use
+            self._init_error = e
+        finally:
+            self._ready.set()
+
+    def _require_ready(self) -> None:
+        self._ready.wait()
+        if self._init_error is not None:
+            raise InternalError(f"CUDA is not usable in the daemon: {self._init_error}")
+
+    def _gpu(self, ordinal: int) -> _Gpu:
+        with self._lock:
+            g = self._gpus.get(ordinal)
+            if g is None:
+                g = self._gpus[ordinal] = _Gpu(self, ordinal)
+            return g
+
+    # -- attach / detach --
+
+    def attach(self, registration: RegisterRequest) -> CudaMapped:
+        """Open every region's IPC handle on the GPU named by its UUID. Takes a few ms (IPC
+        open), more on the first registration of a GPU (streams, threads)."""
+        self._require_ready()
+        regions = registration.regions
+        if not regions or not all(isinstance(r, CudaRegion) for r in regions):
+            raise LayoutMismatch("the CUDA engine takes only CudaRegion registrations")
+        uuids = {cuda.normalize_uuid(r.device_uuid) for r in regions}
+        if len(uuids) != 1:
+            raise LayoutMismatch("one registration's regions must all be on one GPU")
+        try:
+            ordinal = cuda.device_by_uuid(regions[0].device_uuid)
+        except KeyError:
+            raise UnknownId(f"no GPU with UUID {regions[0].device_uuid} is visible to the "
+                            "daemon (check its CUDA_VISIBLE_DEVICES)") from None
+        check_placement(registration.layout, registration.placement,
+                        [r.nbytes for r in regions], registration.num_blocks)
+        cuda.use_device(ordinal)
+        opened: list[bytes] = []
+        bases: list[int] = []
+        try:
+            for r in regions:
+                ptr = self._open_ipc(r.ipc_handle)
+                opened.append(r.ipc_handle)
+                _, size = cuda.address_range(ptr)
+                if r.offset_bytes < 0 or r.offset_bytes + r.nbytes > size:
+                    raise OutOfRange(f"region of {r.nbytes} bytes at offset {r.offset_bytes} "
+                                     f"overruns its {size}-byte allocation")
+                bases.append(ptr + r.offset_bytes)
+        except cuda.CudaError as e:
+            self._close_ipc(opened)
+            raise LayoutMismatch(f"cannot open the CUDA IPC handle: {e}. The worker must "
+                                 "export cudaMalloc memory (PYTORCH_CUDA_ALLOC_CONF without "
+                                 "expandable_segments:True)") from None
+        except KvpoolError:
+            self._close_ipc(opened)
+            raise
+        self._gpu(ordinal)
+        return CudaMapped(registration, ordinal, opened, bases)
+
+    def _open_ipc(self, handle: bytes) -> int:
+        # The same allocation can back several regions or registrations (re-registration
+        # after a restart replaces one with an equal one): open once, count references.
+        with self._lock:
+            ent = self._ipc.get(handle)
+            if ent is None:
+                ent = self._ipc[handle] = [cuda.ipc_open_mem(handle), 0]
+            ent[1] += 1
+            return ent[0]
+
+    def _close_ipc(self, handles: list[bytes]) -> None:
+        with self._lock:
+            for h in handles:
+                ent = self._ipc.get(h)
+                if ent is None:
+                    continue
+                ent[1] -= 1
+                if ent[1] == 0:
+                    del self._ipc[h]
+                    try:
+                        cuda.ipc_close_mem(ent[0])
+                    except cuda.CudaError as e:
+                        log.warning("kvpool: cuIpcCloseMemHandle failed: %s", e)
+
+    def detach(self, mapped: Mapped, wait_s: float = 0.0) -> None:
+        """Refuse new jobs for ``mapped`` and release its IPC mappings (freeing a dead worker's
+        GPU memory) as soon as its in-flight jobs finish: now if none are, else from the
+        engine's waiting thread. Returns at once unless ``wait_s`` > 0 asks to wait for that."""
+        assert isinstance(mapped, CudaMapped)
+        with mapped.lock:
+            if mapped.closing:
+                return
+            mapped.closing = True
+            idle = mapped.pending == 0
+        if idle:
+            self._release(mapped)
+        if wait_s > 0:
+            mapped.released.wait(wait_s)
+
+    def _release(self, m: CudaMapped) -> None:
+        cuda.use_device(m.ordinal)
+        self._close_ipc(m.handles)
+        for ev in list(m.opened_events.values()) + m.load_events:
+            try:
+                cuda.event_destroy(ev)
+            except cuda.CudaError:
+                pass
+        m.opened_events.clear()
+        m.load_events.clear()
+        m.seg_table_gpu = None
+        m.released.set()
+
+    # -- jobs --
+
+    def submit_store(self, mapped: Mapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
+                     wait_event: bytes = b"") -> Future[JobResult]:
+        return self._submit(mapped, True, block_ids, shard_offsets, wait_event)
+
+    def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray,
+                    block_ids: np.ndarray) -> Future[JobResult]:
+        return self._submit(mapped, False, block_ids, shard_offsets, b"")
+
+    def _submit(self, mapped: Mapped, to_pool: bool, block_ids: np.ndarray,
+                shard_offsets: np.ndarray, wait_event: bytes) -> Future[JobResult]:
+        assert isinstance(mapped, CudaMapped)
+        fut: Future[JobResult] = Future()
+        if self._closed:
+            fut.set_exception(Aborted("the daemon is shutting down"))
+            return fut
+        blocks = np.ascontiguousarray(block_ids, dtype=np.int64)
+        shards = np.ascontiguousarray(shard_offsets, dtype=np.int64)
+        if blocks.shape != shards.shape or blocks.ndim != 1:
+            fut.set_exception(OutOfRange("block ids and slots differ in number"))
+            return fut
+        try:
+            mapped.job_started()
+        except KvpoolError as e:
+            fut.set_exception(e)
+            return fut
+        nbytes = len(blocks) * mapped.registration.layout.shard_bytes
+        job = _Job(mapped, to_pool, blocks, shards, wait_event, fut, nbytes)
+        if len(blocks) == 0:
+            self._finish(job, None)
+            return fut
+        gpu = self._gpus[mapped.ordinal]
+        (gpu.store if to_pool else gpu.load).jobs.put(job)
+        return fut
+
+    def _choose(self, m: CudaMapped, pinned: bool) -> str:
+        can_kernel = pinned and m.kernel_ok and not self.kernel_broken \
+            and self.registration is not None and self.registration.is_uva_identity
+        can_dma = cuda.has_memcpy_batch()
+        if self.backend == "kernel" and can_kernel:
+            return "kernel"
+        if self.backend == "dma" and can_dma:
+            return "dma"
+        if can_kernel and (m.mean_chunk_bytes < self.dma_min_chunk_bytes or not can_dma):
+            return "kernel"
+        if can_dma:
+            return "dma"
+        raise InternalError("no copy path: the driver lacks cuMemcpyBatchAsync (CUDA 12.8+) "
+                            "and the pool is not pinned for the kernel path")
+
+    def _open_event(self, m: CudaMapped, handle: bytes) -> int:
+        ev = m.opened_events.get(handle)
+        if ev is None:
+            if len(m.opened_events) >= _OPENED_EVENTS_MAX:
+                old = next(iter(m.opened_events))
+                cuda.event_destroy(m.opened_events.pop(old))
+            ev = m.opened_events[handle] = cuda.event_open_ipc(handle)
+        return ev
+
+    def _load_event(self, m: CudaMapped) -> tuple[int, bytes]:
+        # A ring: reusing an event the worker has not yet waited on only makes that wait
+        # cover a later load as well (never too little), and the handle stays valid until
+        # detach, so the worker can import it whenever JobDone reaches it.
+        if len(m.load_events) < _LOAD_EVENTS:
+            ev = cuda.event_create(interprocess=True)
+            m.load_events.append(ev)
+            m.load_event_handles.append(cuda.event_ipc_handle(ev))
+        k = m.next_load_event % len(m.load_events)
+        m.next_load_event += 1
+        return m.load_events[k], m.load_event_handles[k]
+
+    def _finish(self, job: _Job, err: BaseException | None) -> None:
+        m = job.mapped
+        try:
+            if err is None:
+                job.future.set_result(JobResult(job.nbytes, job.done_handle))
+            elif isinstance(err, KvpoolError):
+                job.future.set_exception(err)
+            else:
+                log.error("kvpool: %s job failed on GPU %d: %s",
+                          "store" if job.to_pool else "load", m.ordinal, err)
+                job.future.set_exception(InternalError(f"CUDA copy failed: {err}"))
+        finally:
+            if m.job_finished():
+                self._release(m)
+
+    def close(self) -> None:
+        """Finish the jobs in flight, stop the lanes, unpin the pool."""
+        self._closed = True
+        for g in list(self._gpus.values()):
+            for lane in (g.store, g.load):
+                lane.jobs.put(None)
+        for g in list(self._gpus.values()):
+            for lane in (g.store, g.load):
+                lane.submitter.join()
+                lane.waiter.join()
+        if self.registration is not None and self._ready.is_set() and self._init_error is None:
+            self.registration.unregister()
+
+    # -- introspection (tests, benchmarks, metrics) --
+
+    def backend_for(self, mapped: CudaMapped) -> str:
+        reg = self.registration
+        return self._choose(mapped, reg is not None and reg.is_complete)

@@ -1,0 +1,101 @@
+"""Worker and scheduler clients against a real daemon: timeouts, reconnects, non-blocking calls."""
+
+import time
+
+import pytest
+import torch
+
+from kvpool.client.scheduler import SchedulerClient
+from kvpool.client.worker import WorkerClient
+from kvpool.shared.config import ClientConfig
+from kvpool.shared.errors import DaemonUnavailable, ErrorCode
+from tests.conftest import wait_for
+from tests.kvtest import HostKv
+
+
+def test_absent_daemon_raises_quickly_and_never_hangs(tmp_path):
+    cfg = ClientConfig(socket=str(tmp_path / "nobody.sock"), timeout_ms=300,
+                       reconnect_backoff_ms=500)
+    sched = SchedulerClient(cfg)
+    t0 = time.monotonic()
+    with pytest.raises(DaemonUnavailable, match="not reachable"):
+        sched.lookup(b"n" * 16, [[b"k" * 16]])
+    assert time.monotonic() - t0 < 1.5
+    t0 = time.monotonic()
+    with pytest.raises(DaemonUnavailable, match="next try"):   # inside the backoff: instant
+        sched.prepare_store(b"n" * 16, [b"k" * 16])
+    assert time.monotonic() - t0 < 0.05
+    worker = WorkerClient(cfg)
+    kv = HostKv()
+    with pytest.raises(DaemonUnavailable):
+        worker.register(kv.namespace, kv.layout, 0, kv.blocks, [kv.mem.region], kv.placement)
+    sched.close(); worker.close(); kv.close()
+
+
+def test_pending_lookup_is_polled_without_blocking(daemon):
+    sched = SchedulerClient(daemon.client_config())
+    sched.ping()
+    call = sched.lookup_start(b"n" * 16, [[b"k" * 16], []], pin=True)
+    reply = wait_for(call.result, 5, "the lookup reply")
+    assert reply.hits == [0, 0] and reply.leases == [0, 0]
+    sched.close()
+
+
+def test_poll_never_blocks(daemon):
+    kv = HostKv()
+    worker, reg = kv.register(daemon.client_config())
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        assert worker.poll() == []
+    assert time.perf_counter() - t0 < 0.5
+    worker.close(); kv.close()
+
+
+def test_clients_recover_by_themselves_after_a_daemon_restart(daemon):
+    kv = HostKv()
+    worker, reg = kv.register(daemon.client_config())
+    sched = SchedulerClient(daemon.client_config())
+    keys = kv.keys(list(range(32)))
+    kv.fill_random([0, 1], seed=3)
+    expected = kv.blocks_of([0, 1])
+    assert worker.wait([worker.submit_store(reg, [0, 1], sched.prepare_store(kv.namespace, keys))],
+                       10)[0].ok
+    daemon.kill()
+    t0 = time.monotonic()
+    with pytest.raises(DaemonUnavailable):
+        sched.lookup(kv.namespace, [keys])
+    assert time.monotonic() - t0 < 4
+    daemon.restart()
+    # The scheduler reconnects on its own; the worker replays its registration (same local id).
+    hit = wait_for(lambda: _try(lambda: sched.lookup(kv.namespace, [keys], pin=True)), 15,
+                   "the scheduler to reconnect")
+    assert hit.hits == [2], "committed blocks must survive kill -9 and restart"
+    kv.poison([5, 6])
+    done = wait_for(lambda: _try(lambda: worker.submit_load(reg, hit.slots[0], [5, 6])), 15,
+                    "the worker to reconnect")
+    assert worker.wait([done], 10)[0].ok
+    assert torch.equal(kv.blocks_of([5, 6]), expected)
+    sched.close(); worker.close(); kv.close()
+
+
+def test_jobs_in_flight_when_the_daemon_dies_fail_instead_of_hanging(daemon):
+    kv = HostKv(blocks=256, layers=8, heads=8, head_dim=64)      # 256 KiB per block
+    worker, reg = kv.register(daemon.client_config(timeout_ms=500))
+    sched = SchedulerClient(daemon.client_config())
+    slots = sched.prepare_store(kv.namespace, kv.keys(list(range(16 * 128))))
+    jobs = [worker.submit_store(reg, list(range(i, i + 16)), slots[i:i + 16])
+            for i in range(0, 128, 16)]
+    daemon.kill()
+    t0 = time.monotonic()
+    done = worker.wait(jobs, 5)       # raises TimeoutError if anything stays in flight
+    assert time.monotonic() - t0 < 3
+    assert worker.jobs_in_flight == 0
+    assert any(not c.ok and c.code == ErrorCode.ABORTED for c in done) or all(c.ok for c in done)
+    sched.close(); worker.close(); kv.close()
+
+
+def _try(fn):
+    try:
+        return fn()
+    except DaemonUnavailable:
+        return None

@@ -1,0 +1,112 @@
+"""kvpoold and kvpool as an operator runs them: config checks, exit codes, signals, info."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import posix_ipc
+
+from kvpool.client.scheduler import SchedulerClient
+from tests.conftest import wait_for
+from tests.kvtest import HostKv
+
+
+def kvpool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "from kvpool.daemon.cli import operator_main; "
+                           "operator_main()", *args], capture_output=True, text=True, timeout=60)
+
+
+def kvpoold(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvpool.daemon", *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def shm_exists(name: str) -> bool:
+    try:
+        posix_ipc.SharedMemory("/" + name, 0).close_fd()
+        return True
+    except posix_ipc.ExistentialError:
+        return False
+
+
+def test_check_config_merges_file_env_and_flags(tmp_path):
+    cfg = tmp_path / "kvpool.toml"
+    cfg.write_text('pool_size = "1GiB"\nlease_ttl_s = 3.0\nlog_format = "json"\n')
+    r = kvpoold("--config", str(cfg), "--check-config", "--pool-size", "2GiB",
+                env={"KVPOOL_LEASE_TTL_S": "4", "KVPOOL_POOL_SIZE": "3GiB"})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["pool_size"], out["lease_ttl_s"], out["log_format"]) == ("2GiB", 4.0, "json")
+
+
+def test_bad_config_fails_at_start_naming_the_key(tmp_path):
+    cfg = tmp_path / "kvpool.toml"
+    cfg.write_text('pool_sise = "1GiB"\n')
+    r = kvpoold("--config", str(cfg), "--check-config")
+    assert r.returncode == 2 and "pool_sise" in r.stderr
+    r = kvpoold("--lease-ttl-s", "-5", "--check-config")
+    assert r.returncode == 2 and "lease_ttl_s" in r.stderr
+
+
+def test_second_daemon_on_the_same_pool_or_socket_fails_to_start(daemon, tmp_path):
+    r = kvpoold("--socket", str(tmp_path / "other.sock"), "--pool-name", daemon.pool_name,
+                "--pool-size", daemon.pool_size, "--extent-size", "1MiB", "--cuda", "off")
+    assert r.returncode == 3 and "owned by another running kvpoold" in r.stderr
+    r = kvpoold("--socket", daemon.socket, "--pool-name", daemon.pool_name + "-b",
+                "--pool-size", "16MiB", "--extent-size", "1MiB", "--cuda", "off")
+    assert r.returncode != 0 and "another daemon is serving" in r.stderr
+    assert not shm_exists(daemon.pool_name + "-b")
+
+
+def test_ping_and_info(daemon):
+    r = kvpool("ping", "--socket", daemon.socket)
+    assert r.returncode == 0 and "pong from kvpoold" in r.stdout
+    kv = HostKv()
+    worker, reg = kv.register(daemon.client_config(), name="tp0")
+    r = kvpool("info", "--socket", daemon.socket)
+    assert r.returncode == 0, r.stderr
+    assert "pool" in r.stdout and "tp0" in r.stdout and "hit rate" not in r.stdout
+    r = kvpool("info", "--socket", daemon.socket, "--json")
+    info = json.loads(r.stdout)
+    assert info["pool_bytes"] > 0 and info["free_bytes"] == info["pool_bytes"]
+    assert [c["role"] for c in info["clients"] if c["name"] == "tp0"] == ["worker"]
+    worker.close()
+    kv.close()
+
+
+def test_operator_commands_fail_cleanly_without_a_daemon(tmp_path):
+    for cmd in ("ping", "info"):
+        r = kvpool(cmd, "--socket", str(tmp_path / "none.sock"), "--timeout-ms", "300")
+        assert r.returncode == 1 and "not reachable" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_sigterm_stops_cleanly_and_unlinks_the_pool(daemon):
+    kv = HostKv()
+    worker, reg = kv.register(daemon.client_config())
+    sched = SchedulerClient(daemon.client_config())
+    slots = sched.prepare_store(kv.namespace, kv.keys(list(range(64 * 16))))
+    worker.submit_store(reg, list(range(64)), slots)   # still in flight, maybe
+    assert daemon.stop(signal.SIGTERM) == 0
+    assert not os.path.exists(daemon.socket)
+    assert not shm_exists(daemon.pool_name)
+    worker.close(); sched.close(); kv.close()
+
+
+def test_keep_pool_survives_a_clean_restart(daemon_factory):
+    d = daemon_factory(extra=["--keep-pool"])
+    kv = HostKv()
+    worker, reg = kv.register(d.client_config())
+    sched = SchedulerClient(d.client_config())
+    keys = kv.keys(list(range(48)))
+    assert worker.wait([worker.submit_store(reg, [0, 1, 2], sched.prepare_store(kv.namespace, keys))],
+                       10)[0].ok
+    worker.close(); sched.close()
+    assert d.stop(signal.SIGINT) == 0
+    assert shm_exists(d.pool_name)
+    d.restart()
+    sched = SchedulerClient(d.client_config())
+    hits = wait_for(lambda: sched.lookup(kv.namespace, [keys]).hits, 10, "lookups after restart")
+    assert hits == [3] and sched.info().adopted_blocks == 3
+    sched.close(); kv.close()

@@ -1,0 +1,29 @@
+from kvpool.daemon.eviction import LruPolicy
+
+
+def test_least_recently_used_first_and_touch_moves_to_back():
+    lru = LruPolicy()
+    for s in (1, 2, 3, 4):
+        lru.insert(s)
+    lru.touch(1)
+    assert lru.choose_victims(2, lambda s: False) == [2, 3]
+    lru.touch_many([2, 99])
+    assert lru.oldest(lambda s: False) == 3
+
+
+def test_pinned_slots_are_skipped_and_shortfall_changes_nothing():
+    lru = LruPolicy()
+    for s in (1, 2, 3):
+        lru.insert(s)
+    pinned = {1, 3}
+    assert lru.choose_victims(1, pinned.__contains__) == [2]
+    assert lru.choose_victims(2, pinned.__contains__) is None
+    assert len(lru) == 3 and lru.oldest(lambda s: True) is None
+
+
+def test_remove():
+    lru = LruPolicy()
+    lru.insert(1)
+    lru.remove(1)
+    lru.remove(1)
+    assert 1 not in lru and len(lru) == 0

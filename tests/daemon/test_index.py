@@ -1,0 +1,205 @@
+"""The index on a real (small) shm pool, without sockets: states, leases, eviction, adoption."""
+
+import pytest
+
+from kvpool.daemon.index import Index
+from kvpool.daemon.pool import Pool
+from kvpool.shared.errors import (LayoutMismatch, LeaseExpired, OutOfRange, PoolFull,
+                                  ProtocolError, UnknownId)
+from kvpool.shared.layout import Layout
+from kvpool.shared.protocol import SLOT_NO_SPACE, SLOT_PRESENT
+
+BIG = Layout(16, 1, "f16", (256 << 10,), "big")        # 4 slots per 1 MiB extent
+SMALL = Layout(16, 1, "f16", (4096,), "small")
+TP2 = Layout(16, 2, "f16", (4096,), "tp2")
+NS_BIG, NS_SMALL, NS_TP2 = b"B" * 16, b"S" * 16, b"T" * 16
+OWNER, OTHER = 1, 2
+
+
+def keys(n, prefix=b""):
+    return [(prefix + b"%06d" % i).ljust(16, b"k") for i in range(n)]
+
+
+@pytest.fixture
+def index(pool):
+    ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
+    ix.register_namespace(NS_BIG, BIG)
+    ix.register_namespace(NS_SMALL, SMALL)
+    ix.register_namespace(NS_TP2, TP2)
+    return ix
+
+
+def store(ix, ns, ks, now=0.0, ranks=(0,)):
+    refs = ix.prepare_store(ns, ks, OWNER, now)
+    todo = [r for r in refs if r >= 0]
+    for rank in ranks:
+        ix.end_store(ix.begin_store(ns, todo, rank), rank, ok=True)
+    return refs
+
+
+def capacity(ix, layout, ns):
+    n = 0
+    while True:
+        try:
+            refs = ix.prepare_store(ns, keys(1, b"cap%d" % n), OWNER, 0)
+        except PoolFull:
+            return n
+        ix.end_store(ix.begin_store(ns, refs, 0), 0, True)
+        ix.lookup(ns, [keys(1, b"cap%d" % n)], True, OWNER, 0)   # pin it: never evicted
+        n += 1
+
+
+def test_slot_is_visible_only_after_every_rank_landed(index):
+    ks = keys(4)
+    refs = index.prepare_store(NS_TP2, ks, OWNER, 0)
+    assert index.lookup(NS_TP2, [ks], False, OWNER, 0)[0] == [0]
+    index.end_store(index.begin_store(NS_TP2, refs, 0), 0, True)
+    assert index.lookup(NS_TP2, [ks], False, OWNER, 0)[0] == [0]
+    assert index.prepare_store(NS_TP2, ks, OWNER, 0) == [SLOT_PRESENT] * 4   # in flight
+    index.end_store(index.begin_store(NS_TP2, refs[:2], 1), 1, True)
+    hits, _, slots = index.lookup(NS_TP2, [ks, ks[1:]], False, OWNER, 0)
+    assert hits == [2, 1] and slots[0] == refs[:2]
+    assert index.slot_counts()[:2] == (2, 2)
+
+
+def test_bad_refs_are_refused_without_side_effects(index):
+    refs = index.prepare_store(NS_SMALL, keys(2), OWNER, 0)
+    index.end_store(index.begin_store(NS_SMALL, refs[:1], 0), 0, True)
+    with pytest.raises(UnknownId, match="not prepared"):          # committed, not writing
+        index.begin_store(NS_SMALL, refs, 0)
+    with pytest.raises(UnknownId):                                # wrong namespace
+        index.begin_store(NS_BIG, refs[1:], 0)
+    with pytest.raises(OutOfRange):
+        index.begin_store(NS_SMALL, [0xFFFF_FFF0], 0)
+    with pytest.raises(UnknownId):                                # stale generation
+        index.begin_store(NS_SMALL, [refs[1] + (1 << 32)], 0)
+    with pytest.raises(ProtocolError, match="twice"):
+        index.begin_store(NS_SMALL, [refs[1], refs[1]], 0)
+    slots = index.begin_store(NS_SMALL, refs[1:], 0)              # still fine after all that
+    with pytest.raises(ProtocolError, match="already stored"):
+        index.begin_store(NS_SMALL, refs[1:], 0)
+    index.end_store(slots, 0, True)
+    with pytest.raises(LeaseExpired):
+        index.begin_load(NS_SMALL, [refs[0] + (1 << 32)])
+    with pytest.raises(UnknownId, match="no registered layout"):
+        index.prepare_store(b"?" * 16, keys(1), OWNER, 0)
+    with pytest.raises(LayoutMismatch):
+        index.register_namespace(NS_SMALL, BIG)
+
+
+def test_eviction_is_lru_and_never_takes_leased_or_writing_slots(index):
+    cap = capacity(index, BIG, NS_BIG)   # every slot committed and leased
+    assert cap >= 6
+    with pytest.raises(PoolFull, match="pinned"):
+        index.prepare_store(NS_BIG, keys(1, b"x"), OWNER, 0)
+    index.release_owner(OWNER)            # drops the leases; all committed, unpinned
+    old = [keys(1, b"cap%d" % i)[0] for i in range(cap)]
+    index.lookup(NS_BIG, [[old[0]]], False, OWNER, 0)                # touch 0: most recent
+    leased = index.lookup(NS_BIG, [[old[1]]], True, OTHER, 0)[1][0]  # pin 1
+    writing = index.prepare_store(NS_BIG, keys(1, b"w"), OWNER, 0)  # evicts 2 (LRU)
+    assert writing[0] >= 0
+    new = index.prepare_store(NS_BIG, keys(2, b"n"), OWNER, 0)        # evicts 3, 4
+    assert all(r >= 0 for r in new)
+    hits = index.lookup(NS_BIG, [[k] for k in old], False, OWNER, 0)[0]
+    assert hits[:5] == [1, 1, 0, 0, 0] and all(hits[5:])
+    assert index.stats.evictions == 3
+    index.release_leases([leased], OTHER)
+    assert index.lease_count == 0
+
+
+def test_pool_full_only_when_nothing_is_evictable_and_partial_room_is_reported(index):
+    cap = capacity(index, BIG, NS_BIG)
+    index.release_leases(list(range(1, cap)), OWNER)   # all but the last lease
+    refs = index.prepare_store(NS_BIG, keys(cap + 2, b"y"), OWNER, 0)
+    assert refs.count(SLOT_NO_SPACE) == 3 and len([r for r in refs if r >= 0]) == cap - 1
+    with pytest.raises(PoolFull):
+        index.prepare_store(NS_BIG, keys(1, b"z"), OWNER, 0)
+    assert index.prepare_store(NS_BIG, keys(1, b"y"), OWNER, 0) == [SLOT_PRESENT]
+
+
+def test_a_new_layout_takes_whole_extents_from_an_idle_one(index):
+    cap = capacity(index, BIG, NS_BIG)
+    index.release_owner(OWNER)
+    small = store(index, NS_SMALL, keys(10, b"s"), now=1)
+    assert all(r >= 0 for r in small)
+    per = index.pool.slots_per_extent(BIG.slot_bytes)
+    writing, committed, _ = index.slot_counts()
+    assert committed == cap - per + 10    # exactly one BIG extent was reclaimed
+    # The newest BIG blocks survive: the reclaimed extent held the least recently used ones.
+    hits = index.lookup(NS_BIG, [keys(1, b"cap%d" % i) for i in range(cap)], False, OWNER, 0)[0]
+    assert hits[:per] == [0] * per and all(hits[per:])
+
+
+def test_lease_ttl_and_write_timeout_expire(index):
+    ks = keys(3)
+    store(index, NS_SMALL, ks)
+    lease = index.lookup(NS_SMALL, [ks], True, OWNER, now=0)[1][0]
+    assert index.lease_count == 1
+    pending = index.prepare_store(NS_SMALL, keys(2, b"p"), OWNER, now=0)
+    assert index.expire(now=5) == (0, 0)
+    assert index.expire(now=11) == (1, 0) and index.lease_count == 0
+    assert index.release_leases([lease], OWNER) == 0        # already gone: harmless
+    assert index.expire(now=61) == (0, 2)
+    with pytest.raises(UnknownId):
+        index.begin_store(NS_SMALL, pending, 0)
+
+
+def test_owner_release_drops_its_leases_and_prepared_slots_only(index):
+    ks = keys(3)
+    store(index, NS_SMALL, ks)
+    index.lookup(NS_SMALL, [ks], True, OWNER, 0)
+    index.lookup(NS_SMALL, [ks], True, OTHER, 0)
+    mine = index.prepare_store(NS_SMALL, keys(1, b"m"), OWNER, 0)
+    theirs = index.prepare_store(NS_SMALL, keys(1, b"t"), OTHER, 0)
+    index.release_owner(OWNER)
+    assert index.leases_of(OWNER) == 0 and index.leases_of(OTHER) == 1
+    with pytest.raises(UnknownId):
+        index.begin_store(NS_SMALL, mine, 0)
+    index.begin_store(NS_SMALL, theirs, 0)
+
+
+def test_failed_rank_drops_the_slot_even_while_another_rank_writes(index):
+    ks = keys(1)
+    refs = index.prepare_store(NS_TP2, ks, OWNER, 0)
+    r0 = index.begin_store(NS_TP2, refs, 0)
+    r1 = index.begin_store(NS_TP2, refs, 1)
+    index.end_store(r1, 1, ok=False)
+    assert index.prepare_store(NS_TP2, ks, OWNER, 0)[0] >= 0     # key free again, new slot
+    index.end_store(r0, 0, ok=True)                             # late rank: no effect
+    assert index.lookup(NS_TP2, [ks], False, OWNER, 0)[0] == [0]
+
+
+def test_reset_forgets_now_and_frees_pinned_slots_later(index):
+    ks = keys(4)
+    store(index, NS_SMALL, ks)
+    store(index, NS_BIG, keys(1))
+    lease = index.lookup(NS_SMALL, [ks], True, OWNER, 0)[1][0]
+    loading = index.begin_load(NS_SMALL, index.lookup(NS_SMALL, [ks], False, OWNER, 0)[2][0])
+    assert index.reset(NS_SMALL) == 4
+    assert index.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [0]
+    assert index.lookup(NS_BIG, [keys(1)], False, OWNER, 0)[0] == [1]
+    index.release_leases([lease], OWNER)
+    index.end_load(loading, ok=True)
+    assert index.slot_counts()[1] == 1
+
+
+def test_adoption_keeps_committed_blocks_and_drops_unfinished_ones(pool_config):
+    pool = Pool.open(pool_config)
+    ix = Index(pool, 10, 60)
+    ix.register_namespace(NS_SMALL, SMALL)
+    ix.register_namespace(NS_TP2, TP2)
+    done = store(ix, NS_SMALL, keys(5))
+    half = ix.prepare_store(NS_TP2, keys(2), OWNER, 0)
+    ix.end_store(ix.begin_store(NS_TP2, half, 0), 0, True)
+    pool.close(unlink=False)   # as after kill -9: nothing cleaned up
+    pool2 = Pool.open(pool_config)
+    try:
+        ix2 = Index(pool2, 10, 60)
+        assert ix2.adopt() == 5
+        hits, _, refs = ix2.lookup(NS_SMALL, [keys(5)], False, OWNER, 0)
+        assert hits == [5] and refs[0] == done
+        assert ix2.lookup(NS_TP2, [keys(2)], False, OWNER, 0)[0] == [0]
+        assert all(r >= 0 for r in ix2.prepare_store(NS_TP2, keys(2), OWNER, 0))
+        assert ix2.slot_counts()[:2] == (2, 5)
+    finally:
+        pool2.close(unlink=True)

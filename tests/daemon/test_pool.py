@@ -1,0 +1,65 @@
+import os
+
+import posix_ipc
+import pytest
+
+from kvpool.daemon.pool import COMMITTED, Pool, PoolBusy, resolve_sizes
+from kvpool.shared.config import DaemonConfig
+from kvpool.shared.errors import ConfigError
+from kvpool.shared.layout import Layout
+
+
+def test_segment_is_private_and_sized(pool, pool_config):
+    st = os.stat(f"/dev/shm/{pool_config.pool_name}")
+    assert st.st_mode & 0o777 == 0o600
+    assert pool.nbytes <= 8 << 20 and pool.geometry.num_extents >= 4
+    assert not pool.adopted
+
+
+def test_second_live_daemon_on_the_same_pool_is_refused(pool, pool_config):
+    with pytest.raises(PoolBusy, match="another running kvpoold"):
+        Pool.open(pool_config)
+
+
+def test_adopt_after_close_keeps_records_and_layouts(pool_config):
+    p = Pool.open(pool_config)
+    layout = Layout(16, 1, "f16", (4096,))
+    p.save_layouts({b"n" * 16: layout})
+    n = p.assign_extent(0, layout.slot_bytes)
+    p.buffer[p.slot_offset(0, 3):p.slot_offset(0, 3) + 4] = b"data"
+    p.write_record(0, 3, b"n" * 16 + b"k" * 16, COMMITTED, 5)
+    p.close(unlink=False)
+    q = Pool.open(pool_config)
+    try:
+        assert q.adopted and q.load_layouts() == {b"n" * 16: layout}
+        rec = q.records(0)
+        assert len(rec) == n and int(rec[3]["state"]) == COMMITTED
+        assert bytes(rec[3]["key"]) == b"n" * 16 + b"k" * 16 and int(rec[3]["generation"]) == 5
+        assert bytes(q.buffer[q.slot_offset(0, 3):q.slot_offset(0, 3) + 4]) == b"data"
+    finally:
+        q.close(unlink=True)
+
+
+def test_stale_segment_with_other_geometry_or_garbage_is_replaced(pool_config):
+    p = Pool.open(pool_config)
+    p.close(unlink=False)
+    bigger = DaemonConfig(pool_name=pool_config.pool_name, pool_size="16MiB", extent_size="1MiB")
+    q = Pool.open(bigger)
+    assert not q.adopted and q.nbytes > 8 << 20
+    q.close(unlink=False)
+    shm = posix_ipc.SharedMemory("/" + pool_config.pool_name, 0)
+    os.pwrite(shm.fd, b"garbage!" * 8, 0)
+    shm.close_fd()
+    r = Pool.open(bigger)
+    assert not r.adopted
+    r.close(unlink=True)
+
+
+def test_sizes():
+    assert resolve_sizes(DaemonConfig(pool_size="64GiB")) == (64 << 30, 256 << 20)
+    assert resolve_sizes(DaemonConfig(pool_size="3GiB")) == (3 << 30, 16 << 20)
+    assert resolve_sizes(DaemonConfig(pool_size="64MiB", extent_size="1MiB")) == (64 << 20, 1 << 20)
+    pool, extent = resolve_sizes(DaemonConfig())
+    assert pool > 0 and extent >= 4 << 20
+    with pytest.raises(ConfigError, match="too small"):
+        resolve_sizes(DaemonConfig(pool_size="4MiB", extent_size="4MiB"))

@@ -1,0 +1,190 @@
+"""Failure rules over a real daemon process: every bad input gets a clear error, the daemon keeps
+serving everyone else and loses no committed block."""
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from kvpool.client.scheduler import SchedulerClient
+from kvpool.shared import protocol as p
+from kvpool.shared.errors import ErrorCode, PoolFull, VersionMismatch
+from tests.kvtest import HostKv
+
+
+class Raw:
+    """A bare DEALER socket speaking bytes, to send what no client library would."""
+
+    def __init__(self, daemon):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"ipc://{daemon.socket}")
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def reply(self, timeout_ms: int = 5000) -> p.Reply:
+        assert self.sock.poll(timeout_ms), "daemon sent no reply"
+        return p.decode_reply(self.sock.recv())
+
+    def call(self, msg) -> p.Reply:
+        self.send(p.encode(msg))
+        return self.reply()
+
+    def hello(self) -> p.HelloReply:
+        r = self.call(p.Hello(1, p.PROTOCOL_VERSION, p.Role.WORKER, "raw"))
+        assert isinstance(r, p.HelloReply)
+        return r
+
+    def close(self):
+        self.sock.close(0)
+
+
+@pytest.fixture
+def committed(daemon):
+    """A block stored by a well-behaved engine, checked again after every abuse."""
+    kv = HostKv()
+    worker, reg = kv.register(daemon.client_config())
+    sched = SchedulerClient(daemon.client_config(), "good")
+    keys = kv.keys(list(range(64)))
+    kv.fill_random([0, 1, 2, 3], seed=1)
+    slots = sched.prepare_store(kv.namespace, keys)
+    assert worker.wait([worker.submit_store(reg, [0, 1, 2, 3], slots)], 10)[0].ok
+    expected = kv.blocks_of([0, 1, 2, 3])
+    yield kv, worker, reg, sched, keys
+    hits = sched.lookup(kv.namespace, [keys], pin=True)
+    assert hits.hits == [4], "a committed block was lost"
+    kv.poison([10, 11, 12, 13])
+    done = worker.wait([worker.submit_load(reg, hits.slots[0], [10, 11, 12, 13])], 10)[0]
+    assert done.ok and torch.equal(kv.blocks_of([10, 11, 12, 13]), expected)
+    sched.release(hits.leases)
+    worker.close()
+    sched.close()
+    kv.close()
+
+
+def test_garbage_frames_get_protocol_errors(daemon, committed):
+    raw = Raw(daemon)
+    for frame in (b"", b"\xc1\xff\x00", msgspec.msgpack.encode([200, 5]),
+                  msgspec.msgpack.encode({"not": "an array"})):
+        raw.send(frame)
+        r = raw.reply()
+        assert isinstance(r, p.ErrorReply) and r.code == ErrorCode.PROTOCOL, r
+    raw.send(b"one", b"two")
+    r = raw.reply()
+    assert r.code == ErrorCode.PROTOCOL and "one frame" in r.message
+    raw.close()
+
+
+def test_wrong_types_keep_the_req_id(daemon, committed):
+    raw = Raw(daemon)
+    raw.hello()
+    raw.send(msgspec.msgpack.encode([6, 41, 12345, "keys?", "yes"]))
+    r = raw.reply()
+    assert (r.req_id, r.code) == (41, ErrorCode.PROTOCOL) and "malformed" in r.message
+    raw.close()
+
+
+def test_requests_before_hello_and_unknown_owners(daemon, committed):
+    raw = Raw(daemon)
+    r = raw.call(p.LookupRequest(3, b"n" * 16, [[b"k" * 16]]))
+    assert r.code == ErrorCode.HELLO_REQUIRED and r.req_id == 3
+    r = raw.call(p.Heartbeat(4, 987654))
+    assert r.code == ErrorCode.HELLO_REQUIRED
+    assert isinstance(raw.call(p.Ping(5)), p.Pong)       # ping needs no hello
+    raw.close()
+
+
+def test_version_mismatch_is_refused_clearly(daemon, committed):
+    raw = Raw(daemon)
+    r = raw.call(p.Hello(1, p.PROTOCOL_VERSION + 1, p.Role.SCHEDULER))
+    assert r.code == ErrorCode.VERSION_MISMATCH and "upgrade" in r.message
+    raw.close()
+
+
+
+def test_client_of_another_protocol_version_gets_version_mismatch(daemon, monkeypatch):
+    theirs = p.PROTOCOL_VERSION + 7
+    monkeypatch.setattr(p, "PROTOCOL_VERSION", theirs)     # the client module reads it at call time
+    client = SchedulerClient(daemon.client_config())
+    try:
+        with pytest.raises(VersionMismatch, match=f"protocol {theirs}, this daemon speaks {theirs - 7}"):
+            client.info()
+    finally:
+        client.close()
+
+
+def test_oversized_frames_are_refused(daemon_factory):
+    d = daemon_factory(extra=["--max-request-bytes", "65536"])
+    raw = Raw(d)
+    raw.hello()
+    big = p.LookupRequest(9, b"n" * 16, [[b"k" * 16] * 8000])     # ~140 KiB
+    r = raw.call(big)
+    assert (r.req_id, r.code) == (0, ErrorCode.TOO_LARGE) and "65536" in r.message
+    assert isinstance(raw.call(p.LookupRequest(10, b"n" * 16, [[b"k" * 16]])), p.LookupReply)
+    raw.close()
+
+
+def test_unknown_ids_and_out_of_range_blocks(daemon, committed):
+    kv, worker, reg, sched, keys = committed
+    raw = Raw(daemon)
+    raw.hello()
+    r = raw.call(p.StoreRequest(7, 424242, 1, [0], [1]))
+    assert isinstance(r, p.JobDone) and r.code == ErrorCode.UNKNOWN_ID and r.job_id == 1
+    r = raw.call(p.UnregisterRequest(8, 424242))
+    assert r.code == ErrorCode.UNKNOWN_ID
+    assert raw.call(p.ReleaseRequest(9, [555])) == p.OkReply(9, 0)
+    r = raw.call(p.PrepareStoreRequest(10, b"?" * 16, [b"k" * 16]))
+    assert r.code == ErrorCode.UNKNOWN_ID and "no registered layout" in r.message
+    raw.close()
+
+    more = kv.keys(list(range(96)))[4:]
+    slots = sched.prepare_store(kv.namespace, more)
+    for bad in ([-1, 5], [5, kv.blocks], [5]):
+        done = worker.wait([worker.submit_store(reg, bad, slots)], 10)[0]
+        assert not done.ok and done.code in (ErrorCode.OUT_OF_RANGE, ErrorCode.PROTOCOL), done
+    done = worker.wait([worker.submit_store(reg, [4, 5], [slots[0] + (3 << 32), slots[1]])], 10)[0]
+    assert done.code == ErrorCode.UNKNOWN_ID          # stale generation
+    done = worker.wait([worker.submit_load(reg, [0xFFFF_FFF0], [9])], 10)[0]
+    assert done.code == ErrorCode.OUT_OF_RANGE
+    # Nothing above disturbed the prepared slots: they still take the real store.
+    assert worker.wait([worker.submit_store(reg, [4, 5], slots)], 10)[0].ok
+    assert sched.lookup(kv.namespace, [kv.keys(list(range(96)))]).hits == [6]
+
+
+def test_registrations_the_daemon_cannot_serve(daemon, committed):
+    kv, *_ = committed
+    raw = Raw(daemon)
+    raw.hello()
+    cuda = p.RegisterRequest(2, kv.namespace, kv.layout, 0, kv.blocks,
+                             [p.CudaRegion("GPU-x", b"\0" * 64, 1 << 20)], kv.placement)
+    r = raw.call(cuda)
+    assert r.code == ErrorCode.PROTOCOL and "no copy engine" in r.message
+    r = raw.call(p.RegisterRequest(3, kv.namespace, kv.layout, 5, kv.blocks, [kv.mem.region],
+                                   kv.placement))
+    assert r.code == ErrorCode.OUT_OF_RANGE and "tp_rank" in r.message
+    other = msgspec.structs.replace(kv.layout, description="different")
+    r = raw.call(p.RegisterRequest(4, kv.namespace, other, 0, kv.blocks, [kv.mem.region],
+                                   kv.placement))
+    assert r.code == ErrorCode.LAYOUT_MISMATCH
+    raw.close()
+
+
+def test_full_pool_with_everything_leased_is_pool_full(daemon_factory):
+    d = daemon_factory(pool_size="8MiB")
+    kv = HostKv(layers=4, blocks=64, heads=8, head_dim=64)       # 128 KiB slots
+    worker, reg = kv.register(d.client_config())
+    sched = SchedulerClient(d.client_config())
+    stored = 0
+    leases = []
+    with pytest.raises(PoolFull, match="pinned"):
+        for i in range(200):
+            ks = kv.keys(list(range(i * 1000, i * 1000 + 16)))
+            slots = sched.prepare_store(kv.namespace, ks)
+            assert worker.wait([worker.submit_store(reg, [i % 64], slots)], 10)[0].ok
+            leases += sched.lookup(kv.namespace, [ks], pin=True).leases
+            stored += 1
+    assert stored > 20
+    sched.release(leases)
+    assert sched.prepare_store(kv.namespace, kv.keys(list(range(16))) + [b"x" * 16])[1] >= 0
+    worker.close(); sched.close(); kv.close()

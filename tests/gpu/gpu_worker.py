@@ -1,0 +1,362 @@
+"""A stand-in vLLM worker for GPU tests and the GPU benchmark: a separate process that owns KV
+tensors on one GPU, exports them over CUDA IPC and answers commands over a pipe.
+
+Layouts are given as one contiguous allocation ``[lead, num_blocks, inner]`` in bytes (all the
+vLLM shapes reduce to this): per-layer FlashAttention ``[L, 2, NB, N, H, C]`` has lead = 2L
+segments of N*H*C*2 bytes; block-outermost ``[NB, L, 2, N, H, C]`` has lead = 1; MLA
+``[L, NB, N, 576]`` has lead = L. Segment ``i`` of block ``b`` sits at ``(i*NB + b) * inner``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+# name -> (lead segments, inner bytes) for a 16-token block of Llama-3.1-8B (8 KV heads,
+# head dim 128, bf16) or DeepSeek-style MLA (576 latent, bf16).
+LAYOUTS = {
+    "per_layer": (64, 16 * 8 * 128 * 2),        # LBNHC-style: 64 x 32 KiB per block
+    "block_outer": (1, 64 * 16 * 8 * 128 * 2),  # BLNHC-style: one 2 MiB chunk per block
+    "per_head": (512, 16 * 128 * 2),            # LHBNC-style: 512 x 4 KiB per block
+    "mla": (61, 16 * 576 * 2),                  # 61 layers x 18 KiB per block
+}
+
+
+def gpu_count() -> int:
+    """GPUs the driver sees; 0 without a driver (no torch import, so collection stays fast)."""
+    from kvpool.daemon import cuda
+    try:
+        return cuda.device_count()
+    except (cuda.CudaUnavailable, cuda.CudaError):
+        return 0
+
+
+@dataclass
+class Exported:
+    regions: list
+    placement: list
+    segment_bytes: tuple
+    num_blocks: int
+    pid: int
+
+
+def placement_for(lead: int, inner: int, num_blocks: int) -> tuple[list, tuple]:
+    from kvpool.shared.layout import SegmentPlacement
+    placement = [SegmentPlacement(0, i * num_blocks * inner, inner) for i in range(lead)]
+    return placement, (inner,) * lead
+
+
+def _serve(conn: Any, device: int, layout: str, num_blocks: int) -> None:
+    import torch
+
+    from kvpool.client.cuda_export import LoadEvents, StoreEvents, export_regions
+    torch.cuda.set_device(device)
+    lead, inner = LAYOUTS[layout]
+    kv = torch.empty(lead * num_blocks * inner, dtype=torch.uint8, device=f"cuda:{device}")
+    view = kv.view(lead, num_blocks, inner)
+    regions, _ = export_regions([kv])
+    placement, seg_bytes = placement_for(lead, inner, num_blocks)
+    store_events = StoreEvents()
+    load_events = LoadEvents(torch.device(f"cuda:{device}"))
+    conn.send(Exported(regions, placement, seg_bytes, num_blocks, os.getpid()))
+    gen = torch.Generator(device=f"cuda:{device}")
+    client: Any = None
+    bench: Any = None
+    reg_id = 0
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "exit":
+            conn.send(None)
+            return
+        if cmd == "fill":            # random bytes, as int64 words (fast on the GPU)
+            gen.manual_seed(args[0])
+            w = kv.view(torch.int64)
+            w.random_(generator=gen)
+            torch.cuda.synchronize()
+            conn.send(None)
+        elif cmd == "poison":
+            kv.fill_(args[0])
+            torch.cuda.synchronize()
+            conn.send(None)
+        elif cmd == "blocks":        # the shard bytes of these blocks, segment order
+            idx = torch.as_tensor(args[0], device=kv.device)
+            conn.send(view[:, idx, :].permute(1, 0, 2).reshape(len(args[0]), -1).cpu().numpy())
+        elif cmd == "count":         # bytes equal to ``value`` over the whole cache
+            conn.send(int((kv == args[0]).sum().item()))
+        elif cmd == "event":         # a store's wait event, recorded after some GPU work
+            kv[:16].add_(0)
+            conn.send(store_events.record())
+        elif cmd == "wait_load":
+            load_events.wait(args[0])
+            torch.cuda.current_stream().synchronize()
+            conn.send(None)
+        elif cmd == "gemm":          # (iterations) -> seconds for the loop, bf16 8192^3
+            n = 8192
+            a = torch.randn(n, n, device=kv.device, dtype=torch.bfloat16)
+            b = torch.randn(n, n, device=kv.device, dtype=torch.bfloat16)
+            for _ in range(3):
+                a @ b
+            torch.cuda.synchronize()
+            conn.send("ready")
+            conn.recv()
+            t0 = time.perf_counter()
+            for _ in range(args[0]):
+                a @ b
+            torch.cuda.synchronize()
+            conn.send(time.perf_counter() - t0)
+        elif cmd == "connect":       # (socket, namespace, tp_rank, tp_size) -> registration id
+            from kvpool.client.worker import WorkerClient
+            from kvpool.shared.config import ClientConfig
+            from kvpool.shared.layout import Layout
+            sock, namespace, tp_rank, tp_size = args
+            client = WorkerClient(ClientConfig(socket=sock, timeout_ms=10000), name="gpu-test")
+            layout = Layout(block_tokens=16, tp_size=tp_size, dtype="uint8",
+                            segment_bytes=tuple(seg_bytes))
+            reg_id = client.register(namespace, layout, tp_rank, num_blocks, regions, placement)
+            from kvpool.client.scheduler import SchedulerClient
+            sched = SchedulerClient(ClientConfig(socket=sock, timeout_ms=10000), name="gpu-test")
+            bench = _DaemonBench(client, sched, reg_id, namespace, store_events, load_events)
+            conn.send(reg_id)
+        elif cmd == "bench":         # (method, *args) -> its result; see _DaemonBench
+            conn.send(getattr(bench, args[0])(*args[1:]))
+        elif cmd == "store":         # (blocks, slots) -> (seconds request->completion, ok, msg)
+            t0 = time.perf_counter()
+            ev = store_events.record()
+            job = client.submit_store(reg_id, args[0], args[1], ev)
+            done = client.wait([job], 60)[0]
+            conn.send((time.perf_counter() - t0, done.ok, done.message))
+        elif cmd == "load":          # (slots, blocks) -> (seconds, ok, msg); KV usable after
+            t0 = time.perf_counter()
+            job = client.submit_load(reg_id, args[0], args[1])
+            done = client.wait([job], 60)[0]
+            if done.ok:
+                load_events.wait(done.done_event)
+            dt = time.perf_counter() - t0
+            conn.send((dt, done.ok, done.message))
+        elif cmd == "stream":        # (kind, n_jobs, [(blocks, slots)...]) pipelined, -> seconds
+            kind, jobs = args
+            t0 = time.perf_counter()
+            ids = []
+            for blocks, slots in jobs:
+                if kind == "store":
+                    ids.append(client.submit_store(reg_id, blocks, slots, store_events.record()))
+                else:
+                    ids.append(client.submit_load(reg_id, slots, blocks))
+            dones = client.wait(ids, 120)
+            dt = time.perf_counter() - t0
+            conn.send((dt, all(d.ok for d in dones), [d.message for d in dones if not d.ok][:1]))
+        elif cmd == "mem_free":
+            conn.send(torch.cuda.mem_get_info()[0])
+        else:
+            conn.send(RuntimeError(f"unknown command {cmd}"))
+
+
+class _DaemonBench:
+    """Timed transfers through kvpoold, measured where an engine would see them: from the
+    request being sent to the completion being seen (and, for loads, the done event waited)."""
+
+    def __init__(self, client, sched, reg_id, namespace, store_events, load_events) -> None:
+        self.client, self.sched, self.reg_id, self.ns = client, sched, reg_id, namespace
+        self.store_events, self.load_events = store_events, load_events
+        self.counter = 0
+        self.committed: list[int] = []   # slot refs of the last stored batch (for loads)
+        self.prepared_keys: list[bytes] = []
+        self.lease: list[int] = []
+
+    def _keys(self, n: int) -> list[bytes]:
+        import hashlib
+        self.counter += 1
+        return [hashlib.blake2b(f"{os.getpid()}-{self.counter}-{i}".encode(),
+                                digest_size=16).digest() for i in range(n)]
+
+    def prepare(self, n: int) -> list[int]:
+        keys = self._keys(n)
+        slots = self.sched.prepare_store(self.ns, keys)
+        if any(s < 0 for s in slots):
+            raise RuntimeError(f"prepare_store gave {sum(s < 0 for s in slots)} of {n} no slot")
+        self.prepared_keys = keys
+        return slots
+
+    def _commit(self, slots: list[int]) -> None:
+        # pin what was just stored, so later stores cannot evict what the loads read
+        if self.lease:
+            self.sched.release(self.lease)
+        reply = self.sched.lookup(self.ns, [self.prepared_keys], pin=True)
+        self.lease = list(reply.leases)
+        self.committed = list(reply.slots[0])
+
+    def _wait(self, ids: list[int], load: bool) -> None:
+        for d in self.client.wait(ids, 120):
+            if not d.ok:
+                raise RuntimeError(f"job failed: {d.message}")
+            if load:
+                self.load_events.wait(d.done_event)
+        if load:
+            import torch
+            torch.cuda.current_stream().synchronize()
+
+    def store(self, blocks: list[int], jobs: int = 1) -> float:
+        """Store ``blocks`` in ``jobs`` equal jobs submitted back to back; seconds."""
+        slots = self.prepare(len(blocks))
+        per = -(-len(blocks) // jobs)
+        t0 = time.perf_counter()
+        ids = [self.client.submit_store(self.reg_id, blocks[i:i + per], slots[i:i + per],
+                                        self.store_events.record())
+               for i in range(0, len(blocks), per)]
+        self._wait(ids, False)
+        dt = time.perf_counter() - t0
+        self._commit(slots)
+        return dt
+
+    def load(self, blocks: list[int], jobs: int = 1) -> float:
+        """Load the last stored batch into ``blocks``; seconds."""
+        slots = self.committed[:len(blocks)]
+        per = -(-len(blocks) // jobs)
+        t0 = time.perf_counter()
+        ids = [self.client.submit_load(self.reg_id, slots[i:i + per], blocks[i:i + per])
+               for i in range(0, len(blocks), per)]
+        self._wait(ids, True)
+        return time.perf_counter() - t0
+
+    def bidir(self, store_blocks: list[int], load_blocks: list[int], jobs: int = 1) -> float:
+        """Store one batch and load the previous one at the same time; seconds for both."""
+        load_slots = self.committed[:len(load_blocks)]
+        slots = self.prepare(len(store_blocks))
+        per = -(-len(store_blocks) // jobs)
+        t0 = time.perf_counter()
+        sids, lids = [], []
+        for i in range(0, len(store_blocks), per):
+            sids.append(self.client.submit_store(self.reg_id, store_blocks[i:i + per],
+                                                 slots[i:i + per], self.store_events.record()))
+            lids.append(self.client.submit_load(self.reg_id, load_slots[i:i + per],
+                                                load_blocks[i:i + per]))
+        self._wait(sids, False)
+        self._wait(lids, True)
+        dt = time.perf_counter() - t0
+        self._commit(slots)
+        return dt
+
+    def single(self, block: int, reps: int) -> tuple[list[float], list[float]]:
+        """Seconds of ``reps`` one-block stores and of ``reps`` one-block loads."""
+        slots = self.prepare(reps)
+        st, ld = [], []
+        for s in slots:
+            t0 = time.perf_counter()
+            self._wait([self.client.submit_store(self.reg_id, [block], [s],
+                                                 self.store_events.record())], False)
+            st.append(time.perf_counter() - t0)
+        self._commit(slots)
+        for s in self.committed:
+            t0 = time.perf_counter()
+            self._wait([self.client.submit_load(self.reg_id, [s], [block + 1])], True)
+            ld.append(time.perf_counter() - t0)
+        return st, ld
+
+    def offload_for(self, seconds: float, blocks_per_job: int, store_blocks: list[int],
+                    load_blocks: list[int]) -> float:
+        """Store and load back to back, two jobs in flight each way, for ``seconds``; returns
+        GB/s moved (both directions together)."""
+        moved = 0
+        t_end = time.perf_counter() + seconds
+        t0 = time.perf_counter()
+        inflight: list[tuple[int, bool, int]] = []
+        k = 0
+        load_slots = self.committed
+        while time.perf_counter() < t_end or inflight:
+            while time.perf_counter() < t_end and len(inflight) < 4:
+                i = (k * blocks_per_job) % max(1, len(load_slots) - blocks_per_job)
+                if k % 2 == 0:
+                    blocks = store_blocks[i:i + blocks_per_job]
+                    slots = self.prepare(len(blocks))
+                    jid = self.client.submit_store(self.reg_id, blocks, slots,
+                                                   self.store_events.record())
+                    inflight.append((jid, False, len(blocks)))
+                else:
+                    blocks = load_blocks[i:i + blocks_per_job]
+                    jid = self.client.submit_load(self.reg_id, load_slots[i:i + len(blocks)],
+                                                  blocks)
+                    inflight.append((jid, True, len(blocks)))
+                k += 1
+            jid, is_load, n = inflight.pop(0)
+            self._wait([jid], is_load)
+            moved += n
+        return moved / (time.perf_counter() - t0)
+
+
+class Worker:
+    """Parent-side handle: ``Worker(device, layout, num_blocks)`` starts the process."""
+
+    def __init__(self, device: int, layout: str, num_blocks: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, device, layout, num_blocks),
+                                daemon=True)
+        self.proc.start()
+        if not self.conn.poll(120):
+            raise TimeoutError("GPU worker did not start within 120 s")
+        self.export: Exported = self.conn.recv()
+
+    def call(self, *cmd: Any, timeout_s: float = 120) -> Any:
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"GPU worker did not answer {cmd[0]!r} within {timeout_s} s")
+        out = self.conn.recv()
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def register_request(self, namespace: bytes = b"ns", tp_rank: int = 0, tp_size: int = 1,
+                         dtype: str = "uint8") -> Any:
+        from kvpool.shared.layout import Layout
+        from kvpool.shared.protocol import RegisterRequest
+        e = self.export
+        layout = Layout(block_tokens=16, tp_size=tp_size, dtype=dtype,
+                        segment_bytes=tuple(e.segment_bytes))
+        return RegisterRequest(req_id=1, namespace=namespace, layout=layout, tp_rank=tp_rank,
+                               num_blocks=e.num_blocks, regions=list(e.regions),
+                               placement=list(e.placement))
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(30)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit", timeout_s=30)
+            except (TimeoutError, EOFError, BrokenPipeError):
+                pass
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+class ShmPool:
+    """A Pool-like buffer for driving the engine without the daemon: a POSIX shm file,
+    mapped, with ``base_address`` and ``nbytes`` (what ``CudaCopyEngine`` reads)."""
+
+    def __init__(self, nbytes: int, name: str = "") -> None:
+        import ctypes
+        import mmap
+        self.path = f"/dev/shm/{name or f'kvpool-gputest-{os.getpid()}'}"
+        fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self.buffer = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.nbytes = nbytes
+        self._anchor = ctypes.c_char.from_buffer(self.buffer)
+        self.base_address = ctypes.addressof(self._anchor)
+
+    def array(self):
+        import numpy as np
+        return np.frombuffer(self.buffer, dtype=np.uint8)
+
+    def close(self) -> None:
+        del self._anchor
+        self.buffer.close()
+        os.unlink(self.path)

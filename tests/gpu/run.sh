@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Runs the GPU tests and the GPU benchmark on a CUDA machine that has no kvpool install:
+# installs the carried wheels into /tmp/site, builds an import tree for kvpool from this
+# checkout, then writes logs and results under $OUT (default ./gpu-out).
+#   tests/gpu/run.sh [env|tests|bench|all] [extra bench args...]
+set -uo pipefail
+what=${1:-all}; shift || true
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+WHL=${WHL:-$PWD/../../.whl}
+[ -d "$WHL" ] || WHL=$PWD/.whl
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d "$WHL" ] && ls "$WHL"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$WHL"/*.whl || exit 1
+fi
+rm -rf /tmp/pp && mkdir -p /tmp/pp/kvpool && cp kvpool/__init__.py /tmp/pp/kvpool/
+for d in shared daemon client; do ln -s "$PWD/$d" /tmp/pp/kvpool/$d; done
+export PYTHONPATH=/tmp/pp:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+# the benchmark's pools need room in /dev/shm (container defaults are often 64 MiB)
+shm_kb=$(df -k --output=size /dev/shm | tail -1)
+if [ "$shm_kb" -lt $((32 * 1024 * 1024)) ]; then mount -o remount,size=48G /dev/shm 2>/dev/null || true; fi
+
+if [ "$what" = env ] || [ "$what" = all ]; then
+  { nvidia-smi --query-gpu=name,uuid,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
+    nvidia-smi topo -m 2>/dev/null | head -5
+    df -h /dev/shm; ulimit -l; nproc; free -g | head -2
+    (cd /tmp && python3 -c "import torch, triton, numpy, zmq, msgspec, posix_ipc; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+     python3 -c "from kvpool.daemon import cuda; d=cuda.driver(); print('driver', d.version, 'batch', cuda.has_memcpy_batch(), [cuda.device_uuid(i) for i in range(cuda.device_count())])")
+  } 2>&1 | tee "$OUT/env.txt"
+fi
+rc=0
+# run from outside the checkout: its kvpool/ folder (only __init__.py) would shadow /tmp/pp
+REPO=$PWD; cd /tmp
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
+    -c "$REPO/pyproject.toml" --rootdir "$REPO" "$REPO/tests/daemon/test_cuda_tables.py" "$REPO/tests/gpu" 2>&1 | tee "$OUT/tests.log" || rc=1
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout ${BENCH_TIMEOUT:-480} python3 "$REPO/bench/gpu_transfer.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" || rc=1
+fi
+exit $rc

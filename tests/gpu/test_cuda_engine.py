@@ -1,0 +1,171 @@
+"""The CUDA copy engine driven directly (no daemon): bit-exact round trips for every layout and
+both backends, a SIGKILLed worker, TP=2. Workers are separate processes (CUDA IPC cannot open a
+handle in the process that exported it)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from tests.gpu.gpu_worker import LAYOUTS, ShmPool, Worker, gpu_count
+
+GPUS = gpu_count()
+
+NUM_BLOCKS = 96
+POISON = 0xA5
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = ShmPool(512 << 20, name=f"kvpool-gputest-engine-{time.monotonic_ns()}")
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def engine(pool):
+    from kvpool.daemon.cuda_copy import CudaCopyEngine
+    eng = CudaCopyEngine(pool, register_piece_bytes=64 << 20)   # several pieces: split path
+    assert eng.registration.wait(60), "pool registration did not finish"
+    assert eng.registration.is_complete, eng.registration.error
+    yield eng
+    eng.close()
+
+
+def _shard_offsets(reg, slots, rank=0):
+    stride = reg.layout.slot_bytes
+    return np.asarray(slots, dtype=np.int64) * stride + rank * reg.layout.shard_stride_bytes
+
+
+def _pool_shards(pool, reg, offsets):
+    a = pool.array()
+    n = reg.layout.shard_bytes
+    return np.stack([a[o:o + n] for o in offsets])
+
+
+@pytest.mark.parametrize("backend", ["dma", "kernel"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_round_trip_bit_exact(engine, pool, layout, backend):
+    w = Worker(0, layout, NUM_BLOCKS)
+    try:
+        reg = w.register_request()
+        engine.backend = backend
+        m = engine.attach(reg)
+        rng = np.random.default_rng(hash((layout, backend)) & 0xFFFF)
+        src = rng.choice(NUM_BLOCKS, 40, replace=False)
+        dst = rng.choice(NUM_BLOCKS, 40, replace=False)
+        slots = rng.choice(200 if reg.layout.slot_bytes * 200 < pool.nbytes else 40, 40,
+                           replace=False)
+        offs = _shard_offsets(reg, slots)
+        pool.array()[:] = POISON ^ 0xFF
+        w.call("fill", int(rng.integers(1 << 30)))
+        want = w.call("blocks", src.tolist())
+        r = engine.submit_store(m, src, offs, w.call("event")).result(60)
+        assert r.nbytes == len(src) * reg.layout.shard_bytes
+        got = _pool_shards(pool, reg, offs)
+        assert np.array_equal(got, want), f"{layout}/{backend}: pool differs after store"
+        w.call("poison", POISON)
+        r = engine.submit_load(m, offs, dst).result(60)
+        assert len(r.done_event) == 64
+        w.call("wait_load", r.done_event)
+        assert np.array_equal(w.call("blocks", dst.tolist()), want), \
+            f"{layout}/{backend}: GPU blocks differ after load"
+        # nothing outside the loaded blocks was written
+        untouched = np.setdiff1d(np.arange(NUM_BLOCKS), dst)
+        assert (w.call("blocks", untouched.tolist()) == POISON).all()
+        engine.detach(m, wait_s=10)
+        assert m.released.is_set()
+    finally:
+        engine.backend = "auto"
+        w.close()
+
+
+def test_auto_backend_choice(engine):
+    w = Worker(0, "per_head", 8)
+    w2 = Worker(0, "block_outer", 8)
+    try:
+        m, m2 = engine.attach(w.register_request()), engine.attach(w2.register_request())
+        assert engine.backend_for(m) == "kernel"      # 4 KiB copies
+        assert engine.backend_for(m2) == "dma"        # 2 MiB copies
+        engine.detach(m, wait_s=10)
+        engine.detach(m2, wait_s=10)
+    finally:
+        w.close()
+        w2.close()
+
+
+def test_killed_worker_releases_gpu_memory(engine, pool):
+    from kvpool.daemon import cuda
+    probe = Worker(0, "block_outer", 4)
+    try:
+        free_before = probe.call("mem_free")
+        w = Worker(0, "block_outer", 1024)              # 2 GiB of KV
+        reg = w.register_request()
+        m = engine.attach(reg)
+        w.call("fill", 7)
+        slots = np.arange(200)
+        futs = [engine.submit_store(m, np.arange(i, i + 200) % 1024, _shard_offsets(reg, slots),
+                                    w.call("event")) for i in range(0, 1000, 200)]
+        w.kill()                                          # mid-transfer
+        for f in futs:
+            try:
+                f.result(60)
+            except Exception:
+                pass                                      # a failed job is fine, a hang is not
+        engine.detach(m, wait_s=30)
+        assert m.released.is_set(), "IPC mappings of the dead worker were not released"
+        deadline = time.monotonic() + 30
+        while probe.call("mem_free") < free_before - (512 << 20):
+            assert time.monotonic() < deadline, \
+                f"GPU memory not freed: {probe.call('mem_free') >> 20} MiB free, " \
+                f"{free_before >> 20} MiB before"
+            time.sleep(0.2)
+        # the engine still serves
+        w3 = Worker(0, "per_layer", 16)
+        try:
+            reg3 = w3.register_request()
+            m3 = engine.attach(reg3)
+            w3.call("fill", 3)
+            want = w3.call("blocks", [1, 2])
+            offs = _shard_offsets(reg3, [5, 6])
+            engine.submit_store(m3, np.array([1, 2]), offs).result(60)
+            w3.call("poison", POISON)
+            r = engine.submit_load(m3, offs, np.array([3, 4])).result(60)
+            w3.call("wait_load", r.done_event)
+            assert np.array_equal(w3.call("blocks", [3, 4]), want)
+            engine.detach(m3, wait_s=10)
+        finally:
+            w3.close()
+        assert cuda.driver() is not None
+    finally:
+        probe.close()
+
+
+@pytest.mark.skipif(GPUS < 2, reason="TP=2 needs two GPUs")
+def test_tp2_two_gpus_one_slot(engine, pool):
+    ws = [Worker(r, "per_layer", 32) for r in range(2)]
+    try:
+        regs = [w.register_request(tp_rank=r, tp_size=2) for r, w in enumerate(ws)]
+        ms = [engine.attach(reg) for reg in regs]
+        assert ms[0].ordinal != ms[1].ordinal
+        wants = []
+        for r, w in enumerate(ws):
+            w.call("fill", 100 + r)
+            wants.append(w.call("blocks", list(range(8))))
+        futs = [engine.submit_store(ms[r], np.arange(8), _shard_offsets(regs[r], range(8), r),
+                                    ws[r].call("event")) for r in range(2)]
+        for f in futs:
+            f.result(60)
+        for r, w in enumerate(ws):
+            w.call("poison", POISON)
+            res = engine.submit_load(ms[r], _shard_offsets(regs[r], range(8), r),
+                                     np.arange(8, 16)).result(60)
+            w.call("wait_load", res.done_event)
+            assert np.array_equal(w.call("blocks", list(range(8, 16))), wants[r])
+        for m in ms:
+            engine.detach(m, wait_s=10)
+    finally:
+        for w in ws:
+            w.close()

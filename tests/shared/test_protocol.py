@@ -1,0 +1,83 @@
+import msgspec
+import pytest
+
+from kvpool.shared import protocol as p
+from kvpool.shared.layout import Layout, SegmentPlacement
+
+LAYOUT = Layout(16, 2, "bfloat16", (32768, 32768), "llama L1")
+NS, KEY = b"n" * 16, b"k" * 16
+
+REQUESTS = [
+    p.Hello(1, p.PROTOCOL_VERSION, p.Role.WORKER, "w", 42, "eng"),
+    p.Heartbeat(2, 7),
+    p.Ping(3),
+    p.RegisterRequest(4, NS, LAYOUT, 1, 100, [p.HostRegion("shm", 4096), p.CudaRegion(
+        "GPU-1", b"\x01" * 64, 8192, 512)], [SegmentPlacement(0, 0, 64), SegmentPlacement(1, 8, 64)]),
+    p.UnregisterRequest(5, 3),
+    p.LookupRequest(6, NS, [[KEY], [KEY, KEY]], True),
+    p.PrepareStoreRequest(7, NS, [KEY]),
+    p.AbortStoreRequest(8, [p.make_slot_ref(3, 9)]),
+    p.ReleaseRequest(9, [1, 2]),
+    p.StoreRequest(10, 1, 2, [0, 1], [5, 6], b"ev"),
+    p.LoadRequest(11, 1, 3, [5, 6], [7, 8]),
+    p.InfoRequest(12),
+    p.ResetRequest(13, NS),
+]
+REPLIES = [
+    p.HelloReply(1, p.PROTOCOL_VERSION, "d", 3, 1 << 30, 100, 1 << 20),
+    p.HeartbeatReply(2, "d"),
+    p.Pong(3, "d", 1.5),
+    p.RegisterReply(4, 9),
+    p.LookupReply(6, [1, 0], [5, 0], [[p.make_slot_ref(1, 2)], []]),
+    p.PrepareStoreReply(7, [p.SLOT_PRESENT, p.SLOT_NO_SPACE, 12]),
+    p.OkReply(8, 2),
+    p.JobDone(10, 2, 0, "", 65536, b"e"),
+    p.InfoReply(12, p.PoolInfo("d", 1.0, 10, 4, 6, 1, 2, 1, 5, 6, 7, 8, 9, 10, 11, 12, 13, [
+        p.ClientInfo(1, p.Role.SCHEDULER, "s", 5, "e", 0, 1, 0)], 3)),
+    p.ErrorReply(99, 3, "unknown"),
+]
+
+
+@pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: type(m).__name__)
+def test_every_request_round_trips(msg):
+    assert p.decode_request(p.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", REPLIES, ids=lambda m: type(m).__name__)
+def test_every_reply_round_trips(msg):
+    assert p.decode_reply(p.encode(msg)) == msg
+
+
+def test_union_covers_every_message():
+    assert set(type(m) for m in REQUESTS) == set(p.Request.__args__)
+    assert set(type(m) for m in REPLIES) == set(p.Reply.__args__)
+
+
+# Golden bytes pin the positional (array_like) layouts: a reordered or retyped field fails here.
+GOLDEN = [
+    (p.Hello(1, 1, p.Role.WORKER, "w", 42, "eng"), "9701010102a1772aa3656e67"),
+    (p.LookupRequest(6, NS, [[KEY]], True), "950606c4106e6e6e6e6e6e6e6e6e6e6e6e6e6e6e6e9191c4106b6b6b6b6b6b6b6b6b6b6b6b6b6b6b6bc3"),
+    (p.StoreRequest(10, 1, 2, [0], [5], b""), "970a0a010291009105c400"),
+    (p.JobDone(10, 2, 6, "full", 0, b""), "97470a0206a466756c6c00c400"),
+    (p.ErrorReply(9, 1, "x"), "94490901a178"),
+]
+
+
+@pytest.mark.parametrize("msg,golden", GOLDEN, ids=lambda m: type(m).__name__)
+def test_golden_bytes(msg, golden):
+    assert p.encode(msg).hex() == golden
+
+
+def test_garbage_is_a_decode_error_and_req_id_is_recovered_when_possible():
+    with pytest.raises(msgspec.DecodeError):
+        p.decode_request(b"\xc1\xc1")
+    bad = msgspec.msgpack.encode([6, 77, "not bytes", [], False])
+    with pytest.raises(msgspec.ValidationError):
+        p.decode_request(bad)
+    assert p.peek_req_id(bad) == 77
+    assert p.peek_req_id(b"\xc1") == 0
+
+
+def test_slot_ref_packs_index_and_generation():
+    ref = p.make_slot_ref(123456, 789)
+    assert (p.slot_ref_index(ref), p.slot_ref_generation(ref)) == (123456, 789)

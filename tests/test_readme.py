@@ -1,0 +1,27 @@
+"""The README stays true: its settings table matches the code, its example runs."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from kvpool.daemon.cli import settings_table
+
+README = (Path(__file__).parent.parent / "README.md").read_text()
+
+
+def test_settings_table_matches_the_config():
+    m = re.search(r"<!-- settings table.*?-->\n(.*?)\n<!-- end settings table -->", README, re.S)
+    assert m, "README lost its settings table markers"
+    assert m.group(1).strip() == settings_table().strip(), \
+        "README settings table is stale: paste kvpool.daemon.cli.settings_table() into it"
+
+
+def test_python_example_runs_against_a_daemon(daemon, tmp_path):
+    code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
+    code = code.replace("config.ClientConfig()", f"config.ClientConfig(socket={daemon.socket!r})")
+    script = tmp_path / "example.py"
+    script.write_text(code + "\nmem.close()\nprint('example ok')\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "example ok" in r.stdout, r.stderr
+    assert len([line for line in code.strip().splitlines() if line.strip()]) <= 17
