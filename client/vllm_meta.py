@@ -26,6 +26,7 @@ class LoadSpec:
     group: int          # position in the connector's group list (not vLLM's group index)
     slots: list[int]
     block_ids: list[int]
+    failed: bool = False  # cannot be served: report the request's load as failed at once
 
 
 @dataclass(slots=True)

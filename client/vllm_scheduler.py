@@ -385,20 +385,27 @@ class SchedulerRole:
         assert hit <= (st.hit or 0), "vLLM accepted more external tokens than offered"
         table = blocks.get_block_ids()
         loads = []
+        unloadable = False
         for gi, g in enumerate(self.groups):
             ids = table[g.index]
-            first = max(local_blocks, self._window_start(g, hit))
             slots, bids = [], []
-            for i in range(first, hit):
+            for i in range(local_blocks, hit):
                 if i >= len(ids) or ids[i] == 0:     # a null block: outside the window
                     continue
                 k = i - st.hit_start[gi]
-                if k < 0 or k >= len(st.slots[gi]):
+                if not 0 <= k < len(st.slots[gi]):
+                    # vLLM keeps more of the window than was looked up: never leave a block
+                    # it counts as computed unwritten; fail the load and let it recompute.
+                    unloadable = True
                     continue
                 slots.append(st.slots[gi][k])
                 bids.append(ids[i])
             if slots:
                 loads.append(LoadSpec(request.request_id, gi, slots, bids))
+        if unloadable:
+            loads = [LoadSpec(request.request_id, 0, [], [b for spec in loads
+                                                          for b in spec.block_ids],
+                              failed=True)]
         st.loading = True
         st.load_blocks = [b for spec in loads for b in spec.block_ids]
         st.load_keys = st.keys.keys(request, 0, hit)[local_blocks:]

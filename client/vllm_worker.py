@@ -116,6 +116,8 @@ class WorkerRole:
         for spec in meta.loads:
             self._load_blocks.setdefault(spec.req_id, []).extend(spec.block_ids)
             self._load_pending.setdefault(spec.req_id, 0)
+            if spec.failed:
+                self._load_failed.add(spec.req_id)
             if not spec.slots:
                 continue
             slots, bids, reqs = by_group.setdefault(spec.group, ([], [], []))
