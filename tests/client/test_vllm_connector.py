@@ -341,3 +341,40 @@ def test_daemon_killed_mid_run_every_request_finishes(make_engine, daemon, async
         e.assert_clean(c)
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_daemon_frozen_mid_run_degrades_then_recovers(make_engine, daemon, async_scheduling):
+    import signal
+    import time
+
+    e = make_engine(async_scheduling=async_scheduling,
+                    extra={"timeout_ms": 300, "reconnect_backoff_max_ms": 500})
+    for i in range(4):
+        e.add(f"r{i}", prompt(70, 1000 * i), max_tokens=30)
+    e.run(until=lambda: e.stats.steps >= 4)
+    daemon.proc.send_signal(signal.SIGSTOP)          # alive but answering nothing
+    try:
+        t0 = time.monotonic()
+        e.run(timeout_s=60)
+        assert sorted(e.stats.finished) == [f"r{i}" for i in range(4)]
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert time.monotonic() - t0 < 30
+    e.assert_clean()
+    # It comes back by itself within a few backoff periods: a prompt stored now hits later.
+    deadline = time.monotonic() + 20
+    for k in range(1000):
+        e.add(f"after{k}", prompt(50, 9000 + 100 * k), max_tokens=1)
+        e.run(timeout_s=60)
+        e.sched.reset_prefix_cache()
+        e.add(f"again{k}", prompt(50, 9000 + 100 * k) + [1], max_tokens=1)
+        e.run(timeout_s=60)
+        if f"again{k}" in e.stats.loaded_reqs:
+            break
+        assert time.monotonic() < deadline, "the connector did not come back to the daemon"
+    c = SchedulerClient(daemon.client_config())
+    try:
+        e.assert_clean(c)
+    finally:
+        c.close()
