@@ -1,0 +1,226 @@
+"""``KVPoolConnector``: the vLLM (0.33) KV connector that offloads KV blocks to kvpoold.
+
+Enable it with::
+
+    --kv-transfer-config '{"kv_connector": "KVPoolConnector",
+                           "kv_connector_module_path": "kvpool.client.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"socket": "/run/kvpool/kvpoold.sock"}}'
+
+This module is a facade with no logic of its own: in vLLM's scheduler process it delegates to
+``vllm_scheduler.SchedulerRole`` (lookups, leases, store planning), in each worker process to
+``vllm_worker.WorkerRole`` (registration, batched loads and stores). Importing it loads neither
+the daemon nor any CUDA code; the GPU exporter is imported only when a worker registers CUDA
+tensors.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvpool.client.vllm_keys import build_groups
+from kvpool.client.vllm_meta import StepMeta
+from kvpool.shared.config import ClientConfig, build_config, env_layer
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvpool.client.vllm_meta import WorkerAcks
+    from kvpool.client.vllm_scheduler import SchedulerRole
+    from kvpool.client.vllm_worker import WorkerRole
+
+# kv_connector_extra_config keys that are not ClientConfig fields.
+CONNECTOR_KEYS = ("model_id", "pd_wait_s")
+
+
+def client_config(extra: dict[str, Any]) -> ClientConfig:
+    """``ClientConfig`` from ``KVPOOL_*`` variables overridden by the extra config."""
+    fields = ClientConfig.__struct_fields__
+    unknown = set(extra) - set(fields) - set(CONNECTOR_KEYS)
+    if unknown:
+        from kvpool.shared.errors import ConfigError
+        raise ConfigError(f"unknown kv_connector_extra_config keys for KVPoolConnector: "
+                          f"{sorted(unknown)} (known: {sorted(fields) + list(CONNECTOR_KEYS)})")
+    return build_config(ClientConfig, env_layer(ClientConfig),
+                        {k: v for k, v in extra.items() if k in fields})
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return ps.get_tensor_model_parallel_rank()
+    return 0
+
+
+class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        pc = vllm_config.parallel_config
+        if pc.pipeline_parallel_size > 1:
+            raise ValueError("KVPoolConnector does not support pipeline parallelism yet: each "
+                             "stage holds different layers (use tensor parallelism)")
+        assert kv_cache_config is not None, "vLLM 0.33 passes kv_cache_config to connectors"
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        config = client_config(extra)
+        groups = build_groups(vllm_config, kv_cache_config, extra)
+        engine_id = self._kv_transfer_config.engine_id or ""
+        self.scheduler: SchedulerRole | None = None
+        self.worker: WorkerRole | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvpool.client.scheduler import SchedulerClient
+            from kvpool.client.vllm_scheduler import SchedulerRole
+
+            client = SchedulerClient(config, name=f"vllm scheduler {engine_id}",
+                                     engine_id=engine_id)
+            self.scheduler = SchedulerRole(
+                groups, pc.world_size, client, config.reconnect_backoff_ms / 1000,
+                config.reconnect_backoff_max_ms / 1000,
+                kv_producer=self._kv_transfer_config.kv_role == "kv_producer",
+                engine_id=engine_id, tp_size=pc.tensor_parallel_size,
+                pd_wait_s=float(extra.get("pd_wait_s", 3.0)))
+        else:
+            from kvpool.client.vllm_worker import WorkerRole
+            from kvpool.client.worker import WorkerClient
+
+            rank = _tp_rank()
+            client = WorkerClient(config, name=f"vllm worker tp{rank} {engine_id}",
+                                  engine_id=engine_id)
+            self.worker = WorkerRole(groups, kv_cache_config.num_blocks, rank,
+                                     pc.tensor_parallel_size, client,
+                                     block_level_errors=len(kv_cache_config.kv_cache_groups) == 1)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # As kv_both this is a best-effort cache (a dropped store is a later miss); as a P/D
+        # producer its stores are the hand-off.
+        return self._kv_transfer_config.kv_role == "kv_producer"
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        # Block-outermost: one block of every layer is one contiguous run, one copy per block.
+        # Only a preference: vLLM keeps the backend's layout when it cannot use this one, and
+        # every layout works (registration describes whatever the tensors are).
+        return "BLHNC"
+
+    # ---- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self.worker is not None and isinstance(kv_connector_metadata, StepMeta)
+        self.worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self.worker is not None
+        self.worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return   # loads are whole-request and asynchronous (WAITING_FOR_REMOTE_KVS)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor",
+                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        return   # stores are submitted once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        self.worker.wait_for_save(self._meta())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker is not None
+        meta = self._connector_metadata if isinstance(self._connector_metadata, StepMeta) else None
+        sending, recving, failed = self.worker.get_transfer_results(meta)
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> "WorkerAcks | None":
+        return self.worker.build_worker_meta() if self.worker is not None else None
+
+    def _meta(self) -> StepMeta:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMeta)
+        return meta
+
+    # ---- scheduler side ------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None:
+            self.scheduler.kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: "Request") -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_push_work()
+
+    def take_events(self) -> Iterable[Any]:
+        return self.scheduler.take_events() if self.scheduler is not None else ()
+
+    def reset_cache(self) -> bool | None:
+        assert self.scheduler is not None
+        return self.scheduler.reset_cache()
+
+    def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+        if self.worker is not None:
+            self.worker.shutdown()

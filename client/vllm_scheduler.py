@@ -1,0 +1,692 @@
+"""The connector's scheduler role: decides what to load and store, never moves bytes.
+
+Runs inside vLLM's scheduler (engine core) process, on its one thread. Owns per-request state
+(block keys, lookup results and their leases, store cursors, store tickets) and talks to the
+daemon only through ``SchedulerClient``: at most one batched lookup in flight per namespace,
+one ``prepare_store`` per namespace per step, one ``release`` per step. It never blocks the
+scheduler on the daemon: a lookup in flight answers ``None`` ("ask again next step"), and a
+daemon that is missing or slow turns into zero hits and skipped stores (``DaemonUnavailable``
+is caught here, never raised to vLLM).
+
+Lifecycle of a request, as vLLM drives it:
+``get_num_new_matched_tokens`` (queue a lookup, answer ``None`` until it lands, then the hit)
+→ ``update_state_after_alloc`` (turn the hit into load specs, or release the lease)
+→ ``build_connector_meta`` each step (eager stores of newly full blocks)
+→ ``update_connector_output`` (load done: release the lease; store tickets acked by every rank)
+→ ``request_finished`` (keep the blocks while tickets are in flight; free them via ``free_now``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable
+
+from kvpool.client.vllm_keys import GroupInfo, RequestKeys
+from kvpool.client.vllm_meta import LoadSpec, StepMeta, StoreSpec, WorkerAcks
+from kvpool.shared.errors import DaemonUnavailable, KvpoolError, PoolFull
+from kvpool.shared.protocol import SLOT_NO_SPACE, SLOT_PRESENT
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvpool.vllm")
+
+# Keys remembered as committed, only to report BlockRemoved on reset; bounded so a long-lived
+# engine does not grow without limit (the daemon is the source of truth for presence).
+_MAX_REMEMBERED_KEYS = 1 << 20
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """One store: blocks of one group of one request, prepared in one step."""
+
+    req_id: str
+    group: int
+    indices: list[int]         # block positions in the request
+    keys: list[bytes]
+    slots: list[int]
+    block_ids: list[int]
+    done: int = 0              # ranks that reported it
+    failed: int = 0            # ranks that reported a failure
+    stale: bool = False        # a cache reset happened since: never counts as committed
+
+
+@dataclass(eq=False)
+class _Req:
+    request: "Request"
+    keys: RequestKeys
+    # lookup: IDLE → QUEUED → SENT → hit is not None (a result, with leases until consumed)
+    state: str = "idle"
+    target: int = 0            # block count the lookup asked for (the hit cannot exceed it)
+    rounds: int = 0
+    hit: int | None = None     # blocks available from the pool, from block 0
+    hit_start: list[int] = field(default_factory=list)  # per group: block index of slots[g][0]
+    slots: list[list[int]] = field(default_factory=list)
+    leases: list[int] = field(default_factory=list)
+    local_tokens: int = 0      # GPU prefix hit seen by the last get_num_new_matched_tokens
+    loading: bool = False
+    load_blocks: list[int] = field(default_factory=list)
+    load_keys: list[bytes] = field(default_factory=list)
+    cursor: list[int] = field(default_factory=list)     # per group: next block to store
+    tickets: set[int] = field(default_factory=set)
+    finishing: bool = False    # request_finished returned True: free via free_now
+    finished: bool = False
+    # P/D: a producer stores every block (also those it loaded) and hands the prompt over; a
+    # consumer waits (bounded) for the producer's blocks to land before taking its hit.
+    producer: bool = False
+    load_failed: bool = False  # a load from the pool failed: recompute, never offer it again
+    expect_blocks: int = 0
+    wait_until: float = 0.0
+
+
+class SchedulerRole:
+    """See the module docstring. Public methods mirror ``KVConnectorBase_V1``'s scheduler side
+    and are called only from vLLM's scheduler thread."""
+
+    def __init__(self, groups: list[GroupInfo], world_size: int, client: Any,
+                 backoff_s: float = 0.2, backoff_max_s: float = 5.0, *,
+                 kv_producer: bool = False, engine_id: str = "", tp_size: int = 1,
+                 pd_wait_s: float = 3.0) -> None:
+        self.groups = groups
+        self.world_size = world_size
+        self.kv_producer = kv_producer
+        self.engine_id = engine_id
+        self.tp_size = tp_size
+        self.pd_wait_s = pd_wait_s
+        self._retry: list[str] = []     # P/D consumers to look up again next step
+        self.client = client
+        sizes = {g.block_tokens for g in groups}
+        # One token→block grid for every group: vLLM's hybrid allocator gives attention groups
+        # one block size; anything else is served by recompute rather than guessed at.
+        self.enabled = bool(groups) and len(sizes) == 1
+        if not self.enabled:
+            logger.warning("kvpool: KV-cache groups %s cannot be pooled; connector idle",
+                           [g.identity for g in groups])
+        self.block_tokens = next(iter(sizes)) if sizes else 0
+        self.kv_cache_manager: KVCacheManager | None = None
+        self._reqs: dict[str, _Req] = {}
+        self._queued: list[str] = []
+        self._inflight_calls: list[tuple[Any, int, list[tuple[str, int]]]] = []
+        self._inflight_replies: list[Any] = []
+        self._batch_results: dict[str, list[tuple[int, int, list[int], int]]] = {}
+        self._tickets: dict[int, _Ticket] = {}
+        self._next_ticket = 1
+        self._inflight_keys: dict[tuple[int, bytes], int] = {}
+        self._block_tickets: dict[int, set[int]] = {}
+        self._step_loads: list[LoadSpec] = []
+        self._flush: set[int] = set()
+        self._free_ready: list[str] = []
+        self._release: list[int] = []
+        self._abort_slots: list[int] = []
+        self._events: list[Any] = []
+        self._loading_keys: dict[bytes, int] = {}   # group-0 keys of loads in flight
+        self._orphans: list[Any] = []    # lookups nobody waits for; their leases get released
+        self._committed: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in groups]
+        self._backoff_s, self._backoff_max_s = backoff_s, backoff_max_s
+        self._retry_at = 0.0
+        self._fail_backoff = backoff_s
+
+    # ---- daemon access with a circuit breaker ----------------------------------------------
+
+    def _daemon_ok(self) -> bool:
+        return time.monotonic() >= self._retry_at
+
+    def _daemon_failed(self, err: Exception) -> None:
+        if time.monotonic() >= self._retry_at:
+            logger.warning("kvpool daemon unavailable (%s); serving without the pool, retrying "
+                           "in %.1f s", err, self._fail_backoff)
+        self._retry_at = time.monotonic() + self._fail_backoff
+        self._fail_backoff = min(self._fail_backoff * 2, self._backoff_max_s)
+
+    def _daemon_succeeded(self) -> None:
+        self._fail_backoff = self._backoff_s
+
+    def _call(self, fn, *args, default=None):
+        """A daemon call that degrades: ``default`` when the daemon is missing or refuses."""
+        if not self._daemon_ok():
+            return default
+        try:
+            out = fn(*args)
+        except DaemonUnavailable as e:
+            self._daemon_failed(e)
+            return default
+        except PoolFull as e:
+            # Every slot is pinned or being written: normal under load, the blocks stay unpooled.
+            logger.debug("kvpool: %s", e)
+            return default
+        except KvpoolError as e:
+            logger.warning("kvpool: %s failed: %s", getattr(fn, "__name__", fn), e)
+            return default
+        self._daemon_succeeded()
+        return out
+
+    # ---- lookups -------------------------------------------------------------------------
+
+    def _state(self, request: "Request") -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.request is not request:
+            st = _Req(request, RequestKeys(request, self.groups),
+                      cursor=[0] * len(self.groups))
+            self._reqs[request.request_id] = st
+            params = request.kv_transfer_params or {}
+            st.producer = self.kv_producer or bool(params.get("do_remote_decode"))
+            if params.get("do_remote_prefill") and params.get("kvpool_tokens"):
+                tp = params.get("kvpool_tp", self.tp_size)
+                if tp != self.tp_size:
+                    logger.error("kvpool: request %s was prefilled with TP %s but this engine "
+                                 "runs TP %s; P/D across TP sizes is not supported, "
+                                 "recomputing its prompt", request.request_id, tp, self.tp_size)
+                else:
+                    st.expect_blocks = int(params["kvpool_tokens"]) // self.block_tokens
+                    st.wait_until = time.monotonic() + self.pd_wait_s
+        return st
+
+    def on_new_request(self, request: "Request") -> None:
+        if self.enabled:
+            self._state(request)
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.enabled:
+            return 0, False
+        st = self._state(request)
+        if not st.keys.cacheable or request.skip_reading_prefix_cache or st.load_failed:
+            return 0, False
+        st.local_tokens = num_computed_tokens
+        if st.hit is None:
+            if st.state == "idle":
+                max_blocks = (request.num_tokens - 1) // self.block_tokens
+                if max_blocks <= num_computed_tokens // self.block_tokens:
+                    return 0, False     # the GPU already holds every block we could offer
+                if not self._daemon_ok():
+                    return 0, False
+                st.state, st.target, st.rounds = "queued", max_blocks, 0
+                self._queued.append(request.request_id)
+            self._poll_lookups()
+            if not self._inflight_calls:
+                self._send_lookups()
+            if st.hit is None:
+                return None, False
+        ext = st.hit * self.block_tokens - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        if self._loading_keys:
+            # Another request is loading some of these blocks: wait for it and take them from
+            # the GPU prefix cache then, instead of loading them twice.
+            first = num_computed_tokens // self.block_tokens
+            if any(k in self._loading_keys for k in st.keys.keys(request, 0, st.hit)[first:]):
+                return None, False
+        return ext, True
+
+    def _window_start(self, g: GroupInfo, end: int) -> int:
+        wb = g.window_blocks
+        return 0 if wb is None else max(0, end - wb)
+
+    def _send_lookups(self) -> None:
+        """One lookup per namespace for every queued request (the step's batch)."""
+        ids = [r for r in self._queued if r in self._reqs and self._reqs[r].state == "queued"]
+        self._queued.clear()
+        if not ids:
+            return
+        if not self._daemon_ok():
+            self._resolve_miss(ids)
+            return
+        calls = []
+        try:
+            for gi, g in enumerate(self.groups):
+                lists, spans = [], []
+                for rid in ids:
+                    st = self._reqs[rid]
+                    start = self._window_start(g, st.target)
+                    lists.append(st.keys.keys(st.request, gi, st.target)[start:])
+                    spans.append((rid, start))
+                calls.append((self.client.lookup_start(g.namespace, lists, True), gi, spans))
+        except DaemonUnavailable as e:
+            self._daemon_failed(e)
+            self._orphans.extend(call for call, _, _ in calls)   # their leases get released
+            self._resolve_miss(ids)
+            return
+        for rid in ids:
+            self._reqs[rid].state = "sent"
+        self._inflight_calls = calls
+        self._inflight_replies = [None] * len(calls)
+
+    def _resolve_miss(self, ids: Iterable[str]) -> None:
+        for rid in ids:
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.state, st.hit = "idle", 0
+                st.slots, st.leases, st.hit_start = [], [], []
+
+    def _poll_lookups(self) -> None:
+        """Collect the in-flight batch if every namespace has answered; never waits."""
+        if self._orphans:
+            still = []
+            for call in self._orphans:
+                try:
+                    reply = call.result()
+                except DaemonUnavailable:
+                    continue
+                if reply is None:
+                    still.append(call)
+                else:
+                    self._release.extend(x for x in reply.leases if x)
+            self._orphans = still
+        if not self._inflight_calls:
+            return
+        calls = self._inflight_calls
+        replies = self._inflight_replies
+        failed_at = -1
+        try:
+            for k, (call, _, _) in enumerate(calls):
+                failed_at = k
+                if replies[k] is None:
+                    # A reply is handed out once: keep it until the whole batch is in.
+                    replies[k] = call.result()
+        except KvpoolError as e:
+            if isinstance(e, DaemonUnavailable):
+                self._daemon_failed(e)
+            else:
+                logger.warning("kvpool: lookup refused: %s", e)
+            for k, (call, _, _) in enumerate(calls):
+                if replies[k] is not None:
+                    self._release.extend(x for x in replies[k].leases if x)
+                elif k != failed_at:
+                    self._orphans.append(call)   # may still answer, with leases to release
+            ids = [rid for rid, _ in calls[0][2]]
+            self._inflight_calls, self._inflight_replies = [], []
+            self._resolve_miss(ids)
+            return
+        if any(r is None for r in replies):
+            return
+        self._daemon_succeeded()
+        self._inflight_calls, self._inflight_replies = [], []
+        per_req: dict[str, list[tuple[int, int, list[int], int]]] = {}
+        for (call, gi, spans), reply in zip(calls, replies):
+            for k, (rid, start) in enumerate(spans):
+                per_req.setdefault(rid, []).append(
+                    (start, reply.hits[k], list(reply.slots[k]), reply.leases[k]))
+        requeue = False
+        for rid, answers in per_req.items():
+            st = self._reqs.get(rid)
+            leases = [lease for _, _, _, lease in answers if lease]
+            if st is None or st.state != "sent" or st.finished:
+                self._release.extend(leases)
+                continue
+            hit = self._combine(st, answers)
+            if (hit is not None and hit < min(st.expect_blocks, st.target)
+                    and time.monotonic() < st.wait_until):
+                # The producer's stores have not all landed yet: ask again next step.
+                self._release.extend(leases)
+                st.state = "queued"
+                self._retry.append(rid)
+                continue
+            if hit is None:                 # a window elsewhere: ask again for that target
+                self._release.extend(leases)
+                st.state = "queued"
+                self._queued.append(rid)
+                requeue = True
+                continue
+            st.state = "idle"
+            st.hit = hit
+            st.leases = leases
+            st.hit_start = [start for start, _, _, _ in answers]
+            st.slots = [slots for _, _, slots, _ in answers]
+            if hit == 0:
+                self._release.extend(leases)
+                st.leases = []
+        if requeue:
+            self._send_lookups()
+
+    def _combine(self, st: _Req, answers: list[tuple[int, int, list[int], int]]) -> int | None:
+        """The hit in blocks from per-group answers, or None to look up a shorter target.
+
+        Full-attention groups need every block from 0; a sliding-window group needs only the
+        window ending at the hit. Windows were asked for ending at ``target``: when the full
+        groups hit less, the window moves, and one more round asks for the window there.
+        """
+        full = [a[1] for g, a in zip(self.groups, answers) if g.window_blocks is None]
+        hit = min(full) if full else st.target
+        if hit == 0:
+            return 0
+        for g, (start, n, _, _) in zip(self.groups, answers):
+            if g.window_blocks is None:
+                continue
+            if hit != st.target:
+                if st.rounds:
+                    return 0
+                st.target, st.rounds = hit, st.rounds + 1
+                return None
+            if n < st.target - start:
+                return 0
+        return hit
+
+    # ---- allocation → loads --------------------------------------------------------------
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.loading:
+            return
+        bt = self.block_tokens
+        if num_external_tokens == 0 or st.hit is None:
+            # Blocks the pool already holds need no store; the GPU-cached ones past them do.
+            st.cursor = [0 if st.producer else st.hit or 0] * len(self.groups)
+            self._consume_lookup(st, keep_leases=False)
+            return
+        local_blocks = st.local_tokens // bt
+        hit = (st.local_tokens + num_external_tokens) // bt
+        assert hit <= (st.hit or 0), "vLLM accepted more external tokens than offered"
+        table = blocks.get_block_ids()
+        loads = []
+        unloadable = False
+        for gi, g in enumerate(self.groups):
+            ids = table[g.index]
+            slots, bids = [], []
+            for i in range(local_blocks, hit):
+                if i >= len(ids) or ids[i] == 0:     # a null block: outside the window
+                    continue
+                k = i - st.hit_start[gi]
+                if not 0 <= k < len(st.slots[gi]):
+                    # vLLM keeps more of the window than was looked up: never leave a block
+                    # it counts as computed unwritten; fail the load and let it recompute.
+                    unloadable = True
+                    continue
+                slots.append(st.slots[gi][k])
+                bids.append(ids[i])
+            if slots:
+                loads.append(LoadSpec(request.request_id, gi, slots, bids))
+        if unloadable:
+            loads = [LoadSpec(request.request_id, 0, [], [b for spec in loads
+                                                          for b in spec.block_ids],
+                              failed=True)]
+        st.loading = True
+        st.load_blocks = [b for spec in loads for b in spec.block_ids]
+        st.load_keys = st.keys.keys(request, 0, hit)[local_blocks:]
+        for k in st.load_keys:
+            self._loading_keys[k] = self._loading_keys.get(k, 0) + 1
+        self._step_loads.extend(loads)
+        if not loads:
+            # Nothing to copy (all needed blocks were local); the workers still report the
+            # request as received so vLLM leaves WAITING_FOR_REMOTE_KVS.
+            self._step_loads.append(LoadSpec(request.request_id, 0, [], []))
+        self._consume_lookup(st, keep_leases=True)
+        st.cursor = [0 if st.producer else hit] * len(self.groups)
+
+    def _consume_lookup(self, st: _Req, keep_leases: bool) -> None:
+        """The lookup result is used up; its leases go now unless a load holds them."""
+        if not keep_leases:
+            self._release.extend(st.leases)
+            st.leases = []
+        st.state, st.hit, st.slots, st.hit_start = "idle", None, [], []
+
+    # ---- per step: stores, flushes, releases ---------------------------------------------
+
+    def build_connector_meta(self, so: "SchedulerOutput") -> StepMeta:
+        from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+
+        meta = StepMeta(loads=self._step_loads)
+        self._step_loads = []
+        if not self.enabled:
+            return meta
+        self._poll_lookups()
+        # Stores still reading blocks that are handed to a request this step must finish
+        # first (preempted requests' blocks; sliding-window blocks freed and reused).
+        flush = self._flush
+        self._flush = set()
+        if self._block_tickets:
+            for _rid, groups, _full in yield_req_data(so):
+                for ids in groups or ():
+                    for b in ids:
+                        ts = self._block_tickets.get(b)
+                        if ts:
+                            flush.update(ts)
+        for rid in so.preempted_req_ids or ():
+            st = self._reqs.get(rid)
+            if st is not None:
+                flush.update(st.tickets)
+                self._consume_lookup(st, keep_leases=False)
+                st.cursor = [0] * len(self.groups)
+        meta.flush_tickets = sorted(flush)
+        meta.stores = self._plan_stores(so)
+        meta.free_now, self._free_ready = self._free_ready, []
+        if self._abort_slots:
+            slots, self._abort_slots = self._abort_slots, []
+            self._call(self.client.abort_store, slots)
+        if self._release:
+            leases, self._release = sorted(set(self._release)), []
+            self._call(self.client.release, leases)
+        if self._retry:
+            self._queued.extend(self._retry)
+            self._retry = []
+        if self._queued and not self._inflight_calls:
+            self._send_lookups()
+        return meta
+
+    def _plan_stores(self, so: "SchedulerOutput") -> list[StoreSpec]:
+        """Newly full blocks of every scheduled request, minus keys in flight: one
+        ``prepare_store`` per namespace."""
+        if self.kv_cache_manager is None or not self._daemon_ok():
+            return []
+        bt = self.block_tokens
+        wanted: list[list[tuple[str, int, bytes, int]]] = [[] for _ in self.groups]
+        seen: list[set[bytes]] = [set() for _ in self.groups]
+        spec_tokens = so.scheduled_spec_decode_tokens or {}
+        for rid, n_sched in so.num_scheduled_tokens.items():
+            st = self._reqs.get(rid)
+            if st is None or not st.keys.cacheable or st.loading:
+                continue
+            req = st.request
+            done = min(req.num_computed_tokens + n_sched - len(spec_tokens.get(rid, ())),
+                       req.num_tokens)
+            n_full = done // bt
+            if n_full <= min(st.cursor):
+                continue
+            table = self.kv_cache_manager.get_block_ids(rid)
+            for gi, g in enumerate(self.groups):
+                lo = st.cursor[gi]
+                if n_full <= lo:
+                    continue
+                ids = table[g.index]
+                keys = st.keys.keys(req, gi, n_full)
+                for i in range(lo, min(n_full, len(ids))):
+                    key = keys[i]
+                    if ids[i] == 0 or (gi, key) in self._inflight_keys or key in seen[gi]:
+                        continue
+                    seen[gi].add(key)
+                    wanted[gi].append((rid, i, key, ids[i]))
+                st.cursor[gi] = n_full
+        specs: list[StoreSpec] = []
+        for gi, g in enumerate(self.groups):
+            if not wanted[gi]:
+                continue
+            refs = self._call(self.client.prepare_store, g.namespace,
+                              [key for _, _, key, _ in wanted[gi]])
+            if refs is None:
+                continue
+            by_req: dict[str, _Ticket] = {}
+            for (rid, i, key, bid), ref in zip(wanted[gi], refs):
+                if ref in (SLOT_PRESENT, SLOT_NO_SPACE) or ref < 0:
+                    continue
+                t = by_req.get(rid)
+                if t is None:
+                    t = by_req[rid] = _Ticket(rid, gi, [], [], [], [])
+                t.indices.append(i)
+                t.keys.append(key)
+                t.slots.append(ref)
+                t.block_ids.append(bid)
+            for rid, t in by_req.items():
+                tid = self._next_ticket
+                self._next_ticket += 1
+                self._tickets[tid] = t
+                self._reqs[rid].tickets.add(tid)
+                for key in t.keys:
+                    self._inflight_keys[(gi, key)] = tid
+                for b in t.block_ids:
+                    self._block_tickets.setdefault(b, set()).add(tid)
+                specs.append(StoreSpec(tid, gi, t.slots, t.block_ids))
+        return specs
+
+    # ---- completions ---------------------------------------------------------------------
+
+    def update_connector_output(self, out: "KVConnectorOutput") -> None:
+        acks = out.kv_connector_worker_meta
+        if isinstance(acks, WorkerAcks):
+            for tid, n in acks.done.items():
+                t = self._tickets.get(tid)
+                if t is None:
+                    continue
+                t.done += n
+                t.failed += acks.failed.get(tid, 0)
+                if t.done >= self.world_size:
+                    self._resolve_ticket(tid, t)
+        failed = set(out.failed_recving or ())
+        invalid = out.invalid_block_ids or set()
+        for rid in out.finished_recving or ():
+            st = self._reqs.get(rid)
+            if st is None or not st.loading:
+                continue
+            st.loading = False
+            for k in st.load_keys:
+                n = self._loading_keys.pop(k) - 1
+                if n:
+                    self._loading_keys[k] = n
+            st.load_keys = []
+            self._release.extend(st.leases)
+            st.leases, st.hit = [], None
+            if rid in failed or (invalid and not invalid.isdisjoint(st.load_blocks)):
+                st.cursor = [0] * len(self.groups)   # recomputed blocks get stored again
+                st.load_failed = True
+            st.load_blocks = []
+            if st.finished:
+                self._forget(rid)
+
+    def _resolve_ticket(self, tid: int, t: _Ticket) -> None:
+        del self._tickets[tid]
+        for key in t.keys:
+            if self._inflight_keys.get((t.group, key)) == tid:
+                del self._inflight_keys[(t.group, key)]
+        for b in t.block_ids:
+            ts = self._block_tickets.get(b)
+            if ts is not None:
+                ts.discard(tid)
+                if not ts:
+                    del self._block_tickets[b]
+        if t.failed:
+            self._abort_slots.extend(t.slots)
+        elif not t.stale:
+            self._committed_event(t)
+        st = self._reqs.get(t.req_id)
+        if st is not None:
+            st.tickets.discard(tid)
+            if st.finishing and not st.tickets:
+                self._free_ready.append(t.req_id)
+                self._forget(t.req_id)
+
+    def _committed_event(self, t: _Ticket) -> None:
+        from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+
+        st = self._reqs.get(t.req_id)
+        g = self.groups[t.group]
+        remembered = self._committed[t.group]
+        bt = self.block_tokens
+        for i, key in zip(t.indices, t.keys):
+            remembered[key] = None
+            if st is None:
+                continue
+            parent = st.keys.keys(st.request, t.group, i)[-1] if i else None
+            lora = st.request.lora_request
+            self._events.append(BlockStored(
+                block_hashes=[key], parent_block_hash=parent,
+                token_ids=list(st.request.all_token_ids[i * bt:(i + 1) * bt]), block_size=bt,
+                lora_id=None, medium=MEDIUM_CPU,
+                lora_name=getattr(lora, "lora_name", None) if lora else None,
+                group_idx=g.index))
+        while len(remembered) > _MAX_REMEMBERED_KEYS:
+            remembered.popitem(last=False)
+
+    # ---- finish, reset, events ----------------------------------------------------------
+
+    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.request is not request:
+            return False, None
+        params = self._handoff_params(st) if st.producer else None
+        st.finished = True
+        if st.loading:
+            # vLLM keeps the blocks of a request aborted mid-load until the workers report
+            # the load; the lease goes when that report arrives.
+            return False, params
+        # A lookup reply that lands later finds the request gone and releases its leases.
+        self._consume_lookup(st, keep_leases=False)
+        if st.tickets:
+            st.finishing = True
+            return True, params
+        self._forget(request.request_id)
+        return False, params
+
+    def _handoff_params(self, st: _Req) -> dict[str, Any]:
+        """What a decode instance needs to take this prompt from the pool; shaped like the
+        parameters vLLM's disaggregated-serving proxies pass from prefill to decode."""
+        req = st.request
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": self.engine_id, "remote_block_ids": None,
+                "remote_host": None, "remote_port": None,
+                "kvpool_tokens": min(req.num_computed_tokens, req.num_tokens) //
+                self.block_tokens * self.block_tokens,
+                "kvpool_tp": self.tp_size}
+
+    def _forget(self, rid: str) -> None:
+        self._reqs.pop(rid, None)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._tickets or self._free_ready or self._release or self._abort_slots
+                    or self._retry)
+
+    def reset_cache(self) -> bool:
+        """Forget every block of this engine's namespaces in the pool; False if the daemon
+        could not be reached (vLLM then reports the reset as failed)."""
+        from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
+
+        ok = True
+        for g in self.groups:
+            try:
+                self.client.reset(g.namespace)
+            except DaemonUnavailable as e:
+                self._daemon_failed(e)
+                ok = False
+            except KvpoolError as e:
+                logger.warning("kvpool: reset failed: %s", e)
+                ok = False
+        for t in self._tickets.values():
+            t.stale = True
+        self._inflight_keys.clear()
+        for st in self._reqs.values():
+            if not st.loading:
+                self._consume_lookup(st, keep_leases=False)
+            st.cursor = [0] * len(self.groups)
+        for gi, remembered in enumerate(self._committed):
+            if remembered:
+                self._events.append(BlockRemoved(block_hashes=list(remembered),
+                                                 medium=MEDIUM_CPU,
+                                                 group_idx=self.groups[gi].index))
+                remembered.clear()
+        return ok
+
+    def take_events(self) -> Iterable[Any]:
+        events, self._events = self._events, []
+        return events
+
+    def shutdown(self) -> None:
+        if self._release:
+            self._call(self.client.release, sorted(set(self._release)))
+            self._release = []
+        close = getattr(self.client, "close", None)
+        if close is not None:
+            close()

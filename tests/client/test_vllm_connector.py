@@ -1,0 +1,380 @@
+"""KVPoolConnector under vLLM's real Scheduler and AsyncScheduler, against a real kvpoold.
+
+Every test drives the engine through ``vllm_harness.Engine`` (real scheduler, fake workers on
+host shm tensors) and ends with ``assert_clean``: no request left, no GPU block leaked, no
+connector state, and no lease or transfer left in the daemon for the engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvpool.client.scheduler import SchedulerClient  # noqa: E402
+from kvpool.client.vllm_meta import WorkerAcks  # noqa: E402
+
+from .vllm_harness import BS, Engine, fake_token  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm-model")
+
+
+@pytest.fixture
+def info(daemon):
+    c = SchedulerClient(daemon.client_config(), name="test observer")
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def make_engine(model_root, daemon):
+    made: list[Engine] = []
+
+    def make(**kw) -> Engine:
+        kw.setdefault("engine_id", f"engine-{len(made)}")
+        e = Engine(model_root, kw.pop("socket", daemon.socket), **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def prompt(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+def seed(e: Engine, tokens: list[int], rid: str = "seed", max_tokens: int = 1) -> None:
+    """Run one request to the end, then empty the GPU prefix cache (the pool keeps it)."""
+    e.add(rid, tokens, max_tokens=max_tokens)
+    e.run()
+    assert e.sched.reset_prefix_cache()
+
+
+# ---- lifecycle ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_lifecycle_stores_full_blocks_and_frees_after_they_land(make_engine, info,
+                                                                 async_scheduling):
+    e = make_engine(async_scheduling=async_scheduling, slow_stores=2)
+    role = e.connector.scheduler
+    answers = []
+    original = role.request_finished
+
+    def spy(request):
+        answers.append(original(request))
+        return answers[-1]
+
+    role.request_finished = spy
+    e.add("a", prompt(70), max_tokens=12)          # 82 tokens → 5 full blocks
+    e.run()
+    # its last stores were still in flight: vLLM kept the blocks until they landed
+    assert answers == [(True, None)]
+    assert e.stats.finished == ["a"]
+    e.assert_clean(info)
+    assert info.info().stored_blocks == 5
+    events = e.events
+    assert len(events) == 5 and all(ev.medium == "CPU" for ev in events)
+    assert [ev.token_ids for ev in events][0] == prompt(70)[:BS]
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_multi_turn_hits_pool_after_gpu_cache_reset(make_engine, info, async_scheduling):
+    e = make_engine(async_scheduling=async_scheduling, block_outermost=async_scheduling)
+    turn1 = prompt(60)
+    e.add("t1", turn1, max_tokens=8)
+    e.run()
+    assert e.sched.reset_prefix_cache()            # GPU cache only: the pool keeps it
+    answer = [fake_token(len(turn1) + i) for i in range(8)]   # what the fake model said
+    turn2 = turn1 + answer + prompt(30, 7000)
+    e.add("t2", turn2, max_tokens=4)
+    e.run()
+    assert e.stats.loaded_reqs == {"t2"}
+    # turn 1 stored 4 full blocks (68 tokens): all of them come back, bit-exact
+    assert e.workers[0].verified_blocks == 4
+    e.assert_clean(info)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_full_prompt_hit_recomputes_last_token(make_engine, info, async_scheduling):
+    e = make_engine(async_scheduling=async_scheduling)
+    p = prompt(4 * BS)
+    seed(e, p, max_tokens=2)
+    seen = []
+    role = e.connector.scheduler
+    original = role.get_num_new_matched_tokens
+
+    def spy(request, num_computed):
+        out = original(request, num_computed)
+        seen.append(out)
+        return out
+
+    role.get_num_new_matched_tokens = spy
+    e.add("b", p, max_tokens=2)
+    e.run()
+    # 4 blocks are pooled but one token must be recomputed: 3 blocks are offered
+    assert (3 * BS, True) in seen and all(n is None or n <= 3 * BS for n, _ in seen)
+    assert e.stats.finished[-1] == "b"
+    e.assert_clean(info)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_concurrent_requests_sharing_a_prefix_load_it_once(make_engine, info,
+                                                           async_scheduling):
+    e = make_engine(async_scheduling=async_scheduling)
+    shared = prompt(64)
+    seed(e, shared + [1])
+    for i in range(3):
+        e.add(f"r{i}", shared + [2000 + i] * 10, max_tokens=3)
+    e.run()
+    # one of them loads the 4 shared blocks; the others find them in the GPU prefix cache
+    assert len(e.stats.loaded_reqs) == 1
+    assert e.workers[0].verified_blocks == 4
+    e.assert_clean(info)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_gpu_prefix_hit_covers_the_pool_hit_and_releases_the_lease(make_engine, info,
+                                                                   async_scheduling):
+    e = make_engine(async_scheduling=async_scheduling)
+    p = prompt(70)
+    e.add("a", p, max_tokens=1)
+    e.run()
+    role = e.connector.scheduler
+    leases = []
+    original = role._poll_lookups
+
+    def spy():
+        original()
+        leases.extend(x for st in role._reqs.values() for x in st.leases)
+
+    role._poll_lookups = spy
+    # The GPU prefix cache still holds a's 4 blocks; the pool has the same 4 and no more.
+    e.add("b", p + [1] * 40, max_tokens=1)
+    e.run()
+    assert leases, "the pool hit should have been pinned"
+    assert e.stats.loaded_reqs == set()
+    e.assert_clean(info)
+
+
+# ---- preemption, abort, failure -----------------------------------------------------------
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_preemption_during_stores_and_loads(make_engine, info, async_scheduling):
+    # Stores land three steps late, so preemption finds some still reading their blocks.
+    e = make_engine(async_scheduling=async_scheduling, num_blocks=24,
+                    max_num_batched_tokens=128, slow_stores=3)
+    prompts = {f"p{i}": prompt(90, 300 * i) for i in range(4)}
+    for rid, p in prompts.items():
+        e.add(rid, p, max_tokens=40)
+    e.run(timeout_s=90)
+    assert sorted(e.stats.finished) == sorted(prompts)
+    preempted = [r for r in e.stats.finished if r in e.preemptions]
+    assert preempted, "the small GPU cache must have preempted someone"
+    assert e.flushed_tickets, "a preempted request's stores should have been in flight"
+    assert e.stats.loaded_reqs, "a preempted request should have resumed from the pool"
+    e.assert_clean(info)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_abort_while_loading_releases_everything(make_engine, info, async_scheduling):
+    from vllm.v1.request import RequestStatus
+
+    e = make_engine(async_scheduling=async_scheduling)
+    seed(e, prompt(80))
+    e.add("b", prompt(80) + [9, 9], max_tokens=5)
+    e.run(until=lambda: "b" in e.sched.requests
+          and e.sched.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+    e.abort("b")                                    # its load is in flight
+    e.run()
+    assert "b" not in e.stats.finished
+    e.assert_clean(info)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_load_failure_recomputes(make_engine, info, async_scheduling):
+    e = make_engine(async_scheduling=async_scheduling)
+    p = prompt(70)
+    seed(e, p)
+    e.fail_next_loads = 1
+    e.add("b", p + [1, 2, 3], max_tokens=6)
+    e.run()
+    assert "b" in e.stats.failed_loads and e.stats.finished[-1] == "b"
+    assert e.workers[0].verified_blocks == 0
+    e.assert_clean(info)
+    # the pool still serves the prefix afterwards
+    e.sched.reset_prefix_cache()
+    e.add("c", p + [4], max_tokens=1)
+    e.run()
+    assert "c" in e.stats.loaded_reqs and e.workers[0].verified_blocks == 4
+    e.assert_clean(info)
+
+
+# ---- reset, events ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_reset_cache_makes_later_lookups_miss(make_engine, info, async_scheduling):
+    e = make_engine(async_scheduling=async_scheduling)
+    p = prompt(70)
+    e.add("a", p, max_tokens=1)
+    e.run()
+    e.events.clear()
+    assert e.sched.reset_prefix_cache(reset_connector=True)
+    removed = list(e.connector.take_events())
+    assert removed and type(removed[0]).__name__ == "BlockRemoved"
+    assert sum(len(ev.block_hashes) for ev in removed) == 4
+    e.add("b", p + [1], max_tokens=1)
+    e.run()
+    assert e.stats.loaded_reqs == set()
+    e.assert_clean(info)
+
+
+# ---- hybrid models ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_sliding_window_and_full_attention_groups(make_engine, info, async_scheduling):
+    e = make_engine(async_scheduling=async_scheduling, hybrid=True)
+    role = e.connector.scheduler
+    assert [g.window_blocks for g in role.groups] == [None, 3]
+    p = prompt(100)
+    seed(e, p)
+    e.add("b", p + [3] * 20, max_tokens=3)
+    e.run()
+    assert e.stats.loaded_reqs == {"b"}
+    loads = [(g, len(b)) for g, b in e.workers[0].load_history["b"]]
+    # Full attention loads all 6 blocks; the window group only what vLLM keeps of the window
+    # (token 96 sees tokens 65..96: blocks 4 and 5; the rest of the group's table is null).
+    assert sorted(loads) == [(0, 6), (1, 2)]
+    assert e.workers[0].verified_blocks == 8
+    e.assert_clean(info)
+
+
+# ---- tensor parallelism ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_tp2_stores_commit_only_after_every_rank(make_engine, info, async_scheduling):
+    e = make_engine(async_scheduling=async_scheduling, tp=2)
+    role = e.connector.scheduler
+    # A ticket reported by one rank stays in flight; the second rank's report resolves it.
+    e.add("a", prompt(40), max_tokens=1)
+    e.run(until=lambda: role._tickets)
+    from vllm.v1.outputs import KVConnectorOutput
+    tid = next(iter(role._tickets))
+    held = role._tickets[tid]
+    role.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=WorkerAcks({tid: 1})))
+    assert tid in role._tickets and held.done == 1
+    held.done = 0                                   # give the real acks their say
+    e.run()
+    assert e.stats.finished == ["a"]
+    e.sched.reset_prefix_cache()
+    e.add("b", prompt(40) + [1], max_tokens=1)
+    e.run()
+    assert e.stats.loaded_reqs == {"b"}
+    assert [w.verified_blocks for w in e.workers] == [2, 2]   # each rank gets its own shard
+    e.assert_clean(info)
+
+
+def test_tp2_a_failed_rank_commits_nothing(make_engine, info):
+    e = make_engine(async_scheduling=False, tp=2)
+    w1 = e.workers[1].conn.worker
+    w1.client.unregister(w1._regs[0])               # rank 1's stores now fail
+    e.add("a", prompt(40), max_tokens=1)
+    e.run()
+    assert info.info().stored_blocks == 0
+    e.assert_clean(info)
+
+
+# ---- dedup ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_in_flight_stores_are_not_prepared_twice(make_engine, info, async_scheduling):
+    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=256)
+    role = e.connector.scheduler
+    asked: list[bytes] = []
+    original = role.client.prepare_store
+
+    def spy(namespace, keys):
+        asked.extend(keys)
+        return original(namespace, keys)
+
+    role.client.prepare_store = spy
+    shared = prompt(64)
+    e.add("a", shared + [1] * 5, max_tokens=2)
+    e.run(until=lambda: role._inflight_keys)        # a's 4 blocks are prepared and in flight
+    e.add("b", shared + [2] * 5, max_tokens=2)
+    e.run()
+    assert len(asked) == len(set(asked)), "a key was prepared twice"
+    assert info.info().stored_blocks == 4
+    e.assert_clean(info)
+
+
+# ---- the daemon going away ----------------------------------------------------------------
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_daemon_killed_mid_run_every_request_finishes(make_engine, daemon, async_scheduling):
+    e = make_engine(async_scheduling=async_scheduling)
+    for i in range(6):
+        e.add(f"r{i}", prompt(70, 1000 * i), max_tokens=20)
+    e.run(until=lambda: e.stats.steps >= 4)
+    daemon.kill()
+    e.run(timeout_s=90)
+    assert sorted(e.stats.finished) == sorted(f"r{i}" for i in range(6))
+    e.assert_clean()
+    # the daemon comes back: the connector reconnects by itself and pools again
+    daemon.restart()
+    e.add("after", prompt(50, 9000), max_tokens=1)
+    e.run(timeout_s=60)
+    e.sched.reset_prefix_cache()
+    e.add("again", prompt(50, 9000) + [1], max_tokens=1)
+    e.run(timeout_s=60)
+    assert "again" in e.stats.loaded_reqs
+    c = SchedulerClient(daemon.client_config())
+    try:
+        e.assert_clean(c)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_daemon_frozen_mid_run_degrades_then_recovers(make_engine, daemon, async_scheduling):
+    import signal
+    import time
+
+    e = make_engine(async_scheduling=async_scheduling,
+                    extra={"timeout_ms": 300, "reconnect_backoff_max_ms": 500})
+    for i in range(4):
+        e.add(f"r{i}", prompt(70, 1000 * i), max_tokens=30)
+    e.run(until=lambda: e.stats.steps >= 4)
+    daemon.proc.send_signal(signal.SIGSTOP)          # alive but answering nothing
+    try:
+        t0 = time.monotonic()
+        e.run(timeout_s=60)
+        assert sorted(e.stats.finished) == [f"r{i}" for i in range(4)]
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert time.monotonic() - t0 < 30
+    e.assert_clean()
+    # It comes back by itself within a few backoff periods: a prompt stored now hits later.
+    deadline = time.monotonic() + 20
+    for k in range(1000):
+        e.add(f"after{k}", prompt(50, 9000 + 100 * k), max_tokens=1)
+        e.run(timeout_s=60)
+        e.sched.reset_prefix_cache()
+        e.add(f"again{k}", prompt(50, 9000 + 100 * k) + [1], max_tokens=1)
+        e.run(timeout_s=60)
+        if f"again{k}" in e.stats.loaded_reqs:
+            break
+        assert time.monotonic() < deadline, "the connector did not come back to the daemon"
+    c = SchedulerClient(daemon.client_config())
+    try:
+        e.assert_clean(c)
+    finally:
+        c.close()

@@ -1,0 +1,182 @@
+"""Several vLLM engines on one kvpoold: sharing, isolation, and P/D hand-off through the pool.
+
+Each engine is a real vLLM scheduler with its own engine id, its own connector clients and its
+own fake worker memory; they meet only in the daemon, as separate vLLM instances on one host do.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvpool.client.scheduler import SchedulerClient  # noqa: E402
+
+from .test_vllm_connector import prompt  # noqa: E402
+from .vllm_harness import BS, Engine, run_together  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm-model-pd")
+
+
+@pytest.fixture
+def engines(model_root):
+    made: list[Engine] = []
+
+    def make(daemon, **kw) -> Engine:
+        e = Engine(model_root, daemon.socket, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+@pytest.fixture
+def observer(daemon):
+    c = SchedulerClient(daemon.client_config(), name="test observer")
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_second_engine_loads_what_the_first_stored(engines, daemon, observer, async_scheduling):
+    a = engines(daemon, engine_id="a", async_scheduling=async_scheduling)
+    b = engines(daemon, engine_id="b", async_scheduling=not async_scheduling)
+    p = prompt(90)
+    a.add("x", p, max_tokens=1)
+    a.run()
+    b.add("y", p + [5], max_tokens=2)
+    b.run()
+    assert b.stats.loaded_reqs == {"y"}
+    assert b.workers[0].verified_blocks == 5
+    a.assert_clean(observer)
+    b.assert_clean(observer)
+
+
+def test_isolation_between_models_and_salts(engines, daemon, observer):
+    a = engines(daemon, engine_id="a", async_scheduling=False)
+    other_model = engines(daemon, engine_id="m", async_scheduling=False,
+                          extra={"model_id": "another/model"})
+    b = engines(daemon, engine_id="b", async_scheduling=False)
+    p = prompt(70)
+    a.add("x", p, max_tokens=1, cache_salt="tenant-1")
+    a.run()
+    other_model.add("y", p, max_tokens=1, cache_salt="tenant-1")
+    other_model.run()
+    b.add("no-salt", p, max_tokens=1)
+    b.add("salt-2", p, max_tokens=1, cache_salt="tenant-2")
+    b.run()
+    assert other_model.stats.loaded_reqs == set()
+    assert b.stats.loaded_reqs == set()
+    b.sched.reset_prefix_cache()
+    b.add("salt-1", p, max_tokens=1, cache_salt="tenant-1")
+    b.run()
+    assert b.stats.loaded_reqs == {"salt-1"}
+    # another KV-cache layout is another namespace: it neither sees nor corrupts these blocks
+    c = engines(daemon, engine_id="c", async_scheduling=False, block_outermost=True)
+    c.add("z", p, max_tokens=1, cache_salt="tenant-1")
+    c.run()
+    assert c.stats.loaded_reqs == set()
+    for e in (a, other_model, b, c):
+        e.assert_clean(observer)
+
+
+def _prefill(p_engine: Engine, rid: str, tokens: list[int]) -> dict:
+    """What a disaggregated-serving proxy does first: prefill with max_tokens=1 and
+    do_remote_decode, and take kv_transfer_params from the response."""
+    p_engine.add(rid, tokens, max_tokens=1,
+                 kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
+                                     "remote_engine_id": None, "remote_block_ids": None})
+    p_engine.run()
+    params = p_engine.stats.params[rid]
+    assert params and params["do_remote_prefill"] is True
+    return params
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_pd_hand_off_through_the_pool(engines, daemon, observer, async_scheduling):
+    pe = engines(daemon, engine_id="prefill", async_scheduling=async_scheduling,
+                 kv_role="kv_producer", slow_stores=2)
+    de = engines(daemon, engine_id="decode", async_scheduling=async_scheduling,
+                 kv_role="kv_consumer")
+    shared = prompt(48, 5000)
+    # the producer's prefix comes from the pool, and it still hands over every block
+    pe.add("warm", shared + [1], max_tokens=1)
+    pe.run()
+    pe.sched.reset_prefix_cache()
+    tokens = shared + prompt(50, 8000)           # 98 tokens: 6 full blocks
+    pe.add("r1", tokens, max_tokens=1,
+           kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+    pe.run(until=lambda: "r1" in pe.stats.params)
+    params = pe.stats.params["r1"]
+    assert params["kvpool_tokens"] == 6 * BS and params["remote_engine_id"] == "prefill"
+    assert pe.connector.scheduler._tickets, "its blocks stay allocated until the stores land"
+    pe.run()
+    de.add("r1", tokens, max_tokens=5, kv_transfer_params=params)
+    de.run()
+    assert de.stats.loaded_reqs == {"r1"}
+    assert de.workers[0].verified_blocks == 6     # the whole prompt but the partial tail
+    pe.assert_clean(observer)
+    de.assert_clean(observer)
+
+
+def test_decode_waits_for_a_hand_off_still_landing(engines, daemon, observer):
+    """The decode request can reach its instance before the prefill's blocks are in the pool
+    (the prefill answers as soon as it finishes); it asks again until they are."""
+    pe = engines(daemon, engine_id="prefill", async_scheduling=True, kv_role="kv_producer")
+    de = engines(daemon, engine_id="decode", async_scheduling=True, kv_role="kv_consumer")
+    tokens = prompt(98, 6000)
+    params = {"do_remote_prefill": True, "do_remote_decode": False,
+              "remote_engine_id": "prefill", "kvpool_tokens": 6 * BS, "kvpool_tp": 1}
+    de.add("r1", tokens, max_tokens=3, kv_transfer_params=params)
+    de.run(until=lambda: de.stats.steps >= 6)
+    assert de.sched.requests["r1"].num_computed_tokens == 0, "it should wait, not compute"
+    pe.add("r1", tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    run_together(pe, de)
+    assert de.stats.loaded_reqs == {"r1"} and de.workers[0].verified_blocks == 6
+    pe.assert_clean(observer)
+    de.assert_clean(observer)
+
+
+def test_pd_block_evicted_before_decode_recomputes(engines, daemon_factory, model_root):
+    small = daemon_factory(pool_size="3MiB")      # 2 extents of 256 slots of 4 KiB
+    pe = engines(small, engine_id="prefill", async_scheduling=False, kv_role="kv_producer",
+                 num_blocks=512, max_num_batched_tokens=512)
+    de = engines(small, engine_id="decode", async_scheduling=False, kv_role="kv_consumer",
+                 extra={"pd_wait_s": 0.2})
+    tokens = prompt(80, 3000)
+    params = _prefill(pe, "r1", tokens)
+    for i in range(12):                           # 12 × 48 blocks: the pool turns over
+        pe.add(f"fill{i}", prompt(48 * BS, 20000 + 1000 * i), max_tokens=1)
+    pe.run(timeout_s=120)
+    de.add("r1", tokens, max_tokens=3, kv_transfer_params=params)
+    de.run()
+    assert de.stats.finished == ["r1"]
+    assert de.workers[0].verified_blocks < 4      # some or all of it was recomputed
+    c = SchedulerClient(small.client_config())
+    try:
+        assert c.info().evictions > 0
+        pe.assert_clean(c)
+        de.assert_clean(c)
+    finally:
+        c.close()
+
+
+def test_decode_started_after_prefill_stopped(engines, daemon, observer):
+    pe = engines(daemon, engine_id="prefill", async_scheduling=True, kv_role="kv_producer")
+    tokens = prompt(64, 4000)
+    params = _prefill(pe, "r1", tokens)
+    pe.assert_clean(observer)
+    pe.close()
+    de = engines(daemon, engine_id="decode", async_scheduling=True, kv_role="kv_consumer")
+    de.add("r1", tokens, max_tokens=2, kv_transfer_params=params)
+    de.run()
+    assert de.stats.loaded_reqs == {"r1"}
+    assert de.workers[0].verified_blocks == 3     # 64 tokens: the last block is recomputed
+    de.assert_clean(observer)

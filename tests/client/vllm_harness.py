@@ -1,0 +1,447 @@
+"""A vLLM engine without a GPU: the real scheduler plus fake workers running our connector.
+
+``Engine`` builds a real ``Scheduler`` or ``AsyncScheduler`` (vLLM 0.33, pure Python) that loads
+``KVPoolConnector`` through ``kv_connector_module_path`` like the engine core does, and one
+``FakeWorker`` per TP rank. A fake worker owns host KV tensors in POSIX shm, runs the
+connector's worker role exactly in the order vLLM's model runner does, "computes" KV by writing
+a deterministic pattern of (token, position, layer, rank) into the scheduled slots, and checks
+every block a load brings back against that pattern. ``AsyncScheduler`` is driven with a
+two-deep batch queue (step N+1 is scheduled before step N's output is applied), as the engine
+core does with async scheduling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
+                         ParallelConfig, SchedulerConfig, VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
+                                        KVCacheGroupSpec, SlidingWindowSpec)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvpool.client.host_memory import SharedHostMemory  # noqa: E402
+from kvpool.client.vllm import KVPoolConnector  # noqa: E402
+from kvpool.client.vllm_meta import StepMeta  # noqa: E402
+
+BS = 16
+HEADS, HEAD = 2, 16
+EOS = 50256
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "head_dim": 16, "vocab_size": 51200,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "bos_token_id": 1, "eos_token_id": EOS, "torch_dtype": "float16",
+              "tie_word_embeddings": False}
+
+
+def model_dir(root: Path) -> str:
+    d = root / "tiny-llama"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(d)
+
+
+def fake_token(pos: int) -> int:
+    """What the fake model samples at position ``pos`` (known before the scheduler hears it)."""
+    return 1000 + pos % 997
+
+
+def _pattern(token: int, pos: int, layer: int, kv: int, rank: int) -> torch.Tensor:
+    base = (token * 7 + pos * 13 + layer * 3 + kv * 5 + rank * 11) % 997
+    return (torch.arange(HEADS * HEAD, dtype=torch.float16) + base).view(HEADS, HEAD)
+
+
+class SlowStores:
+    """Makes one worker's store completions arrive ``steps`` steps late, as a copy queued
+    behind a busy GPU would; ``wait`` (handle_preemptions) still gets them at once."""
+
+    def __init__(self, role, steps: int) -> None:
+        self.role, self.steps, self.step = role, steps, 0
+        self.held: list[tuple[int, object]] = []
+        client = role.client
+        self._poll, self._wait = client.poll, client.wait
+        self._passthrough = False
+        client.poll, client.wait = self.poll, self.wait
+
+    def poll(self):
+        got = self._poll()
+        if self._passthrough:
+            return got
+        out = []
+        for c in got:
+            if c.job_id in self.role._store_jobs:
+                self.held.append((self.step + self.steps, c))
+            else:
+                out.append(c)
+        out += [c for due, c in self.held if due <= self.step]
+        self.held = [(due, c) for due, c in self.held if due > self.step]
+        return out
+
+    def wait(self, job_ids, timeout_s):
+        want = set(job_ids)
+        self.role.client._done.extend(c for _, c in self.held if c.job_id in want)
+        self.held = [(due, c) for due, c in self.held if c.job_id not in want]
+        self._passthrough = True
+        try:
+            return self._wait(job_ids, timeout_s)
+        finally:
+            self._passthrough = False
+
+
+@dataclass
+class Group:
+    layers: list[str]
+    sliding_window: int | None = None
+
+
+class FakeWorker:
+    """One TP rank: KV tensors in shm, the connector's worker role, a pattern-writing model."""
+
+    def __init__(self, cfg: VllmConfig, kv_cfg: KVCacheConfig, groups: list[Group], rank: int,
+                 block_outermost: bool) -> None:
+        self.rank = rank
+        self.conn = KVPoolConnector(cfg, KVConnectorRole.WORKER, kv_cfg)
+        assert self.conn.worker is not None
+        self.conn.worker.tp_rank = rank
+        self.groups = groups
+        self.layers = [name for g in groups for name in g.layers]
+        nb = kv_cfg.num_blocks
+        page = 2 * BS * HEADS * HEAD * 2
+        self.mem = SharedHostMemory(len(self.layers) * nb * page)
+        flat = self.mem.tensor.view(torch.float16)
+        if block_outermost:   # BL...: one block of every layer is contiguous
+            full = flat.view(nb, len(self.layers), 2, BS, HEADS, HEAD)
+            self.kv = {name: full[:, i] for i, name in enumerate(self.layers)}
+        else:                 # LB...: each layer its own region, (num_blocks, 2, bs, H, D)
+            full = flat.view(len(self.layers), nb, 2, BS, HEADS, HEAD)
+            self.kv = {name: full[i] for i, name in enumerate(self.layers)}
+        self.conn.register_kv_caches(self.kv)
+        self.loads: dict[str, list[tuple[int, list[int]]]] = {}   # req → [(group, block ids)]
+        self.load_history: dict[str, list[tuple[int, list[int]]]] = {}
+        self.verified_blocks = 0
+
+    def write(self, block_table: tuple[list[int], ...], tokens: list[int], start: int,
+              n: int) -> None:
+        for gi, g in enumerate(self.groups):
+            ids = block_table[gi]
+            for p in range(start, start + n):
+                bid = ids[p // BS]
+                if bid == 0:
+                    continue
+                for li, name in enumerate(g.layers):
+                    layer = self.layers.index(name)
+                    for kv in (0, 1):
+                        self.kv[name][bid, kv, p % BS] = _pattern(tokens[p], p, layer, kv,
+                                                                  self.rank)
+
+    def check_block(self, gi: int, bid: int, index: int, tokens: list[int]) -> None:
+        for name in self.groups[gi].layers:
+            layer = self.layers.index(name)
+            for kv in (0, 1):
+                for off in range(BS):
+                    p = index * BS + off
+                    want = _pattern(tokens[p], p, layer, kv, self.rank)
+                    got = self.kv[name][bid, kv, off]
+                    assert torch.equal(got, want), (
+                        f"rank {self.rank}: loaded block {bid} (request block {index}) layer "
+                        f"{name} kv {kv} offset {off} differs from what was stored")
+        self.verified_blocks += 1
+
+    def close(self) -> None:
+        self.conn.shutdown()
+        self.mem.close()
+
+
+@dataclass
+class Stats:
+    steps: int = 0
+    idle_steps: int = 0        # steps that scheduled nothing (waiting on transfers)
+    loaded_reqs: set[str] = field(default_factory=set)
+    failed_loads: set[str] = field(default_factory=set)
+    finished: list[str] = field(default_factory=list)
+    params: dict[str, dict | None] = field(default_factory=dict)   # kv_transfer_params out
+    max_steps: int = 5000
+
+
+class Engine:
+    """A scheduler and ``tp`` fake workers, driven step by step like vLLM's engine core."""
+
+    def __init__(self, root: Path, socket: str, *, async_scheduling: bool, tp: int = 1,
+                 num_blocks: int = 128, hybrid: bool = False, engine_id: str = "engine-a",
+                 block_outermost: bool = False, max_num_batched_tokens: int = 64,
+                 extra: dict | None = None, kv_role: str = "kv_both",
+                 load_failure_policy: str = "recompute", slow_stores: int = 0) -> None:
+        model = ModelConfig(model=model_dir(root), dtype="float16", seed=42,
+                            skip_tokenizer_init=True)
+        self.groups = ([Group(["model.layers.0.self_attn"]),
+                        Group(["model.layers.1.self_attn"], sliding_window=32)] if hybrid else
+                       [Group(["model.layers.0.self_attn", "model.layers.1.self_attn"])])
+        # A generous timeout: these tests are about correctness on a loaded 2-core machine;
+        # the tests about a slow daemon set their own.
+        extra_config = {"socket": socket, "timeout_ms": 10000, "reconnect_backoff_ms": 50,
+                        **(extra or {})}
+        self.cfg = VllmConfig(
+            model_config=model,
+            scheduler_config=SchedulerConfig(max_num_seqs=16,
+                                             max_num_batched_tokens=max_num_batched_tokens,
+                                             max_model_len=2048, enable_chunked_prefill=True,
+                                             is_encoder_decoder=False,
+                                             async_scheduling=async_scheduling),
+            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.client.vllm",
+                kv_role=kv_role, engine_id=engine_id, kv_connector_extra_config=extra_config,
+                kv_load_failure_policy=load_failure_policy),
+            device_config=DeviceConfig("cpu"))
+        self.cfg.cache_config.num_gpu_blocks = num_blocks
+        specs = []
+        for g in self.groups:
+            if g.sliding_window:
+                spec = SlidingWindowSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
+                                         dtype=torch.float16, sliding_window=g.sliding_window)
+            else:
+                spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
+                                         dtype=torch.float16)
+            specs.append(KVCacheGroupSpec(g.layers, spec))
+        # What vLLM's engine core resolves and hands to both roles.
+        self.kv_cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                    kv_cache_groups=specs,
+                                    kv_cache_layout="BLNHC" if block_outermost else "LBNHC")
+        cls = self.cfg.scheduler_config.get_scheduler_cls()
+        self.sched = cls(vllm_config=self.cfg, kv_cache_config=self.kv_cfg, block_size=BS,
+                         structured_output_manager=StructuredOutputManager(self.cfg),
+                         log_stats=True)
+        self.is_async = async_scheduling
+        assert type(self.sched).__name__ == ("AsyncScheduler" if async_scheduling else "Scheduler")
+        self.connector: KVPoolConnector = self.sched.connector
+        # vLLM drains connector events every step; keep a copy for the tests.
+        self.events: list = []
+        take = self.connector.take_events
+
+        def take_and_keep():
+            got = list(take())
+            self.events.extend(got)
+            return got
+
+        self.connector.take_events = take_and_keep
+        self.workers = [FakeWorker(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
+                        for r in range(tp)]
+        self.aggregator = KVOutputAggregator(expected_finished_count=tp)
+        self.slow = [SlowStores(w.conn.worker, slow_stores) for w in self.workers] \
+            if slow_stores else []
+        self.stats = Stats()
+        self._queue: list[tuple[object, ModelRunnerOutput]] = []
+        init_none_hash(sha256)
+        self.fail_next_loads = 0   # test hook: make the loads of the next N steps fail
+        self._bad_loads: set[str] = set()
+        self.preemptions: set[str] = set()
+        self.flushed_tickets = 0   # stores the workers had to finish before blocks were reused
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4,
+            cache_salt: str | None = None, kv_transfer_params: dict | None = None) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                            extra_args={"kv_transfer_params": kv_transfer_params}
+                            if kv_transfer_params else None)
+        sp.update_from_generation_config({}, EOS)
+        req = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp,
+                      pooling_params=None, block_hasher=get_request_block_hasher(BS, sha256),
+                      cache_salt=cache_salt)
+        self.sched.add_request(req)
+        return req
+
+    def abort(self, req_id: str) -> None:
+        from vllm.v1.request import RequestStatus
+        self.sched.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+
+    # ---- stepping ------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One engine-core step: schedule, execute; apply outputs one (sync) or two (async)
+        steps deep."""
+        so = self.sched.schedule()
+        out = self._execute(so)
+        self._queue.append((so, out))
+        if not self.is_async or len(self._queue) > 1:
+            self._apply(*self._queue.pop(0))
+        self.stats.steps += 1
+        if so.total_num_scheduled_tokens == 0:
+            self.stats.idle_steps += 1
+            time.sleep(0.0005)   # only transfers in flight: let the daemon work
+
+    def drain_queue(self) -> None:
+        while self._queue:
+            self._apply(*self._queue.pop(0))
+
+    def run(self, until=None, timeout_s: float = 60.0) -> None:
+        """Step until ``until()`` (default: no requests and no pending work), bounded."""
+        deadline = time.monotonic() + timeout_s
+        done = until or (lambda: not self.sched.has_requests() and not self._queue)
+        while not done():
+            if not self.sched.has_requests() and self._queue:
+                self.drain_queue()
+                continue
+            self.step()
+            busy = self.stats.steps - self.stats.idle_steps
+            if time.monotonic() > deadline or busy > self.stats.max_steps:
+                raise AssertionError(f"engine did not settle after {self.stats.steps} steps: "
+                                     f"{self.describe()}")
+        if until is None:
+            self.drain_queue()
+
+    def _apply(self, so, out: ModelRunnerOutput) -> None:
+        self.preemptions.update(so.preempted_req_ids or ())
+        eco = self.sched.update_from_output(so, out)
+        for outs in eco.values():
+            for o in outs.outputs:
+                if o.finished:
+                    self.stats.finished.append(o.request_id)
+                    self.stats.params[o.request_id] = o.kv_transfer_params
+
+    def _execute(self, so) -> ModelRunnerOutput:
+        meta = so.kv_connector_metadata
+        assert isinstance(meta, StepMeta)
+        ids = list(so.num_scheduled_tokens)
+        outs = []
+        self.flushed_tickets += len(meta.flush_tickets)
+        for slow in self.slow:
+            slow.step += 1
+        if self.fail_next_loads and meta.loads:
+            self._break_loads(meta)
+            self.fail_next_loads -= 1
+        for w in self.workers:
+            w.conn.handle_preemptions(meta)
+            w.conn.bind_connector_metadata(meta)
+            for spec in meta.loads:
+                w.loads.setdefault(spec.req_id, []).append((spec.group, list(spec.block_ids)))
+                if spec.block_ids:
+                    w.load_history.setdefault(spec.req_id, []).append(
+                        (spec.group, list(spec.block_ids)))
+            w.conn.start_load_kv(None)
+            for rid, n in so.num_scheduled_tokens.items():
+                req = self.sched.requests[rid]
+                start = req.num_computed_tokens - n
+                tokens = list(req.all_token_ids)
+                tokens += [fake_token(p) for p in range(len(tokens), start + n)]
+                w.write(self.sched.kv_cache_manager.get_block_ids(rid), tokens, start, n)
+            w.conn.wait_for_save()
+            res = w.conn.get_transfer_results(so.finished_req_ids)
+            kv_out = KVConnectorOutput(
+                finished_sending=res.finished_sending or None,
+                finished_recving=res.finished_recving or None,
+                failed_recving=res.failed_recving,
+                invalid_block_ids=w.conn.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=w.conn.build_connector_worker_meta())
+            self._verify_loads(w, res.finished_recving, res.failed_recving,
+                               kv_out.invalid_block_ids)
+            w.conn.clear_connector_metadata()
+            sampled = []
+            for r in ids:
+                req = self.sched.requests[r]
+                sampled.append([fake_token(req.num_computed_tokens)]
+                               if req.num_computed_tokens >= req.num_tokens else [])
+            outs.append(ModelRunnerOutput(req_ids=ids,
+                                          req_id_to_index={r: k for k, r in enumerate(ids)},
+                                          sampled_token_ids=sampled,
+                                          kv_connector_output=kv_out))
+        out = self.aggregator.aggregate(outs)
+        kv = out.kv_connector_output
+        if kv is not None:
+            bad = set(kv.failed_recving or ())
+            for rid in kv.finished_recving or ():
+                (self.stats.failed_loads if rid in bad or rid in self._bad_loads
+                 else self.stats.loaded_reqs).add(rid)
+        return out
+
+    def _break_loads(self, meta: StepMeta) -> None:
+        """Point this step's loads at slot refs of another tenancy, so the daemon fails them."""
+        for spec in meta.loads:
+            spec.slots = [s ^ (0x7FFF << 32) for s in spec.slots]
+            self._bad_loads.add(spec.req_id)
+
+    def _verify_loads(self, w: FakeWorker, done: set[str], failed: set[str],
+                      invalid: set[int]) -> None:
+        for rid in done:
+            specs = w.loads.pop(rid, [])
+            if rid in failed or rid in self._bad_loads:
+                continue
+            req = self.sched.requests.get(rid)
+            if req is None:
+                continue
+            tokens = list(req.all_token_ids)
+            table = self.sched.kv_cache_manager.get_block_ids(rid)
+            for gi, bids in specs:
+                for bid in bids:
+                    if bid in invalid:
+                        continue
+                    w.check_block(gi, bid, table[gi].index(bid), tokens)
+
+    def describe(self) -> str:
+        """What keeps the engine busy, for failure messages."""
+        sc, role = self.sched, self.connector.scheduler
+        counts = sc.get_request_counts()
+        return (f"requests={list(sc.requests)} running/waiting={counts} "
+                f"finished_ids={sc.finished_req_ids} tickets={list(role._tickets)} "
+                f"release={role._release} free_ready={role._free_ready} retry={role._retry} "
+                f"abort={role._abort_slots} reqs={list(role._reqs)} queue={len(self._queue)}")
+
+    # ---- checks --------------------------------------------------------------------------
+
+    def assert_clean(self, info_client=None, timeout_s: float = 10.0) -> None:
+        """No request left, no GPU block leaked, no connector state, no lease in the daemon."""
+        assert not self.sched.has_requests(), list(self.sched.requests)
+        bp = self.sched.kv_cache_manager.block_pool
+        assert bp.get_num_free_blocks() == bp.num_gpu_blocks - 1, "GPU blocks leaked"
+        role = self.connector.scheduler
+        assert role is not None
+        assert not role._reqs, f"connector still tracks {list(role._reqs)}"
+        assert not role._tickets, f"connector still has tickets {list(role._tickets)}"
+        if info_client is not None:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                info = info_client.info()
+                mine = [c for c in info.clients if c.engine_id == self.engine_id]
+                if all(c.leases == 0 and c.jobs_in_flight == 0 for c in mine) \
+                        and info.slots_writing == 0:
+                    break
+                assert time.monotonic() < deadline, f"daemon still holds: {info}"
+                time.sleep(0.01)
+
+    @property
+    def engine_id(self) -> str:
+        return self.cfg.kv_transfer_config.engine_id
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.connector.shutdown()
+
+
+def run_together(*engines: Engine, timeout_s: float = 60.0) -> None:
+    """Step several engines in turns until all are idle, as concurrent instances would run."""
+    deadline = time.monotonic() + timeout_s
+    while any(e.sched.has_requests() for e in engines):
+        for e in engines:
+            if e.sched.has_requests():
+                e.step()
+        assert time.monotonic() < deadline, "engines did not settle"
+    for e in engines:
+        e.drain_queue()
