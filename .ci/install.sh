@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 PIP=".venv/bin/python -m pip"
 $PIP install -q --disable-pip-version-check "torch==2.13.0"
 $PIP install -q --disable-pip-version-check -e '.[test]'
-if [ -f .ci/install-vllm.sh ]; then
-    bash .ci/install-vllm.sh .venv
-fi
+# vLLM 0.33 (its CPU-capable scheduler, installed without its dependency tree) for the
+# connector tests, into the same venv so one pytest command runs everything.
+VLLM_VENV=.venv bash .ci/install-vllm.sh
 .venv/bin/python -c "import kvpool.daemon.server, kvpool.client.worker; print('kvpool installed in .venv')"

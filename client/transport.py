@@ -243,6 +243,7 @@ class _Heartbeat:
         ctx = self._t._ctx
         sock = None
         last_reply = time.monotonic()
+        watched: tuple[int | None, str | None] = (None, None)
         ids = itertools.count(1)
         try:
             while True:
@@ -257,6 +258,10 @@ class _Heartbeat:
                         self._cond.wait()
                         last_reply = time.monotonic()
                         continue
+                if (owner, daemon) != watched:
+                    # A new connection gets a full timeout before silence counts against it.
+                    watched = (owner, daemon)
+                    last_reply = time.monotonic()
                 if sock is None:
                     sock = ctx.socket(zmq.DEALER)
                     sock.setsockopt(zmq.LINGER, 0)

@@ -79,18 +79,10 @@ class WorkerRole:
                             dtype=str(tensors[0].dtype).removeprefix("torch."),
                             segment_bytes=plan.segment_bytes, description=g.identity)
             self._tensors.extend(tensors)
-            known = set(getattr(self.client, "_registrations", {}))
             try:
+                # A missing daemon raises nothing: the client sends it when the daemon appears.
                 self._regs[gi] = self.client.register(g.namespace, layout, self.tp_rank,
                                                       plan.num_blocks, regions, plan.placement)
-            except DaemonUnavailable:
-                # The client keeps the registration and sends it when the daemon appears; its
-                # local id is the one it just added.
-                new = set(getattr(self.client, "_registrations", {})) - known
-                if new:
-                    self._regs[gi] = new.pop()
-                logger.warning("kvpool daemon unavailable at registration; KV of group %d is "
-                               "pooled once it is back", g.index)
             except KvpoolError as e:
                 logger.error("kvpool refused the registration of group %d: %s", g.index, e)
         self._events = TransferEvents(self._tensors)

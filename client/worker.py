@@ -13,6 +13,7 @@ waiting forever.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -22,6 +23,8 @@ from kvpool.shared import protocol as p
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.errors import DaemonUnavailable, ErrorCode
 from kvpool.shared.layout import Layout, SegmentPlacement
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,8 @@ class WorkerClient:
         """Register this rank's KV memory; returns a local registration id.
 
         Raises ``LayoutMismatch``/``OutOfRange``/``UnknownId`` for a registration the daemon
-        refuses, ``DaemonUnavailable`` if it is not there (the registration is still remembered
-        and sent when the daemon appears).
+        refuses. A daemon that is not there raises nothing: the registration is kept and sent
+        when the daemon appears (``is_registered`` says whether it has been).
         """
         local = next(self._local_ids)
         req = p.RegisterRequest(0, namespace, layout, tp_rank, num_blocks, list(regions),
@@ -69,11 +72,16 @@ class WorkerClient:
             else:
                 self._t.ensure_connected()   # replays, including this one
         except DaemonUnavailable:
-            raise                            # remembered: sent when the daemon is back
+            log.warning("kvpoold unavailable: registration kept, sent when it is back")
         except Exception:
             del self._registrations[local]   # refused: forget it
             raise
         return local
+
+    def is_registered(self, registration_id: int) -> bool:
+        """Whether the daemon currently holds this registration."""
+        reg = self._registrations.get(registration_id)
+        return reg is not None and bool(reg.daemon_id) and self._t.is_connected
 
     def unregister(self, registration_id: int) -> None:
         reg = self._registrations.pop(registration_id, None)

@@ -97,9 +97,9 @@ def resolve_sizes(config: DaemonConfig) -> tuple[int, int]:
     else:
         extent = parse_size(config.extent_size)
     extent = _align(extent, PAGE)
-    if pool < 2 * extent:
-        raise ConfigError(f"pool_size {pool} bytes is too small: at least two extents "
-                          f"({2 * extent} bytes) are needed (or lower extent_size)")
+    if Geometry.plan(pool, extent).num_extents < 2:
+        raise ConfigError(f"pool_size {pool} bytes is too small for extent_size {extent}: the "
+                          f"pool needs room for its tables and at least two extents")
     return pool, extent
 
 

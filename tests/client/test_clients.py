@@ -27,8 +27,10 @@ def test_absent_daemon_raises_quickly_and_never_hangs(tmp_path):
     assert time.monotonic() - t0 < 0.05
     worker = WorkerClient(cfg)
     kv = HostKv()
+    reg = worker.register(kv.namespace, kv.layout, 0, kv.blocks, [kv.mem.region], kv.placement)
+    assert not worker.is_registered(reg)       # kept, sent when the daemon appears
     with pytest.raises(DaemonUnavailable):
-        worker.register(kv.namespace, kv.layout, 0, kv.blocks, [kv.mem.region], kv.placement)
+        worker.submit_store(reg, [0], [1])
     sched.close(); worker.close(); kv.close()
 
 
@@ -73,7 +75,7 @@ def test_clients_recover_by_themselves_after_a_daemon_restart(daemon):
     kv.poison([5, 6])
     done = wait_for(lambda: _try(lambda: worker.submit_load(reg, hit.slots[0], [5, 6])), 15,
                     "the worker to reconnect")
-    assert worker.wait([done], 10)[0].ok
+    assert worker.wait([done], 10)[0].ok and worker.is_registered(reg)
     assert torch.equal(kv.blocks_of([5, 6]), expected)
     sched.close(); worker.close(); kv.close()
 

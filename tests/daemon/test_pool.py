@@ -61,5 +61,6 @@ def test_sizes():
     assert resolve_sizes(DaemonConfig(pool_size="64MiB", extent_size="1MiB")) == (64 << 20, 1 << 20)
     pool, extent = resolve_sizes(DaemonConfig())
     assert pool > 0 and extent >= 4 << 20
-    with pytest.raises(ConfigError, match="too small"):
-        resolve_sizes(DaemonConfig(pool_size="4MiB", extent_size="4MiB"))
+    for size, extent in (("4MiB", "4MiB"), ("2MiB", "1MiB"), ("1MiB", "256KiB")):
+        with pytest.raises(ConfigError, match="too small"):
+            resolve_sizes(DaemonConfig(pool_size=size, extent_size=extent))
