@@ -91,7 +91,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _doc("log level")] = "info"
     log_format: Annotated[Literal["text", "json"], _doc("text, or JSON lines for log "
                                                         "collectors")] = "text"
-    # ---- operations (appended; docs/operating.md walks through them) ----
+    # ---- operations (appended; the README's "Operating kvpool" walks through them) ----
     # Loopback by default: the numbers name engines and sizes; Prometheus on the node reaches it.
     metrics_host: Annotated[str, _doc("address of the /metrics and /healthz HTTP server",
                                       min_length=1)] = "127.0.0.1"
