@@ -145,7 +145,7 @@ def test_decode_waits_for_a_hand_off_still_landing(engines, daemon, observer):
 
 
 def test_pd_block_evicted_before_decode_recomputes(engines, daemon_factory, model_root):
-    small = daemon_factory(pool_size="3MiB")      # 2 extents of 256 slots of 4 KiB
+    small = daemon_factory(pool_size="4MiB")      # 2 extents of 64 slots of 4 KiB each
     pe = engines(small, engine_id="prefill", async_scheduling=False, kv_role="kv_producer",
                  num_blocks=512, max_num_batched_tokens=512)
     de = engines(small, engine_id="decode", async_scheduling=False, kv_role="kv_consumer",
