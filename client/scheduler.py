@@ -40,16 +40,14 @@ class SchedulerClient:
     def lookup(self, namespace: bytes, key_lists: Sequence[Sequence[bytes]],
                pin: bool = False) -> p.LookupReply:
         """Leading hits of many requests in one round trip; with ``pin``, one lease each."""
-        reply = self._t.call(lambda rid: p.LookupRequest(rid, namespace,
-                                                         [list(k) for k in key_lists], pin))
+        reply = self._t.call(lambda rid: p.LookupRequest(rid, namespace, key_lists, pin))
         assert isinstance(reply, p.LookupReply)
         return reply
 
     def lookup_start(self, namespace: bytes, key_lists: Sequence[Sequence[bytes]],
                      pin: bool = False) -> PendingCall:
         """Send a lookup and return at once; poll ``PendingCall.result()`` later."""
-        req_id = self._t.send(lambda rid: p.LookupRequest(rid, namespace,
-                                                          [list(k) for k in key_lists], pin))
+        req_id = self._t.send(lambda rid: p.LookupRequest(rid, namespace, key_lists, pin))
         self._pending.add(req_id)
         return PendingCall(self, req_id, time.monotonic() + self._timeout_s)
 

@@ -135,6 +135,10 @@ class HostCopyEngine(CopyEngine):
     def _copy(self, mapped: HostMapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
               to_pool: bool) -> JobResult:
         region, offset, stride, nbytes, prefix = mapped.table
+        # The pairs can be copied in any order: in pool order, slots that sit together in memory
+        # (whatever order eviction handed them out in) form runs for the one-pass path.
+        order = np.argsort(shard_offsets, kind="stable")
+        block_ids, shard_offsets = block_ids[order], shard_offsets[order]
         # [blocks, segments] byte offsets on both sides and the unit that divides all of them.
         src = offset[None, :] + block_ids[:, None] * stride[None, :]
         dst = shard_offsets[:, None] + prefix[None, :]

@@ -176,8 +176,8 @@ class Index:
                now: float) -> tuple[list[int], list[int], list[list[int]]]:
         """Leading committed hits per key list; with ``pin``, each hit run under a new lease.
 
-        Hit slots become most recently used, the first block of a run last, so a run's tail
-        is evicted before its head (a tail is useless without its head, not the other way).
+        Hit slots become most recently used (stamped here, reordered lazily by the LRU when it
+        next looks for victims, so a hit costs one attribute write).
         """
         get = self._tables.get(ns, _EMPTY).get
         tick = next(self._tick)
@@ -193,11 +193,8 @@ class Index:
             hits.append(len(run))
             n_hit += len(run)
             n_keys += len(keys)
-            if run:
-                for s in run:
-                    s.last_use = tick
-                # One namespace has one slot size, so one LRU; head of the run touched last.
-                run[0].size_class.lru.touch_many([s.id for s in reversed(run)])
+            for s in run:
+                s.last_use = tick     # the LRU promotes stamped slots when it next scans
             refs.append([s.ref for s in run])
             if pin and run:
                 lease_id = next(self._lease_ids)
@@ -402,7 +399,9 @@ class Index:
     def _class(self, slot_bytes: int) -> SizeClass:
         cls = self._classes.get(slot_bytes)
         if cls is None:
-            cls = self._classes[slot_bytes] = SizeClass(slot_bytes)
+            slots = self._slots
+            cls = self._classes[slot_bytes] = SizeClass(
+                slot_bytes, lru=LruPolicy(lambda sid: slots[sid].last_use))
         return cls
 
     def _add_extent(self, cls: SizeClass, extent: int, n: int, fresh: bool) -> list[Slot]:

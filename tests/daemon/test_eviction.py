@@ -27,3 +27,15 @@ def test_remove():
     lru.remove(1)
     lru.remove(1)
     assert 1 not in lru and len(lru) == 0
+
+
+def test_lazy_promotion_keeps_lru_order_and_still_finds_victims():
+    used = {1: 0, 2: 0, 3: 0}
+    lru = LruPolicy(used.__getitem__)
+    for s in (1, 2, 3):
+        lru.insert(s)
+    used[1] = 5                      # a hit stamps slot 1; the policy is not told
+    assert lru.choose_victims(2, lambda s: False) == [2, 3]
+    used.update({2: 6, 3: 7})        # now every slot was used since it was queued
+    assert lru.oldest(lambda s: False) == 1
+    assert lru.choose_victims(3, lambda s: s == 2) is None

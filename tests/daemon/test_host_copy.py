@@ -98,7 +98,7 @@ def test_attach_refuses_bad_regions(pool):
         mem.close()
 
 
-@pytest.mark.parametrize("slot_order", ["adjacent runs", "scattered"])
+@pytest.mark.parametrize("slot_order", ["adjacent runs", "adjacent, descending", "scattered"])
 def test_both_copy_paths_are_bit_exact(pool, slot_order):
     """Adjacent shards take the one-pass path, scattered ones the gather/scatter path."""
     mem, (t,), reg = make((2, 40, 16, 4, 32), 1)
@@ -107,7 +107,8 @@ def test_both_copy_paths_are_bit_exact(pool, slot_order):
     try:
         t.copy_(torch.randn(t.shape).half())
         n = 24
-        order = np.arange(n) if slot_order == "adjacent runs" else np.random.permutation(n) * 2
+        order = {"adjacent runs": np.arange(n), "adjacent, descending": np.arange(n)[::-1],
+                 "scattered": np.random.permutation(n) * 2}[slot_order]
         slots = order.astype(np.int64) * reg.layout.slot_bytes + pool.geometry.data_offset
         src = np.random.permutation(40)[:n].astype(np.int64)
         expected = t[:, torch.from_numpy(src)].clone()
