@@ -1,14 +1,15 @@
 """LRU eviction policy over slot ids: told about slots, asked for victims; never frees memory.
 
-The index calls ``insert`` when a slot commits, ``touch`` on every hit, ``remove`` when a slot
-leaves the committed state, and ``choose_victims`` when it needs room. The policy never changes
-its own state while choosing: the index evicts the victims and then calls ``remove``.
+The index calls ``insert`` when a slot commits, ``remove`` when it leaves the committed state,
+and ``oldest``/``choose_victims`` when it needs room; hits reach the policy through the
+``recency`` function it was built with (or an explicit ``touch``). Choosing never removes
+anything: the index evicts the victims and then calls ``remove``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterable
+from typing import Callable
 
 
 class LruPolicy:
@@ -39,15 +40,6 @@ class LruPolicy:
     def touch(self, slot: int) -> None:
         if slot in self._order:
             self._order.move_to_end(slot)
-
-    def touch_many(self, slots: Iterable[int]) -> None:
-        """Touch in order (the last one becomes the most recent); unknown ids are ignored."""
-        move = self._order.move_to_end
-        for s in slots:
-            try:
-                move(s)
-            except KeyError:
-                pass
 
     def remove(self, slot: int) -> None:
         self._order.pop(slot, None)
@@ -87,7 +79,3 @@ class LruPolicy:
             self._order.move_to_end(s)
             self._order[s] = now
         return out
-
-    def rank(self) -> dict[int, int]:
-        """Slot → position from least recent (0); for choosing whole extents to reclaim."""
-        return {s: i for i, s in enumerate(self._order)}
