@@ -244,7 +244,8 @@ class _Heartbeat:
         sock = None
         last_reply = time.monotonic()
         watched: tuple[int | None, str | None] = (None, None)
-        ids = itertools.count(1)
+        next_id = 1
+        first_id = 1   # replies to heartbeats sent before the current connection are stale
         try:
             while True:
                 with self._cond:
@@ -259,20 +260,25 @@ class _Heartbeat:
                         last_reply = time.monotonic()
                         continue
                 if (owner, daemon) != watched:
-                    # A new connection gets a full timeout before silence counts against it.
+                    # A new connection gets a full timeout before silence counts against it,
+                    # and answers to heartbeats of the old one say nothing about it.
                     watched = (owner, daemon)
                     last_reply = time.monotonic()
+                    first_id = next_id
                 if sock is None:
                     sock = ctx.socket(zmq.DEALER)
                     sock.setsockopt(zmq.LINGER, 0)
                     sock.setsockopt(zmq.IMMEDIATE, 1)
                     sock.connect(f"ipc://{self._t.config.socket_path}")
                 try:
-                    sock.send(p.encode(p.Heartbeat(next(ids), owner)), zmq.NOBLOCK)
+                    sock.send(p.encode(p.Heartbeat(next_id, owner)), zmq.NOBLOCK)
                 except zmq.Again:
                     pass
+                next_id += 1
                 while sock.poll(0, zmq.POLLIN):
                     reply = p.decode_reply(sock.recv())
+                    if reply.req_id < first_id:
+                        continue
                     last_reply = time.monotonic()
                     if isinstance(reply, p.ErrorReply) or (
                             isinstance(reply, p.HeartbeatReply) and reply.daemon_id != daemon):
