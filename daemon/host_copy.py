@@ -150,14 +150,8 @@ class HostCopyEngine(CopyEngine):
             return JobResult(total)
         for r in np.unique(region):
             cols = np.flatnonzero(region == r)
-            per_seg = nbytes[cols] // unit
-            # Row indices of every unit of every (block, segment) in this region, in order.
-            reps = np.tile(per_seg, len(block_ids))
-            starts_w = (src[:, cols] // unit).ravel()
-            starts_p = (dst[:, cols] // unit).ravel()
-            within = np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
-            rows_w = torch.from_numpy(np.repeat(starts_w, reps) + within)
-            rows_p = torch.from_numpy(np.repeat(starts_p, reps) + within)
+            rows_w = _unit_rows(src[:, cols], nbytes[cols], unit)
+            rows_p = _unit_rows(dst[:, cols], nbytes[cols], unit)
             worker = _rows(mapped.views[int(r)], unit)
             pool = _rows(self._pool_u8, unit)
             if not to_pool:
@@ -168,7 +162,6 @@ class HostCopyEngine(CopyEngine):
                 lambda a=a, b=b: _gather_scatter(worker, rows_w[a:b], pool, rows_p[a:b], unit)
                 for a, b in zip(cuts[:-1], cuts[1:])])
         return JobResult(total)
-
 
     def _copy_runs(self, mapped: HostMapped, src: np.ndarray, shard_offsets: np.ndarray,
                    unit: int, to_pool: bool) -> bool:
@@ -187,10 +180,7 @@ class HostCopyEngine(CopyEngine):
         breaks = np.flatnonzero(np.diff(shard_offsets) != shard) + 1
         if len(breaks) >= MAX_RUNS:
             return False
-        per_seg = nbytes // unit
-        reps = np.tile(per_seg, len(shard_offsets))
-        within = np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
-        rows_w = torch.from_numpy(np.repeat((src // unit).ravel(), reps) + within)
+        rows_w = _unit_rows(src, nbytes, unit)
         worker = _rows(mapped.views[int(region[0])], unit)
         pool = _rows(self._pool_u8, unit)
         rows_per_shard = shard // unit
@@ -209,6 +199,14 @@ class HostCopyEngine(CopyEngine):
                     parts.append(lambda i=idx, o=pool_run: worker.index_copy_(0, i, o))
         self._parallel(parts)
         return True
+
+
+def _unit_rows(starts: np.ndarray, seg_bytes: np.ndarray, unit: int) -> torch.Tensor:
+    """Row index (in ``unit``-sized rows) of every unit of every [block, segment] whose byte
+    offsets are ``starts``, block by block, segment by segment: all vectorised."""
+    reps = np.tile(seg_bytes // unit, len(starts))
+    within = np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
+    return torch.from_numpy(np.repeat((starts // unit).ravel(), reps) + within)
 
 
 def _rows(u8: np.ndarray, unit: int) -> torch.Tensor:

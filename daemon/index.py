@@ -269,7 +269,7 @@ class Index:
             s.landed = s.writing = 0
             s.deadline = now + self.write_timeout_s
             s.doomed = False
-            self.pool.write_record(s.extent, s.index, s.key, WRITING, s.generation)
+            self.pool.write_state(s.extent, s.index, WRITING)
             table[k] = s
             self._writing[s.id] = s
             out.append(s.ref)
@@ -523,7 +523,7 @@ class Index:
         s.state = FREE
         s.doomed = False
         s.landed = s.writing = 0
-        self.pool.write_record(s.extent, s.index, b"", FREE, s.generation)
+        self.pool.write_state(s.extent, s.index, FREE)
         s.size_class.free.append(s)
 
     def _unmap(self, s: Slot) -> bool:

@@ -273,12 +273,9 @@ class Pool:
     def slot_offset(self, extent: int, index: int) -> int:
         return self.extent_offset(extent) + index * int(self.extents[extent]["slot_bytes"])
 
-    def write_record(self, extent: int, index: int, key: bytes, state: int, generation: int) -> None:
-        r = self.records(extent)[index]
-        if state == COMMITTED:
-            r["key"] = np.void(key)
-            r["generation"] = generation
-        r["state"] = state
+    def write_state(self, extent: int, index: int, state: int) -> None:
+        """Mark one slot FREE or WRITING (COMMITTED goes through ``commit_records``)."""
+        self.records(extent)[index]["state"] = state
 
     def commit_records(self, entries: list[tuple[int, int, bytes, int]]) -> None:
         """Mark many slots COMMITTED: (extent, index, key, generation) each. Key and generation

@@ -27,7 +27,7 @@ def test_adopt_after_close_keeps_records_and_layouts(pool_config):
     p.save_layouts({b"n" * 16: layout})
     n = p.assign_extent(0, layout.slot_bytes)
     p.buffer[p.slot_offset(0, 3):p.slot_offset(0, 3) + 4] = b"data"
-    p.write_record(0, 3, b"n" * 16 + b"k" * 16, COMMITTED, 5)
+    p.commit_records([(0, 3, b"n" * 16 + b"k" * 16, 5)])
     p.close(unlink=False)
     q = Pool.open(pool_config)
     try:
