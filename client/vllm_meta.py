@@ -20,13 +20,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 @dataclass(slots=True)
 class LoadSpec:
-    """Copy pool ``slots`` into GPU ``block_ids`` of one group for one request."""
+    """Copy pool ``slots`` into GPU ``block_ids`` of one group for one request.
+
+    A request's load may come in several steps (a P/D consumer loads each chunk of the
+    prefill's hand-off as it lands): the workers report the request as received only once a
+    ``final`` spec has arrived and every load job of the request has completed.
+    """
 
     req_id: str
     group: int          # position in the connector's group list (not vLLM's group index)
     slots: list[int]
     block_ids: list[int]
-    failed: bool = False  # cannot be served: report the request's load as failed at once
+    # ``block_ids`` cannot be served (``slots`` is empty): report them as load errors, so vLLM
+    # recomputes from the first of them and keeps the blocks before it.
+    failed: bool = False
+    final: bool = True  # no more specs follow for this request's load
 
 
 @dataclass(slots=True)

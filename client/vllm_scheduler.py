@@ -14,6 +14,14 @@ Lifecycle of a request, as vLLM drives it:
 → ``build_connector_meta`` each step (eager stores of newly full blocks)
 → ``update_connector_output`` (load done: release the lease; store tickets acked by every rank)
 → ``request_finished`` (keep the blocks while tickets are in flight; free them via ``free_now``).
+
+P/D consumers stream: a decode request told how many blocks the prefill hands over
+(``kvpool_tokens``) takes all of them from vLLM as soon as its first lookup finds one, loads
+what is committed, and then looks up the rest once per step, loading each chunk as the
+prefill's stores commit it (``LoadSpec.final`` tells the workers when the last chunk went out).
+A hand-off that stops making progress for ``pd_wait_s`` (or a daemon that goes away) ends the
+stream: the blocks that never came are reported as load errors and vLLM recomputes from the
+first of them.
 """
 
 from __future__ import annotations
@@ -82,7 +90,12 @@ class _Req:
     producer: bool = False
     load_failed: bool = False  # a load from the pool failed: recompute, never offer it again
     expect_blocks: int = 0
-    wait_until: float = 0.0
+    wait_until: float = 0.0    # a hand-off making no progress until then is given up on
+    # P/D streaming: blocks [stream_next, stream_end) are allocated, not yet in the pool.
+    stream_to: int = 0         # offered to vLLM beyond the hit (until the allocation)
+    stream_next: int = 0
+    stream_end: int = 0        # 0: not streaming
+    stream_ids: list[list[int]] = field(default_factory=list)   # per group: GPU block ids
 
 
 class SchedulerRole:
@@ -100,6 +113,11 @@ class SchedulerRole:
         self.tp_size = tp_size
         self.pd_wait_s = pd_wait_s
         self._retry: list[str] = []     # P/D consumers to look up again next step
+        self._streams: set[str] = set()  # P/D consumers loading chunks as they land
+        # Streaming needs every group to hold blocks [0, n) of the prompt: a sliding-window
+        # group looks up (and keeps) only the window ending at the hit, which moves as chunks
+        # land. Models with one wait for the whole hand-off and load it at once instead.
+        self._can_stream = all(g.window_blocks is None for g in groups)
         self.client = client
         sizes = {g.block_tokens for g in groups}
         # One token→block grid for every group: vLLM's hybrid allocator gives attention groups
@@ -213,14 +231,15 @@ class SchedulerRole:
                 self._send_lookups()
             if st.hit is None:
                 return None, False
-        ext = st.hit * self.block_tokens - num_computed_tokens
+        end = max(st.hit, st.stream_to)
+        ext = end * self.block_tokens - num_computed_tokens
         if ext <= 0:
             return 0, False
         if self._loading_keys:
             # Another request is loading some of these blocks: wait for it and take them from
             # the GPU prefix cache then, instead of loading them twice.
             first = num_computed_tokens // self.block_tokens
-            if any(k in self._loading_keys for k in st.keys.keys(request, 0, st.hit)[first:]):
+            if any(k in self._loading_keys for k in st.keys.keys(request, 0, end)[first:]):
                 return None, False
         return ext, True
 
@@ -230,7 +249,8 @@ class SchedulerRole:
 
     def _send_lookups(self) -> None:
         """One lookup per namespace for every queued request (the step's batch)."""
-        ids = [r for r in self._queued if r in self._reqs and self._reqs[r].state == "queued"]
+        ids = [r for r in dict.fromkeys(self._queued)
+               if r in self._reqs and self._reqs[r].state == "queued"]
         self._queued.clear()
         if not ids:
             return
@@ -243,8 +263,11 @@ class SchedulerRole:
                 lists, spans = [], []
                 for rid in ids:
                     st = self._reqs[rid]
-                    start = self._window_start(g, st.target)
-                    lists.append(st.keys.keys(st.request, gi, st.target)[start:])
+                    if st.stream_end:       # the blocks of the hand-off still to come
+                        start, end = st.stream_next, st.stream_end
+                    else:
+                        start, end = self._window_start(g, st.target), st.target
+                    lists.append(st.keys.keys(st.request, gi, end)[start:])
                     spans.append((rid, start))
                 calls.append((self.client.lookup_start(g.namespace, lists, True), gi, spans))
         except DaemonUnavailable as e:
@@ -260,9 +283,14 @@ class SchedulerRole:
     def _resolve_miss(self, ids: Iterable[str]) -> None:
         for rid in ids:
             st = self._reqs.get(rid)
-            if st is not None:
-                st.state, st.hit = "idle", 0
-                st.slots, st.leases, st.hit_start = [], [], []
+            if st is None:
+                continue
+            if st.stream_end:
+                # The daemon is gone or refused: the rest of the hand-off will not come.
+                self._end_stream(st, report_missing=True)
+                continue
+            st.state, st.hit = "idle", 0
+            st.slots, st.leases, st.hit_start = [], [], []
 
     def _poll_lookups(self) -> None:
         """Collect the in-flight batch if every namespace has answered; never waits."""
@@ -319,14 +347,23 @@ class SchedulerRole:
             if st is None or st.state != "sent" or st.finished:
                 self._release.extend(leases)
                 continue
-            hit = self._combine(st, answers)
-            if (hit is not None and hit < min(st.expect_blocks, st.target)
-                    and time.monotonic() < st.wait_until):
-                # The producer's stores have not all landed yet: ask again next step.
-                self._release.extend(leases)
-                st.state = "queued"
-                self._retry.append(rid)
+            if st.stream_end:
+                self._stream_answer(st, answers, leases)
                 continue
+            hit = self._combine(st, answers)
+            want = min(st.expect_blocks, st.target)
+            if hit is not None and hit < want and time.monotonic() < st.wait_until:
+                if hit and self._can_stream:
+                    # The producer's stores are landing: take the whole hand-off now, load
+                    # what is here, and the rest chunk by chunk as it commits.
+                    st.stream_to = want
+                    st.wait_until = time.monotonic() + self.pd_wait_s
+                else:
+                    # Nothing landed yet (or a window group: wait for all of it).
+                    self._release.extend(leases)
+                    st.state = "queued"
+                    self._retry.append(rid)
+                    continue
             if hit is None:                 # a window elsewhere: ask again for that target
                 self._release.extend(leases)
                 st.state = "queued"
@@ -381,8 +418,9 @@ class SchedulerRole:
             self._consume_lookup(st, keep_leases=False)
             return
         local_blocks = st.local_tokens // bt
-        hit = (st.local_tokens + num_external_tokens) // bt
-        assert hit <= (st.hit or 0), "vLLM accepted more external tokens than offered"
+        end = (st.local_tokens + num_external_tokens) // bt
+        assert end <= max(st.hit, st.stream_to), "vLLM accepted more external tokens than offered"
+        hit = min(end, st.hit)          # blocks in the pool now; the rest of a hand-off streams
         table = blocks.get_block_ids()
         loads = []
         unloadable = False
@@ -408,16 +446,28 @@ class SchedulerRole:
                               failed=True)]
         st.loading = True
         st.load_blocks = [b for spec in loads for b in spec.block_ids]
-        st.load_keys = st.keys.keys(request, 0, hit)[local_blocks:]
+        st.load_keys = st.keys.keys(request, 0, end)[local_blocks:]
         for k in st.load_keys:
             self._loading_keys[k] = self._loading_keys.get(k, 0) + 1
         self._step_loads.extend(loads)
-        if not loads:
+        self._consume_lookup(st, keep_leases=True)
+        first = max(hit, local_blocks)
+        if end > first:
+            # A P/D hand-off still landing: these specs are its first chunk, not its last.
+            for spec in loads:
+                spec.final = False
+            st.stream_ids = [list(table[g.index][:end]) for g in self.groups]
+            st.stream_next, st.stream_end = first, end
+            for ids in st.stream_ids:
+                st.load_blocks.extend(ids[first:end])
+            self._streams.add(request.request_id)
+            st.state = "queued"         # asked for in this step's batch
+            self._queued.append(request.request_id)
+        elif not loads:
             # Nothing to copy (all needed blocks were local); the workers still report the
             # request as received so vLLM leaves WAITING_FOR_REMOTE_KVS.
             self._step_loads.append(LoadSpec(request.request_id, 0, [], []))
-        self._consume_lookup(st, keep_leases=True)
-        st.cursor = [0 if st.producer else hit] * len(self.groups)
+        st.cursor = [0 if st.producer else end] * len(self.groups)
 
     def _consume_lookup(self, st: _Req, keep_leases: bool) -> None:
         """The lookup result is used up; its leases go now unless a load holds them."""
@@ -425,17 +475,63 @@ class SchedulerRole:
             self._release.extend(st.leases)
             st.leases = []
         st.state, st.hit, st.slots, st.hit_start = "idle", None, [], []
+        st.stream_to = 0
+
+    # ---- P/D streaming -------------------------------------------------------------------
+
+    def _stream_answer(self, st: _Req, answers: list[tuple[int, int, list[int], int]],
+                       leases: list[int]) -> None:
+        """Load what has committed since the last round; ask again next step for the rest."""
+        rid = st.request.request_id
+        st.leases.extend(leases)        # held until the whole load is reported done
+        st.state = "idle"
+        new = min(n for _, n, _, _ in answers)
+        if new:
+            a, b = st.stream_next, st.stream_next + new
+            last = b >= st.stream_end
+            for gi, (_, _, slots, _) in enumerate(answers):
+                self._step_loads.append(LoadSpec(rid, gi, slots[:new], st.stream_ids[gi][a:b],
+                                                 final=last))
+            st.stream_next = b
+            st.wait_until = time.monotonic() + self.pd_wait_s
+            if last:
+                self._streams.discard(rid)
+                st.stream_end, st.stream_ids = 0, []
+                return
+        st.state = "queued"
+        self._retry.append(rid)
+
+    def _end_stream(self, st: _Req, report_missing: bool) -> None:
+        """No more chunks: the workers report the request once its loads in flight are done.
+        Blocks that never came are load errors (vLLM recomputes from the first of them)
+        unless the request is gone anyway."""
+        rid = st.request.request_id
+        self._streams.discard(rid)
+        st.state = "idle"               # a lookup still in flight gets its leases released
+        a, b = st.stream_next, st.stream_end
+        if report_missing and a < b:
+            logger.warning("kvpool: request %s: blocks %d..%d of its P/D hand-off did not "
+                           "arrive; recomputing them", rid, a, b - 1)
+            for gi, ids in enumerate(st.stream_ids):
+                self._step_loads.append(LoadSpec(rid, gi, [], ids[a:b], failed=True))
+        else:
+            self._step_loads.append(LoadSpec(rid, 0, [], []))
+        st.stream_end, st.stream_ids = 0, []
 
     # ---- per step: stores, flushes, releases ---------------------------------------------
 
     def build_connector_meta(self, so: "SchedulerOutput") -> StepMeta:
         from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 
-        meta = StepMeta(loads=self._step_loads)
-        self._step_loads = []
+        meta = StepMeta()
         if not self.enabled:
             return meta
         self._poll_lookups()
+        if self._streams:
+            now = time.monotonic()
+            for st in [self._reqs[r] for r in self._streams]:
+                if now >= st.wait_until:
+                    self._end_stream(st, report_missing=True)
         # Stores still reading blocks that are handed to a request this step must finish
         # first (preempted requests' blocks; sliding-window blocks freed and reused).
         flush = self._flush
@@ -467,6 +563,8 @@ class SchedulerRole:
             self._retry = []
         if self._queued and not self._inflight_calls:
             self._send_lookups()
+        # Last: polling, deadlines and a failed send above may all have added load specs.
+        meta.loads, self._step_loads = self._step_loads, []
         return meta
 
     def _plan_stores(self, so: "SchedulerOutput") -> list[StoreSpec]:
@@ -622,6 +720,8 @@ class SchedulerRole:
         if st.loading:
             # vLLM keeps the blocks of a request aborted mid-load until the workers report
             # the load; the lease goes when that report arrives.
+            if st.stream_end:
+                self._end_stream(st, report_missing=False)
             return False, params
         # A lookup reply that lands later finds the request gone and releases its leases.
         self._consume_lookup(st, keep_leases=False)
@@ -647,7 +747,7 @@ class SchedulerRole:
 
     def has_pending_push_work(self) -> bool:
         return bool(self._tickets or self._free_ready or self._release or self._abort_slots
-                    or self._retry)
+                    or self._retry or self._streams)
 
     def reset_cache(self) -> bool:
         """Forget every block of this engine's namespaces in the pool; False if the daemon

@@ -3,10 +3,12 @@
 Runs in each vLLM worker process (one per TP rank), on the model-runner thread. Owns this
 rank's registrations (one per pooled KV-cache group) and its jobs in flight: one batched load
 submission per group in ``start_load_kv``, one batched store submission per group in
-``wait_for_save``, completions collected without waiting in ``get_transfer_results``. It never
-decides what to move and never raises the daemon's absence to vLLM: a load that cannot be
-submitted or fails is reported as failed (vLLM recomputes), a store that cannot be submitted is
-acknowledged as failed (the block is simply not pooled).
+``wait_for_save``, completions collected without waiting in ``get_transfer_results``. A
+request's load may arrive over several steps (P/D streaming); it is reported received once its
+final spec came and all its jobs completed. It never decides what to move and never raises the
+daemon's absence to vLLM: the blocks of a load that cannot be submitted or fails are reported
+as load errors (vLLM recomputes from the first of them, keeping the blocks before it), a store
+that cannot be submitted is acknowledged as failed (the block is simply not pooled).
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ class WorkerRole:
         self._regs: dict[int, int] = {}            # group → local registration id
         self._tensors: list["torch.Tensor"] = []
         self._events = TransferEvents([])
-        self._load_jobs: dict[int, list[str]] = {}  # job → request ids
+        # job → (request, its block ids in the job) for each request in the job
+        self._load_jobs: dict[int, list[tuple[str, list[int]]]] = {}
         self._load_pending: dict[str, int] = {}     # request → jobs not finished on this rank
-        self._load_blocks: dict[str, list[int]] = {}
-        self._load_failed: set[str] = set()
+        self._load_final: set[str] = set()          # requests whose last spec has arrived
+        self._load_errors: dict[str, list[int]] = {}   # request → blocks that did not load
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
         self._error_blocks: set[int] = set()
@@ -104,20 +107,21 @@ class WorkerRole:
                          "may hold wrong bytes for them", e)
 
     def start_load_kv(self, meta: StepMeta) -> None:
-        by_group: dict[int, tuple[list[int], list[int], list[str]]] = {}
+        by_group: dict[int, tuple[list[int], list[int], list[tuple[str, list[int]]]]] = {}
         for spec in meta.loads:
-            self._load_blocks.setdefault(spec.req_id, []).extend(spec.block_ids)
-            self._load_pending.setdefault(spec.req_id, 0)
+            rid = spec.req_id
+            self._load_pending.setdefault(rid, 0)
+            if spec.final:
+                self._load_final.add(rid)
             if spec.failed:
-                self._load_failed.add(spec.req_id)
+                self._load_errors.setdefault(rid, []).extend(spec.block_ids)
             if not spec.slots:
                 continue
-            slots, bids, reqs = by_group.setdefault(spec.group, ([], [], []))
+            slots, bids, parts = by_group.setdefault(spec.group, ([], [], []))
             slots.extend(spec.slots)
             bids.extend(spec.block_ids)
-            if spec.req_id not in reqs:
-                reqs.append(spec.req_id)
-        for gi, (slots, bids, reqs) in by_group.items():
+            parts.append((rid, spec.block_ids))
+        for gi, (slots, bids, parts) in by_group.items():
             reg = self._regs.get(gi)
             try:
                 if reg is None:
@@ -125,14 +129,14 @@ class WorkerRole:
                 job = self.client.submit_load(reg, slots, bids)
             except (DaemonUnavailable, KeyError) as e:
                 logger.debug("kvpool: load not submitted (%s); recomputing", e)
-                self._load_failed.update(reqs)
+                for rid, blocks in parts:
+                    self._load_errors.setdefault(rid, []).extend(blocks)
                 continue
-            self._load_jobs[job] = reqs
-            for r in reqs:
-                self._load_pending[r] += 1
+            self._load_jobs[job] = parts
+            for rid in {rid for rid, _ in parts}:
+                self._load_pending[rid] += 1
         for spec in meta.loads:
-            if self._load_pending.get(spec.req_id) == 0:
-                self._finish_load(spec.req_id)
+            self._maybe_finish_load(spec.req_id)
 
     def wait_for_save(self, meta: StepMeta) -> None:
         if not meta.stores:
@@ -183,31 +187,34 @@ class WorkerRole:
 
     def _consume(self, completions) -> None:
         for c in completions:
-            reqs = self._load_jobs.pop(c.job_id, None)
-            if reqs is not None:
+            parts = self._load_jobs.pop(c.job_id, None)
+            if parts is not None:
                 if c.ok:
                     self._events.loaded(c.done_event)
                 else:
                     logger.debug("kvpool: load job failed (%s); recomputing", c.message)
-                for r in reqs:
-                    if not c.ok:
-                        self._load_failed.add(r)
-                    self._load_pending[r] -= 1
-                    if self._load_pending[r] == 0:
-                        self._finish_load(r)
+                    for rid, blocks in parts:
+                        self._load_errors.setdefault(rid, []).extend(blocks)
+                for rid in {rid for rid, _ in parts}:
+                    self._load_pending[rid] -= 1
+                    self._maybe_finish_load(rid)
                 continue
             tickets = self._store_jobs.pop(c.job_id, None)
             if tickets is not None:
                 self._ack(tickets, c.ok)
 
-    def _finish_load(self, req_id: str) -> None:
+    def _maybe_finish_load(self, req_id: str) -> None:
+        """Report the request received once its last spec came and all its jobs are done."""
+        if self._load_pending.get(req_id) != 0 or req_id not in self._load_final:
+            return
         del self._load_pending[req_id]
-        blocks = self._load_blocks.pop(req_id, [])
+        self._load_final.discard(req_id)
         self._recv_done.add(req_id)
-        if req_id in self._load_failed:
-            self._load_failed.discard(req_id)
-            if self.block_level_errors:
-                self._error_blocks.update(blocks)
+        errors = self._load_errors.pop(req_id, None)
+        if errors is not None:
+            # Blocks that loaded stay valid: vLLM recomputes from the first failed one.
+            if self.block_level_errors and errors:
+                self._error_blocks.update(errors)
             else:
                 self._recv_failed.add(req_id)
 

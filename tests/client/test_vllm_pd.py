@@ -17,6 +17,9 @@ from .vllm_harness import BS, Engine, run_together  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
+BOTH_SCHEDULERS = pytest.mark.parametrize("async_scheduling", [False, True],
+                                          ids=["Scheduler", "AsyncScheduler"])
+
 
 @pytest.fixture(scope="module")
 def model_root(tmp_path_factory):
@@ -44,7 +47,7 @@ def observer(daemon):
     c.close()
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+@BOTH_SCHEDULERS
 def test_second_engine_loads_what_the_first_stored(engines, daemon, observer, async_scheduling):
     a = engines(daemon, engine_id="a", async_scheduling=async_scheduling)
     b = engines(daemon, engine_id="b", async_scheduling=not async_scheduling)
@@ -99,7 +102,7 @@ def _prefill(p_engine: Engine, rid: str, tokens: list[int]) -> dict:
     return params
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+@BOTH_SCHEDULERS
 def test_pd_hand_off_through_the_pool(engines, daemon, observer, async_scheduling):
     pe = engines(daemon, engine_id="prefill", async_scheduling=async_scheduling,
                  kv_role="kv_producer", slow_stores=2)
@@ -128,8 +131,10 @@ def test_pd_hand_off_through_the_pool(engines, daemon, observer, async_schedulin
 
 def test_decode_waits_for_a_hand_off_still_landing(engines, daemon, observer):
     """The decode request can reach its instance before the prefill's blocks are in the pool
-    (the prefill answers as soon as it finishes); it asks again until they are."""
-    pe = engines(daemon, engine_id="prefill", async_scheduling=True, kv_role="kv_producer")
+    (the prefill answers as soon as it finishes); it asks again until the first of them are,
+    then loads the rest as the prefill's stores land, over several steps."""
+    pe = engines(daemon, engine_id="prefill", async_scheduling=True, kv_role="kv_producer",
+                 max_num_batched_tokens=32, late_stores=2)
     de = engines(daemon, engine_id="decode", async_scheduling=True, kv_role="kv_consumer")
     tokens = prompt(98, 6000)
     params = {"do_remote_prefill": True, "do_remote_decode": False,
@@ -180,3 +185,106 @@ def test_decode_started_after_prefill_stopped(engines, daemon, observer):
     assert de.stats.loaded_reqs == {"r1"}
     assert de.workers[0].verified_blocks == 3     # 64 tokens: the last block is recomputed
     de.assert_clean(observer)
+
+
+# ---- streaming: the decode loads each chunk as the prefill's stores commit it -----------------
+
+def _stream_setup(engines, daemon, async_scheduling: bool, pd_wait_s: float):
+    """A prefill whose 6 store jobs (2 blocks each) reach the pool only when the test lets
+    them go, and a decode request for the same prompt sent as soon as the prefill answered."""
+    pe = engines(daemon, engine_id="prefill", async_scheduling=async_scheduling,
+                 kv_role="kv_producer", max_num_batched_tokens=2 * BS, hold_stores=True)
+    de = engines(daemon, engine_id="decode", async_scheduling=async_scheduling,
+                 kv_role="kv_consumer", extra={"pd_wait_s": pd_wait_s})
+    tokens = prompt(12 * BS + 8, 6000)            # 12 full blocks, computed 2 per step
+    pe.add("r1", tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    pe.run(until=lambda: "r1" in pe.stats.params)
+    params = pe.stats.params["r1"]
+    assert params["kvpool_tokens"] == 12 * BS
+    held = pe.held[0]
+    assert len(held.held) == 6 and not held.sent_blocks, "no store should be in the pool yet"
+    de.add("r1", tokens, max_tokens=3, kv_transfer_params=params)
+    return pe, de, held
+
+
+def _loaded(e, rid: str = "r1") -> int:
+    """Blocks the engine's workers were told to load for ``rid`` so far."""
+    return sum(len(b) for _, b in e.workers[0].load_history.get(rid, []))
+
+
+def _land_chunks(pe, de, held, n: int) -> None:
+    """Let the prefill's next ``n`` store jobs go, one at a time; after each, the decode must
+    load that chunk before the next one is even copied."""
+    for _ in range(n):
+        pe.release_stores(1)
+        want = 2 * len(held.sent_blocks)
+        run_together(pe, de, until=lambda: _loaded(de) >= want, timeout_s=30)
+        assert _loaded(de) == want, "the decode loaded blocks that were not in the pool"
+
+
+@BOTH_SCHEDULERS
+def test_decode_loads_each_chunk_as_the_prefill_stores_it(engines, daemon, observer,
+                                                          async_scheduling):
+    from vllm.v1.request import RequestStatus
+
+    pe, de, held = _stream_setup(engines, daemon, async_scheduling, pd_wait_s=30.0)
+    _land_chunks(pe, de, held, 1)
+    # its first load job went out while 5 of the prefill's 6 store jobs were not even copied
+    assert len(held.held) == 5
+    assert de.sched.requests["r1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    _land_chunks(pe, de, held, 5)
+    run_together(pe, de)
+    # one load per chunk, each as it landed; every byte is what the prefill computed
+    assert [len(b) for _, b in de.workers[0].load_history["r1"]] == [2] * 6
+    assert de.stats.loaded_reqs == {"r1"} and de.workers[0].verified_blocks == 12
+    assert de.stats.finished == ["r1"]
+    # the decode computed only the partial tail block and its decode steps
+    assert de.stats.scheduled["r1"] == 8 + 2
+    pe.assert_clean(observer)
+    de.assert_clean(observer)
+
+
+@BOTH_SCHEDULERS
+def test_prefill_dying_mid_hand_off_decode_keeps_what_arrived(engines, daemon, observer,
+                                                              async_scheduling):
+    pe, de, held = _stream_setup(engines, daemon, async_scheduling, pd_wait_s=2.0)
+    _land_chunks(pe, de, held, 3)
+    pe.fail_stores()                  # the prefill dies: its other 3 store jobs never land
+    run_together(pe, de)
+    assert de.stats.finished == ["r1"]
+    assert de.workers[0].verified_blocks == 6
+    # the 6 blocks that arrived are kept; vLLM recomputes from the first missing one
+    assert de.stats.scheduled["r1"] == (12 * BS + 8 - 6 * BS) + 2
+    pe.assert_clean(observer)
+    de.assert_clean(observer)
+
+
+@BOTH_SCHEDULERS
+def test_decode_aborted_while_streaming_leaks_nothing(engines, daemon, observer,
+                                                      async_scheduling):
+    pe, de, held = _stream_setup(engines, daemon, async_scheduling, pd_wait_s=30.0)
+    _land_chunks(pe, de, held, 2)
+    de.abort("r1")
+    de.run(timeout_s=30)              # nothing more to wait for: the stream ends at once
+    assert "r1" not in de.stats.finished and _loaded(de) == 4
+    de.assert_clean()
+    pe.release_stores()               # (the daemon counts the held ones as being written)
+    pe.run()
+    pe.assert_clean(observer)
+    de.assert_clean(observer)
+
+
+def test_daemon_dying_mid_hand_off_decode_recomputes(engines, daemon):
+    pe, de, held = _stream_setup(engines, daemon, False, pd_wait_s=120.0)
+    _land_chunks(pe, de, held, 2)
+    daemon.kill()
+    pe.release_stores()               # they fail: no daemon to take them
+    # long before pd_wait_s: the stream ends on the daemon's absence
+    run_together(pe, de, timeout_s=60)
+    assert de.stats.finished == ["r1"]
+    # the chunks whose loads completed before the daemon died are kept (bit-exact), the
+    # rest is recomputed
+    kept = 12 * BS + 8 + 2 - de.stats.scheduled["r1"]
+    assert kept in (0, 2 * BS, 4 * BS) and kept == de.workers[0].verified_blocks * BS
+    pe.assert_clean()
+    de.assert_clean()

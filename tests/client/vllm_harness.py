@@ -12,10 +12,11 @@ core does with async scheduling.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -104,6 +105,77 @@ class SlowStores:
             self._passthrough = False
 
 
+class HeldStores:
+    """Holds one worker's store jobs back from the daemon, which commits their blocks only
+    once they are let go: ``release`` (by the test) or ``steps`` steps after they were made
+    (``steps=None``: only by the test). Stands for a prefill whose copies land over several
+    steps; ``fail`` makes the held ones fail instead, as a prefill that dies mid-hand-off.
+    ``wait`` (handle_preemptions) lets go of what it waits for at once."""
+
+    def __init__(self, role, steps: int | None) -> None:
+        self.steps, self.step = steps, 0
+        client = self.client = role.client
+        self._submit, self._poll, self._wait = client.submit_store, client.poll, client.wait
+        client.submit_store, client.poll, client.wait = self.submit_store, self.poll, self.wait
+        self.held: list[tuple[float, int, tuple, dict]] = []   # (due step, our id, call)
+        self._ids = itertools.count(-1, -1)     # ours are negative: never a client's id
+        self._ours: dict[int, int] = {}         # the client's job id -> ours
+        self._done: list = []                    # completions made here (failures)
+        self.sent_blocks: list[int] = []         # blocks per job let go, in order
+
+    def submit_store(self, *args, **kw) -> int:
+        job = next(self._ids)
+        due = self.step + self.steps if self.steps is not None else float("inf")
+        self.held.append((due, job, args, kw))
+        return job
+
+    def release(self, n: int | None = None, want: set[int] | None = None) -> None:
+        """Let go of the ``n`` oldest held jobs (all if None), or of those in ``want``."""
+        from kvpool.client.worker import JobCompletion
+        from kvpool.shared.errors import DaemonUnavailable
+
+        go = [h for h in self.held if want is None or h[1] in want][:n]
+        gone = {h[1] for h in go}
+        self.held = [h for h in self.held if h[1] not in gone]
+        for _, job, args, kw in go:
+            try:
+                self._ours[self._submit(*args, **kw)] = job
+                self.sent_blocks.append(len(args[1]))
+            except (DaemonUnavailable, KeyError) as e:
+                self._done.append(JobCompletion(job, False, message=str(e)))
+
+    def fail(self) -> None:
+        """Every held job fails without reaching the daemon."""
+        from kvpool.client.worker import JobCompletion
+
+        self._done += [JobCompletion(job, False, message="the prefill died")
+                       for _, job, _, _ in self.held]
+        self.held = []
+
+    def tick(self) -> None:
+        self.step += 1
+        due = {job for d, job, _, _ in self.held if d <= self.step}
+        if due:
+            self.release(want=due)
+
+    def _map(self, got):
+        return [replace(c, job_id=self._ours.pop(c.job_id)) if c.job_id in self._ours else c
+                for c in got]
+
+    def poll(self):
+        out, self._done = self._done + self._map(self._poll()), []
+        return out
+
+    def wait(self, job_ids, timeout_s):
+        self.release(want=set(job_ids))
+        mine = {o: c for c, o in self._ours.items()}
+        got = self._map(self._wait([mine.get(j, j) for j in job_ids if j in mine], timeout_s))
+        got += [c for c in self._done if c.job_id in set(job_ids)]
+        self._done = [c for c in self._done if c.job_id not in set(job_ids)]
+        by_id = {c.job_id: c for c in got}
+        return [by_id[j] for j in job_ids]
+
+
 @dataclass
 class Group:
     layers: list[str]
@@ -176,6 +248,7 @@ class Stats:
     failed_loads: set[str] = field(default_factory=set)
     finished: list[str] = field(default_factory=list)
     params: dict[str, dict | None] = field(default_factory=dict)   # kv_transfer_params out
+    scheduled: dict[str, int] = field(default_factory=dict)   # tokens computed per request
     max_steps: int = 5000
 
 
@@ -186,7 +259,8 @@ class Engine:
                  num_blocks: int = 128, hybrid: bool = False, engine_id: str = "engine-a",
                  block_outermost: bool = False, max_num_batched_tokens: int = 64,
                  extra: dict | None = None, kv_role: str = "kv_both",
-                 load_failure_policy: str = "recompute", slow_stores: int = 0) -> None:
+                 load_failure_policy: str = "recompute", slow_stores: int = 0,
+                 hold_stores: bool = False, late_stores: int = 0) -> None:
         model = ModelConfig(model=model_dir(root), dtype="float16", seed=42,
                             skip_tokenizer_init=True)
         self.groups = ([Group(["model.layers.0.self_attn"]),
@@ -246,6 +320,10 @@ class Engine:
         self.aggregator = KVOutputAggregator(expected_finished_count=tp)
         self.slow = [SlowStores(w.conn.worker, slow_stores) for w in self.workers] \
             if slow_stores else []
+        # hold_stores: store jobs reach the daemon only when the test lets them go
+        # (release_stores); late_stores: that many steps after they were made.
+        self.held = [HeldStores(w.conn.worker, late_stores or None) for w in self.workers] \
+            if hold_stores or late_stores else []
         self.stats = Stats()
         self._queue: list[tuple[object, ModelRunnerOutput]] = []
         init_none_hash(sha256)
@@ -267,6 +345,16 @@ class Engine:
                       cache_salt=cache_salt)
         self.sched.add_request(req)
         return req
+
+    def release_stores(self, n: int | None = None) -> None:
+        """Let the ``n`` oldest held store jobs of every rank go to the daemon."""
+        for h in self.held:
+            h.release(n)
+
+    def fail_stores(self) -> None:
+        """Make every held store job fail, as if this engine died before they were copied."""
+        for h in self.held:
+            h.fail()
 
     def abort(self, req_id: str) -> None:
         from vllm.v1.request import RequestStatus
@@ -320,10 +408,14 @@ class Engine:
         meta = so.kv_connector_metadata
         assert isinstance(meta, StepMeta)
         ids = list(so.num_scheduled_tokens)
+        for rid, n in so.num_scheduled_tokens.items():
+            self.stats.scheduled[rid] = self.stats.scheduled.get(rid, 0) + n
         outs = []
         self.flushed_tickets += len(meta.flush_tickets)
         for slow in self.slow:
             slow.step += 1
+        for held in self.held:
+            held.tick()
         if self.fail_next_loads and meta.loads:
             self._break_loads(meta)
             self.fail_next_loads -= 1
@@ -435,13 +527,17 @@ class Engine:
         self.connector.shutdown()
 
 
-def run_together(*engines: Engine, timeout_s: float = 60.0) -> None:
-    """Step several engines in turns until all are idle, as concurrent instances would run."""
+def run_together(*engines: Engine, until=None, timeout_s: float = 60.0) -> None:
+    """Step several engines in turns, as concurrent instances would run, until all are idle
+    or ``until()`` holds (bounded)."""
     deadline = time.monotonic() + timeout_s
-    while any(e.sched.has_requests() for e in engines):
+    while not until() if until is not None else any(e.sched.has_requests() for e in engines):
         for e in engines:
             if e.sched.has_requests():
                 e.step()
-        assert time.monotonic() < deadline, "engines did not settle"
-    for e in engines:
-        e.drain_queue()
+        assert time.monotonic() < deadline, (
+            f"engines did not {'get there' if until else 'settle'} in {timeout_s} s: "
+            + "; ".join(f"{e.engine_id}: {e.describe()}" for e in engines))
+    if until is None:
+        for e in engines:
+            e.drain_queue()
