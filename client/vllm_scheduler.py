@@ -105,7 +105,7 @@ class SchedulerRole:
     def __init__(self, groups: list[GroupInfo], world_size: int, client: Any,
                  backoff_s: float = 0.2, backoff_max_s: float = 5.0, *,
                  kv_producer: bool = False, engine_id: str = "", tp_size: int = 1,
-                 pd_wait_s: float = 3.0) -> None:
+                 pd_wait_s: float = 3.0, pd_stream: bool = True) -> None:
         self.groups = groups
         self.world_size = world_size
         self.kv_producer = kv_producer
@@ -117,7 +117,9 @@ class SchedulerRole:
         # Streaming needs every group to hold blocks [0, n) of the prompt: a sliding-window
         # group looks up (and keeps) only the window ending at the hit, which moves as chunks
         # land. Models with one wait for the whole hand-off and load it at once instead.
-        self._can_stream = all(g.window_blocks is None for g in groups)
+        # A stalled stream reports its missing blocks as load errors, which vLLM's "fail"
+        # load-failure policy turns into a failed request: pd_stream=False keeps the wait.
+        self._can_stream = pd_stream and all(g.window_blocks is None for g in groups)
         self.client = client
         sizes = {g.block_tokens for g in groups}
         # One token→block grid for every group: vLLM's hybrid allocator gives attention groups
@@ -351,8 +353,11 @@ class SchedulerRole:
                 self._stream_answer(st, answers, leases)
                 continue
             hit = self._combine(st, answers)
-            want = min(st.expect_blocks, st.target)
-            if hit is not None and hit < want and time.monotonic() < st.wait_until:
+            # (a window group may have made _combine shrink the target: the hand-off is the
+            # whole prompt but its last token, whatever this round found)
+            full = (st.request.num_tokens - 1) // self.block_tokens
+            want = min(st.expect_blocks, full)
+            if want and (hit is None or hit < want) and time.monotonic() < st.wait_until:
                 if hit and self._can_stream:
                     # The producer's stores are landing: take the whole hand-off now, load
                     # what is here, and the rest chunk by chunk as it commits.
@@ -361,7 +366,7 @@ class SchedulerRole:
                 else:
                     # Nothing landed yet (or a window group: wait for all of it).
                     self._release.extend(leases)
-                    st.state = "queued"
+                    st.state, st.target, st.rounds = "queued", full, 0
                     self._retry.append(rid)
                     continue
             if hit is None:                 # a window elsewhere: ask again for that target
@@ -461,6 +466,8 @@ class SchedulerRole:
             for ids in st.stream_ids:
                 st.load_blocks.extend(ids[first:end])
             self._streams.add(request.request_id)
+            # vLLM may have taken a while to find room for it: the wait starts now.
+            st.wait_until = time.monotonic() + self.pd_wait_s
             st.state = "queued"         # asked for in this step's batch
             self._queued.append(request.request_id)
         elif not loads:

@@ -288,3 +288,29 @@ def test_daemon_dying_mid_hand_off_decode_recomputes(engines, daemon):
     assert kept in (0, 2 * BS, 4 * BS) and kept == de.workers[0].verified_blocks * BS
     pe.assert_clean()
     de.assert_clean()
+
+
+def test_sliding_window_model_loads_the_hand_off_once_all_landed(engines, daemon, observer):
+    """A window group keeps only the window ending at the hit, which moves as chunks land:
+    such a model does not stream, it waits for the whole hand-off and loads it at once."""
+    pe = engines(daemon, engine_id="prefill", async_scheduling=False, kv_role="kv_producer",
+                 hybrid=True, max_num_batched_tokens=2 * BS, hold_stores=True)
+    de = engines(daemon, engine_id="decode", async_scheduling=False, kv_role="kv_consumer",
+                 hybrid=True, extra={"pd_wait_s": 30.0})
+    tokens = prompt(12 * BS + 8, 6000)
+    pe.add("r1", tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    pe.run(until=lambda: "r1" in pe.stats.params)
+    de.add("r1", tokens, max_tokens=3, kv_transfer_params=pe.stats.params["r1"])
+    held = pe.held[0]
+    pe.release_stores(len(held.held) - 1)
+    steps = de.stats.steps
+    run_together(pe, de, until=lambda: de.stats.steps >= steps + 20)
+    assert _loaded(de) == 0 and de.sched.requests["r1"].num_computed_tokens == 0
+    pe.release_stores()
+    run_together(pe, de)
+    assert de.stats.loaded_reqs == {"r1"}
+    # one load per group: all 12 full-attention blocks, and the window's 2
+    assert sorted((g, len(b)) for g, b in de.workers[0].load_history["r1"]) == [(0, 12), (1, 2)]
+    assert de.workers[0].verified_blocks == 14
+    pe.assert_clean(observer)
+    de.assert_clean(observer)
