@@ -126,8 +126,9 @@ class Index:
     def register_namespace(self, ns: bytes, layout: Layout, quota_bytes: int = 0) -> None:
         """Bind a namespace to its layout; ``LayoutMismatch`` if it is bound to another one.
 
-        ``quota_bytes`` (0: none) is the engine's cap for the namespace; the latest declaration
-        wins, bounded by the daemon's ``namespace_quota``.
+        ``quota_bytes`` (0: none) is the engine's cap for the namespace. The latest registration
+        decides (engines of one namespace serve one model with one config), bounded by the
+        daemon's ``namespace_quota``.
         """
         layout.check()
         if quota_bytes < 0:
@@ -142,6 +143,9 @@ class Index:
         caps = [q for q in (quota_bytes, self.namespace_quota) if q > 0]
         if caps:
             self._set_quota(ns, min(caps))
+        else:
+            self._quota.pop(ns, None)
+            self._ns_lru.pop(ns, None)
 
     def check_handoff(self, family: bytes, ns: bytes, tp_size: int,
                       registered: Callable[[bytes], bool]) -> None:

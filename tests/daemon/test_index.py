@@ -255,6 +255,21 @@ def test_daemon_quota_caps_what_engines_declare_and_a_lower_quota_takes_effect(p
     assert (usage[NS_A].blocks, usage[NS_A].quota_bytes) == (2, 2 * SMALL.slot_bytes)
     with pytest.raises(OutOfRange):
         ix.register_namespace(NS_A, SMALL, quota_bytes=-1)
+    ix.register_namespace(NS_A, SMALL)               # no declaration: the daemon's cap again
+    assert ix.quota_of(NS_A) == cap
+    assert all(r >= 0 for r in store(ix, NS_A, keys(3, b"m")))
+    assert ix.used_bytes_of(NS_A) == cap
+
+
+def test_a_quota_can_be_lifted(pool):
+    ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
+    ix.register_namespace(NS_A, SMALL, quota_bytes=2 * SMALL.slot_bytes)
+    store(ix, NS_A, keys(4, b"a"))
+    assert ix.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
+    ix.register_namespace(NS_A, SMALL)
+    assert ix.quota_of(NS_A) == 0
+    store(ix, NS_A, keys(4, b"b"))
+    assert ix.used_bytes_of(NS_A) == 6 * SMALL.slot_bytes and ix.stats.evictions == 0
 
 
 def test_quota_accounting_survives_reset_expiry_and_adoption(pool_config):
