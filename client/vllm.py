@@ -29,7 +29,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.client.vllm_keys import build_groups
 from kvpool.client.vllm_meta import StepMeta
-from kvpool.shared.config import ClientConfig, build_config, env_layer
+from kvpool.shared.config import ClientConfig, build_config, env_layer, parse_size
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from kvpool.client.vllm_worker import WorkerRole
 
 # kv_connector_extra_config keys that are not ClientConfig fields.
-CONNECTOR_KEYS = ("model_id", "pd_wait_s")
+CONNECTOR_KEYS = ("model_id", "pd_wait_s", "quota", "pd_handoff")
 
 
 def client_config(extra: dict[str, Any]) -> ClientConfig:
@@ -60,6 +60,17 @@ def client_config(extra: dict[str, Any]) -> ClientConfig:
                           f"{sorted(unknown)} (known: {sorted(fields) + list(CONNECTOR_KEYS)})")
     return build_config(ClientConfig, env_layer(ClientConfig),
                         {k: v for k, v in extra.items() if k in fields})
+
+
+def _flag(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(value).lower() in ("0", "false", "no", "off"):
+        return False
+    from kvpool.shared.errors import ConfigError
+    raise ConfigError(f"kv_connector_extra_config {key} must be true or false, got {value!r}")
 
 
 def _tp_rank() -> int:
@@ -85,6 +96,12 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         config = client_config(extra)
         groups = build_groups(vllm_config, kv_cache_config, extra)
         engine_id = self._kv_transfer_config.engine_id or ""
+        quota_bytes = parse_size(extra.get("quota", 0))
+        # Explicit P/D roles declare the hand-off, so a decode engine whose TP differs from the
+        # prefill's is refused at registration; kv_both engines (prefix sharing, or proxies that
+        # set do_remote_* per request) opt in with pd_handoff=true.
+        role_is_pd = self._kv_transfer_config.kv_role in ("kv_producer", "kv_consumer")
+        pd_handoff = _flag(extra.get("pd_handoff", role_is_pd), "pd_handoff")
         self.scheduler: SchedulerRole | None = None
         self.worker: WorkerRole | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -108,7 +125,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                                   engine_id=engine_id)
             self.worker = WorkerRole(groups, kv_cache_config.num_blocks, rank,
                                      pc.tensor_parallel_size, client,
-                                     block_level_errors=len(kv_cache_config.kv_cache_groups) == 1)
+                                     block_level_errors=len(kv_cache_config.kv_cache_groups) == 1,
+                                     quota_bytes=quota_bytes, pd_handoff=pd_handoff)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -35,6 +35,9 @@ class GroupInfo:
     block_tokens: int
     layer_names: tuple[str, ...]
     sliding_window: int | None  # tokens; None for full attention
+    # The model and layout without the TP split (per-rank heads, TP size): P/D instances of one
+    # model share it whatever their TP, so the daemon can refuse a TP mismatch at registration.
+    handoff: bytes = b""
 
     @property
     def window_blocks(self) -> int | None:
@@ -83,10 +86,15 @@ def build_groups(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
                     f"|dtype={spec.dtype}|quant={getattr(spec, 'kv_quant_mode', '')}"
                     f"|window={window}|tp={tp}|layout={layout}"
                     f"|layers={','.join(group.layer_names)}")
+        family = (f"vllm-kv v1|{type(spec).__name__}|bs={spec.block_size}"
+                  f"|head={spec.head_size}/{spec.head_size_v}|dtype={spec.dtype}"
+                  f"|quant={getattr(spec, 'kv_quant_mode', '')}|window={window}|layout={layout}"
+                  f"|layers={','.join(group.layer_names)}")
         fp = hashlib.blake2b(identity.encode(), digest_size=16).digest()
+        family_fp = hashlib.blake2b(family.encode(), digest_size=16).digest()
         out.append(GroupInfo(index=i, namespace=make_namespace(model, fp), identity=identity,
                              block_tokens=spec.block_size, layer_names=tuple(group.layer_names),
-                             sliding_window=window))
+                             sliding_window=window, handoff=make_namespace(model, family_fp)))
     return out
 
 

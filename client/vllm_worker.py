@@ -34,8 +34,11 @@ FLUSH_TIMEOUT_S = 30.0
 
 class WorkerRole:
     def __init__(self, groups: list[GroupInfo], num_blocks: int, tp_rank: int, tp_size: int,
-                 client: Any, block_level_errors: bool = True) -> None:
+                 client: Any, block_level_errors: bool = True, *, quota_bytes: int = 0,
+                 pd_handoff: bool = False) -> None:
         self.groups = groups
+        self.quota_bytes = quota_bytes
+        self.pd_handoff = pd_handoff
         # vLLM maps failed block ids back to requests only when the model has one KV-cache
         # group; with several it needs the failed request ids instead.
         self.block_level_errors = block_level_errors
@@ -84,8 +87,9 @@ class WorkerRole:
             self._tensors.extend(tensors)
             try:
                 # A missing daemon raises nothing: the client sends it when the daemon appears.
-                self._regs[gi] = self.client.register(g.namespace, layout, self.tp_rank,
-                                                      plan.num_blocks, regions, plan.placement)
+                self._regs[gi] = self.client.register(
+                    g.namespace, layout, self.tp_rank, plan.num_blocks, regions, plan.placement,
+                    quota_bytes=self.quota_bytes, handoff=g.handoff if self.pd_handoff else b"")
             except KvpoolError as e:
                 logger.error("kvpool refused the registration of group %d: %s", g.index, e)
         self._events = TransferEvents(self._tensors)

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import msgspec
+
 from kvpool.client.transport import Transport
 from kvpool.shared import protocol as p
 from kvpool.shared.config import ClientConfig
@@ -55,8 +57,13 @@ class WorkerClient:
         self._done: list[JobCompletion] = []
 
     def register(self, namespace: bytes, layout: Layout, tp_rank: int, num_blocks: int,
-                 regions: Sequence[p.Region], placement: Sequence[SegmentPlacement]) -> int:
+                 regions: Sequence[p.Region], placement: Sequence[SegmentPlacement], *,
+                 quota_bytes: int = 0, handoff: bytes = b"") -> int:
         """Register this rank's KV memory; returns a local registration id.
+
+        ``quota_bytes`` caps the namespace in the pool (0: none); ``handoff`` names the model
+        for P/D hand-off, so the daemon refuses a decode engine whose TP split differs from the
+        prefill's (see ``RegisterRequest``).
 
         Raises ``LayoutMismatch``/``OutOfRange``/``UnknownId`` for a registration the daemon
         refuses. A daemon that is not there raises nothing: the registration is kept and sent
@@ -64,7 +71,7 @@ class WorkerClient:
         """
         local = next(self._local_ids)
         req = p.RegisterRequest(0, namespace, layout, tp_rank, num_blocks, list(regions),
-                                list(placement))
+                                list(placement), quota_bytes, handoff)
         self._registrations[local] = reg = _Registration(req)
         try:
             if self._t.is_connected and not self._t.is_stale:
@@ -173,5 +180,4 @@ class WorkerClient:
 
 
 def _with_req_id(req: p.RegisterRequest, req_id: int) -> p.RegisterRequest:
-    return p.RegisterRequest(req_id, req.namespace, req.layout, req.tp_rank, req.num_blocks,
-                             req.regions, req.placement)
+    return msgspec.structs.replace(req, req_id=req_id)

@@ -169,6 +169,8 @@ def info_as_dict(info) -> dict[str, Any]:
     out = msgspec.structs.asdict(info)
     out["clients"] = [{**msgspec.structs.asdict(c), "role": c.role.name.lower()}
                       for c in info.clients]
+    out["namespace_usage"] = [{**msgspec.structs.asdict(n), "namespace": n.namespace.hex()}
+                              for n in info.namespace_usage]
     return out
 
 
@@ -190,8 +192,12 @@ def format_info(info) -> str:
         f"   loaded {info.loaded_blocks} blocks ({_human(info.loaded_bytes)})",
         f"evictions  {info.evictions}   leases {info.leases}   errors {info.errors}"
         f"   adopted at start {info.adopted_blocks}",
-        f"clients    {len(info.clients)}",
     ]
+    for n in info.namespace_usage:
+        quota = f" of {_human(n.quota_bytes)} quota" if n.quota_bytes else ""
+        lines.append(f"  ns {n.namespace.hex()[:12]}  tp {n.tp_size}  {n.blocks} blocks  "
+                     f"{_human(n.used_bytes)}{quota}  {n.description[:60]}")
+    lines.append(f"clients    {len(info.clients)}")
     for c in info.clients:
         lines.append(f"  #{c.owner_id} {c.role.name.lower():9s} pid {c.pid:<7d} {c.name}"
                      f"{' engine ' + c.engine_id if c.engine_id else ''}   registrations "

@@ -18,19 +18,26 @@ Space: the pool's extents are handed to one slot size at a time. Room for a slot
 free slot of its size, then a free extent, then eviction: the least recently used slot of the same
 size, or a whole extent of another size whose newest use is older than that (so a new model can
 take space from an idle one without a static split). ``PoolFull`` only when neither exists.
+
+Quotas: a namespace may have a byte cap (declared by its engines, bounded by the daemon's
+``namespace_quota``). Its prepared and committed slots count against it; a store that would pass
+it evicts that namespace's own least recently used blocks first, never another namespace's, and
+gets ``SLOT_NO_SPACE`` when none of its own can go. A quota is a cap, not a reservation: pool-wide
+pressure still evicts by the pool-wide LRU.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvpool.daemon.eviction import LruPolicy
 from kvpool.daemon.pool import COMMITTED, FREE, WRITING, Pool
 from kvpool.shared.errors import (LayoutMismatch, LeaseExpired, OutOfRange, PoolFull,
                                   ProtocolError, UnknownId)
 from kvpool.shared.layout import Layout
-from kvpool.shared.protocol import SLOT_NO_SPACE, SLOT_PRESENT, make_slot_ref
+from kvpool.shared.protocol import SLOT_NO_SPACE, SLOT_PRESENT, NamespaceInfo, make_slot_ref
 
 
 @dataclass(slots=True, eq=False)
@@ -84,8 +91,10 @@ class IndexStats:
 class Index:
     """All slot state. Callers: the server's dispatch (event-loop thread only)."""
 
-    def __init__(self, pool: Pool, lease_ttl_s: float, write_timeout_s: float) -> None:
+    def __init__(self, pool: Pool, lease_ttl_s: float, write_timeout_s: float,
+                 namespace_quota: int = 0) -> None:
         self.pool = pool
+        self.namespace_quota = namespace_quota
         self.lease_ttl_s = lease_ttl_s
         self.write_timeout_s = write_timeout_s
         self.stats = IndexStats()
@@ -98,6 +107,14 @@ class Index:
         self._extent_class: dict[int, SizeClass] = {}
         self._free_extents = list(range(pool.geometry.num_extents - 1, -1, -1))
         self._layouts: dict[bytes, Layout] = {}
+        # Space per namespace: bytes of its WRITING and COMMITTED slots; for namespaces with a
+        # quota, the cap and an LRU of their own committed slots (the victims the cap may take).
+        self._ns_bytes: dict[bytes, int] = {}
+        self._ns_blocks: dict[bytes, int] = {}      # committed blocks per namespace
+        self._quota: dict[bytes, int] = {}
+        self._ns_lru: dict[bytes, LruPolicy] = {}
+        # P/D hand-off family -> {namespace: tp_size} of the registrations that declared it.
+        self._handoff: dict[bytes, dict[bytes, int]] = {}
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
         self._tick = itertools.count(1)
@@ -106,9 +123,16 @@ class Index:
 
     # ---- namespaces ------------------------------------------------------------------------
 
-    def register_namespace(self, ns: bytes, layout: Layout) -> None:
-        """Bind a namespace to its layout; ``LayoutMismatch`` if it is bound to another one."""
+    def register_namespace(self, ns: bytes, layout: Layout, quota_bytes: int = 0) -> None:
+        """Bind a namespace to its layout; ``LayoutMismatch`` if it is bound to another one.
+
+        ``quota_bytes`` (0: none) is the engine's cap for the namespace. The latest registration
+        decides (engines of one namespace serve one model with one config), bounded by the
+        daemon's ``namespace_quota``.
+        """
         layout.check()
+        if quota_bytes < 0:
+            raise OutOfRange(f"quota_bytes must be >= 0, got {quota_bytes}")
         known = self._layouts.get(ns)
         if known is None:
             self._layouts[ns] = layout
@@ -116,6 +140,55 @@ class Index:
         elif known != layout:
             raise LayoutMismatch(f"namespace {ns.hex()} is registered with another layout "
                                  f"({known.description or known.segment_bytes[:4]}...)")
+        caps = [q for q in (quota_bytes, self.namespace_quota) if q > 0]
+        if caps:
+            self._set_quota(ns, min(caps))
+        else:
+            self._quota.pop(ns, None)
+            self._ns_lru.pop(ns, None)
+
+    def check_handoff(self, family: bytes, ns: bytes, tp_size: int,
+                      registered: Callable[[bytes], bool]) -> None:
+        """Refuse a P/D registration whose TP split differs from that of another namespace of
+        the same hand-off family that is registered (``registered``) or holds blocks: KV stored
+        with one TP split cannot be loaded by ranks of another, so the engine gets an error now
+        rather than a recompute on every hand-off."""
+        if not family:
+            return
+        peers = self._handoff.setdefault(family, {})
+        for other, other_tp in peers.items():
+            if other != ns and other_tp != tp_size and (registered(other)
+                                                        or self._ns_bytes.get(other, 0)):
+                raise LayoutMismatch(
+                    f"P/D hand-off across TP sizes is not supported: this engine runs "
+                    f"tensor_parallel_size={tp_size}, but the same model and layout are "
+                    f"registered for hand-off with tensor_parallel_size={other_tp} (namespace "
+                    f"{other.hex()}). Run prefill and decode with one TP size, or set "
+                    f"pd_handoff=false in kv_connector_extra_config to share only prefixes")
+        peers[ns] = tp_size
+
+    def quota_of(self, ns: bytes) -> int:
+        return self._quota.get(ns, 0)
+
+    def used_bytes_of(self, ns: bytes) -> int:
+        return self._ns_bytes.get(ns, 0)
+
+    def namespace_usage(self) -> list[NamespaceInfo]:
+        """Per registered namespace: blocks, bytes and quota (for `kvpool info` and metrics)."""
+        return [NamespaceInfo(ns, layout.description, layout.tp_size,
+                              self._ns_blocks.get(ns, 0), self._ns_bytes.get(ns, 0),
+                              self._quota.get(ns, 0))
+                for ns, layout in self._layouts.items()]
+
+    def _set_quota(self, ns: bytes, quota: int) -> None:
+        self._quota[ns] = quota
+        if ns not in self._ns_lru:
+            slots = self._slots
+            lru = self._ns_lru[ns] = LruPolicy(lambda sid: slots[sid].last_use)
+            held = sorted((s for s in self._tables.get(ns, _EMPTY).values()
+                           if s.state == COMMITTED), key=lambda s: s.last_use)
+            for s in held:
+                lru.insert(s.id)
 
     def layout_of(self, ns: bytes) -> Layout:
         try:
@@ -161,6 +234,8 @@ class Index:
                     slot.last_use = next(self._tick)
                     table[key[16:]] = slot
                     cls.lru.insert(slot.id)
+                    self._ns_bytes[slot.ns] = self._ns_bytes.get(slot.ns, 0) + slot_bytes
+                    self._ns_blocks[slot.ns] = self._ns_blocks.get(slot.ns, 0) + 1
                     kept += 1
                 else:
                     if int(rec["state"]) != FREE:
@@ -253,12 +328,18 @@ class Index:
         out: list[int] = []
         allocated = full = 0
         table = self._tables.setdefault(ns, {})
+        quota = self._quota.get(ns, 0)
+        slot_bytes = layout.slot_bytes
         for k in keys:
             s = table.get(k)
             if s is not None:
                 out.append(SLOT_PRESENT)
                 continue
-            s = self._allocate(layout.slot_bytes)
+            if quota and not self._fits_quota(ns, slot_bytes, quota):
+                out.append(SLOT_NO_SPACE)
+                full += 1
+                continue
+            s = self._allocate(slot_bytes)
             if s is None:
                 out.append(SLOT_NO_SPACE)
                 full += 1
@@ -272,12 +353,27 @@ class Index:
             self.pool.write_state(s.extent, s.index, WRITING)
             table[k] = s
             self._writing[s.id] = s
+            self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
             out.append(s.ref)
             allocated += 1
         if full and not allocated and not any(r == SLOT_PRESENT for r in out):
+            if quota and not self._fits_quota(ns, slot_bytes, quota):
+                raise PoolFull(f"namespace {ns.hex()} is at its quota of {quota} bytes and every "
+                               f"block of it is being written or pinned")
             raise PoolFull(f"no room for {full} blocks of {layout.slot_bytes} bytes: every slot "
                            f"is being written or pinned by a lease or a transfer")
         return out
+
+    def _fits_quota(self, ns: bytes, slot_bytes: int, quota: int) -> bool:
+        """Make room for one more slot under ``ns``'s quota by evicting its own least recently
+        used blocks; False if its unpinned blocks cannot make enough."""
+        lru = self._ns_lru[ns]
+        while self._ns_bytes.get(ns, 0) + slot_bytes > quota:
+            victim = lru.oldest(self._is_pinned)
+            if victim is None:
+                return False
+            self._evict(self._slots[victim])
+        return True
 
     def abort_store(self, refs: list[int], owner: int) -> int:
         """Drop prepared slots that will not be written. Unknown or stale refs are skipped."""
@@ -494,6 +590,10 @@ class Index:
             s.state = COMMITTED
             s.last_use = tick
             s.size_class.lru.insert(s.id)
+            self._ns_blocks[s.ns] = self._ns_blocks.get(s.ns, 0) + 1
+            own = self._ns_lru.get(s.ns)
+            if own is not None:
+                own.insert(s.id)
         self.stats.stored_blocks += len(slots)
         if self.events is not None:
             self.events.extend(("stored", s.ns, s.key[16:]) for s in slots)
@@ -507,7 +607,7 @@ class Index:
         s.doomed = True
         if self._unmap(s):
             if s.state == COMMITTED:
-                s.size_class.lru.remove(s.id)
+                self._forget_committed(s)
                 if self.events is not None:
                     self.events.append(("removed", s.ns, s.key[16:]))
         self._writing.pop(s.id, None)
@@ -516,15 +616,25 @@ class Index:
 
     def _free(self, s: Slot) -> None:
         if s.state == COMMITTED and self._unmap(s):
-            s.size_class.lru.remove(s.id)
+            self._forget_committed(s)
             if self.events is not None:
                 self.events.append(("removed", s.ns, s.key[16:]))
         self._writing.pop(s.id, None)
+        if s.state != FREE:
+            self._ns_bytes[s.ns] -= s.size_class.slot_bytes
         s.state = FREE
         s.doomed = False
         s.landed = s.writing = 0
         self.pool.write_state(s.extent, s.index, FREE)
         s.size_class.free.append(s)
+
+    def _forget_committed(self, s: Slot) -> None:
+        """Take a committed slot out of the LRUs that may evict it."""
+        s.size_class.lru.remove(s.id)
+        self._ns_blocks[s.ns] -= 1
+        own = self._ns_lru.get(s.ns)
+        if own is not None:
+            own.remove(s.id)
 
     def _unmap(self, s: Slot) -> bool:
         """Remove ``s`` from its namespace table if it is still the slot for its key."""

@@ -90,10 +90,14 @@ class _SnapshotCollector(Collector):
         clients = g("kvpool_clients", "Connected client processes by role.", labels=["role"])
         engines = g("kvpool_engines", "Distinct engines (vLLM engine ids) connected.")
         adopted = g("kvpool_adopted_blocks", "Committed blocks adopted from the previous daemon.")
+        ns_used = g("kvpool_namespace_used_bytes", "Pool bytes held by one namespace "
+                    "(model x layout), writing or committed.", labels=["namespace"])
+        ns_quota = g("kvpool_namespace_quota_bytes", "Byte cap of one namespace (0: none).",
+                     labels=["namespace"])
         uptime = g("kvpool_uptime_seconds", "Seconds since this daemon started.")
         up = g("kvpool_healthy", "1 while /healthz answers 200, else 0.")
         families: list[Metric] = [pool, used, slots, namespaces, leases, clients, engines,
-                                  adopted, uptime, up]
+                                  adopted, ns_used, ns_quota, uptime, up]
         up.add_metric([], 1.0 if healthy else 0.0)
         if info is None:
             return families
@@ -112,6 +116,9 @@ class _SnapshotCollector(Collector):
             clients.add_metric([role], n)
         engines.add_metric([], len({c.engine_id for c in info.clients if c.engine_id}))
         adopted.add_metric([], info.adopted_blocks)
+        for n in info.namespace_usage:
+            ns_used.add_metric([n.namespace.hex()], n.used_bytes)
+            ns_quota.add_metric([n.namespace.hex()], n.quota_bytes)
         uptime.add_metric([], info.uptime_s)
         return families
 

@@ -83,6 +83,10 @@ class Registry:
                 return reg
         return None
 
+    def has_namespace(self, namespace: bytes) -> bool:
+        """Whether any live registration serves ``namespace``."""
+        return any(r.namespace == namespace for r in self.registrations.values())
+
     def registration(self, owner: Owner, registration_id: int) -> Registration:
         reg = self.registrations.get(registration_id)
         if reg is None or reg.owner is not owner:

@@ -32,7 +32,7 @@ from kvpool.daemon.pool import Pool
 from kvpool.daemon.registry import Owner, Registration, Registry
 from kvpool.daemon.telemetry import Telemetry
 from kvpool.shared import protocol as p
-from kvpool.shared.config import DaemonConfig
+from kvpool.shared.config import DaemonConfig, parse_size
 from kvpool.shared.errors import (Aborted, ErrorCode, HelloRequired, KvpoolError, OutOfRange,
                                   ProtocolError, TooLarge, VersionMismatch)
 
@@ -50,7 +50,8 @@ class Server:
         self.config = config
         self.pool = pool
         self.engines = engines
-        self.index = Index(pool, config.lease_ttl_s, config.write_timeout_s)
+        self.index = Index(pool, config.lease_ttl_s, config.write_timeout_s,
+                           parse_size(config.namespace_quota))
         self.registry = Registry()
         self.daemon_id = uuid.uuid4().hex[:16]
         self.started = time.monotonic()
@@ -305,7 +306,9 @@ class Server:
                                 f" in this daemon (CUDA regions need a daemon started with CUDA)")
         if not 0 <= msg.tp_rank < msg.layout.tp_size:
             raise OutOfRange(f"tp_rank {msg.tp_rank} outside tp_size {msg.layout.tp_size}")
-        self.index.register_namespace(msg.namespace, msg.layout)
+        self.index.check_handoff(msg.handoff, msg.namespace, msg.layout.tp_size,
+                                 self.registry.has_namespace)
+        self.index.register_namespace(msg.namespace, msg.layout, msg.quota_bytes)
         mapped = engine.attach(msg)
         old = self.registry.find_registration(owner, msg.namespace, msg.tp_rank)
         # Before closing the one it replaces, so the engine's event feed sees no removal.
@@ -456,7 +459,8 @@ class Server:
                           st.stored_blocks, st.loaded_blocks, self.stored_bytes,
                           self.loaded_bytes, self.errors, clients, st.adopted_blocks,
                           slots_pinned=self.index.pinned_count(), hit_tokens=st.hit_tokens,
-                          miss_tokens=st.miss_tokens)
+                          miss_tokens=st.miss_tokens,
+                          namespace_usage=self.index.namespace_usage())
 
 
 def run(config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine]) -> int:

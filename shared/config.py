@@ -50,6 +50,7 @@ def default_socket_path() -> str:
     return str(base / "kvpoold.sock")
 
 
+_SIZE_ONLY = r"^\s*\d+(\.\d+)?\s*([KMGTkmgt]i?[Bb]?|[Bb])?\s*$"
 _SIZE_PATTERN = r"^(auto|\s*\d+(\.\d+)?\s*([KMGTkmgt]i?[Bb]?|[Bb])?\s*)$"
 
 
@@ -114,6 +115,11 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # vLLM sends one batch per scheduler step (~10-50 ms); the event loop only appends to a list.
     events_interval_ms: Annotated[int, _doc("a background thread sends event batches this often",
                                             ge=1, le=10_000)] = 50
+    # ---- multi-instance (appended) ----
+    namespace_quota: Annotated[str, _doc(
+        "most bytes one namespace (model + layout) may hold; beyond it, it evicts only its own "
+        "blocks. 0: no cap. Engines can set a lower one (kv_connector_extra_config quota)",
+        pattern=_SIZE_ONLY)] = "0"
 
     @property
     def socket_path(self) -> str:

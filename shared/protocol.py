@@ -111,6 +111,13 @@ class RegisterRequest(msgspec.Struct, tag=4, **_WIRE):
     num_blocks: int
     regions: list[Region]
     placement: list[SegmentPlacement]
+    # Appended last (array_like positional): older peers still decode the fields above.
+    # A byte cap for the namespace (0: none). Eviction under it takes only this namespace's
+    # blocks; the daemon's namespace_quota caps it further.
+    quota_bytes: int = 0
+    # P/D: names the model and layout *without* the TP split (empty: not a P/D engine).
+    # Registrations that share it must agree on tp_size, or the later one is refused.
+    handoff: bytes = b""
 
 
 class UnregisterRequest(msgspec.Struct, tag=5, **_WIRE):
@@ -247,6 +254,17 @@ class ClientInfo(msgspec.Struct, **_WIRE):
     jobs_in_flight: int
 
 
+class NamespaceInfo(msgspec.Struct, **_WIRE):
+    """One namespace's share of the pool."""
+
+    namespace: bytes
+    description: str         # what its engines said the layout is (model group, heads, ...)
+    tp_size: int
+    blocks: int              # committed
+    used_bytes: int          # committed and being written
+    quota_bytes: int         # 0: no cap
+
+
 class PoolInfo(msgspec.Struct, **_WIRE):
     """The daemon's numbers, as `kvpool info` prints them."""
 
@@ -273,6 +291,7 @@ class PoolInfo(msgspec.Struct, **_WIRE):
     slots_pinned: int = 0    # committed slots held by a lease (not evictable now)
     hit_tokens: int = 0      # hit_blocks weighted by each namespace's tokens per block
     miss_tokens: int = 0
+    namespace_usage: list[NamespaceInfo] = []
 
 
 class InfoReply(msgspec.Struct, tag=72, **_WIRE):

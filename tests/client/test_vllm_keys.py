@@ -102,3 +102,29 @@ def test_importing_the_connector_loads_no_daemon_and_no_cuda_code():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120).stdout.strip().splitlines()[-1]
     assert out == "[]"
+
+
+def test_pd_handoff_family_ignores_the_tp_split_and_nothing_else():
+    """TP 1 and TP 2 of one model are different namespaces (their blocks hold different
+    heads) but one hand-off family, which is how the daemon spots a P/D TP mismatch."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvpool.client.vllm_keys import build_groups
+
+    def groups(tp: int, model: str = "m", head: int = 64):
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=8 // tp, head_size=head,
+                                 dtype=torch.float16)
+        cfg = SimpleNamespace(model_config=SimpleNamespace(model=model, revision=None),
+                              parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+                              cache_config=SimpleNamespace(kv_cache_layout=None))
+        kv = SimpleNamespace(kv_cache_layout="NHD", kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
+        return build_groups(cfg, kv, {})[0]
+
+    one, two = groups(1), groups(2)
+    assert one.namespace != two.namespace and one.handoff == two.handoff
+    assert groups(1, model="other").handoff != one.handoff
+    assert groups(2, head=128).handoff != two.handoff

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.daemon.metrics import Metrics, MetricsServer, start_metrics_server
 from kvpool.shared.errors import ConfigError, ErrorCode
-from kvpool.shared.protocol import ClientInfo, PoolInfo, Role
+from kvpool.shared.protocol import ClientInfo, NamespaceInfo, PoolInfo, Role
 from tests.daemon.httptest import fetch
 
 
@@ -26,7 +26,8 @@ def make_info(**over) -> PoolInfo:
         clients=[ClientInfo(1, Role.SCHEDULER, "sched", 10, "engA", 0, 1, 0),
                  ClientInfo(2, Role.WORKER, "tp0", 11, "engA", 1, 0, 0),
                  ClientInfo(3, Role.WORKER, "tp0", 12, "engB", 1, 0, 0)],
-        adopted_blocks=7, slots_pinned=1)
+        adopted_blocks=7, slots_pinned=1,
+        namespace_usage=[NamespaceInfo(b"\x01" * 16, "m", 1, 2, 2 << 20, 8 << 20)])
     fields.update(over)
     return PoolInfo(**fields)
 
@@ -87,6 +88,8 @@ def test_metrics_and_gauges_from_info(served):
     assert s[("kvpool_engines", ())] == 2
     assert s[("kvpool_leases", ())] == 1
     assert s[("kvpool_adopted_blocks", ())] == 7
+    assert s[("kvpool_namespace_used_bytes", (("namespace", "01" * 16),))] == 2 << 20
+    assert s[("kvpool_namespace_quota_bytes", (("namespace", "01" * 16),))] == 8 << 20
     assert s[("kvpool_lookup_hit_blocks_total", ())] == 10
     assert s[("kvpool_lookup_miss_tokens_total", ())] == 80
     assert s[("kvpool_store_bytes_total", ())] == 6 << 20   # the failed job adds no bytes

@@ -8,7 +8,7 @@ import zmq
 
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared import protocol as p
-from kvpool.shared.errors import ErrorCode, PoolFull, VersionMismatch
+from kvpool.shared.errors import ErrorCode, LayoutMismatch, PoolFull, VersionMismatch
 from tests.kvtest import HostKv
 
 
@@ -167,7 +167,62 @@ def test_registrations_the_daemon_cannot_serve(daemon, committed):
     r = raw.call(p.RegisterRequest(4, kv.namespace, other, 0, kv.blocks, [kv.mem.region],
                                    kv.placement))
     assert r.code == ErrorCode.LAYOUT_MISMATCH
+    r = raw.call(p.RegisterRequest(5, kv.namespace, kv.layout, 0, kv.blocks, [kv.mem.region],
+                                   kv.placement, quota_bytes=-1))
+    assert r.code == ErrorCode.OUT_OF_RANGE and "quota" in r.message
     raw.close()
+
+
+def test_namespace_quota_over_the_wire(daemon_factory):
+    """The daemon's cap bounds every namespace, an engine may declare a lower one, and a store
+    past a quota evicts only that namespace's own blocks; `info` shows each namespace's use."""
+    d = daemon_factory(extra=["--namespace-quota", "16KiB"])     # 4 blocks of 4 KiB
+    capped, other = HostKv(model="capped"), HostKv(model="other")
+    cw = capped.register(d.client_config())[0]
+    creg = cw.register(capped.namespace, capped.layout, 0, capped.blocks, [capped.mem.region],
+                       capped.placement, quota_bytes=8 << 10)          # 2 blocks
+    ow, oreg = other.register(d.client_config())
+    sched = SchedulerClient(d.client_config())
+
+    def store(kv, worker, reg, keys):
+        refs = sched.prepare_store(kv.namespace, keys)
+        todo = [(b, r) for b, r in enumerate(refs) if r >= 0]
+        job = worker.submit_store(reg, [b for b, _ in todo], [r for _, r in todo])
+        assert worker.wait([job], 10)[0].ok
+        return refs
+
+    try:
+        other_keys = other.keys(list(range(96)))
+        assert [r >= 0 for r in store(other, ow, oreg, other_keys)] == [True] * 4 + [False] * 2
+        first = capped.keys(list(range(32)))
+        store(capped, cw, creg, first)
+        later = capped.keys(list(range(1000, 1032)))
+        assert all(r >= 0 for r in store(capped, cw, creg, later))   # evicts its own two
+        assert sched.lookup(capped.namespace, [first, later]).hits == [0, 2]
+        assert sched.lookup(other.namespace, [other_keys]).hits == [4]
+        usage = {n.namespace: n for n in sched.info().namespace_usage}
+        assert (usage[capped.namespace].quota_bytes, usage[capped.namespace].used_bytes) == \
+            (8 << 10, 8 << 10)
+        assert (usage[other.namespace].quota_bytes, usage[other.namespace].blocks) == (16 << 10, 4)
+    finally:
+        cw.close(); ow.close(); sched.close(); capped.close(); other.close()
+
+
+def test_pd_registrations_must_agree_on_tp_size(daemon):
+    family = b"F" * 16
+    tp1, tp2 = HostKv(tp_size=1), HostKv(tp_size=2)
+    prefill = tp1.register(daemon.client_config())[0]
+    p_reg = prefill.register(tp1.namespace, tp1.layout, 0, tp1.blocks, [tp1.mem.region],
+                             tp1.placement, handoff=family)
+    decode, plain = tp2.register(daemon.client_config())     # not declared as P/D: allowed
+    try:
+        with pytest.raises(LayoutMismatch, match="P/D hand-off across TP sizes"):
+            decode.register(tp2.namespace, tp2.layout, 1, tp2.blocks, [tp2.mem.region],
+                            tp2.placement, handoff=family)
+        # the refusal cost nothing: both clients keep what they had
+        assert prefill.is_registered(p_reg) and decode.is_registered(plain)
+    finally:
+        prefill.close(); decode.close(); tp1.close(); tp2.close()
 
 
 def test_full_pool_with_everything_leased_is_pool_full(daemon_factory):
