@@ -189,6 +189,18 @@ def test_decode_started_after_prefill_stopped(engines, daemon, observer):
 
 # ---- streaming: the decode loads each chunk as the prefill's stores commit it -----------------
 
+@pytest.fixture
+def steady(daemon_factory):
+    """A daemon that releases a silent client only after 10 s, and an observer of it. These
+    tests count blocks exactly; with the usual 500 ms a heartbeat thread kept from the GIL on a
+    loaded machine now and then gets its client released, which (rightly) ends a hand-off early.
+    """
+    d = daemon_factory(extra=["--peer-timeout-ms", "10000"])
+    c = SchedulerClient(d.client_config(), name="test observer")
+    yield d, c
+    c.close()
+
+
 def _stream_setup(engines, daemon, async_scheduling: bool, pd_wait_s: float):
     """A prefill whose 6 store jobs (2 blocks each) reach the pool only when the test lets
     them go, and a decode request for the same prompt sent as soon as the prefill answered."""
@@ -219,14 +231,17 @@ def _land_chunks(pe, de, held, n: int) -> None:
         pe.release_stores(1)
         want = 2 * len(held.sent_blocks)
         run_together(pe, de, until=lambda: _loaded(de) >= want, timeout_s=30)
-        assert _loaded(de) == want, "the decode loaded blocks that were not in the pool"
+        assert _loaded(de) == want, (
+            f"the decode loaded blocks that were not in the pool: it was told to load "
+            f"{de.workers[0].load_history['r1']} while the prefill had copied "
+            f"{held.sent_blocks}")
 
 
 @BOTH_SCHEDULERS
-def test_decode_loads_each_chunk_as_the_prefill_stores_it(engines, daemon, observer,
-                                                          async_scheduling):
+def test_decode_loads_each_chunk_as_the_prefill_stores_it(engines, steady, async_scheduling):
     from vllm.v1.request import RequestStatus
 
+    daemon, observer = steady
     pe, de, held = _stream_setup(engines, daemon, async_scheduling, pd_wait_s=30.0)
     _land_chunks(pe, de, held, 1)
     # its first load job went out while 5 of the prefill's 6 store jobs were not even copied
@@ -245,8 +260,9 @@ def test_decode_loads_each_chunk_as_the_prefill_stores_it(engines, daemon, obser
 
 
 @BOTH_SCHEDULERS
-def test_prefill_dying_mid_hand_off_decode_keeps_what_arrived(engines, daemon, observer,
+def test_prefill_dying_mid_hand_off_decode_keeps_what_arrived(engines, steady,
                                                               async_scheduling):
+    daemon, observer = steady
     pe, de, held = _stream_setup(engines, daemon, async_scheduling, pd_wait_s=2.0)
     _land_chunks(pe, de, held, 3)
     pe.fail_stores()                  # the prefill dies: its other 3 store jobs never land
@@ -260,8 +276,8 @@ def test_prefill_dying_mid_hand_off_decode_keeps_what_arrived(engines, daemon, o
 
 
 @BOTH_SCHEDULERS
-def test_decode_aborted_while_streaming_leaks_nothing(engines, daemon, observer,
-                                                      async_scheduling):
+def test_decode_aborted_while_streaming_leaks_nothing(engines, steady, async_scheduling):
+    daemon, observer = steady
     pe, de, held = _stream_setup(engines, daemon, async_scheduling, pd_wait_s=30.0)
     _land_chunks(pe, de, held, 2)
     de.abort("r1")
@@ -274,7 +290,8 @@ def test_decode_aborted_while_streaming_leaks_nothing(engines, daemon, observer,
     de.assert_clean(observer)
 
 
-def test_daemon_dying_mid_hand_off_decode_recomputes(engines, daemon):
+def test_daemon_dying_mid_hand_off_decode_recomputes(engines, steady):
+    daemon, _ = steady
     pe, de, held = _stream_setup(engines, daemon, False, pd_wait_s=120.0)
     _land_chunks(pe, de, held, 2)
     daemon.kill()
@@ -290,9 +307,10 @@ def test_daemon_dying_mid_hand_off_decode_recomputes(engines, daemon):
     de.assert_clean()
 
 
-def test_sliding_window_model_loads_the_hand_off_once_all_landed(engines, daemon, observer):
+def test_sliding_window_model_loads_the_hand_off_once_all_landed(engines, steady):
     """A window group keeps only the window ending at the hit, which moves as chunks land:
     such a model does not stream, it waits for the whole hand-off and loads it at once."""
+    daemon, observer = steady
     pe = engines(daemon, engine_id="prefill", async_scheduling=False, kv_role="kv_producer",
                  hybrid=True, max_num_batched_tokens=2 * BS, hold_stores=True)
     de = engines(daemon, engine_id="decode", async_scheduling=False, kv_role="kv_consumer",
