@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from kvpool.client.vllm_worker import WorkerRole
 
 # kv_connector_extra_config keys that are not ClientConfig fields.
-CONNECTOR_KEYS = ("model_id", "pd_wait_s", "quota", "pd_handoff")
+CONNECTOR_KEYS = ("model_id", "pd_wait_s", "quota", "pd_handoff", "pd_stream")
 
 
 def client_config(extra: dict[str, Any]) -> ClientConfig:
@@ -102,6 +102,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         # set do_remote_* per request) opt in with pd_handoff=true.
         role_is_pd = self._kv_transfer_config.kv_role in ("kv_producer", "kv_consumer")
         pd_handoff = _flag(extra.get("pd_handoff", role_is_pd), "pd_handoff")
+        # A stream that stalls reports its missing blocks as load errors, which vLLM's "fail"
+        # policy turns into a failed request: there, wait for the whole hand-off instead.
+        pd_stream = _flag(extra.get("pd_stream", self._kv_transfer_config.kv_load_failure_policy
+                                    != "fail"), "pd_stream")
         self.scheduler: SchedulerRole | None = None
         self.worker: WorkerRole | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -115,7 +119,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 config.reconnect_backoff_max_ms / 1000,
                 kv_producer=self._kv_transfer_config.kv_role == "kv_producer",
                 engine_id=engine_id, tp_size=pc.tensor_parallel_size,
-                pd_wait_s=float(extra.get("pd_wait_s", 3.0)))
+                pd_wait_s=float(extra.get("pd_wait_s", 3.0)), pd_stream=pd_stream)
         else:
             from kvpool.client.vllm_worker import WorkerRole
             from kvpool.client.worker import WorkerClient

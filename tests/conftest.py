@@ -44,7 +44,10 @@ class DaemonProcess:
     def args(self) -> list[str]:
         return [sys.executable, "-m", "kvpool.daemon", "--socket", self.socket,
                 "--pool-name", self.pool_name, "--pool-size", self.pool_size,
-                "--extent-size", "1MiB", "--cuda", "off", "--peer-timeout-ms", "500",
+                # 2 s: a client process busy on a loaded 2-core machine (building an engine,
+                # importing torch) can miss heartbeats for over 500 ms; tests of the release
+                # rule itself ask for a short timeout.
+                "--extent-size", "1MiB", "--cuda", "off", "--peer-timeout-ms", "2000",
                 "--log-level", "debug", "--metrics-port", "0", *self.extra]
 
     def start(self, extra: list[str] | None = None) -> "DaemonProcess":

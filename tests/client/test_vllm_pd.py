@@ -332,3 +332,15 @@ def test_sliding_window_model_loads_the_hand_off_once_all_landed(engines, steady
     assert de.workers[0].verified_blocks == 14
     pe.assert_clean(observer)
     de.assert_clean(observer)
+
+
+def test_fail_policy_waits_for_the_whole_hand_off_unless_told_to_stream(engines, daemon):
+    """A stalled stream ends in load errors, which vLLM's "fail" policy turns into a failed
+    request: with that policy the decode side waits for the whole hand-off by default."""
+    fail = engines(daemon, engine_id="f", async_scheduling=False, kv_role="kv_consumer",
+                   load_failure_policy="fail")
+    forced = engines(daemon, engine_id="s", async_scheduling=False, kv_role="kv_consumer",
+                     load_failure_policy="fail", extra={"pd_stream": True})
+    default = engines(daemon, engine_id="d", async_scheduling=False, kv_role="kv_consumer")
+    assert not fail.connector.scheduler._can_stream
+    assert forced.connector.scheduler._can_stream and default.connector.scheduler._can_stream

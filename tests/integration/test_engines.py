@@ -74,7 +74,8 @@ def test_eviction_under_pressure_never_takes_a_leased_block(daemon_factory):
     worker.close(); sched.close(); kv.close()
 
 
-def test_sigkilled_engine_is_released_within_a_second(daemon):
+def test_sigkilled_engine_is_released_within_a_second(daemon_factory):
+    daemon = daemon_factory(extra=["--peer-timeout-ms", "500"])
     assert result(engine(daemon, "store", blocks=8, heads=16))["prepared"] == 8
     holder = engine(daemon, "hold", blocks=48, first_token=50_000, heads=16)
     try:
