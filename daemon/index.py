@@ -150,15 +150,16 @@ class Index:
     def check_handoff(self, family: bytes, ns: bytes, tp_size: int,
                       registered: Callable[[bytes], bool]) -> None:
         """Refuse a P/D registration whose TP split differs from that of another namespace of
-        the same hand-off family that is registered (``registered``) or holds blocks: KV stored
-        with one TP split cannot be loaded by ranks of another, so the engine gets an error now
-        rather than a recompute on every hand-off."""
+        the same hand-off family with a live registration (``registered``): KV stored with one
+        TP split cannot be loaded by ranks of another, so the engine gets an error now rather
+        than a recompute on every hand-off. Blocks left by engines that have gone do not count:
+        a fleet moving to another TP size must not be refused until they are evicted (the decode
+        side still checks each hand-off's TP size and recomputes a mismatch)."""
         if not family:
             return
         peers = self._handoff.setdefault(family, {})
         for other, other_tp in peers.items():
-            if other != ns and other_tp != tp_size and (registered(other)
-                                                        or self._ns_bytes.get(other, 0)):
+            if other != ns and other_tp != tp_size and registered(other):
                 raise LayoutMismatch(
                     f"P/D hand-off across TP sizes is not supported: this engine runs "
                     f"tensor_parallel_size={tp_size}, but the same model and layout are "
