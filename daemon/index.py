@@ -327,7 +327,7 @@ class Index:
         ``SLOT_NO_SPACE`` where nothing could be evicted. ``PoolFull`` if no key got room."""
         layout = self.layout_of(ns)
         out: list[int] = []
-        allocated = full = 0
+        allocated = full = over_quota = 0
         table = self._tables.setdefault(ns, {})
         quota = self._quota.get(ns, 0)
         slot_bytes = layout.slot_bytes
@@ -339,6 +339,7 @@ class Index:
             if quota and not self._fits_quota(ns, slot_bytes, quota):
                 out.append(SLOT_NO_SPACE)
                 full += 1
+                over_quota += 1
                 continue
             s = self._allocate(slot_bytes)
             if s is None:
@@ -358,7 +359,7 @@ class Index:
             out.append(s.ref)
             allocated += 1
         if full and not allocated and not any(r == SLOT_PRESENT for r in out):
-            if quota and not self._fits_quota(ns, slot_bytes, quota):
+            if over_quota:
                 raise PoolFull(f"namespace {ns.hex()} is at its quota of {quota} bytes and every "
                                f"block of it is being written or pinned")
             raise PoolFull(f"no room for {full} blocks of {layout.slot_bytes} bytes: every slot "
