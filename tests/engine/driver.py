@@ -13,8 +13,9 @@ between steps:
   and per-request TTFT (``first_token_s``, from vLLM's request metrics when present).
 - ``{"op": "reset"}``: ``reset_prefix_cache()`` (the engine forgets its own prefix cache).
 - ``{"op": "wait", "name": X}``: prints ``{"waiting": X}`` and blocks until a line arrives on
-  stdin (the test's "go"); a JSON line ``{"params": [...]}`` sets the next generate step's
-  ``kv_transfer_params`` (a P/D proxy handing the prefill's answer to the decode instance).
+  stdin (the test's "go"); a JSON line sets fields of the next generate step: ``params``
+  (a P/D proxy handing the prefill's answer to the decode instance) or ``prompts`` (a chat's
+  next turn, which depends on the last answer).
 
 The ready line lists the pids of the engine's processes (the driver leads its own session), so
 a test can name the KV segments they own.
@@ -107,12 +108,11 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = build_llm(spec)
     emit({"ready": True, "startup_s": time.perf_counter() - t0, "pids": session_pids()})
-    next_params = None
+    given: dict = {}
     for i, step in enumerate(spec["steps"]):
         op = step["op"]
         if op == "generate":
-            if next_params is not None:
-                step, next_params = {**step, "params": next_params}, None
+            step, given = {**step, **given}, {}
             emit({"step": i, "op": op, **generate(llm, step)})
         elif op == "reset":
             emit({"step": i, "op": op, "ok": bool(llm.reset_prefix_cache())})
@@ -122,7 +122,7 @@ def main() -> None:
             if not line:
                 raise SystemExit("driver: stdin closed while waiting")
             if line.startswith("{"):
-                next_params = json.loads(line).get("params")
+                given = {k: v for k, v in json.loads(line).items() if v is not None}
         else:
             raise SystemExit(f"driver: unknown op {op!r}")
     emit({"done": True})
