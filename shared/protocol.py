@@ -62,7 +62,9 @@ _WIRE = dict(array_like=True, gc=False)
 
 # Shared-memory objects that engines create for their KV (``client.host_memory``) start with this;
 # kvpoold removes such names once no live process holds their lock, and never touches others.
-ENGINE_SHM_PREFIX = "kvpool-kv-"
+# (Before the lock existed, clients named them "kvpool-kv-...": those are never reaped, since
+# nothing tells a live one of them from a dead one.)
+ENGINE_SHM_PREFIX = "kvpool-engine-"
 
 class HostRegion(msgspec.Struct, tag=1, **_WIRE):
     """KV memory in a POSIX shared-memory object the daemon can open by name."""

@@ -11,7 +11,9 @@ between steps:
 - ``{"op": "generate", "prompts": [[ids]], "max_tokens": N, "params": [kv_transfer_params]}``
   prints ``tokens``, ``logprobs`` (of each sampled token), ``kv_transfer_params``, the wall time
   and per-request TTFT (``first_token_s``, from vLLM's request metrics when present).
-- ``{"op": "reset"}``: ``reset_prefix_cache()`` (the engine forgets its own prefix cache).
+- ``{"op": "reset"}``: ``reset_prefix_cache()`` (the engine forgets its own prefix cache),
+  retried for up to a minute: vLLM refuses while finished requests still hold blocks (the
+  connector keeps them until their stores land), as an operator's retry would.
 - ``{"op": "wait", "name": X}``: prints ``{"waiting": X}`` and blocks until a line arrives on
   stdin (the test's "go"); a JSON line sets fields of the next generate step: ``params``
   (a P/D proxy handing the prefill's answer to the decode instance) or ``prompts`` (a chat's
@@ -115,7 +117,12 @@ def main() -> None:
             step, given = {**step, **given}, {}
             emit({"step": i, "op": op, **generate(llm, step)})
         elif op == "reset":
-            emit({"step": i, "op": op, "ok": bool(llm.reset_prefix_cache())})
+            deadline, tries = time.monotonic() + 60, 1
+            ok = llm.reset_prefix_cache()
+            while not ok and time.monotonic() < deadline:
+                time.sleep(0.05)
+                ok, tries = llm.reset_prefix_cache(), tries + 1
+            emit({"step": i, "op": op, "ok": bool(ok), "tries": tries})
         elif op == "wait":
             emit({"step": i, "op": op, "waiting": step["name"]})
             line = sys.stdin.readline()
