@@ -123,9 +123,12 @@ class DiskTier(LowerTier):
     def _adopt(self, found: list[Found]) -> None:
         """Index what ``scan`` found, oldest write first, so the LRU order survives; a key
         found twice keeps its newest copy; beyond capacity the oldest go."""
-        if not found:
-            return
         sizes = [self._size(f.slot_bytes) for f in found]
+        for f, size in zip(found, sizes):
+            size.high = f.file_blocks
+            size.free = list(range(f.file_blocks))     # until a record says otherwise
+        if not any(len(f.indices) for f in found):
+            return
         which = np.concatenate([np.full(len(f.indices), i) for i, f in enumerate(found)])
         index = np.concatenate([f.indices for f in found])
         rec = np.concatenate([f.records for f in found])
@@ -154,8 +157,6 @@ class DiskTier(LowerTier):
             self.used_bytes -= b.size.slot_bytes
             stale.append(b)
         self.adopted_blocks = self.blocks
-        for f, size in zip(found, sizes):
-            size.high = f.file_blocks
         held = {s: set() for s in sizes}
         for b in lru:
             held[b.size].add(b.index)
