@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import logging
 import os
 import time
@@ -122,7 +123,8 @@ class DiskTier(LowerTier):
 
     def _adopt(self, found: list[Found]) -> None:
         """Index what ``scan`` found, oldest write first, so the LRU order survives; a key
-        found twice keeps its newest copy; beyond capacity the oldest go."""
+        found twice keeps its newest copy; beyond capacity the oldest go. Vectorised but for
+        one object per block (0.6 s per 100k blocks as a plain loop on a 2-core host)."""
         sizes = [self._size(f.slot_bytes) for f in found]
         for f, size in zip(found, sizes):
             size.high = f.file_blocks
@@ -133,42 +135,38 @@ class DiskTier(LowerTier):
         index = np.concatenate([f.indices for f in found])
         rec = np.concatenate([f.records for f in found])
         order = np.argsort(rec["seq"], kind="stable")
-        which, index, rec = which[order].tolist(), index[order].tolist(), rec[order]
-        keys, sums, seqs = rec["key"].tolist(), rec["checksum"].tolist(), rec["seq"].tolist()
-        lru, tables = self._lru, self._tables
-        stale: list[DiskBlock] = []
-        for w, i, k, c, q in zip(which, index, keys, sums, seqs):
-            b = DiskBlock(k, sizes[w], i, VALID, c, q)
-            table = tables.get(k[:16])
-            if table is None:
-                table = tables[k[:16]] = {}
-            old = table.get(k[16:])
-            if old is not None:
-                del lru[old]
-                stale.append(old)
-            table[k[16:]] = b
-            lru[b] = None
-        self.blocks = len(lru)
-        self.used_bytes = sum(b.size.slot_bytes for b in lru)
+        which, index, rec = which[order], index[order], rec[order]
+        n = len(rec)
+        keep = np.zeros(n, bool)
+        _, newest = np.unique(rec["key"][::-1], return_index=True)
+        keep[n - 1 - newest] = True
+        nbytes = np.asarray([f.slot_bytes for f in found], np.int64)[which] * keep
+        keep &= np.cumsum(nbytes[::-1])[::-1] <= self.capacity_bytes   # the newest that fit
+        kept = np.flatnonzero(keep)
+        raw = rec["key"][kept].tobytes()
+        keys = [raw[i:i + 32] for i in range(0, len(raw), 32)]
+        blocks = list(map(DiskBlock, keys, [sizes[w] for w in which[kept].tolist()],
+                          index[kept].tolist(), itertools.repeat(VALID, len(kept)),
+                          rec["checksum"][kept].tolist(), rec["seq"][kept].tolist()))
+        self._lru = OrderedDict.fromkeys(blocks)
+        names = np.frombuffer(raw, "V16")
+        ns_of, hashes = names[0::2], names[1::2].tolist()
+        uniq, inverse = np.unique(ns_of, return_inverse=True)
+        by_ns = np.argsort(inverse, kind="stable")
+        cuts = np.flatnonzero(np.diff(inverse[by_ns])) + 1
+        for ns, group in zip(uniq.tolist(), np.split(by_ns, cuts)):
+            g = group.tolist()
+            self._tables[ns] = dict(zip(map(hashes.__getitem__, g), map(blocks.__getitem__, g)))
+        self.blocks = self.adopted_blocks = len(blocks)
+        self.used_bytes = int(nbytes[kept].sum())
         self._seq = int(rec["seq"].max()) + 1
-        while self.used_bytes > self.capacity_bytes and lru:
-            b = next(iter(lru))
-            self._unmap(b)
-            self.used_bytes -= b.size.slot_bytes
-            stale.append(b)
-        self.adopted_blocks = self.blocks
-        held = {s: set() for s in sizes}
-        for b in lru:
-            held[b.size].add(b.index)
-        for size in sizes:
-            gone = {b.index for b in stale if b.size is size}
-            size.free = [i for i in range(size.high) if i not in held[size] and i not in gone]
-        for size in sizes:
-            idx = [b.index for b in stale if b.size is size]
-            if idx:
-                self.store.free(size.slot_bytes, np.asarray(idx, np.int64))
-                size.free.extend(idx)
-            heapq.heapify(size.free)
+        for w, size in enumerate(sizes):
+            mine = (which == w)
+            held = index[mine & keep]
+            size.free = np.setdiff1d(np.arange(size.high), held).tolist()   # sorted: a heap
+            stale = index[mine & ~keep]
+            if len(stale):
+                self.store.free(size.slot_bytes, stale)
 
     # ---- LowerTier: questions --------------------------------------------------------------
 

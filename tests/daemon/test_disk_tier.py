@@ -28,13 +28,17 @@ SLOT = 4 * 2 * 16 * 8 * 64 * 2
 
 
 class Engine:
-    """A worker and a scheduler client over one HostKv, and every block stored, by key."""
+    """A worker and a scheduler client over one HostKv, and every block stored, by key.
 
-    def __init__(self, daemon, kv: HostKv | None = None) -> None:
-        self.kv = kv or HostKv(**KV)
+    Each daemon life gets a new Engine with a new HostKv (same layout, so same namespace):
+    re-registering an old shm name after a restart would need the name to still exist, and on
+    a shared test machine /dev/shm is not ours alone."""
+
+    def __init__(self, daemon, stored: dict[bytes, torch.Tensor] | None = None) -> None:
+        self.kv = HostKv(**KV)
         self.worker, self.reg = self.kv.register(daemon.client_config(timeout_ms=10000))
         self.sched = SchedulerClient(daemon.client_config(timeout_ms=10000))
-        self.stored: dict[bytes, torch.Tensor] = {}
+        self.stored: dict[bytes, torch.Tensor] = {} if stored is None else stored
 
     def store(self, first: int, n: int, seed: int) -> list[bytes]:
         """Store blocks of a new prompt (n full blocks, token ids from ``first``)."""
@@ -131,17 +135,13 @@ def test_sigterm_writes_down_the_pool_and_a_reboot_keeps_the_disk(daemon_factory
     assert d.stop(signal.SIGTERM) == 0
     drop_pool(d)                                 # (the pool is unlinked anyway without keep-pool)
     d.restart()
-    e2 = Engine(d, e.kv)
-    e2.stored = e.stored
+    e.close()
+    e2 = Engine(d, e.stored)
     try:
         assert e2.tier().adopted_blocks == 40
         assert e2.load_and_check(keys) == 40
     finally:
-        e2.worker.close()
-        e2.sched.close()
-        e.worker.close()
-        e.sched.close()
-        e.kv.close()
+        e2.close()
 
 
 def test_kill9_during_demotion_never_serves_a_torn_block(daemon_factory, tmp_path):
@@ -149,35 +149,31 @@ def test_kill9_during_demotion_never_serves_a_torn_block(daemon_factory, tmp_pat
     time: whatever the next daemon serves is exactly what was stored."""
     disk = tmp_path / "disk"
     d = disk_daemon(daemon_factory, disk, pool="16MiB")
-    kv = HostKv(**KV)
     stored: dict[bytes, torch.Tensor] = {}
     prompts: list[list[bytes]] = []
     rng = random.Random(12)
     served = 0
-    try:
-        for round_ in range(5):
-            e = Engine(d, kv)
-            e.stored = stored
+    for round_ in range(5):
+        e = Engine(d, stored)
+        try:
             for keys in prompts:                 # everything served so far is exact
                 served += e.load_and_check(keys)
             prompts.append(e.store(100_000 * (round_ + 1), 48, seed=round_))
             # Demotion starts as the stores commit; kill somewhere inside it.
             wait_for(lambda: e.tier().demoted_blocks + rng.random() * 8 >= 8, 20,
                      "demotion to start")
-            e.worker.close()
-            e.sched.close()
-            d.kill()
-            drop_pool(d)
-            d.restart()
-        e = Engine(d, kv)
-        e.stored = stored
+        finally:
+            e.close()
+        d.kill()
+        drop_pool(d)
+        d.restart()
+    e = Engine(d, stored)
+    try:
         for keys in prompts:
             served += e.load_and_check(keys)
         assert e.tier().verify_failures == 0
-        e.worker.close()
-        e.sched.close()
     finally:
-        kv.close()
+        e.close()
     assert served > 0, "no block survived any kill: the test proved nothing"
 
 
@@ -194,8 +190,7 @@ def test_a_corrupted_block_is_a_counted_miss_never_loaded(daemon_factory, tmp_pa
     e = Engine(d)
     keys = e.store(0, 8, seed=3)
     e.wait_demoted(8)
-    e.worker.close()
-    e.sched.close()
+    e.close()
     d.kill()
     drop_pool(d)
     bad = _record_of(disk, e.kv.namespace + keys[3])
@@ -205,23 +200,23 @@ def test_a_corrupted_block_is_a_counted_miss_never_loaded(daemon_factory, tmp_pa
         f.seek(bad * SLOT + SLOT // 2)
         f.write(bytes([byte[0] ^ 0xFF]))
     d.restart()
-    e2 = Engine(d, e.kv)
+    e2 = Engine(d, e.stored)
     try:
-        hit = e2.sched.lookup(e.kv.namespace, [keys], pin=True)
+        hit = e2.sched.lookup(e2.kv.namespace, [keys], pin=True)
         assert hit.hits == [8]                  # the tier's index still lists it
         e2.kv.poison(list(range(40, 48)))
         done = e2.worker.wait([e2.worker.submit_load(e2.reg, hit.slots[0], list(range(40, 48)))],
                               30)[0]
-        assert not done.ok and done.code == ErrorCode.BLOCK_LOST, done
+        # BLOCK_LOST if the load waited on the failing read; LEASE_EXPIRED if the read had
+        # already failed (and dropped the slot) when the load arrived. Either way: recompute.
+        assert not done.ok and done.code in (ErrorCode.BLOCK_LOST, ErrorCode.LEASE_EXPIRED), done
         assert torch.isnan(e2.kv.blocks_of([43]).float()).all(), "a corrupt block was loaded"
         e2.sched.release(hit.leases)
         assert e2.tier().verify_failures == 1
-        assert e2.sched.lookup(e.kv.namespace, [keys]).hits == [3], "the bad block still hits"
+        assert e2.sched.lookup(e2.kv.namespace, [keys]).hits == [3], "the bad block still hits"
         assert "failed checksum verification" in d.log()
     finally:
-        e2.worker.close()
-        e2.sched.close()
-        e.kv.close()
+        e2.close()
 
 
 def test_disk_size_is_respected_with_its_own_lru(daemon_factory, tmp_path):
@@ -238,16 +233,14 @@ def test_disk_size_is_respected_with_its_own_lru(daemon_factory, tmp_path):
         used = sum(p.stat().st_blocks * 512 for p in disk.glob("blocks-*.dat"))
         assert used <= (2 << 20) + SLOT, f"{used} bytes on disk for a 2 MiB tier"
     finally:
-        e.worker.close()
-        e.sched.close()
+        e.close()
     d.kill()                                     # the pool still holds all 40: drop it
     drop_pool(d)
     d.restart()
-    e2 = Engine(d, e.kv)
-    e2.stored = e.stored
+    e2 = Engine(d, e.stored)
     try:
         assert e2.tier().adopted_blocks == 16
-        assert e2.sched.lookup(e.kv.namespace, [old]).hits == [0]
+        assert e2.sched.lookup(e2.kv.namespace, [old]).hits == [0]
         assert e2.load_and_check(new) == 16
     finally:
         e2.close()
