@@ -26,6 +26,15 @@ def prompt(i: int) -> list[int]:
     return [100 + i * 1000 + t for t in range(BLOCKS * BS)]
 
 
+def run_in_waves(e: Engine, tag: str, after_wave=lambda done: None) -> None:
+    """Every prompt once, WAVE at a time (a wave's promotions fit the pool)."""
+    for w in range(0, PROMPTS, WAVE):
+        for i in range(w, w + WAVE):
+            e.add(f"{tag}{i}", prompt(i), max_tokens=1)
+        e.run(timeout_s=120)
+        after_wave(w + WAVE)
+
+
 def test_working_set_beyond_the_pool_hits_from_disk_after_a_restart(model_root, daemon_factory,
                                                                       tmp_path):
     # 2 MiB pool in 256 KiB extents: 3 extents of 64 slots once the pool's tables are taken.
@@ -35,13 +44,10 @@ def test_working_set_beyond_the_pool_hits_from_disk_after_a_restart(model_root, 
     engine_kw = dict(async_scheduling=False, num_blocks=256, max_num_batched_tokens=256)
     e = Engine(model_root, d.socket, engine_id="engine-a", **engine_kw)
     try:
-        for w in range(0, PROMPTS, WAVE):
-            for i in range(w, w + WAVE):
-                e.add(f"a{i}", prompt(i), max_tokens=1)
-            e.run(timeout_s=120)
-            # The disk keeps up with this engine easily; waiting makes "nothing missed" exact.
-            wait_for(lambda: info.info().tiers[0].blocks >= (w + WAVE) * BLOCKS, 30,
-                     f"the first {(w + WAVE) * BLOCKS} blocks on disk: {info.info().tiers[0]}")
+        # The disk keeps up with this engine easily; waiting makes "nothing missed" exact.
+        run_in_waves(e, "a", lambda done: wait_for(
+            lambda: info.info().tiers[0].blocks >= done * BLOCKS, 30,
+            f"the first {done * BLOCKS} blocks on disk: {info.info().tiers[0]}"))
         first = info.info()
         assert first.slots_committed < PROMPTS * BLOCKS / 2, "the pool was not far smaller"
         assert first.evictions > 0 and first.tiers[0].missed_blocks == 0
@@ -57,10 +63,7 @@ def test_working_set_beyond_the_pool_hits_from_disk_after_a_restart(model_root, 
     assert info.info().tiers[0].adopted_blocks == PROMPTS * BLOCKS
     e = Engine(model_root, d.socket, engine_id="engine-b", **engine_kw)
     try:
-        for w in range(0, PROMPTS, WAVE):
-            for i in range(w, w + WAVE):
-                e.add(f"b{i}", prompt(i), max_tokens=1)
-            e.run(timeout_s=120)
+        run_in_waves(e, "b")
         assert e.stats.loaded_reqs == {f"b{i}" for i in range(PROMPTS)}
         assert not e.stats.failed_loads
         # Every prompt but its last block (one token is always recomputed) came from disk,

@@ -276,3 +276,29 @@ def test_a_full_disk_turns_the_tier_off_and_the_pool_keeps_serving(daemon_factor
         assert e.tier().promoted_blocks == 0      # nothing came from the dead tier
     finally:
         e.close()
+
+
+def test_disk_settings_are_checked_and_one_daemon_owns_a_directory(daemon_factory, tmp_path):
+    from tests.daemon.test_cli import kvpool, kvpoold, shm_exists
+    r = kvpoold("--disk-size", "lots", "--check-config")
+    assert r.returncode == 2 and "disk_size" in r.stderr
+    r = kvpoold("--check-config", env={"KVPOOL_DISK_PATH": "/x", "KVPOOL_DISK_SIZE": "1TiB"})
+    assert r.returncode == 0 and '"disk_path": "/x"' in r.stdout and '"1TiB"' in r.stdout
+
+    base = ["--pool-size", "16MiB", "--extent-size", "1MiB", "--cuda", "off", "--metrics-port",
+            "0", "--socket", str(tmp_path / "x.sock"), "--pool-name", f"kvpool-t-{os.getpid()}"]
+    other = tmp_path / "not-ours"
+    other.mkdir()
+    os.chown(other, 12345, 12345)
+    r = kvpoold(*base, "--disk-path", str(other))
+    assert r.returncode == 3 and "belongs to uid 12345" in r.stderr, r.stderr
+    assert not shm_exists(f"kvpool-t-{os.getpid()}")
+
+    d = disk_daemon(daemon_factory, tmp_path / "disk")
+    r = kvpoold(*base, "--disk-path", str(tmp_path / "disk"))
+    assert r.returncode == 3 and "used by another running kvpoold" in r.stderr, r.stderr
+    out = kvpool("info", "--socket", d.socket)
+    assert out.returncode == 0 and f"disk tier  {tmp_path / 'disk'}   on" in out.stdout, out.stdout
+    import json
+    tiers = json.loads(kvpool("info", "--socket", d.socket, "--json").stdout)["tiers"]
+    assert tiers[0]["name"] == "disk" and tiers[0]["capacity_bytes"] == 64 << 20
