@@ -51,9 +51,8 @@ class LowerTier(abc.ABC):
     def can_demote(self) -> bool:
         """Whether ``demote`` may be called now (False while its batches are all in flight)."""
 
-    @property
     @abc.abstractmethod
-    def batch_blocks(self) -> int:
+    def batch_blocks(self, slot_bytes: int) -> int:
         """The most blocks of ``slot_bytes`` bytes worth putting in one ``demote`` call."""
 
     @abc.abstractmethod
