@@ -302,3 +302,24 @@ def test_disk_settings_are_checked_and_one_daemon_owns_a_directory(daemon_factor
     import json
     tiers = json.loads(kvpool("info", "--socket", d.socket, "--json").stdout)["tiers"]
     assert tiers[0]["name"] == "disk" and tiers[0]["capacity_bytes"] == 64 << 20
+
+
+def test_a_reset_forgets_the_namespace_on_disk_too_across_a_restart(daemon_factory, tmp_path):
+    d = disk_daemon(daemon_factory, tmp_path / "disk")
+    e = Engine(d)
+    try:
+        keys = e.store(0, 8, seed=9)
+        e.wait_demoted(8)
+        assert e.sched.reset(e.kv.namespace) >= 8
+        assert e.sched.lookup(e.kv.namespace, [keys]).hits == [0]
+        wait_for(lambda: e.tier().used_bytes == 0, 10, "the tier to free the blocks")
+    finally:
+        e.close()
+    assert d.stop() == 0                     # records zeroed before the files close
+    d.restart()
+    e = Engine(d)
+    try:
+        assert e.tier().adopted_blocks == 0
+        assert e.sched.lookup(e.kv.namespace, [keys]).hits == [0]
+    finally:
+        e.close()
