@@ -25,6 +25,8 @@ class ErrorCode(IntEnum):
     CONFIG = 9            # invalid configuration
     HELLO_REQUIRED = 10   # peer unknown to this daemon (first contact or daemon restart)
     ABORTED = 11          # job dropped: its worker went away or the daemon is shutting down
+    BLOCK_LOST = 12       # a block could not be brought back from a lower tier (failed its
+                          # checksum, or the tier failed): the engine recomputes it
     INTERNAL = 99         # a bug in the daemon; logged with its traceback there
 
 
@@ -82,6 +84,10 @@ class Aborted(KvpoolError):
     code = ErrorCode.ABORTED
 
 
+class BlockLost(KvpoolError):
+    code = ErrorCode.BLOCK_LOST
+
+
 class InternalError(KvpoolError):
     code = ErrorCode.INTERNAL
 
@@ -97,7 +103,8 @@ class DaemonUnavailable(KvpoolError):
 _BY_CODE: dict[int, type[KvpoolError]] = {
     cls.code: cls
     for cls in (ProtocolError, VersionMismatch, UnknownId, OutOfRange, TooLarge, PoolFull,
-                LeaseExpired, LayoutMismatch, ConfigError, HelloRequired, Aborted, InternalError)
+                LeaseExpired, LayoutMismatch, ConfigError, HelloRequired, Aborted, BlockLost,
+                InternalError)
 }
 
 

@@ -271,6 +271,29 @@ class NamespaceInfo(msgspec.Struct, **_WIRE):
     quota_bytes: int         # 0: no cap
 
 
+class TierInfo(msgspec.Struct, **_WIRE):
+    """One tier under the pool (the disk tier; later ones the same way). Counters only grow
+    over one daemon's life; rates are differences between snapshots."""
+
+    name: str                # "disk"
+    is_enabled: bool         # False once a fault turned it off (the pool keeps serving)
+    location: str            # where it keeps blocks (the disk tier's directory)
+    capacity_bytes: int
+    used_bytes: int          # bytes of blocks held and being written
+    blocks: int              # blocks held (loadable)
+    hit_blocks: int          # lookups answered from this tier (each promotes its block)
+    demoted_blocks: int      # blocks written down from the pool
+    demoted_bytes: int
+    promoted_blocks: int     # blocks read back into the pool, verified
+    promoted_bytes: int
+    verify_failures: int     # blocks whose checksum failed on the way up (misses, dropped)
+    io_errors: int           # I/O faults (the first one turns the tier off)
+    evicted_blocks: int      # dropped by the tier's own LRU to make room
+    missed_blocks: int       # left the pool before they could be written down
+    adopted_blocks: int      # found on disk at start
+    status: str = ""         # "ok", or why the tier is off
+
+
 class PoolInfo(msgspec.Struct, **_WIRE):
     """The daemon's numbers, as `kvpool info` prints them."""
 
@@ -298,6 +321,7 @@ class PoolInfo(msgspec.Struct, **_WIRE):
     hit_tokens: int = 0      # hit_blocks weighted by each namespace's tokens per block
     miss_tokens: int = 0
     namespace_usage: list[NamespaceInfo] = []
+    tiers: list[TierInfo] = []   # tiers under the pool, top down (empty: the pool only)
 
 
 class InfoReply(msgspec.Struct, tag=72, **_WIRE):
