@@ -120,6 +120,11 @@ class Transport:
         if now < self._retry_at:
             raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} unavailable; next "
                                     f"try in {(self._retry_at - now) * 1000:.0f} ms")
+        if not os.path.exists(self.config.socket_path):
+            # No socket file, no daemon: say so now rather than after timeout_ms of waiting
+            # for a connection that cannot come (an engine started before its daemon).
+            self.disconnect()
+            raise DaemonUnavailable(f"kvpoold not reachable: no socket at {self.config.socket_path}")
         self._open_socket()
         try:
             reply = self._hello()

@@ -18,9 +18,9 @@ def test_absent_daemon_raises_quickly_and_never_hangs(tmp_path):
                        reconnect_backoff_ms=500)
     sched = SchedulerClient(cfg)
     t0 = time.monotonic()
-    with pytest.raises(DaemonUnavailable, match="not reachable"):
+    with pytest.raises(DaemonUnavailable, match="not reachable: no socket"):
         sched.lookup(b"n" * 16, [[b"k" * 16]])
-    assert time.monotonic() - t0 < 1.5
+    assert time.monotonic() - t0 < 0.05, "a missing socket file must not cost a timeout"
     t0 = time.monotonic()
     with pytest.raises(DaemonUnavailable, match="next try"):   # inside the backoff: instant
         sched.prepare_store(b"n" * 16, [b"k" * 16])
