@@ -16,9 +16,11 @@ thread):
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Callable
@@ -120,8 +122,9 @@ class Transport:
         if now < self._retry_at:
             raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} unavailable; next "
                                     f"try in {(self._retry_at - now) * 1000:.0f} ms")
-        self._open_socket()
         try:
+            self._probe()
+            self._open_socket()
             reply = self._hello()
         except DaemonUnavailable:
             self.disconnect()
@@ -155,6 +158,28 @@ class Transport:
         self.disconnect(backoff=False)
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _probe(self) -> None:
+        """Fail at once when nobody listens on the socket, instead of after ``timeout_ms``: a
+        killed daemon leaves its socket file behind, and ZeroMQ would keep knocking on it. Also
+        names a permission problem, which ZeroMQ only shows as silence."""
+        path = self.config.socket_path
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(self.config.timeout_ms / 1000)
+        try:
+            probe.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise DaemonUnavailable(f"kvpoold not reachable at {path}: nothing listens there "
+                                    f"(not running)") from None
+        except PermissionError:
+            raise DaemonUnavailable(f"permission denied on {path}: this user may not connect to "
+                                    f"kvpoold (see its socket_mode and group)") from None
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.ETIMEDOUT) and not isinstance(e, TimeoutError):
+                raise DaemonUnavailable(f"cannot reach kvpoold at {path}: {e.strerror}") from None
+            # A full accept backlog: the daemon is there but busy; let ZeroMQ wait for it.
+        finally:
+            probe.close()
 
     def _open_socket(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
@@ -283,7 +308,9 @@ class _Heartbeat:
                     if isinstance(reply, p.ErrorReply) or (
                             isinstance(reply, p.HeartbeatReply) and reply.daemon_id != daemon):
                         self._mark_stale(owner, daemon)
-                if time.monotonic() - last_reply > self._t.config.timeout_ms / 1000:
+                # Silence counts only past a few beats: a loaded daemon may answer one late.
+                if time.monotonic() - last_reply > max(self._t.config.timeout_ms / 1000,
+                                                       3 * interval):
                     self._mark_stale(owner, daemon)
                     last_reply = time.monotonic()
                 with self._cond:

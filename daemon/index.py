@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvpool.daemon.eviction import LruPolicy
-from kvpool.daemon.pool import COMMITTED, FREE, WRITING, Pool
+from kvpool.daemon.pool import COMMITTED, FREE, GENERATION_MASK, WRITING, Pool
 from kvpool.shared.errors import (LayoutMismatch, LeaseExpired, OutOfRange, PoolFull,
                                   ProtocolError, UnknownId)
 from kvpool.shared.layout import Layout
@@ -216,6 +216,9 @@ class Index:
         self._free_extents = []
         for e in range(pool.geometry.num_extents - 1, -1, -1):
             slot_bytes = int(pool.extents[e]["slot_bytes"])
+            if slot_bytes and not pool.extent_is_sane(e):
+                pool.release_extent(e)     # torn by a crash mid-assignment, or not ours
+                slot_bytes = 0
             if not slot_bytes:
                 self._free_extents.append(e)
                 continue
@@ -347,12 +350,12 @@ class Index:
                 full += 1
                 continue
             s.state, s.ns, s.key, s.owner = WRITING, ns, ns + k, owner
-            s.generation = (s.generation + 1) & 0x7FFF_FFFF
+            s.generation = (s.generation + 1) & GENERATION_MASK
             s.ref = make_slot_ref(s.id, s.generation)
             s.landed = s.writing = 0
             s.deadline = now + self.write_timeout_s
             s.doomed = False
-            self.pool.write_state(s.extent, s.index, WRITING)
+            self.pool.write_state(s.extent, s.index, WRITING, s.generation)
             table[k] = s
             self._writing[s.id] = s
             self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
@@ -507,7 +510,11 @@ class Index:
         self._extent_class[extent] = cls
         base = extent * self.pool.slot_id_stride
         first = self.pool.slot_offset(extent, 0)
-        slots = [Slot(base + i, extent, i, first + i * cls.slot_bytes, cls) for i in range(n)]
+        # Generations continue from the records: a slot id that served another size, or the
+        # previous daemon, never repeats a generation (and so a slot ref) it handed out.
+        gens = self.pool.generations(extent, n).tolist()
+        slots = [Slot(base + i, extent, i, first + i * cls.slot_bytes, cls, generation=gens[i])
+                 for i in range(n)]
         for s in slots:
             self._slots[s.id] = s
         if fresh:

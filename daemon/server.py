@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import select
 import signal
 import time
 import uuid
@@ -28,17 +29,22 @@ import zmq
 
 from kvpool.daemon.copy_engine import CopyEngine, JobResult
 from kvpool.daemon.index import Index, Slot
+from kvpool.daemon.peer import AllowList, Peer
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.registry import Owner, Registration, Registry
 from kvpool.daemon.telemetry import Telemetry
 from kvpool.shared import protocol as p
 from kvpool.shared.config import DaemonConfig, parse_size
 from kvpool.shared.errors import (Aborted, ErrorCode, HelloRequired, KvpoolError, OutOfRange,
-                                  ProtocolError, TooLarge, VersionMismatch)
+                                  PermissionDenied, ProtocolError, TooLarge, VersionMismatch)
 
 log = logging.getLogger("kvpoold")
 
 SHUTDOWN_GRACE_S = 5.0
+# Registrations one client may hold at once (re-registering a namespace and rank replaces, and
+# does not count). A vLLM worker holds one per KV-cache group; each one maps memory and may own
+# a copy thread, so a client must not be able to open them without end.
+MAX_REGISTRATIONS_PER_CLIENT = 64
 
 
 class SocketBusy(KvpoolError):
@@ -65,6 +71,9 @@ class Server:
         self._sock: zmq.Socket | None = None
         self._lock_fd: int | None = None
         self._in_drain = False
+        self.allow = AllowList(config.allow_uid, config.allow_gid)
+        # pid -> pidfd and the owners of that process: readable when the process exits.
+        self._exits: dict[int, tuple[int, set[int]]] = {}
         # Replaced by Telemetry.start() in _startup; hooks are safe to call before that.
         self.telemetry = Telemetry.disabled()
         # KVPOOL_TRACE=<file>: one line per job with the monotonic ns of each hop (benchmarks)
@@ -144,7 +153,8 @@ class Server:
         self._in_drain = True
         try:
             while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                self._dispatch(sock.recv_multipart(zmq.NOBLOCK))
+                # Frames, not bytes: each carries its connection's kernel credentials.
+                self._dispatch(sock.recv_multipart(zmq.NOBLOCK, copy=False))
         except zmq.Again:
             pass
         finally:
@@ -188,28 +198,33 @@ class Server:
             self._ctx.term()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
+        for fd, _ in self._exits.values():
+            os.close(fd)
+        self._exits.clear()
         self.pool.close(unlink=not self.config.keep_pool)
         self.telemetry.close(pool_kept=self.config.keep_pool)
 
     # ---- dispatch --------------------------------------------------------------------------
 
-    def _dispatch(self, frames: list[bytes]) -> None:
-        identity = frames[0]
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
         req_id = 0
         try:
             if len(frames) != 2:
                 raise ProtocolError(f"expected one frame per message, got {len(frames) - 1}")
             frame = frames[1]
-            if len(frame) > self.config.max_request_bytes:
-                raise TooLarge(f"frame of {len(frame)} bytes exceeds max_request_bytes="
+            data = frame.buffer
+            if len(data) > self.config.max_request_bytes:
+                req_id = p.peek_req_id(data)
+                raise TooLarge(f"frame of {len(data)} bytes exceeds max_request_bytes="
                                f"{self.config.max_request_bytes}")
             try:
-                msg = p.decode_request(frame)
+                msg = p.decode_request(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                req_id = p.peek_req_id(frame)
+                req_id = p.peek_req_id(data)
                 raise ProtocolError(f"malformed request: {e}") from None
             req_id = msg.req_id
-            reply = self._handle(identity, msg)
+            reply = self._handle(identity, msg, frame)
         except KvpoolError as e:
             self.errors += 1
             self.telemetry.error(e.code)
@@ -233,18 +248,22 @@ class Server:
         if not self._in_drain:
             asyncio.get_running_loop().call_soon(self._drain)
 
-    def _handle(self, identity: bytes, msg: p.Request) -> p.Reply | None:
+    def _handle(self, identity: bytes, msg: p.Request, frame: zmq.Frame) -> p.Reply | None:
         now = time.monotonic()
         match msg:
             case p.Hello():
-                return self._hello(identity, msg, now)
+                return self._hello(identity, msg, Peer.from_frame(frame), now)
             case p.Heartbeat(owner_id=owner_id):
+                if self.allow.is_active:
+                    self.allow.check(Peer.from_frame(frame))
                 owner = self.registry.owners.get(owner_id)
                 if owner is None:
                     raise HelloRequired(f"owner {owner_id} unknown to daemon {self.daemon_id}")
                 owner.last_seen = now
                 return p.HeartbeatReply(msg.req_id, self.daemon_id)
             case p.Ping():
+                if self.allow.is_active:
+                    self.allow.check(Peer.from_frame(frame))
                 return p.Pong(msg.req_id, self.daemon_id, now - self.started)
         owner = self.registry.by_identity.get(identity)
         if owner is None:
@@ -276,13 +295,15 @@ class Server:
             case p.InfoRequest():
                 return p.InfoReply(msg.req_id, self.info(now))
             case p.ResetRequest():
+                self._check_may_reset(owner, msg.namespace)
                 n = idx.reset(msg.namespace)
                 log.info("reset of namespace %s by client %d: %d blocks forgotten",
                          msg.namespace.hex(), owner.id, n)
                 return p.OkReply(msg.req_id, n)
         raise ProtocolError(f"unexpected message {type(msg).__name__}")
 
-    def _hello(self, identity: bytes, msg: p.Hello, now: float) -> p.Reply:
+    def _hello(self, identity: bytes, msg: p.Hello, peer: Peer | None, now: float) -> p.Reply:
+        self.allow.check(peer)
         if msg.protocol_version != p.PROTOCOL_VERSION:
             raise VersionMismatch(f"client speaks kvpool protocol {msg.protocol_version}, this "
                                   f"daemon speaks {p.PROTOCOL_VERSION}: upgrade the older side")
@@ -290,6 +311,8 @@ class Server:
         if old is not None:
             self._release_owner(old)
         owner = self.registry.add_owner(identity, msg, now)
+        owner.peer = peer
+        self._watch_exit(owner)
         log.info("client %d connected: %s role=%s pid=%d engine=%s", owner.id, msg.name,
                  msg.role.name, msg.pid, msg.engine_id)
         return p.HelloReply(msg.req_id, p.PROTOCOL_VERSION, self.daemon_id, owner.id,
@@ -297,8 +320,13 @@ class Server:
                             self.config.max_request_bytes)
 
     def _register(self, owner: Owner, msg: p.RegisterRequest) -> p.Reply:
+        msg.layout.check()
         if not msg.regions:
             raise ProtocolError("a registration needs at least one region")
+        old = self.registry.find_registration(owner, msg.namespace, msg.tp_rank)
+        if old is None and len(owner.registrations) >= MAX_REGISTRATIONS_PER_CLIENT:
+            raise TooLarge(f"this client already holds {len(owner.registrations)} registrations "
+                           f"(at most {MAX_REGISTRATIONS_PER_CLIENT}): unregister some first")
         kinds = {type(r) for r in msg.regions}
         engine = self.engines.get(kinds.pop()) if len(kinds) == 1 else None
         if engine is None:
@@ -309,8 +337,7 @@ class Server:
         self.index.check_handoff(msg.handoff, msg.namespace, msg.layout.tp_size,
                                  self.registry.has_namespace)
         self.index.register_namespace(msg.namespace, msg.layout, msg.quota_bytes)
-        mapped = engine.attach(msg)
-        old = self.registry.find_registration(owner, msg.namespace, msg.tp_rank)
+        mapped = engine.attach(msg, owner.peer)
         # Before closing the one it replaces, so the engine's event feed sees no removal.
         self.telemetry.registration_added(owner.engine_id, owner.pid, msg.namespace,
                                           msg.layout.block_tokens,
@@ -333,7 +360,11 @@ class Server:
             reg = self.registry.registration(owner, msg.registration_id)
             if len(msg.block_ids) != len(msg.slots):
                 raise ProtocolError(f"{len(msg.block_ids)} block ids for {len(msg.slots)} slots")
-            blocks = np.asarray(msg.block_ids, dtype=np.int64)
+            try:
+                blocks = np.asarray(msg.block_ids, dtype=np.int64)
+            except OverflowError:
+                raise OutOfRange(f"block ids must be in [0, {reg.num_blocks}); one does not even "
+                                 f"fit 64 bits") from None
             if len(blocks) and (blocks.min() < 0 or blocks.max() >= reg.num_blocks):
                 raise OutOfRange(f"block ids must be in [0, {reg.num_blocks}); got "
                                  f"[{blocks.min()}, {blocks.max()}]")
@@ -428,9 +459,67 @@ class Server:
     # ---- releasing -------------------------------------------------------------------------
 
     def _release_owner(self, owner: Owner) -> None:
+        self._unwatch_exit(owner)
         for reg in self.registry.remove_owner(owner):
             self._close_registration(reg)
         self.index.release_owner(owner.id)
+
+    def _watch_exit(self, owner: Owner) -> None:
+        """Release ``owner`` the moment its process exits, however it exits (a pidfd turns
+        readable then), rather than after ``peer_timeout_ms`` of silence. The pid comes from
+        the kernel (SO_PEERCRED); a peer in a PID namespace we cannot see has none, and only
+        the heartbeat timeout covers it."""
+        pid = owner.peer.pid if owner.peer is not None else 0
+        if pid <= 0 or not hasattr(os, "pidfd_open"):
+            return
+        watch = self._exits.get(pid)
+        if watch is not None and select.select([watch[0]], [], [], 0)[0]:
+            self._process_exited(pid)      # that process is gone; this pid is a new one
+            watch = None
+        if watch is None:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:                # exited already, or not ours to see
+                return
+            watch = self._exits[pid] = (fd, set())
+            asyncio.get_running_loop().add_reader(fd, self._process_exited, pid)
+        watch[1].add(owner.id)
+
+    def _unwatch_exit(self, owner: Owner) -> None:
+        pid = owner.peer.pid if owner.peer is not None else 0
+        watch = self._exits.get(pid)
+        if watch is not None:
+            watch[1].discard(owner.id)
+            if not watch[1]:
+                self._close_exit_watch(pid)
+
+    def _close_exit_watch(self, pid: int) -> None:
+        fd, _ = self._exits.pop(pid)
+        asyncio.get_running_loop().remove_reader(fd)
+        os.close(fd)
+
+    def _process_exited(self, pid: int) -> None:
+        watch = self._exits.get(pid)
+        if watch is None:
+            return
+        owners = [self.registry.owners[o] for o in watch[1] if o in self.registry.owners]
+        self._close_exit_watch(pid)
+        for owner in owners:
+            log.info("client %d (%s, pid %d) exited: releasing what it held", owner.id,
+                     owner.name, pid)
+            self._release_owner(owner)
+
+    def _check_may_reset(self, owner: Owner, ns: bytes) -> None:
+        """A reset drops every block of a namespace, so it is for that namespace's engines: a
+        client whose user has a live registration in it, the daemon's user, or root."""
+        peer = owner.peer
+        if peer is None or peer.uid in (0, os.geteuid()):
+            return
+        if any(r.namespace == ns and r.owner.peer is not None and r.owner.peer.uid == peer.uid
+               for r in self.registry.registrations.values()):
+            return
+        raise PermissionDenied(f"uid {peer.uid} has no registration in namespace {ns.hex()}: "
+                               f"only its own engines may reset it")
 
     def _close_registration(self, reg: Registration) -> None:
         self.telemetry.registration_removed(reg.owner.engine_id, reg.owner.pid, reg.namespace,

@@ -25,6 +25,7 @@ class ErrorCode(IntEnum):
     CONFIG = 9            # invalid configuration
     HELLO_REQUIRED = 10   # peer unknown to this daemon (first contact or daemon restart)
     ABORTED = 11          # job dropped: its worker went away or the daemon is shutting down
+    PERMISSION = 12       # peer not allowed (allow_uid/allow_gid), or asked for what it may not
     INTERNAL = 99         # a bug in the daemon; logged with its traceback there
 
 
@@ -82,6 +83,10 @@ class Aborted(KvpoolError):
     code = ErrorCode.ABORTED
 
 
+class PermissionDenied(KvpoolError):
+    code = ErrorCode.PERMISSION
+
+
 class InternalError(KvpoolError):
     code = ErrorCode.INTERNAL
 
@@ -97,7 +102,8 @@ class DaemonUnavailable(KvpoolError):
 _BY_CODE: dict[int, type[KvpoolError]] = {
     cls.code: cls
     for cls in (ProtocolError, VersionMismatch, UnknownId, OutOfRange, TooLarge, PoolFull,
-                LeaseExpired, LayoutMismatch, ConfigError, HelloRequired, Aborted, InternalError)
+                LeaseExpired, LayoutMismatch, ConfigError, HelloRequired, Aborted, PermissionDenied,
+                InternalError)
 }
 
 

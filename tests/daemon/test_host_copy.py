@@ -86,7 +86,8 @@ def test_attach_refuses_bad_regions(pool):
     layout = Layout(16, 1, "f16", (64,))
     place = [SegmentPlacement(0, 0, 64)]
     with pytest.raises(UnknownId, match="does not exist"):
-        engine.attach(RegisterRequest(1, b"n" * 16, layout, 0, 4, [HostRegion("no-such", 256)], place))
+        engine.attach(RegisterRequest(1, b"n" * 16, layout, 0, 4,
+                                      [HostRegion("kvpool-kv-no-such", 256)], place))
     mem = SharedHostMemory(256)
     try:
         with pytest.raises(OutOfRange):

@@ -120,7 +120,7 @@ def test_oversized_frames_are_refused(daemon_factory):
     raw.hello()
     big = p.LookupRequest(9, b"n" * 16, [[b"k" * 16] * 8000])     # ~140 KiB
     r = raw.call(big)
-    assert (r.req_id, r.code) == (0, ErrorCode.TOO_LARGE) and "65536" in r.message
+    assert (r.req_id, r.code) == (9, ErrorCode.TOO_LARGE) and "65536" in r.message
     assert isinstance(raw.call(p.LookupRequest(10, b"n" * 16, [[b"k" * 16]])), p.LookupReply)
     raw.close()
 
