@@ -27,11 +27,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvpool.client.vllm_compat import CompatMixin, check_version
 from kvpool.client.vllm_keys import build_groups
 from kvpool.client.vllm_meta import StepMeta
 from kvpool.shared.config import ClientConfig, build_config, env_layer, parse_size
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -47,7 +50,8 @@ if TYPE_CHECKING:
     from kvpool.client.vllm_worker import WorkerRole
 
 # kv_connector_extra_config keys that are not ClientConfig fields.
-CONNECTOR_KEYS = ("model_id", "pd_wait_s", "quota", "pd_handoff", "pd_stream")
+CONNECTOR_KEYS = ("model_id", "pd_wait_s", "quota", "pd_handoff", "pd_stream",
+                  "load_failure_policy")
 
 
 def client_config(extra: dict[str, Any]) -> ClientConfig:
@@ -81,7 +85,25 @@ def _tp_rank() -> int:
     return 0
 
 
-class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
+def _apply_load_failure_policy(kv_transfer_config: Any, extra: dict[str, Any]) -> None:
+    """Make vLLM recompute blocks whose load failed, unless told to keep its policy.
+
+    vLLM's default ``kv_load_failure_policy`` is "fail": a failed load fails the request. For a
+    cache that is the wrong answer (a daemon restarted mid-load would fail requests the engine
+    can simply recompute), so the connector switches it to "recompute" before vLLM's scheduler
+    reads it (the scheduler builds its connector first). ``load_failure_policy: "fail"`` in the
+    extra config leaves vLLM's setting alone.
+    """
+    policy = extra.get("load_failure_policy", "recompute")
+    if policy not in ("recompute", "fail"):
+        from kvpool.shared.errors import ConfigError
+        raise ConfigError(f"kv_connector_extra_config load_failure_policy must be 'recompute' "
+                          f"or 'fail', got {policy!r}")
+    if policy == "recompute":
+        kv_transfer_config.kv_load_failure_policy = "recompute"
+
+
+class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -94,6 +116,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         assert kv_cache_config is not None, "vLLM 0.33 passes kv_cache_config to connectors"
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         config = client_config(extra)
+        _apply_load_failure_policy(self._kv_transfer_config, extra)
+        if role == KVConnectorRole.SCHEDULER and (warning := check_version()):
+            import logging
+            logging.getLogger("kvpool.vllm").warning(warning)
         groups = build_groups(vllm_config, kv_cache_config, extra)
         engine_id = self._kv_transfer_config.engine_id or ""
         quota_bytes = parse_size(extra.get("quota", 0))
@@ -127,10 +153,18 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             rank = _tp_rank()
             client = WorkerClient(config, name=f"vllm worker tp{rank} {engine_id}",
                                   engine_id=engine_id)
+            # A CPU worker's KV cache would land in private memory kvpoold cannot map: vLLM
+            # allocates it inside get_mem_pool_context(), which places it in /dev/shm.
+            kv_alloc = None
+            if vllm_config.device_config.device_type == "cpu":
+                from kvpool.client.vllm_alloc import ShmKvAllocation
+
+                kv_alloc = ShmKvAllocation([t.size for t in kv_cache_config.kv_cache_tensors])
             self.worker = WorkerRole(groups, kv_cache_config.num_blocks, rank,
                                      pc.tensor_parallel_size, client,
                                      block_level_errors=len(kv_cache_config.kv_cache_groups) == 1,
-                                     quota_bytes=quota_bytes, pd_handoff=pd_handoff)
+                                     quota_bytes=quota_bytes, pd_handoff=pd_handoff,
+                                     kv_alloc=kv_alloc)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -146,6 +180,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         return "BLHNC"
 
     # ---- worker side ---------------------------------------------------------------------
+
+    def get_mem_pool_context(self) -> "AbstractContextManager | None":
+        return self.worker.kv_alloc if self.worker is not None else None
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         assert self.worker is not None

@@ -26,6 +26,8 @@ from kvpool.shared.layout import Layout
 if TYPE_CHECKING:
     import torch
 
+    from kvpool.client.vllm_alloc import ShmKvAllocation
+
 logger = logging.getLogger("kvpool.vllm")
 
 # handle_preemptions waits this long for stores still reading blocks about to be reused.
@@ -35,8 +37,11 @@ FLUSH_TIMEOUT_S = 30.0
 class WorkerRole:
     def __init__(self, groups: list[GroupInfo], num_blocks: int, tp_rank: int, tp_size: int,
                  client: Any, block_level_errors: bool = True, *, quota_bytes: int = 0,
-                 pd_handoff: bool = False) -> None:
+                 pd_handoff: bool = False, kv_alloc: "ShmKvAllocation | None" = None) -> None:
         self.groups = groups
+        # Where vLLM allocates a CPU worker's KV cache (see get_mem_pool_context); holds the
+        # shared memory for the worker's life.
+        self.kv_alloc = kv_alloc
         self.quota_bytes = quota_bytes
         self.pd_handoff = pd_handoff
         # vLLM maps failed block ids back to requests only when the model has one KV-cache
@@ -79,7 +84,9 @@ class WorkerRole:
                 plan = plan_kv_memory(tensors, [block_dim(t, self.num_blocks) for t in tensors],
                                       spans)
             except (ValueError, ImportError) as e:
-                logger.warning("kvpool: KV-cache group %d cannot be pooled: %s", g.index, e)
+                why = self.kv_alloc.failure if self.kv_alloc and self.kv_alloc.failure else e
+                logger.warning("kvpool: KV-cache group %d cannot be pooled, running without "
+                               "kvpool: %s", g.index, why)
                 continue
             layout = Layout(block_tokens=g.block_tokens, tp_size=self.tp_size,
                             dtype=str(tensors[0].dtype).removeprefix("torch."),

@@ -26,7 +26,7 @@ from kvpool.daemon.peer import Peer, check_may_open
 from kvpool.daemon.pool import Pool
 from kvpool.shared.errors import Aborted, LayoutMismatch, ProtocolError, TooLarge, UnknownId
 from kvpool.shared.layout import check_placement
-from kvpool.shared.protocol import HostRegion, RegisterRequest
+from kvpool.shared.protocol import ENGINE_SHM_PREFIX, HostRegion, RegisterRequest
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,8 @@ BATCH_BYTES = 4 << 20
 # Above this many runs of adjacent shards a job takes the gather/scatter path instead.
 MAX_RUNS = 16
 _SHM_NAME_MAX = 200
-_SHM_NAME = re.compile(r"/?(kvpool-kv-[A-Za-z0-9_.-]{1,%d})" % (_SHM_NAME_MAX - 10))
+_SHM_NAME = re.compile(r"/?(%s[A-Za-z0-9_.-]{1,%d})"
+                       % (re.escape(ENGINE_SHM_PREFIX), _SHM_NAME_MAX - len(ENGINE_SHM_PREFIX)))
 
 
 class HostMapped(Mapped):

@@ -32,6 +32,7 @@ from kvpool.daemon.index import Index, Slot
 from kvpool.daemon.peer import AllowList, Peer
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.registry import Owner, Registration, Registry
+from kvpool.daemon.shm_reaper import reap_engine_segments
 from kvpool.daemon.telemetry import Telemetry
 from kvpool.shared import protocol as p
 from kvpool.shared.config import DaemonConfig, parse_size
@@ -45,6 +46,8 @@ SHUTDOWN_GRACE_S = 5.0
 # does not count). A vLLM worker holds one per KV-cache group; each one maps memory and may own
 # a copy thread, so a client must not be able to open them without end.
 MAX_REGISTRATIONS_PER_CLIENT = 64
+# How often abandoned engine KV segments are looked for besides start and client release.
+REAP_PERIOD_S = 10.0
 
 
 class SocketBusy(KvpoolError):
@@ -121,6 +124,8 @@ class Server:
             os.umask(old)
         os.chmod(path, self.config.socket_mode_bits)
         self._sock = sock
+        # After the socket lock: only the one daemon of this host sweeps.
+        reap_engine_segments()
         # After the socket lock, so a second daemon reports "socket busy", not a busy port.
         self.telemetry = Telemetry.start(self.config)
         self.index.events = self.telemetry.index_events
@@ -162,9 +167,15 @@ class Server:
 
     async def _housekeeping(self) -> None:
         period = min(0.1, self.config.peer_timeout_ms / 4000)
+        next_reap = time.monotonic() + REAP_PERIOD_S
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            if now >= next_reap:
+                # Engines that died while no client of theirs was connected (or before the
+                # daemon started) have their KV segments removed here.
+                reap_engine_segments()
+                next_reap = now + REAP_PERIOD_S
             self.index.expire(now)
             self.telemetry.tick(now, self.info)
             limit = now - self.config.peer_timeout_ms / 1000
@@ -460,9 +471,12 @@ class Server:
 
     def _release_owner(self, owner: Owner) -> None:
         self._unwatch_exit(owner)
-        for reg in self.registry.remove_owner(owner):
+        regs = self.registry.remove_owner(owner)
+        for reg in regs:
             self._close_registration(reg)
         self.index.release_owner(owner.id)
+        if regs and self.is_serving:
+            reap_engine_segments()   # a dead worker's KV segment goes with it
 
     def _watch_exit(self, owner: Owner) -> None:
         """Release ``owner`` the moment its process exits, however it exits (a pidfd turns

@@ -68,6 +68,10 @@ Label = Annotated[str, msgspec.Meta(max_length=256)]
 
 # ---- regions a worker registers (where its KV tensors live) ------------------------------------
 
+# Shared-memory objects that engines create for their KV (``client.host_memory``) start with this;
+# kvpoold removes such names once no live process holds their lock, and never touches others.
+ENGINE_SHM_PREFIX = "kvpool-kv-"
+
 class HostRegion(msgspec.Struct, tag=1, **_WIRE):
     """KV memory in a POSIX shared-memory object the daemon can open by name."""
 

@@ -9,6 +9,7 @@ anything else for its key is a corrupted block.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import mmap
@@ -75,12 +76,13 @@ class ShmBlocks:
         self.name = name or f"kvpool-kv-soak-{os.getpid()}-{secrets.token_hex(4)}"
         self.n, self.block_bytes = n, block_bytes
         nbytes = n * block_bytes
-        shm = posix_ipc.SharedMemory("/" + self.name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
-        try:
-            os.posix_fallocate(shm.fd, 0, nbytes)
-            self._map = mmap.mmap(shm.fd, nbytes)
-        finally:
-            shm.close_fd()
+        # As ``SharedHostMemory`` does, without torch: created empty, locked shared for this
+        # process's life (kvpoold reaps it once the lock is gone), then reserved and mapped.
+        shm = posix_ipc.SharedMemory("/" + self.name, posix_ipc.O_CREX, mode=0o600, size=0)
+        self._fd = shm.fd
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        os.posix_fallocate(self._fd, 0, nbytes)
+        self._map = mmap.mmap(self._fd, nbytes)
         self.blocks = np.frombuffer(self._map, np.uint8).reshape(n, block_bytes)
 
     def region(self):
@@ -92,6 +94,9 @@ class ShmBlocks:
 
     def close(self) -> None:
         unlink_shm(self.name)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def unlink_shm(name: str) -> None:

@@ -337,10 +337,16 @@ def test_sliding_window_model_loads_the_hand_off_once_all_landed(engines, steady
 def test_fail_policy_waits_for_the_whole_hand_off_unless_told_to_stream(engines, daemon):
     """A stalled stream ends in load errors, which vLLM's "fail" policy turns into a failed
     request: with that policy the decode side waits for the whole hand-off by default."""
+    keep = {"load_failure_policy": "fail"}    # else the connector switches it to recompute
     fail = engines(daemon, engine_id="f", async_scheduling=False, kv_role="kv_consumer",
-                   load_failure_policy="fail")
+                   load_failure_policy="fail", extra=keep)
     forced = engines(daemon, engine_id="s", async_scheduling=False, kv_role="kv_consumer",
-                     load_failure_policy="fail", extra={"pd_stream": True})
+                     load_failure_policy="fail", extra={**keep, "pd_stream": True})
+    switched = engines(daemon, engine_id="w", async_scheduling=False, kv_role="kv_consumer",
+                       load_failure_policy="fail")
     default = engines(daemon, engine_id="d", async_scheduling=False, kv_role="kv_consumer")
     assert not fail.connector.scheduler._can_stream
+    assert fail.sched.recompute_kv_load_failures is False
     assert forced.connector.scheduler._can_stream and default.connector.scheduler._can_stream
+    assert switched.connector.scheduler._can_stream
+    assert switched.sched.recompute_kv_load_failures is True
