@@ -34,6 +34,9 @@ from kvpool.shared.errors import (DaemonUnavailable, HelloRequired, KvpoolError,
 
 log = logging.getLogger(__name__)
 
+# While connecting, how often to look for a sign that the daemon is gone.
+_CONNECT_CHECK_MS = 20
+
 
 class Transport:
     def __init__(self, config: ClientConfig, role: p.Role, name: str = "", engine_id: str = "",
@@ -47,6 +50,11 @@ class Transport:
         self.daemon_id: str | None = None
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        # ZeroMQ's events for our socket: DISCONNECTED (the daemon closed the connection: it
+        # died or restarted, so nothing sent on it will be answered) or CONNECT_RETRIED (it is
+        # not there).
+        self._monitor: zmq.Socket | None = None
+        self._poller = zmq.Poller()
         self._ids = itertools.count(1)
         self._retry_at = 0.0
         self._backoff_s = config.reconnect_backoff_ms / 1000
@@ -66,7 +74,7 @@ class Transport:
             self._send(make(req_id))
             try:
                 return self._await(req_id, timeout_ms)
-            except HelloRequired:
+            except (HelloRequired, _ConnectionLost):
                 # The daemon restarted under us: reconnect (replaying registrations) and retry.
                 self.disconnect(backoff=False)
                 if attempt:
@@ -79,6 +87,20 @@ class Transport:
         req_id = self.next_id()
         self._send(make(req_id))
         return req_id
+
+    def connection_lost(self) -> bool:
+        """Whether the daemon closed our connection (died or restarted) since it was made:
+        replies to anything in flight on it will never come. Never blocks."""
+        mon = self._monitor
+        if mon is None:
+            return False
+        lost = False
+        while mon.poll(0):
+            mon.recv_multipart()
+            lost = True
+        if lost:
+            self._lost = True
+        return self._lost
 
     def drain(self) -> list[p.Reply]:
         """Every reply that has arrived, without waiting."""
@@ -114,7 +136,7 @@ class Transport:
         return hb is not None and hb.is_stale
 
     def ensure_connected(self) -> None:
-        if self.is_stale:
+        if self.is_stale or self.connection_lost():
             self.disconnect(backoff=False)
         if self.is_connected:
             return
@@ -140,6 +162,11 @@ class Transport:
     def disconnect(self, backoff: bool = True) -> None:
         """Drop the socket (and anything queued on it); the next call reconnects."""
         if self._sock is not None:
+            self._poller.unregister(self._sock)
+            self._poller.unregister(self._monitor)
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
             self._sock.close(linger=0)
             self._sock = None
         self.owner_id = None
@@ -187,14 +214,24 @@ class Transport:
         # IMMEDIATE: never queue requests for a daemon that is not there; fail fast instead.
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.IDENTITY, os.urandom(8))
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED
+                                                | zmq.EVENT_CONNECT_RETRIED)
+        self._lost = False
         sock.connect(f"ipc://{self.config.socket_path}")
         self._sock = sock
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
 
     def _hello(self) -> p.HelloReply:
         assert self._sock is not None
-        if not self._sock.poll(self.config.timeout_ms, zmq.POLLOUT):
-            raise DaemonUnavailable(f"kvpoold not reachable at {self.config.socket_path} "
-                                    f"within {self.config.timeout_ms} ms")
+        deadline = time.monotonic() + self.config.timeout_ms / 1000
+        # Writable once the connection is up. A daemon that dies as we connect (the probe
+        # reached it a moment before) shows up on the monitor instead: give up then, not at
+        # the timeout.
+        while not self._sock.poll(_CONNECT_CHECK_MS, zmq.POLLOUT):
+            if self.connection_lost() or time.monotonic() > deadline:
+                raise DaemonUnavailable(f"kvpoold not reachable at {self.config.socket_path} "
+                                        f"within {self.config.timeout_ms} ms")
         req_id = self.next_id()
         self._send(p.Hello(req_id, p.PROTOCOL_VERSION, self.role, self.name, os.getpid(),
                            self.engine_id))
@@ -217,7 +254,15 @@ class Transport:
         deadline = time.monotonic() + (timeout_ms or self.config.timeout_ms) / 1000
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not sock.poll(left_ms, zmq.POLLIN):
+            ready = dict(self._poller.poll(left_ms)) if left_ms > 0 else {}
+            if self._monitor in ready and self.connection_lost():
+                # The daemon went away mid-call: say so now, not at the timeout.
+                self.disconnect(backoff=False)
+                raise _ConnectionLost(f"kvpoold at {self.config.socket_path} closed the "
+                                      f"connection (it stopped or restarted)")
+            if sock not in ready:
+                if left_ms > 0:
+                    continue
                 self.disconnect()
                 raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} did not answer "
                                         f"within {timeout_ms or self.config.timeout_ms} ms")
@@ -227,6 +272,10 @@ class Transport:
                     raise error_from_code(reply.code, reply.message)
                 return reply
             self._unsolicited.append(reply)   # job completions and late replies
+
+
+class _ConnectionLost(DaemonUnavailable):
+    """The daemon closed the connection a call was waiting on; ``call`` reconnects once."""
 
 
 class _Heartbeat:

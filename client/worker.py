@@ -113,7 +113,19 @@ class WorkerClient:
         if self._t.is_stale:
             self._fail_in_flight("kvpoold vanished or restarted during the transfer")
             self._t.disconnect(backoff=False)
-        for reply in self._t.drain():
+        replies = self._t.drain()
+        if self._t.connection_lost():
+            # Replies already read still count; what is still in flight never will.
+            self._collect(replies)
+            self._fail_in_flight("kvpoold closed the connection during the transfer")
+            self._t.disconnect(backoff=False)
+            replies = []
+        self._collect(replies)
+        out, self._done = self._done, []
+        return out
+
+    def _collect(self, replies: list[p.Reply]) -> None:
+        for reply in replies:
             if isinstance(reply, p.JobDone) and reply.job_id in self._in_flight:
                 self._job_of_req.pop(reply.req_id, None)
                 self._in_flight.discard(reply.job_id)
@@ -131,8 +143,6 @@ class WorkerClient:
                     # next submit reconnects and replays the registrations.
                     self._fail_in_flight(reply.message)
                     self._t.disconnect(backoff=False)
-        out, self._done = self._done, []
-        return out
 
     def wait(self, job_ids: Sequence[int], timeout_s: float) -> list[JobCompletion]:
         """Completions of ``job_ids``, waiting at most ``timeout_s`` (for tools and tests)."""
@@ -167,8 +177,9 @@ class WorkerClient:
         reg = self._registrations.get(registration_id)
         if reg is None:
             raise KeyError(f"unknown local registration {registration_id}")
-        if self._t.is_stale or not self._t.is_connected:
+        if self._t.is_stale or not self._t.is_connected or self._t.connection_lost():
             self._fail_in_flight("kvpoold vanished or restarted during the transfer")
+            self._t.disconnect(backoff=False)
         self._t.ensure_connected()
         job = next(self._job_ids)
         req_id = self._t.send(lambda rid: make(rid, job, reg.daemon_id))

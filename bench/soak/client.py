@@ -250,14 +250,26 @@ def writer(p: dict) -> None:
     corrupted = loaded = 0
     codes: dict[str, int] = {}
 
+    longest_what = ""
+
     def timed(fn, *args):
-        nonlocal longest, calls
+        nonlocal longest, calls, longest_what
         t0 = time.monotonic()
         try:
             return fn(*args)
+        except Exception as e:
+            outcome[0] = type(e).__name__
+            raise
         finally:
             calls += 1
-            longest = max(longest, time.monotonic() - t0)
+            took = time.monotonic() - t0
+            if took > longest:
+                longest, longest_what = took, f"{fn.__name__}: {outcome[0]}"
+            if took > 0.5:
+                print(f"slow call {fn.__name__} {outcome[0]} {took:.3f} s, started at "
+                      f"{time.time() - took:.3f}", file=sys.stderr, flush=True)
+            outcome[0] = "ok"
+    outcome = ["ok"]
 
     emit(ready=True)
     while not stop.exists():
@@ -302,7 +314,8 @@ def writer(p: dict) -> None:
         except KvpoolError as e:
             codes[e.code.name] = codes.get(e.code.name, 0) + 1
     eng.close()
-    emit(calls=calls, longest_call_s=longest, unavailable=unavailable, failed_jobs=failed_jobs,
+    emit(calls=calls, longest_call_s=longest, longest_call=longest_what, unavailable=unavailable,
+         failed_jobs=failed_jobs,
          acked=len(acked), loaded=loaded, corrupted=corrupted, codes=codes)
 
 

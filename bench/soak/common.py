@@ -192,14 +192,14 @@ class Daemon:
         unlink_shm(self.pool_name)
 
 
-def spawn_client(mode: str, log: Path, **params) -> subprocess.Popen:
+def spawn_client(mode: str, stderr_log: Path, **params) -> subprocess.Popen:
     """A campaign client process (``bench.soak.client``) printing JSON lines on stdout; its
-    stderr goes to ``log`` (a pipe could fill up and stall a long-running client)."""
-    with open(log, "ab") as err:
+    stderr goes to ``stderr_log`` (a pipe could fill up and stall a long-running client)."""
+    with open(stderr_log, "ab") as err:
         proc = subprocess.Popen([sys.executable, "-m", "bench.soak.client", mode,
                                  json.dumps(params)], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=err, bufsize=0)
-    proc.log_path = log   # type: ignore[attr-defined]
+    proc.log_path = stderr_log   # type: ignore[attr-defined]
     return proc
 
 

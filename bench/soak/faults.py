@@ -20,6 +20,7 @@ from pathlib import Path
 from bench.soak.common import (Daemon, client_result, key, namespace, read_line, spawn_client,
                                unlink_shm, wait_for)
 from kvpool.client.scheduler import SchedulerClient
+from kvpool.shared.errors import ErrorCode
 
 
 # ---- part 2: worker SIGKILL --------------------------------------------------------------------
@@ -88,4 +89,165 @@ def worker_kills(workdir: Path, kills: int = 100, seed: int = 7, pool_size: str 
             "bystander_failed_jobs": by["failed_loads"] + by["failed_stores"],
             "bystander_failure_codes": by["codes"], "bystander_unavailable": by["unavailable"],
             "leaked_after_exit": leaked, "after_exit": state},
+    }
+
+
+# ---- part 3: daemon SIGKILL ------------------------------------------------------------------
+
+class _Verifier:
+    """The campaign's own engine in the writers' namespace: after each restart it looks up the
+    keys the writers tried and loads every hit back to compare it with the key's pattern."""
+
+    def __init__(self, socket: str, n: int) -> None:
+        from bench.soak.client import Engine
+        self.eng = Engine(socket, n, "soak verifier", timeout_ms=10_000)
+        self.n = n
+
+    def check(self, ids: list[int]) -> tuple[set[int], int]:
+        """(ids that loaded back byte-exact, hits whose bytes were wrong)."""
+        eng, exact, torn = self.eng, set(), 0
+        for lo in range(0, len(ids), self.n):
+            part = ids[lo:lo + self.n]
+            keys = eng.keys(part)
+            hit = eng.sched.lookup(eng.ns, [[k] for k in keys], pin=True)
+            got = [(i, s[0]) for i, h, s in zip(part, hit.hits, hit.slots) if h]
+            if got:
+                dst = list(range(len(got)))
+                eng.mem.blocks[dst] = 0xA5
+                for _ in range(5):
+                    done = eng.worker.wait([eng.worker.submit_load(
+                        eng.reg, [s for _, s in got], dst)], 60)[0]
+                    # The first job after a restart goes out on the connection the old daemon
+                    # knew and is refused (HELLO_REQUIRED); the worker reconnects for the next.
+                    if done.ok or done.code not in (ErrorCode.HELLO_REQUIRED, ErrorCode.ABORTED):
+                        break
+                if not done.ok:
+                    raise AssertionError(f"verifier load failed: {done}")
+                want = eng.mem.blocks[dst] == _pattern_of(eng, [i for i, _ in got])
+                ok = want.all(axis=1)
+                exact.update(i for (i, _), good in zip(got, ok) if good)
+                torn += int((~ok).sum())
+            eng.sched.release(hit.leases)
+        return exact, torn
+
+    def close(self) -> None:
+        self.eng.close()
+
+
+def _pattern_of(eng, ids):
+    from bench.soak.common import pattern
+    return pattern(eng.keys(ids), eng.block_bytes)
+
+
+def _read_log(path: Path, pos: int) -> tuple[list[int], list[int], int]:
+    """(attempted ids, acked ids, new position) from a writer's log past ``pos``."""
+    if not path.exists():
+        return [], [], pos
+    with open(path) as f:
+        f.seek(pos)
+        text = f.read()
+    end = text.rfind("\n") + 1         # a line being written is read next time
+    tried, acked = [], []
+    for line in text[:end].splitlines():
+        kind, _, num = line.partition(" ")
+        (tried if kind == "a" else acked).append(int(num))
+    return tried, acked, pos + len(text[:end].encode())
+
+
+def daemon_kills(workdir: Path, kills: int = 100, writers: int = 2, seed: int = 11,
+                 pool_size: str = "512MiB", up_s: tuple[float, float] = (0.3, 1.0),
+                 batch: int = 4, pace_s: float = 0.03, timeout_ms: int = 2000,
+                 backoff_ms: int = 200) -> dict:
+    """Every acked block is checked after the restart that follows it and again at the end,
+    so the pool must hold all of them: nothing may be evicted (``pool_capacity_blocks``)."""
+    from kvpool.daemon.pool import Geometry
+    from kvpool.shared.config import parse_size
+    geometry = Geometry.plan(parse_size(pool_size), 4 << 20)
+    capacity = geometry.num_extents * geometry.records_per_extent
+    rng = random.Random(seed)
+    wd = workdir / "daemon-kills"
+    d = Daemon(wd, pool_size=pool_size, extent_size="4MiB")
+    ready = [d.start()]
+    stop = wd / "stop"
+    logs = [wd / f"writer{i}.keys" for i in range(writers)]
+    procs = [spawn_client("writer", wd / f"writer{i}.log", socket=d.socket, seed=seed + i,
+                          base=(i + 1) * 1_000_000_000, batch=batch, log=str(logs[i]),
+                          stop=str(stop), pace_s=pace_s, timeout_ms=timeout_ms,
+                          backoff_ms=backoff_ms)
+             for i in range(writers)]
+    for pr in procs:
+        read_line(pr, 60)
+    verifier = _Verifier(d.socket, 256)
+    pos = [0] * writers
+    acked_all: list[int] = []
+    per_restart_acked = per_restart_back = torn = hits_tried = 0
+    try:
+        for k in range(kills):
+            # Let the writers work, then kill the daemon under them.
+            seen = sum(p.stat().st_size for p in logs if p.exists())
+            time.sleep(rng.uniform(*up_s))
+            wait_for(lambda: sum(p.stat().st_size for p in logs if p.exists()) > seen, 30,
+                     "the writers to make progress before a kill")
+            d.kill()
+            ready.append(d.start())
+            tried, acked = [], []
+            for i, path in enumerate(logs):
+                t, a, pos[i] = _read_log(path, pos[i])
+                tried += t
+                acked += a
+            exact, bad = verifier.check(list(dict.fromkeys(tried + acked)))
+            torn += bad
+            hits_tried += len(exact) + bad
+            per_restart_acked += len(acked)
+            per_restart_back += sum(1 for i in acked if i in exact)
+            acked_all += acked
+            assert all(pr.poll() is None for pr in procs), "a writer died"
+        stop.write_text("")
+        results = [client_result(pr, 120) for pr in procs]
+        for i, path in enumerate(logs):
+            _, a, pos[i] = _read_log(path, pos[i])
+            acked_all += a
+        assert len(acked_all) < capacity, (
+            f"{len(acked_all)} blocks acked, more than the pool's {capacity}: evictions would "
+            f"count as losses; give daemon_kills a larger pool_size or a longer pace_s")
+        final_exact, final_bad = verifier.check(acked_all)
+        torn += final_bad
+        probe = SchedulerClient(d.client_config(timeout_ms=5000), "soak-probe", heartbeat=False)
+        info = probe.info()
+        probe.close()
+        verifier.close()
+        assert d.alive, f"kvpoold died:\n{d.log_tail()}"
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+        d.stop()
+        d.cleanup()
+    final_back = sum(1 for i in acked_all if i in final_exact)
+    lost = [i for i in acked_all if i not in final_exact][:20]
+    ratio_restart = per_restart_back / max(1, per_restart_acked)
+    ratio_final = final_back / max(1, len(acked_all))
+    restarts = ready[1:]
+    return {
+        "daemon_kills": kills,
+        "committed_back_ratio": round(min(ratio_restart, ratio_final), 6),
+        "torn_blocks_visible": torn,
+        "client_block_max_s": round(max(r["longest_call_s"] for r in results), 4),
+        "ready_s": round(max(restarts), 3) if restarts else None,
+        "daemon_kill_detail": {
+            "acked_blocks": len(acked_all), "lost_examples": lost,
+            "back_after_next_restart": per_restart_back,
+            "back_after_every_kill": final_back, "ratio_after_next_restart": ratio_restart,
+            "ratio_after_all_kills": ratio_final, "unacked_but_visible_checked": hits_tried,
+            "ready_s_mean": round(sum(restarts) / len(restarts), 3) if restarts else None,
+            "first_start_s": round(ready[0], 3),
+            "client_longest_calls": [r["longest_call"] for r in results],
+            "client_calls": sum(r["calls"] for r in results),
+            "client_unavailable": sum(r["unavailable"] for r in results),
+            "client_failed_jobs": sum(r["failed_jobs"] for r in results),
+            "client_failure_codes": [r["codes"] for r in results],
+            "client_loads_corrupted": sum(r["corrupted"] for r in results),
+            "client_timeout_ms": timeout_ms, "pool_capacity_blocks": capacity,
+            "pool_used_bytes": info.used_bytes,
+            "pool_bytes": info.pool_bytes, "adopted_blocks_last_start": info.adopted_blocks},
     }
