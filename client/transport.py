@@ -320,6 +320,7 @@ class _Heartbeat:
         watched: tuple[int | None, str | None] = (None, None)
         next_id = 1
         first_id = 1   # replies to heartbeats sent before the current connection are stale
+        awake = time.monotonic()
         try:
             while True:
                 with self._cond:
@@ -339,6 +340,12 @@ class _Heartbeat:
                     watched = (owner, daemon)
                     last_reply = time.monotonic()
                     first_id = next_id
+                now = time.monotonic()
+                if now - awake > 1.5 * interval + 0.5:
+                    # We were not running (SIGSTOP, a paused container, a long GIL hold): the
+                    # silence was ours, not the daemon's. Listen afresh before judging it.
+                    last_reply = now
+                awake = now
                 if sock is None:
                     sock = ctx.socket(zmq.DEALER)
                     sock.setsockopt(zmq.LINGER, 0)

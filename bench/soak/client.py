@@ -319,7 +319,77 @@ def writer(p: dict) -> None:
          acked=len(acked), loaded=loaded, corrupted=corrupted, codes=codes)
 
 
-MODES = {"integrity": integrity, "victim": victim, "writer": writer}
+# ---- staller (SIGSTOP / SIGCONT) ---------------------------------------------------------------
+
+def staller(p: dict) -> None:
+    """Store ``n`` blocks, then with a load of them in flight and slots prepared for ``n`` more,
+    print ``{"phase": "stop me"}`` and carry on; the campaign SIGSTOPs us there. Once resumed:
+    finish the load and check it, store into the slots prepared before the stall, then prove
+    the registration still works (reconnecting if the daemon let us go)."""
+    n = p["blocks"]
+    eng = Engine(p["socket"], 3 * n, "soak staller", timeout_ms=p["timeout_ms"])
+    base = 7_000_000_000
+    first, later = list(range(base, base + n)), list(range(base + n, base + 2 * n))
+    eng.fill(list(range(n)), eng.keys(first))
+    refs = eng.sched.prepare_store(eng.ns, eng.keys(first))
+    assert eng.worker.wait([eng.worker.submit_store(eng.reg, list(range(n)), refs)], 60)[0].ok
+    hit = eng.sched.lookup(eng.ns, [eng.keys(first)], pin=True)
+    assert hit.hits[0] == n, hit.hits
+    owner_before = eng.worker._t.owner_id
+    dst = list(range(n, 2 * n))
+    eng.mem.blocks[dst] = POISON
+    load = eng.worker.submit_load(eng.reg, hit.slots[0], dst)
+    late_refs = eng.sched.prepare_store(eng.ns, eng.keys(later))
+    emit(phase="stop me", owner=owner_before)
+    # ---- SIGSTOP lands about here; everything below runs after SIGCONT ----
+    out: dict = {"owner_before": owner_before}
+    done = eng.worker.wait([load], 60)[0]
+    out["load_ok"] = done.ok
+    out["load_code"] = done.code
+    out["load_mismatches"] = eng.mismatches(dst, eng.keys(first)) if done.ok else None
+    eng.fill(list(range(2 * n, 3 * n)), eng.keys(later))
+    try:
+        st = eng.worker.wait([eng.worker.submit_store(eng.reg, list(range(2 * n, 3 * n)),
+                                                      late_refs)], 60)[0]
+        out["late_store_ok"], out["late_store_code"] = st.ok, st.code
+    except DaemonUnavailable as e:
+        out["late_store_ok"], out["late_store_code"] = False, str(e)
+    try:
+        eng.sched.release(hit.leases)
+    except KvpoolError:
+        pass
+    # The registration must still work: a store and a load of fresh keys, retried only for
+    # the reconnect that a release during the stall makes necessary.
+    fresh = list(range(base + 2 * n, base + 3 * n))
+    out["post_attempts"] = 0
+    out["post_ok"] = False
+    for _ in range(5):
+        out["post_attempts"] += 1
+        try:
+            eng.fill(list(range(n)), eng.keys(fresh))
+            refs = eng.sched.prepare_store(eng.ns, eng.keys(fresh))
+            mine = [(b, r) for b, r in enumerate(refs) if r >= 0]
+            if mine:
+                st = eng.worker.wait([eng.worker.submit_store(
+                    eng.reg, [b for b, _ in mine], [r for _, r in mine])], 60)[0]
+                if not st.ok:
+                    continue
+            hit2 = eng.sched.lookup(eng.ns, [eng.keys(fresh)], pin=True)
+            eng.mem.blocks[dst] = POISON
+            ld = eng.worker.wait([eng.worker.submit_load(eng.reg, hit2.slots[0],
+                                                         dst[:hit2.hits[0]])], 60)[0]
+            eng.sched.release(hit2.leases)
+            if ld.ok and hit2.hits[0] == n:
+                out["post_ok"] = eng.mismatches(dst, eng.keys(fresh)) == 0
+                break
+        except DaemonUnavailable:
+            time.sleep(0.05)
+    out["owner_after"] = eng.worker._t.owner_id
+    eng.close()
+    emit(**out)
+
+
+MODES = {"integrity": integrity, "victim": victim, "writer": writer, "staller": staller}
 
 if __name__ == "__main__":
     MODES[sys.argv[1]](json.loads(sys.argv[2]))

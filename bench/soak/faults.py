@@ -251,3 +251,103 @@ def daemon_kills(workdir: Path, kills: int = 100, writers: int = 2, seed: int = 
             "pool_used_bytes": info.used_bytes,
             "pool_bytes": info.pool_bytes, "adopted_blocks_last_start": info.adopted_blocks},
     }
+
+
+# ---- part 5: stalled engines -------------------------------------------------------------------
+
+def _stall_once(workdir: Path, name: str, stop_s: float, peer_timeout_ms: int | None,
+                blocks: int) -> dict:
+    """One worker SIGSTOPped for ``stop_s`` with a load in flight and slots prepared; while it
+    is stopped, a bystander stores other blocks (into slots a release would free). Returns what
+    the staller saw and whether anything was misapplied."""
+    from bench.soak.client import Engine
+    extra = ["--peer-timeout-ms", str(peer_timeout_ms)] if peer_timeout_ms else []
+    d = Daemon(workdir / name, pool_size="32MiB", extent_size="4MiB", extra=extra)
+    d.start()
+    probe = SchedulerClient(d.client_config(timeout_ms=5000), "soak-probe", heartbeat=False)
+    proc = spawn_client("staller", workdir / f"{name}-staller.log", socket=d.socket,
+                        blocks=blocks, timeout_ms=2000)
+    by = None
+    try:
+        line = read_line(proc, 60)
+        os.kill(proc.pid, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        by = Engine(d.socket, blocks, "soak stall bystander")
+        ids = list(range(9_000_000_000, 9_000_000_000 + blocks))
+        kept = released_at = None
+        stored = False
+        while time.monotonic() - t_stop < stop_s:
+            me = [c for c in probe.info().clients if c.pid == proc.pid]
+            regs = sum(c.registrations for c in me)
+            if kept is None:
+                kept = regs >= 1
+            if regs == 0 and released_at is None:
+                released_at = time.monotonic() - t_stop
+            if not stored and (released_at is not None or time.monotonic() - t_stop > stop_s / 2):
+                # Take whatever slots are free now: a released staller's prepared ones too.
+                by.fill(list(range(blocks)), by.keys(ids))
+                refs = by.sched.prepare_store(by.ns, by.keys(ids))
+                mine = [(b, r) for b, r in enumerate(refs) if r >= 0]
+                assert by.worker.wait([by.worker.submit_store(
+                    by.reg, [b for b, _ in mine], [r for _, r in mine])], 60)[0].ok
+                stored = True
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGCONT)
+        res = client_result(proc, 120)
+        # The bystander's blocks hold the bystander's bytes, whatever the staller did.
+        hit = by.sched.lookup(by.ns, [[k] for k in by.keys(ids)], pin=True)
+        got = [(b, s[0]) for b, (h, s) in enumerate(zip(hit.hits, hit.slots)) if h]
+        by.mem.blocks[:] = 0xA5
+        ld = by.worker.wait([by.worker.submit_load(by.reg, [s for _, s in got],
+                                                   [b for b, _ in got])], 60)[0]
+        bad = by.mismatches([b for b, _ in got], by.keys([ids[b] for b, _ in got])) \
+            if ld.ok else len(got)
+        by.sched.release(hit.leases)
+        # And what the staller stored late, if anything, holds its own keys' bytes.
+        late = list(range(7_000_000_000 + blocks, 7_000_000_000 + 2 * blocks))
+        hit = by.sched.lookup(by.ns, [[k] for k in by.keys(late)], pin=True)
+        lgot = [(b, s[0]) for b, (h, s) in enumerate(zip(hit.hits, hit.slots)) if h]
+        lbad = 0
+        if lgot:
+            ld = by.worker.wait([by.worker.submit_load(by.reg, [s for _, s in lgot],
+                                                       [b for b, _ in lgot])], 60)[0]
+            lbad = by.mismatches([b for b, _ in lgot], by.keys([late[b] for b, _ in lgot])) \
+                if ld.ok else len(lgot)
+        by.sched.release(hit.leases)
+        assert d.alive, f"kvpoold died:\n{d.log_tail()}"
+    finally:
+        probe.close()
+        if by is not None:
+            by.close()
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        d.stop()
+        d.cleanup()
+    misapplied = (bad + lbad + (res["load_mismatches"] or 0)
+                  + (1 if res["load_ok"] and res["load_mismatches"] is None else 0))
+    return {"registration_kept_during_stall": bool(kept) and released_at is None,
+            "released_after_s": round(released_at, 3) if released_at is not None else None,
+            "misapplied_blocks": misapplied, "bystander_blocks_checked": len(got),
+            "late_store_blocks_visible": len(lgot), "staller": res,
+            "stopped_with": line}
+
+
+def stall(workdir: Path, stop_s: float = 5.0, blocks: int = 512,
+          short_peer_timeout_ms: int = 1000) -> dict:
+    """A stall shorter than the peer timeout (the default, 10 s) must leave the worker's
+    registration and jobs alone; one longer than it (here 1 s) releases the worker, which must
+    then see its jobs fail or finish correctly, never land anywhere else, and reconnect."""
+    short = _stall_once(workdir, "stall-within", stop_s, None, blocks)
+    long = _stall_once(workdir, "stall-past-timeout", stop_s, short_peer_timeout_ms, blocks)
+    return {
+        "stall_s": stop_s,
+        "stall_registration_kept": int(short["registration_kept_during_stall"]
+                                       and short["staller"]["owner_before"]
+                                       == short["staller"]["owner_after"]),
+        "stall_jobs_misapplied": short["misapplied_blocks"] + long["misapplied_blocks"],
+        "stall_resumed_ok": int(short["staller"]["post_ok"] and short["staller"]["load_ok"]
+                                and long["staller"]["post_ok"]),
+        "stall_detail": {"within_peer_timeout": short,
+                         f"past_peer_timeout_{short_peer_timeout_ms}ms": long},
+    }
