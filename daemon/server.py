@@ -180,7 +180,7 @@ class Server:
             self.telemetry.tick(now, self.info)
             limit = now - self.config.peer_timeout_ms / 1000
             for owner in [o for o in self.registry.owners.values() if o.last_seen < limit]:
-                log.info("client %d (%s, pid %d) went silent: releasing what it held",
+                log.info("client %d (%r, pid %d) went silent: releasing what it held",
                          owner.id, owner.name, owner.pid)
                 self._release_owner(owner)
 
@@ -231,7 +231,8 @@ class Server:
                                f"{self.config.max_request_bytes}")
             try:
                 msg = p.decode_request(data)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
+                # (msgspec lets a string that is not UTF-8 out as UnicodeDecodeError.)
                 req_id = p.peek_req_id(data)
                 raise ProtocolError(f"malformed request: {e}") from None
             req_id = msg.req_id
@@ -324,7 +325,7 @@ class Server:
         owner = self.registry.add_owner(identity, msg, now)
         owner.peer = peer
         self._watch_exit(owner)
-        log.info("client %d connected: %s role=%s pid=%d engine=%s", owner.id, msg.name,
+        log.info("client %d connected: %r role=%s pid=%d engine=%r", owner.id, msg.name,
                  msg.role.name, msg.pid, msg.engine_id)
         return p.HelloReply(msg.req_id, p.PROTOCOL_VERSION, self.daemon_id, owner.id,
                             self.pool.nbytes, self.config.heartbeat_interval_ms,
@@ -450,9 +451,11 @@ class Server:
             self.telemetry.error(code)
             self.telemetry.job_done(is_store, 0, started, len(slots), ok=False)
             reply = p.JobDone(msg.req_id, msg.job_id, int(code), str(exc))
-        if not reg.closing:
+        # Every request gets its one reply while its client is connected, also when the job's
+        # registration was closed under it (unregistered or replaced): the worker waits for it.
+        if self.registry.by_identity.get(owner.identity) is owner:
             self._send(owner.identity, reply)
-        elif reg.jobs_in_flight == 0:
+        if reg.closing and reg.jobs_in_flight == 0:
             self._detach(reg)
         if self._trace:
             # owner job store|load blocks backend recv submitted engine-stamps... callback sent
@@ -519,7 +522,7 @@ class Server:
         owners = [self.registry.owners[o] for o in watch[1] if o in self.registry.owners]
         self._close_exit_watch(pid)
         for owner in owners:
-            log.info("client %d (%s, pid %d) exited: releasing what it held", owner.id,
+            log.info("client %d (%r, pid %d) exited: releasing what it held", owner.id,
                      owner.name, pid)
             self._release_owner(owner)
 
