@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # While connecting, how often to look for a sign that the daemon is gone.
 _CONNECT_CHECK_MS = 20
+# How long ``close`` waits for the daemon to acknowledge the goodbye.
+_BYE_WAIT_MS = 200
 
 
 class Transport:
@@ -180,8 +182,17 @@ class Transport:
             self._retry_at = 0.0
 
     def close(self) -> None:
+        """Say goodbye (so the daemon releases what we hold now) and close; waits for the
+        daemon's answer at most ``_BYE_WAIT_MS``."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
+        if self.is_connected and not self.is_stale:
+            try:
+                req_id = self.next_id()
+                self._send(p.ByeRequest(req_id))
+                self._await(req_id, min(_BYE_WAIT_MS, self.config.timeout_ms))
+            except KvpoolError:
+                pass
         self.disconnect(backoff=False)
 
     # ---- internals -------------------------------------------------------------------------

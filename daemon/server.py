@@ -46,6 +46,8 @@ SHUTDOWN_GRACE_S = 5.0
 # does not count). A vLLM worker holds one per KV-cache group; each one maps memory and may own
 # a copy thread, so a client must not be able to open them without end.
 MAX_REGISTRATIONS_PER_CLIENT = 64
+# Blocks one store, load or prepare_store request may name (a vLLM step names a few thousand).
+MAX_BLOCKS_PER_REQUEST = 65536
 # How often abandoned engine KV segments are looked for besides start and client release.
 REAP_PERIOD_S = 10.0
 
@@ -290,6 +292,7 @@ class Server:
                 self.telemetry.lookup(hits, msg.key_lists, idx.block_tokens(msg.namespace))
                 return p.LookupReply(msg.req_id, hits, leases, slots)
             case p.PrepareStoreRequest():
+                _check_count(len(msg.keys), "keys")
                 return p.PrepareStoreReply(msg.req_id,
                                            idx.prepare_store(msg.namespace, msg.keys, owner.id, now))
             case p.AbortStoreRequest():
@@ -306,6 +309,9 @@ class Server:
                 return p.OkReply(msg.req_id, 1)
             case p.InfoRequest():
                 return p.InfoReply(msg.req_id, self.info(now))
+            case p.ByeRequest():
+                self._release_owner(owner)
+                return p.OkReply(msg.req_id, 1)
             case p.ResetRequest():
                 self._check_may_reset(owner, msg.namespace)
                 n = idx.reset(msg.namespace)
@@ -372,6 +378,7 @@ class Server:
             reg = self.registry.registration(owner, msg.registration_id)
             if len(msg.block_ids) != len(msg.slots):
                 raise ProtocolError(f"{len(msg.block_ids)} block ids for {len(msg.slots)} slots")
+            _check_count(len(msg.slots), "blocks")
             try:
                 blocks = np.asarray(msg.block_ids, dtype=np.int64)
             except OverflowError:
@@ -490,7 +497,7 @@ class Server:
         if pid <= 0 or not hasattr(os, "pidfd_open"):
             return
         watch = self._exits.get(pid)
-        if watch is not None and select.select([watch[0]], [], [], 0)[0]:
+        if watch is not None and _readable(watch[0]):
             self._process_exited(pid)      # that process is gone; this pid is a new one
             watch = None
         if watch is None:
@@ -567,6 +574,21 @@ class Server:
                           slots_pinned=self.index.pinned_count(), hit_tokens=st.hit_tokens,
                           miss_tokens=st.miss_tokens,
                           namespace_usage=self.index.namespace_usage())
+
+
+def _check_count(n: int, what: str) -> None:
+    """Bound the work one request does on the event loop: a prepare of a whole 16 MiB frame of
+    keys held every other client for over a second (measured on a 2-core host)."""
+    if n > MAX_BLOCKS_PER_REQUEST:
+        raise TooLarge(f"{n} {what} in one request; at most {MAX_BLOCKS_PER_REQUEST}: split it")
+
+
+def _readable(fd: int) -> bool:
+    """Whether ``fd`` is readable now (poll, not select: daemon fds pass 1024 with many
+    clients)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def run(config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine]) -> int:

@@ -196,9 +196,17 @@ class ResetRequest(msgspec.Struct, tag=13, **_WIRE):
     namespace: Key
 
 
+class ByeRequest(msgspec.Struct, tag=14, **_WIRE):
+    """The client is closing this connection: release what it holds now, not at the peer
+    timeout (a process that exits is released at once anyway; this is for one that lives on).
+    Appended as a new tag: a daemon that does not know it answers PROTOCOL, which is harmless."""
+
+    req_id: int
+
+
 Request = Union[Hello, Heartbeat, Ping, RegisterRequest, UnregisterRequest, LookupRequest,
                 PrepareStoreRequest, AbortStoreRequest, ReleaseRequest, StoreRequest,
-                LoadRequest, InfoRequest, ResetRequest]
+                LoadRequest, InfoRequest, ResetRequest, ByeRequest]
 
 
 # ---- replies -------------------------------------------------------------------------------

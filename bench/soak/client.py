@@ -46,9 +46,10 @@ class Engine:
         self.mem = ShmBlocks(n, block_bytes)
         self.block_bytes = block_bytes
         self.ns = namespace(model, block_bytes)
+        self.layout_ = layout(block_bytes)
         self.worker = WorkerClient(cfg, name)
         self.sched = SchedulerClient(cfg, name)
-        self.reg = self.worker.register(self.ns, layout(block_bytes), 0, n, [self.mem.region()],
+        self.reg = self.worker.register(self.ns, self.layout_, 0, n, [self.mem.region()],
                                         self.mem.placement())
 
     def keys(self, ids) -> list[bytes]:
