@@ -205,6 +205,65 @@ def test_adoption_keeps_committed_blocks_and_drops_unfinished_ones(pool_config):
         pool2.close(unlink=True)
 
 
+def test_refs_handed_out_before_a_restart_are_never_handed_out_again(pool_config):
+    """Regression (soak, daemon kills): generations of slots that were only being written were
+    not kept, so the restarted daemon handed the very same slot ref to another key, and a store
+    the engine sent late with the old ref landed under that key."""
+    pool = Pool.open(pool_config)
+    ix = Index(pool, 10, 60)
+    ix.register_namespace(NS_SMALL, SMALL)
+    old = ix.prepare_store(NS_SMALL, keys(3, b"a"), OWNER, 0)     # prepared, never written
+    store(ix, NS_SMALL, keys(2, b"c"))
+    pool.close(unlink=False)
+    pool2 = Pool.open(pool_config)
+    try:
+        ix2 = Index(pool2, 10, 60)
+        ix2.adopt()
+        new = ix2.prepare_store(NS_SMALL, keys(3, b"b"), OWNER, 0)
+        assert not set(old) & set(new), "a ref of the previous daemon was handed out again"
+        with pytest.raises(UnknownId):
+            ix2.begin_store(NS_SMALL, old[:1], 0)
+    finally:
+        pool2.close(unlink=True)
+
+
+def test_a_new_pool_does_not_start_generations_at_zero(pool_config):
+    """Refs from a replaced pool's daemon must not match the new one's first refs either."""
+    pool = Pool.open(pool_config)
+    try:
+        ix = Index(pool, 10, 60)
+        ix.register_namespace(NS_SMALL, SMALL)
+        ref = ix.prepare_store(NS_SMALL, keys(1), OWNER, 0)[0]
+        from kvpool.shared.protocol import slot_ref_generation
+        assert slot_ref_generation(ref) != 1
+    finally:
+        pool.close(unlink=True)
+
+
+def test_adoption_ignores_an_extent_entry_torn_by_a_crash(pool_config):
+    """Regression: assign_extent wrote num_slots before slot_bytes; a crash between them left
+    an entry whose slots overran the extent, and adoption laid them over the next extent."""
+    pool = Pool.open(pool_config)
+    ix = Index(pool, 10, 60)
+    ix.register_namespace(NS_BIG, BIG)
+    store(ix, NS_BIG, keys(2))
+    extent = next(e for e in range(pool.geometry.num_extents)
+                  if int(pool.extents[e]["slot_bytes"]))
+    pool.extents[extent]["num_slots"] = pool.geometry.records_per_extent   # 64 x 256 KiB > 1 MiB
+    pool.close(unlink=False)
+    pool2 = Pool.open(pool_config)
+    try:
+        assert not pool2.extent_is_sane(extent)
+        ix2 = Index(pool2, 10, 60)
+        assert ix2.adopt() == 0
+        ends = sorted((s.offset, s.offset + s.size_class.slot_bytes) for s in ix2._slots.values())
+        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "slots overlap"
+        ix2.register_namespace(NS_SMALL, SMALL)
+        assert capacity(ix2, SMALL, NS_SMALL) > 0
+    finally:
+        pool2.close(unlink=True)
+
+
 # ---- quotas ------------------------------------------------------------------------------
 
 NS_A, NS_B = b"A" * 16, b"Q" * 16

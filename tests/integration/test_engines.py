@@ -86,6 +86,20 @@ def test_sigkilled_engine_is_released_within_a_second(daemon_factory):
         holder.communicate(timeout=10)
 
 
+def test_sigkilled_engine_is_released_at_once_whatever_the_peer_timeout(daemon_factory):
+    """The daemon watches each client's process (a pidfd from its SO_PEERCRED pid): one that
+    exits is released at once, so the peer timeout can be long enough to ride out stalls."""
+    daemon = daemon_factory(extra=["--peer-timeout-ms", "60000"])
+    assert result(engine(daemon, "store", blocks=8, heads=16))["prepared"] == 8
+    holder = engine(daemon, "hold", blocks=48, first_token=50_000, heads=16)
+    try:
+        _kill_holder(daemon, holder)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.communicate(timeout=10)
+
+
 def _kill_holder(daemon, holder):
     line = holder.stdout.readline()
     assert line, holder.stderr.read()
