@@ -170,7 +170,7 @@ def run(workdir: Path, frames: int = 1_000_000, seconds: float = 3600, seed: int
              "/" + d.pool_name, decoy_shm, "kvpool-kv-no-such-segment", own.name,
              str(decoy_file), "../" + decoy_file.name, "kvpool-kv-" + "\n" * 3]
     t0 = time.monotonic()
-    sent = answered = internal = 0
+    sent = answered = 0
     codes: dict[str, int] = {}
     ctx = zmq.Context()
     try:
@@ -207,37 +207,12 @@ def run(workdir: Path, frames: int = 1_000_000, seconds: float = 3600, seed: int
                     break                    # the daemon stopped answering: reported below
                 continue
             stalled_since = None
-            for k, s in enumerate(socks):
-                if s in ready:
-                    while True:
-                        try:
-                            frame = s.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        pending[k] -= 1
-                        answered += 1
-                        reply = p.decode_reply(frame)
-                        code = getattr(reply, "code", 0)
-                        if code:
-                            name = ErrorCode(code).name if code in ErrorCode._value2member_map_ \
-                                else str(code)
-                            codes[name] = codes.get(name, 0) + 1
-                            internal += code == ErrorCode.INTERNAL
+            answered += _collect(socks, ready, pending, codes)
         # Drain what is still owed, bounded.
         deadline = time.monotonic() + 30
         while sum(pending) and time.monotonic() < deadline:
-            ready = dict(poller.poll(500))
-            for k, s in enumerate(socks):
-                if s in ready:
-                    while True:
-                        try:
-                            frame = s.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        pending[k] -= 1
-                        answered += 1
-                        code = getattr(p.decode_reply(frame), "code", 0)
-                        internal += code == ErrorCode.INTERNAL
+            answered += _collect(socks, dict(poller.poll(500)), pending, codes)
+        internal = codes.get(ErrorCode.INTERNAL.name, 0)
         elapsed = time.monotonic() - t0
         survived = d.alive
         intact = 0
@@ -277,6 +252,26 @@ def run(workdir: Path, frames: int = 1_000_000, seconds: float = 3600, seed: int
                         "captured_frames": len(captured), "sockets": sockets,
                         "error_codes": codes, "internal_error_log": internal_lines},
     }
+
+
+def _collect(socks: list, ready: dict, pending: list[int], codes: dict[str, int]) -> int:
+    """Read every reply waiting on the ``ready`` sockets; count them and their error codes."""
+    n = 0
+    for k, s in enumerate(socks):
+        if s not in ready:
+            continue
+        while True:
+            try:
+                frame = s.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            pending[k] -= 1
+            n += 1
+            code = getattr(p.decode_reply(frame), "code", 0)
+            if code:
+                name = ErrorCode(code).name if code in ErrorCode._value2member_map_ else str(code)
+                codes[name] = codes.get(name, 0) + 1
+    return n
 
 
 def _ints_of(node):
