@@ -200,7 +200,17 @@ def victim(p: dict) -> None:
     base = p["seed"] * 1_000_000
     ids = list(range(base, base + n))
     eng.fill(list(range(n)), eng.keys(ids))
-    refs = eng.sched.prepare_store(eng.ns, eng.keys(ids))
+    deadline = time.monotonic() + 30
+    while True:
+        # A new block size gets room once an extent of the bystander's size has drained: the
+        # first prepares may find none (POOL_FULL), as an engine's would.
+        try:
+            refs = eng.sched.prepare_store(eng.ns, eng.keys(ids))
+            break
+        except PoolFull:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
     mine = [(b, r) for b, r in enumerate(refs) if r >= 0]
     if mine:
         assert eng.worker.wait([eng.worker.submit_store(eng.reg, [b for b, _ in mine],

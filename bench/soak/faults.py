@@ -26,14 +26,19 @@ from kvpool.shared.errors import ErrorCode
 # ---- part 2: worker SIGKILL --------------------------------------------------------------------
 
 def worker_kills(workdir: Path, kills: int = 100, seed: int = 7, pool_size: str = "32MiB",
-                 peer_timeout_ms: int | None = None) -> dict:
+                 peer_timeout_ms: int | None = None, victim_block_bytes: int = 16 << 10) -> dict:
+    """The victims' blocks are of another size than the bystander's, so each new victim also
+    needs pool extents taken from a busy model (see ``Index._drain_for``)."""
     rng = random.Random(seed)
-    extra = ["--peer-timeout-ms", str(peer_timeout_ms)] if peer_timeout_ms else []
+    # Leases the bystander lets expire on purpose last 2 s: a drain for the victims' size
+    # waits for them.
+    extra = ["--lease-ttl-s", "2"]
+    extra += ["--peer-timeout-ms", str(peer_timeout_ms)] if peer_timeout_ms else []
     d = Daemon(workdir / "worker-kills", pool_size=pool_size, extent_size="4MiB", extra=extra)
     d.start()
     bystander = spawn_client("integrity", workdir / "worker-kills-bystander.log", socket=d.socket,
                              seed=1000 + seed, transfers=1 << 62, seconds=24 * 3600, keys=4000,
-                             max_batch=16, lease_ttl_s=30.0, abandon=False,
+                             max_batch=16, lease_ttl_s=2.0, abandon=False,
                              stop=str(workdir / "worker-kills.stop"))
     probe = SchedulerClient(d.client_config(timeout_ms=5000), "soak-probe", heartbeat=False)
     release_s: list[float] = []
@@ -41,7 +46,7 @@ def worker_kills(workdir: Path, kills: int = 100, seed: int = 7, pool_size: str 
     try:
         for k in range(kills):
             v = spawn_client("victim", workdir / "worker-kills-victim.log", socket=d.socket,
-                             seed=k + 1, batch=256, block_bytes=4096)
+                             seed=k + 1, batch=64, block_bytes=victim_block_bytes)
             ready = read_line(v, 60)
             # Kill it while a job of it is running, as the daemon sees it.
             delay = rng.uniform(0.0, 0.2)

@@ -130,6 +130,51 @@ def test_a_new_layout_takes_whole_extents_from_an_idle_one(index):
     assert hits[:per] == [0] * per and all(hits[per:])
 
 
+def test_a_new_layout_gets_room_from_a_busy_one(index):
+    """Regression (soak, worker kills with two block sizes): an extent went to another size
+    only when idle as a whole, so while one model kept a block in flight in each of its
+    extents, a second model got POOL_FULL for as long as that lasted. Now the least recently
+    used extent of the busy size is drained for it and handed over once its pins end."""
+    n = 0
+    while True:                                             # the pool is all BIG
+        try:
+            refs = index.prepare_store(NS_BIG, keys(1, b"b%d" % n), OWNER, 0)
+        except PoolFull:
+            break
+        index.end_store(index.begin_store(NS_BIG, refs, 0), 0, True)
+        n += 1
+        if index.slot_counts()[1] < n:                      # it evicts: the pool is full
+            break
+    per = index.pool.slots_per_extent(BIG.slot_bytes)
+
+    def busy_everywhere():
+        """One block pinned in each BIG extent (a load in flight, say): none is idle."""
+        leases = []
+        for e in list(index._classes[BIG.slot_bytes].extents):
+            s = next(s for s in index._extent_slots(e) if s.state == 2)
+            leases += index.lookup(NS_BIG, [[s.key[16:]]], True, OTHER, 0)[1]
+        return leases
+    pins = busy_everywhere()
+    index.release_owner(OWNER)
+    with pytest.raises(PoolFull):
+        index.prepare_store(NS_SMALL, keys(1, b"s"), OWNER, 1)    # starts a drain
+    # The busy model keeps being busy elsewhere: new pins, old ones released.
+    fresh = busy_everywhere()
+    # A lease taken before the drain still loads what it pinned.
+    drained = next(lid for lid in pins if index._leases[lid].slots[0].extent in index._draining)
+    held = index._leases[drained].slots
+    index.end_load(index.begin_load(NS_BIG, [x.ref for x in held]), True)
+    index.release_leases(pins, OTHER)
+    refs = index.prepare_store(NS_SMALL, keys(4, b"s"), OWNER, 2)
+    assert all(r >= 0 for r in refs), "the small model still starves"
+    index.end_store(index.begin_store(NS_SMALL, refs, 0), 0, True)
+    assert index.lookup(NS_SMALL, [keys(4, b"s")], False, OWNER, 2)[0] == [4]
+    # The busy model lost one extent's worth of blocks, nothing it had pinned.
+    writing, committed, _ = index.slot_counts()
+    assert committed >= n - per - 1
+    index.release_leases(fresh, OTHER)
+
+
 def test_lease_ttl_and_write_timeout_expire(index):
     ks = keys(3)
     store(index, NS_SMALL, ks)
