@@ -7,27 +7,14 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
+from bench.soak.common import wait_for  # noqa: F401  (tests import it from here)
 from kvpool.shared.config import ClientConfig
 
 STARTUP_TIMEOUT_S = 30.0
-
-
-def wait_for(cond: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.01):
-    """Poll ``cond`` until truthy; fail with ``what`` after ``timeout_s``. Returns its value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(every_s)
 
 
 class DaemonProcess:
