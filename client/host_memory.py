@@ -46,14 +46,12 @@ def _gib(nbytes: int) -> str:
 
 
 def space_error(nbytes: int, free: int) -> ShmSpaceError:
-    # Round the advice up to whole GiB with headroom for the daemon's own pool.
-    need_gib = -(-(nbytes + (1 << 30)) // (1 << 30))
     return ShmSpaceError(
         errno.ENOSPC,
-        f"the KV cache needs {_gib(nbytes)} of {SHM_DIR} but only {_gib(free)} is free: give "
-        f"{SHM_DIR} at least {need_gib} GiB more than the pool uses (docker/podman "
-        f"--shm-size, Kubernetes an emptyDir with medium: Memory at /dev/shm, or "
-        f"`mount -o remount,size=...G {SHM_DIR}`), or lower the KV cache size "
+        f"the KV cache needs {_gib(nbytes)} of {SHM_DIR} but only {_gib(free)} is free: make "
+        f"{SHM_DIR} larger by at least {_gib(nbytes - free)} (docker/podman --shm-size, "
+        f"Kubernetes: an emptyDir with medium Memory mounted at {SHM_DIR}, or `mount -o "
+        f"remount,size=<size> {SHM_DIR}`), or make the KV cache smaller "
         f"(VLLM_CPU_KVCACHE_SPACE)")
 
 

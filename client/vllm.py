@@ -45,9 +45,15 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvpool.client.call_timing import CallTimer
     from kvpool.client.vllm_meta import WorkerAcks
     from kvpool.client.vllm_scheduler import SchedulerRole
     from kvpool.client.vllm_worker import WorkerRole
+
+# What vLLM's scheduler calls into the connector (timed under KVPOOL_CONNECTOR_TIMING).
+SCHEDULER_METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc",
+                     "build_connector_meta", "update_connector_output", "request_finished",
+                     "request_finished_all_groups")
 
 # kv_connector_extra_config keys that are not ClientConfig fields.
 CONNECTOR_KEYS = ("model_id", "pd_wait_s", "quota", "pd_handoff", "pd_stream",
@@ -134,6 +140,7 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
                                     != "fail"), "pd_stream")
         self.scheduler: SchedulerRole | None = None
         self.worker: WorkerRole | None = None
+        self._timer: CallTimer | None = None
         if role == KVConnectorRole.SCHEDULER:
             from kvpool.client.scheduler import SchedulerClient
             from kvpool.client.vllm_scheduler import SchedulerRole
@@ -146,6 +153,9 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
                 kv_producer=self._kv_transfer_config.kv_role == "kv_producer",
                 engine_id=engine_id, tp_size=pc.tensor_parallel_size,
                 pd_wait_s=float(extra.get("pd_wait_s", 3.0)), pd_stream=pd_stream)
+            from kvpool.client.call_timing import maybe_time
+
+            self._timer = maybe_time(self, SCHEDULER_METHODS)
         else:
             from kvpool.client.vllm_worker import WorkerRole
             from kvpool.client.worker import WorkerClient
@@ -279,6 +289,8 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.reset_cache()
 
     def shutdown(self) -> None:
+        if self._timer is not None:
+            self._timer.dump()
         if self.scheduler is not None:
             self.scheduler.shutdown()
         if self.worker is not None:

@@ -171,7 +171,22 @@ def info_as_dict(info) -> dict[str, Any]:
                       for c in info.clients]
     out["namespace_usage"] = [{**msgspec.structs.asdict(n), "namespace": n.namespace.hex()}
                               for n in info.namespace_usage]
+    out["tiers"] = [msgspec.structs.asdict(t) for t in info.tiers]
     return out
+
+
+def format_tier(t) -> list[str]:
+    """A tier under the pool, as `kvpool info` prints it."""
+    state = "on" if t.is_enabled else f"OFF ({t.status})"
+    return [
+        f"{t.name} tier  {t.location}   {state}",
+        f"  used     {_human(t.used_bytes)} of {_human(t.capacity_bytes)}   blocks {t.blocks}"
+        f"   adopted at start {t.adopted_blocks}",
+        f"  moved    demoted {t.demoted_blocks} blocks ({_human(t.demoted_bytes)})   promoted "
+        f"{t.promoted_blocks} blocks ({_human(t.promoted_bytes)})   hits {t.hit_blocks}",
+        f"  dropped  evicted {t.evicted_blocks}   missed {t.missed_blocks}   verify failures "
+        f"{t.verify_failures}   I/O errors {t.io_errors}",
+    ]
 
 
 def format_info(info) -> str:
@@ -197,6 +212,8 @@ def format_info(info) -> str:
         quota = f" of {_human(n.quota_bytes)} quota" if n.quota_bytes else ""
         lines.append(f"  ns {n.namespace.hex()[:12]}  tp {n.tp_size}  {n.blocks} blocks  "
                      f"{_human(n.used_bytes)}{quota}  {n.description[:60]}")
+    for t in info.tiers:
+        lines += format_tier(t)
     lines.append(f"clients    {len(info.clients)}")
     for c in info.clients:
         lines.append(f"  #{c.owner_id} {c.role.name.lower():9s} pid {c.pid:<7d} {c.name}"

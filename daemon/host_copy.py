@@ -36,8 +36,11 @@ BATCH_BYTES = 4 << 20
 # Above this many runs of adjacent shards a job takes the gather/scatter path instead.
 MAX_RUNS = 16
 _SHM_NAME_MAX = 200
-_SHM_NAME = re.compile(r"/?(%s[A-Za-z0-9_.-]{1,%d})"
-                       % (re.escape(ENGINE_SHM_PREFIX), _SHM_NAME_MAX - len(ENGINE_SHM_PREFIX)))
+# Engine segments, named by ``SharedHostMemory``; "kvpool-kv-" is what clients from before the
+# liveness lock used (still accepted: the same protocol version may send it).
+_SHM_PREFIXES = (ENGINE_SHM_PREFIX, "kvpool-kv-")
+_SHM_NAME = re.compile(r"/?((?:%s)[A-Za-z0-9_.-]{1,%d})"
+                       % ("|".join(map(re.escape, _SHM_PREFIXES)), _SHM_NAME_MAX - 16))
 
 
 class HostMapped(Mapped):
@@ -219,13 +222,13 @@ def check_shm_name(name: str, pool_name: str) -> str:
     """The bare name of an engine KV segment, or ``ProtocolError``.
 
     The daemon opens shared memory on a client's behalf only for engine KV segments, named
-    ``kvpool-kv-*`` (``SharedHostMemory``), never its own pool: no crafted name (``../``
+    ``kvpool-engine-*`` (``SharedHostMemory``; ``kvpool-kv-*`` from older clients), never its own pool: no crafted name (``../``
     paths, NUL bytes, which crash the shm library, another tenant's or daemon's segment)
     makes it open anything else."""
     m = _SHM_NAME.fullmatch(name)
     if m is None or m.group(1) == pool_name:
         raise ProtocolError(f"shared memory name {name[:80]!r} refused: a host region must be an "
-                            f"engine KV segment named kvpool-kv-<letters, digits, _ . ->, at "
+                            f"engine KV segment named {ENGINE_SHM_PREFIX}<letters, digits, _ . ->, at "
                             f"most {_SHM_NAME_MAX} characters")
     return m.group(1)
 

@@ -7,12 +7,18 @@ Slot lifecycle (Plasma's CREATED → SEALED, with TP):
 
     FREE --prepare_store--> WRITING --every rank landed--> COMMITTED --evict/reset--> FREE
                                └── abort / owner gone / write timeout / failed rank --> FREE
+    FREE --reserve_fills--> FILLING --end_fill(ok)--> COMMITTED
+                               └── end_fill(failed) / reset --> FREE
 
 - A WRITING slot is invisible to lookups; it becomes COMMITTED only when all ``tp_size`` ranks
   of its layout have landed their shard, so a partial store is never visible.
 - ``pins`` counts leases and in-flight jobs. Eviction takes only COMMITTED, unpinned slots.
   A slot dropped while pinned is *doomed*: unreachable at once, freed when the last pin goes.
 - Slot refs carry the slot's generation, so a stale ref never touches a reused slot.
+- FILLING is a slot a lower tier is bringing back (``daemon/tiering.py``): lookups count it
+  as a hit and loads may name it, but the caller must not copy out of it before ``end_fill``.
+  It is pinned by its fill, recorded as WRITING in the pool (a crash drops it), and becomes
+  COMMITTED like a store. The index knows nothing of where the bytes come from.
 
 Space: the pool's extents are handed to one slot size at a time. Room for a slot comes from a
 free slot of its size, then a free extent, then eviction: the least recently used slot of the same
@@ -38,6 +44,9 @@ from kvpool.shared.errors import (LayoutMismatch, LeaseExpired, OutOfRange, Pool
                                   ProtocolError, UnknownId)
 from kvpool.shared.layout import Layout
 from kvpool.shared.protocol import SLOT_NO_SPACE, SLOT_PRESENT, NamespaceInfo, make_slot_ref
+
+# An index-only state (the pool record says WRITING): a lower tier is filling the slot.
+FILLING = 3
 
 
 @dataclass(slots=True, eq=False)
@@ -120,8 +129,11 @@ class Index:
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
         self._tick = itertools.count(1)
+        self._filling: dict[int, Slot] = {}
         # (kind, ns, block hash) for the KV event publisher; None when nobody listens.
         self.events: list[tuple[str, bytes, bytes]] | None = None
+        # Told about every batch of slots that became COMMITTED (the lower tiers' feed).
+        self.on_commit: Callable[[list[Slot]], None] | None = None
 
     # ---- namespaces ------------------------------------------------------------------------
 
@@ -200,6 +212,9 @@ class Index:
             raise UnknownId(f"namespace {ns.hex()} has no registered layout: no worker of "
                             f"that model and layout has registered") from None
 
+    def has_layout(self, ns: bytes) -> bool:
+        return ns in self._layouts
+
     @property
     def namespaces(self) -> int:
         return len(self._layouts)
@@ -268,7 +283,7 @@ class Index:
             run: list[Slot] = []
             for k in keys:
                 s = get(k)
-                if s is None or s.state != COMMITTED:
+                if s is None or (s.state != COMMITTED and s.state != FILLING):
                     break
                 run.append(s)
             hits.append(len(run))
@@ -309,6 +324,18 @@ class Index:
         layout = self._layouts.get(ns)
         return layout.block_tokens if layout is not None else 0
 
+    def leading(self, ns: bytes, keys: list[bytes]) -> int:
+        """How many of ``keys``, from the first on, a lookup would count as hits now
+        (COMMITTED or FILLING). Changes nothing."""
+        get = self._tables.get(ns, _EMPTY).get
+        n = 0
+        for k in keys:
+            s = get(k)
+            if s is None or (s.state != COMMITTED and s.state != FILLING):
+                break
+            n += 1
+        return n
+
     def committed_hashes(self, ns: bytes) -> list[bytes]:
         """Block hashes of the committed blocks of ``ns`` (for the KV event feed of an engine
         that starts or stops being able to load them). O(blocks of ns)."""
@@ -341,26 +368,15 @@ class Index:
             if s is not None:
                 out.append(SLOT_PRESENT)
                 continue
-            if quota and not self._fits_quota(ns, slot_bytes, quota):
+            s = self._claim(ns, table, k, slot_bytes, quota)
+            if s is None or s is _OVER_QUOTA:
                 out.append(SLOT_NO_SPACE)
                 full += 1
-                over_quota += 1
+                over_quota += s is _OVER_QUOTA
                 continue
-            s = self._allocate(slot_bytes)
-            if s is None:
-                out.append(SLOT_NO_SPACE)
-                full += 1
-                continue
-            s.state, s.ns, s.key, s.owner = WRITING, ns, ns + k, owner
-            s.generation = (s.generation + 1) & GENERATION_MASK
-            s.ref = make_slot_ref(s.id, s.generation)
-            s.landed = s.writing = 0
+            s.state, s.owner = WRITING, owner
             s.deadline = now + self.write_timeout_s
-            s.doomed = False
-            self.pool.write_state(s.extent, s.index, WRITING, s.generation)
-            table[k] = s
             self._writing[s.id] = s
-            self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
             out.append(s.ref)
             allocated += 1
         if full and not allocated and not any(r == SLOT_PRESENT for r in out):
@@ -370,6 +386,25 @@ class Index:
             raise PoolFull(f"no room for {full} blocks of {layout.slot_bytes} bytes: every slot "
                            f"is being written or pinned by a lease or a transfer")
         return out
+
+    def _claim(self, ns: bytes, table: dict[bytes, Slot], k: bytes, slot_bytes: int,
+               quota: int) -> Slot | None:
+        """A slot for key ``k`` of ``ns``, mapped and counted, its state for the caller to set;
+        None where nothing could be evicted, ``_OVER_QUOTA`` where the quota stops it."""
+        if quota and not self._fits_quota(ns, slot_bytes, quota):
+            return _OVER_QUOTA
+        s = self._allocate(slot_bytes)
+        if s is None:
+            return None
+        s.ns, s.key, s.owner = ns, ns + k, 0
+        s.generation = (s.generation + 1) & GENERATION_MASK
+        s.ref = make_slot_ref(s.id, s.generation)
+        s.landed = s.writing = 0
+        s.doomed = False
+        self.pool.write_state(s.extent, s.index, WRITING, s.generation)
+        table[k] = s
+        self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
+        return s
 
     def _fits_quota(self, ns: bytes, slot_bytes: int, quota: int) -> bool:
         """Make room for one more slot under ``ns``'s quota by evicting its own least recently
@@ -443,7 +478,7 @@ class Index:
             s = self._resolve(ref)
             if s is None:
                 raise OutOfRange(f"slot ref {ref:#x} names no slot of this pool")
-            if s.state != COMMITTED or s.doomed or s.key[:16] != ns:
+            if (s.state != COMMITTED and s.state != FILLING) or s.doomed or s.key[:16] != ns:
                 raise LeaseExpired(f"slot ref {ref:#x} was evicted or replaced since the lookup "
                                    f"(hold a lease from lookup(pin=True) until the load ends)")
             slots.append(s)
@@ -455,6 +490,63 @@ class Index:
         if ok:
             self.stats.loaded_blocks += len(slots)
         self._unpin(slots)
+
+    @staticmethod
+    def is_loadable(slots: list[Slot]) -> bool:
+        """Whether every slot holds committed bytes (a FILLING one has not landed yet, or its
+        fill failed)."""
+        return all(s.state == COMMITTED and not s.doomed for s in slots)
+
+    # ---- fills from a lower tier and pins for it (daemon/tiering.py) -----------------------
+
+    def reserve_fills(self, ns: bytes, keys: list[bytes], now: float) -> list[Slot]:
+        """FILLING slots for the leading ``keys`` of ``ns`` (none of them mapped), pinned until
+        ``end_fill``; fewer (possibly none) where the pool or the quota has no room left."""
+        layout = self.layout_of(ns)
+        table = self._tables.setdefault(ns, {})
+        quota = self._quota.get(ns, 0)
+        out: list[Slot] = []
+        for k in keys:
+            if k in table:
+                break
+            s = self._claim(ns, table, k, layout.slot_bytes, quota)
+            if s is None or s is _OVER_QUOTA:
+                break
+            s.state = FILLING
+            s.pins = 1
+            s.deadline = now
+            self._filling[s.id] = s
+            out.append(s)
+        return out
+
+    def end_fill(self, slots: list[Slot], ok: list[bool]) -> None:
+        """The fill of ``slots`` ended: those with ``ok`` (and not reset meanwhile) commit, the
+        others are dropped; the fill's pins go."""
+        ready = []
+        for s, good in zip(slots, ok):
+            self._filling.pop(s.id, None)
+            if s.doomed:
+                continue
+            if good:
+                ready.append(s)
+            else:
+                self._drop(s)
+        if ready:
+            self._commit(ready)
+        self._unpin(slots)
+
+    def pin(self, slots: list[Slot]) -> None:
+        """Hold committed slots against eviction and reuse (a lower tier reads them)."""
+        for s in slots:
+            s.pins += 1
+
+    def unpin(self, slots: list[Slot]) -> None:
+        self._unpin(slots)
+
+    def committed_slots(self) -> list[Slot]:
+        """Every committed slot, least recently used first (for a lower tier to take in)."""
+        return sorted((s for s in self._slots.values() if s.state == COMMITTED and not s.doomed),
+                      key=lambda s: s.last_use)
 
     # ---- housekeeping ----------------------------------------------------------------------
 
@@ -485,9 +577,10 @@ class Index:
 
     def slot_counts(self) -> tuple[int, int, int]:
         """(writing, committed, used bytes)."""
-        writing = len(self._writing)
+        writing = len(self._writing) + len(self._filling)
         committed = sum(len(c.lru) for c in self._classes.values())
         used = sum(s.size_class.slot_bytes for s in self._writing.values())
+        used += sum(s.size_class.slot_bytes for s in self._filling.values())
         used += sum(len(c.lru) * c.slot_bytes for c in self._classes.values())
         return writing, committed, used
 
@@ -623,7 +716,7 @@ class Index:
                     self._forget_committed(s)
                     if self.events is not None:
                         self.events.append(("removed", s.ns, s.key[16:]))
-            elif s.state == WRITING:
+            elif s.state == WRITING or s.state == FILLING:
                 self._drop(s)       # a store into it is refused, or lands unseen
         self._finish_drain(best)
 
@@ -666,7 +759,7 @@ class Index:
         tick = next(self._tick)
         writing = self._writing
         for s in slots:
-            del writing[s.id]
+            writing.pop(s.id, None)
             s.state = COMMITTED
             s.last_use = tick
             s.size_class.lru.insert(s.id)
@@ -677,6 +770,8 @@ class Index:
         self.stats.stored_blocks += len(slots)
         if self.events is not None:
             self.events.extend(("stored", s.ns, s.key[16:]) for s in slots)
+        if self.on_commit is not None:
+            self.on_commit(slots)
 
     def _evict(self, s: Slot) -> None:
         self.stats.evictions += 1
@@ -700,6 +795,7 @@ class Index:
             if self.events is not None:
                 self.events.append(("removed", s.ns, s.key[16:]))
         self._writing.pop(s.id, None)
+        self._filling.pop(s.id, None)
         if s.state != FREE:
             self._ns_bytes[s.ns] -= s.size_class.slot_bytes
         s.state = FREE
@@ -742,3 +838,5 @@ _EMPTY: dict[bytes, Slot] = {}
 
 # A sentinel for "this ref's slot exists but was reused": resolves to a slot in no valid state.
 _STALE = Slot(-1, -1, -1, 0, SizeClass(0), state=FREE, doomed=True)
+# What ``_claim`` answers when a namespace's quota, not the pool, is out of room.
+_OVER_QUOTA = Slot(-2, -1, -1, 0, SizeClass(0), state=FREE, doomed=True)

@@ -64,6 +64,40 @@ def _error_label(code: int) -> str:
         return str(code)
 
 
+# The tiers under the pool (``PoolInfo.tiers``), labelled ``tier`` ("disk"): name → (TierInfo
+# field, is a counter, help). Counters come from the snapshot too: the tier counts them on the
+# event loop and the scrape reads the latest ``PoolInfo`` (at most INFO_PERIOD_S old).
+_TIER_FIELDS = {
+    "kvpool_tier_enabled": ("is_enabled", False, "1 while the tier serves; 0 once a fault (disk "
+                            "full, I/O error) turned it off."),
+    "kvpool_tier_capacity_bytes": ("capacity_bytes", False, "Most bytes of blocks the tier "
+                                   "keeps (disk_size)."),
+    "kvpool_tier_used_bytes": ("used_bytes", False, "Bytes of blocks the tier holds or is "
+                               "writing."),
+    "kvpool_tier_blocks": ("blocks", False, "Blocks the tier holds (loadable)."),
+    "kvpool_tier_hit_blocks": ("hit_blocks", True, "Lookup hits answered from the tier (each "
+                               "promotes its block into the pool)."),
+    "kvpool_tier_demoted_blocks": ("demoted_blocks", True, "Blocks written down from the pool."),
+    "kvpool_tier_demoted_bytes": ("demoted_bytes", True, "Bytes written down from the pool."),
+    "kvpool_tier_promoted_blocks": ("promoted_blocks", True, "Blocks read back into the pool "
+                                    "and verified."),
+    "kvpool_tier_promoted_bytes": ("promoted_bytes", True, "Bytes read back into the pool."),
+    "kvpool_tier_verify_failures": ("verify_failures", True, "Blocks that failed their checksum "
+                                    "on the way up (dropped, recomputed by the engine)."),
+    "kvpool_tier_io_errors": ("io_errors", True, "I/O faults; the first turns the tier off."),
+    "kvpool_tier_evicted_blocks": ("evicted_blocks", True, "Blocks the tier's own LRU dropped "
+                                   "to stay within its capacity."),
+    "kvpool_tier_missed_blocks": ("missed_blocks", True, "Blocks the pool evicted before they "
+                                  "could be written down (the tier fell behind the stores)."),
+}
+
+
+def _tier_families() -> dict[str, Metric]:
+    return {name: (CounterMetricFamily if counter else GaugeMetricFamily)(
+                name, text, labels=["tier"])
+            for name, (_, counter, text) in _TIER_FIELDS.items()}
+
+
 class _SnapshotCollector(Collector):
     """The gauges, read from the latest ``PoolInfo`` at scrape time."""
 
@@ -98,9 +132,14 @@ class _SnapshotCollector(Collector):
         up = g("kvpool_healthy", "1 while /healthz answers 200, else 0.")
         families: list[Metric] = [pool, used, slots, namespaces, leases, clients, engines,
                                   adopted, ns_used, ns_quota, uptime, up]
+        tiers = _tier_families()
+        families += tiers.values()
         up.add_metric([], 1.0 if healthy else 0.0)
         if info is None:
             return families
+        for t in info.tiers:
+            for name, family in tiers.items():
+                family.add_metric([t.name], float(getattr(t, _TIER_FIELDS[name][0])))
         pool.add_metric([], info.pool_bytes)
         used.add_metric([], info.used_bytes)
         slots.add_metric(["writing"], info.slots_writing)

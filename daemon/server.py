@@ -5,6 +5,10 @@ dispatch, reply) beside ``housekeeping()`` (heartbeat timeouts, lease/write expi
 (stop accepting, let jobs finish for a grace period, abort the rest, drop leases, close engines,
 unlink or keep the pool).
 
+With a lower tier (``--disk-path``), ``daemon/tiering.py`` is asked before each lookup (lower-tier
+hits come up into the pool) and when a load starts (a load of a block still coming up waits for
+it); the tier's I/O runs on its own threads.
+
 Rules: the event loop never blocks (copies run in the engines, off the loop); every request gets
 exactly one reply; every exception is turned into an ``ErrorReply`` (or a failed ``JobDone``) in
 ``_dispatch``, unexpected ones as INTERNAL with a logged traceback, and the peer stays connected.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from concurrent.futures import Future
 import fcntl
 import logging
 import os
@@ -34,10 +39,13 @@ from kvpool.daemon.pool import Pool
 from kvpool.daemon.registry import Owner, Registration, Registry
 from kvpool.daemon.shm_reaper import reap_engine_segments
 from kvpool.daemon.telemetry import Telemetry
+from kvpool.daemon.tier import LowerTier
+from kvpool.daemon.tiering import Tiering
 from kvpool.shared import protocol as p
 from kvpool.shared.config import DaemonConfig, parse_size
-from kvpool.shared.errors import (Aborted, ErrorCode, HelloRequired, KvpoolError, OutOfRange,
-                                  PermissionDenied, ProtocolError, TooLarge, VersionMismatch)
+from kvpool.shared.errors import (Aborted, BlockLost, ErrorCode, HelloRequired, KvpoolError,
+                                  OutOfRange, PermissionDenied, ProtocolError, TooLarge,
+                                  VersionMismatch)
 
 log = logging.getLogger("kvpoold")
 
@@ -57,7 +65,8 @@ class SocketBusy(KvpoolError):
 
 
 class Server:
-    def __init__(self, config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine]) -> None:
+    def __init__(self, config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine],
+                 lower: LowerTier | None = None) -> None:
         self.config = config
         self.pool = pool
         self.engines = engines
@@ -87,6 +96,7 @@ class Server:
         if pool.adopted:
             kept = self.index.adopt()
             log.info("adopted %d committed blocks from the existing pool", kept)
+        self.tiering = Tiering(self.index, lower) if lower is not None else None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -134,6 +144,8 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.should_exit.set)
+        if self.tiering is not None:
+            self.tiering.start()
         self.is_serving = True
         self.telemetry.serving(self.info())
         log.info("kvpoold %s serving ipc://%s, pool %s: %d bytes in %d extents%s", self.daemon_id,
@@ -196,6 +208,9 @@ class Server:
             await asyncio.wait(set(self._jobs), timeout=SHUTDOWN_GRACE_S)
         for owner in list(self.registry.owners.values()):
             self._release_owner(owner)
+        if self.tiering is not None:
+            # Before the pool goes: the tier reads pool memory until it closes.
+            await self.tiering.close(SHUTDOWN_GRACE_S)
         self._release_resources()
         if self._trace:
             self._trace.close()
@@ -287,6 +302,8 @@ class Server:
         idx = self.index
         match msg:
             case p.LookupRequest():
+                if self.tiering is not None:
+                    self.tiering.before_lookup(msg.namespace, msg.key_lists, now)
                 hits, leases, slots = idx.lookup(msg.namespace, msg.key_lists, msg.pin,
                                                  owner.id, now)
                 self.telemetry.lookup(hits, msg.key_lists, idx.block_tokens(msg.namespace))
@@ -315,6 +332,8 @@ class Server:
             case p.ResetRequest():
                 self._check_may_reset(owner, msg.namespace)
                 n = idx.reset(msg.namespace)
+                if self.tiering is not None:
+                    n += self.tiering.reset(msg.namespace)
                 log.info("reset of namespace %s by client %d: %d blocks forgotten",
                          msg.namespace.hex(), owner.id, n)
                 return p.OkReply(msg.req_id, n)
@@ -401,7 +420,12 @@ class Server:
             if is_store:
                 fut = reg.engine.submit_store(reg.mapped, blocks, offsets, msg.wait_event)
             else:
-                fut = reg.engine.submit_load(reg.mapped, offsets, blocks)
+                fills = self.tiering.pending(slots) if self.tiering is not None else []
+                if fills:
+                    fut = self._load_after_fills(fills, slots, lambda: reg.engine.submit_load(
+                        reg.mapped, offsets, blocks))
+                else:
+                    fut = reg.engine.submit_load(reg.mapped, offsets, blocks)
         except KvpoolError as e:
             self._end_job(reg, slots, is_store, ok=False)
             self.errors += 1
@@ -425,6 +449,35 @@ class Server:
                 pass
         fut.add_done_callback(resolved)
         return None
+
+    def _load_after_fills(self, fills: list[asyncio.Future], slots: list[Slot],
+                          submit) -> Future[JobResult]:
+        """A load of slots a lower tier is still filling: handed to the copy engine once every
+        fill has landed, so the job completes only when the bytes are in the engine's memory;
+        fails with ``BlockLost`` where a fill did not land (checksum or I/O failure)."""
+        out: Future[JobResult] = Future()
+
+        def relay(f: Future) -> None:
+            if f.cancelled():
+                out.cancel()
+            elif f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                out.set_result(f.result())
+
+        def go(_gathered: asyncio.Future) -> None:
+            if not self.index.is_loadable(slots):
+                out.set_exception(BlockLost("a block could not be brought back from the disk "
+                                            "tier (it failed verification, or the tier failed)"
+                                            ": recompute it"))
+                return
+            try:
+                submit().add_done_callback(relay)
+            except KvpoolError as e:
+                out.set_exception(e)
+
+        asyncio.gather(*fills, return_exceptions=True).add_done_callback(go)
+        return out
 
     def _job_done(self, job: asyncio.Future, owner: Owner, reg: Registration, slots: list[Slot],
                   is_store: bool, msg: p.StoreRequest | p.LoadRequest, fut, started: float,
@@ -573,7 +626,8 @@ class Server:
                           self.loaded_bytes, self.errors, clients, st.adopted_blocks,
                           slots_pinned=self.index.pinned_count(), hit_tokens=st.hit_tokens,
                           miss_tokens=st.miss_tokens,
-                          namespace_usage=self.index.namespace_usage())
+                          namespace_usage=self.index.namespace_usage(),
+                          tiers=[self.tiering.info()] if self.tiering is not None else [])
 
 
 def _check_count(n: int, what: str) -> None:
@@ -591,9 +645,10 @@ def _readable(fd: int) -> bool:
     return bool(poller.poll(0))
 
 
-def run(config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine]) -> int:
+def run(config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine],
+        lower: LowerTier | None = None) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code (0 after a clean stop)."""
-    server = Server(config, pool, engines)
+    server = Server(config, pool, engines, lower)
     try:
         import uvloop
     except ImportError:

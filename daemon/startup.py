@@ -1,4 +1,5 @@
-"""Wiring: open the pool, build the copy engines the host supports, run the server.
+"""Wiring: open the pool, the disk tier under it, the copy engines the host supports; run the
+server.
 
 Kept apart from the CLI so tests and embedders can start a daemon from a ``DaemonConfig``.
 """
@@ -11,6 +12,7 @@ import resource
 from kvpool.daemon.copy_engine import CopyEngine
 from kvpool.daemon.host_copy import HostCopyEngine
 from kvpool.daemon.pool import Pool
+from kvpool.daemon.tier import LowerTier
 from kvpool.shared.config import DaemonConfig
 from kvpool.shared.protocol import CudaRegion, HostRegion
 
@@ -54,13 +56,22 @@ def raise_open_file_limit() -> None:
             log.warning("could not raise the open-file limit from %d: %s", soft, e)
 
 
+def open_lower_tier(config: DaemonConfig, pool: Pool) -> LowerTier | None:
+    """The disk tier when ``disk_path`` is set (its startup scan runs here, before serving)."""
+    if not config.disk_path:
+        return None
+    from kvpool.daemon.disk_tier import DiskTier
+    return DiskTier.open(config.disk_path, config.disk_size, pool.buffer, pool.nbytes)
+
+
 def run_daemon(config: DaemonConfig) -> int:
     from kvpool.daemon.server import run
     raise_open_file_limit()
     pool = Pool.open(config)
     try:
         engines = build_engines(config, pool)
+        lower = open_lower_tier(config, pool)
     except BaseException:
         pool.close(unlink=not config.keep_pool)
         raise
-    return run(config, pool, engines)
+    return run(config, pool, engines, lower)

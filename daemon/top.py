@@ -79,6 +79,8 @@ def render(cur: PoolInfo, prev: PoolInfo | None) -> str:
                   f"stored        {_bytes(cur.stored_bytes)}   loaded {_bytes(cur.loaded_bytes)}",
                   f"evictions     {cur.evictions:,}   errors {cur.errors:,}"]
 
+    lines += _tiers(cur, prev, dt)
+
     engines = {c.engine_id for c in cur.clients if c.engine_id}
     roles = {r: sum(1 for c in cur.clients if c.role == r) for r in Role}
     lines += ["", f"clients  {len(cur.clients)}   engines {len(engines)}   "
@@ -89,6 +91,26 @@ def render(cur: PoolInfo, prev: PoolInfo | None) -> str:
     if len(cur.clients) > 20:
         lines.append(f"  ... {len(cur.clients) - 20} more (kvpool info lists them all)")
     return "\n".join(lines) + "\n"
+
+
+def _tiers(cur: PoolInfo, prev: PoolInfo | None, dt: float) -> list[str]:
+    """One block per tier under the pool: occupancy, and GB/s each way since the last screen."""
+    lines = []
+    before = {t.name: t for t in prev.tiers} if prev is not None else {}
+    for t in cur.tiers:
+        occ = t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
+        state = "" if t.is_enabled else f"   OFF: {t.status}"
+        lines += ["", f"{t.name:<8} {_bar(occ)} {occ:6.1%}   {_bytes(t.used_bytes)} of "
+                      f"{_bytes(t.capacity_bytes)}   {t.blocks:,} blocks{state}"]
+        old = before.get(t.name)
+        if old is not None and dt > 0:
+            lines.append(f"  down (demote) {_rate((t.demoted_bytes - old.demoted_bytes) / dt)}"
+                         f"   up (promote) {_rate((t.promoted_bytes - old.promoted_bytes) / dt)}"
+                         f"   hits {(t.hit_blocks - old.hit_blocks) / dt:7.0f}/s")
+        lines.append(f"  demoted {t.demoted_blocks:,}   promoted {t.promoted_blocks:,}   "
+                     f"verify failures {t.verify_failures:,}   I/O errors {t.io_errors:,}   "
+                     f"evicted {t.evicted_blocks:,}   missed {t.missed_blocks:,}")
+    return lines
 
 
 def run_top(get_info: Callable[[], PoolInfo], interval_s: float = 1.0,

@@ -126,6 +126,16 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "most bytes one namespace (model + layout) may hold; beyond it, it evicts only its own "
         "blocks. 0: no cap. Engines can set a lower one (kv_connector_extra_config quota)",
         pattern=_SIZE_ONLY)] = "0"
+    # ---- disk tier (appended; the README's "Disk tier" section sizes it) ----
+    disk_path: Annotated[str, _doc(
+        "directory of the disk tier under the pool (blocks the pool evicts are kept there and "
+        "survive restarts and reboots); created 0700; empty: no disk tier")] = ""
+    # auto, not a fixed default: the right size is the filesystem's, and a fixed one would
+    # either waste the disk or fill it.
+    disk_size: Annotated[str, _doc(
+        "most bytes of blocks the disk tier keeps (its own LRU evicts beyond it); auto: what it "
+        "holds already plus half of the free space of disk_path's filesystem",
+        pattern=_SIZE_PATTERN)] = "auto"
     # ---- who may connect (appended) ----
     # Checked against the kernel's SO_PEERCRED of each connection (ZeroMQ passes it on), not
     # anything the client says. The socket's file mode must also let these users open it.

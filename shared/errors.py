@@ -25,7 +25,9 @@ class ErrorCode(IntEnum):
     CONFIG = 9            # invalid configuration
     HELLO_REQUIRED = 10   # peer unknown to this daemon (first contact or daemon restart)
     ABORTED = 11          # job dropped: its worker went away or the daemon is shutting down
-    PERMISSION = 12       # peer not allowed (allow_uid/allow_gid), or asked for what it may not
+    BLOCK_LOST = 12       # a block could not be brought back from a lower tier (failed its
+                          # checksum, or the tier failed): the engine recomputes it
+    PERMISSION = 13       # peer not allowed (allow_uid/allow_gid), or asked for what it may not
     INTERNAL = 99         # a bug in the daemon; logged with its traceback there
 
 
@@ -83,6 +85,10 @@ class Aborted(KvpoolError):
     code = ErrorCode.ABORTED
 
 
+class BlockLost(KvpoolError):
+    code = ErrorCode.BLOCK_LOST
+
+
 class PermissionDenied(KvpoolError):
     code = ErrorCode.PERMISSION
 
@@ -102,7 +108,8 @@ class DaemonUnavailable(KvpoolError):
 _BY_CODE: dict[int, type[KvpoolError]] = {
     cls.code: cls
     for cls in (ProtocolError, VersionMismatch, UnknownId, OutOfRange, TooLarge, PoolFull,
-                LeaseExpired, LayoutMismatch, ConfigError, HelloRequired, Aborted, PermissionDenied,
+                LeaseExpired, LayoutMismatch, ConfigError, HelloRequired, Aborted, BlockLost,
+                PermissionDenied,
                 InternalError)
 }
 

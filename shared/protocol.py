@@ -70,7 +70,9 @@ Label = Annotated[str, msgspec.Meta(max_length=256)]
 
 # Shared-memory objects that engines create for their KV (``client.host_memory``) start with this;
 # kvpoold removes such names once no live process holds their lock, and never touches others.
-ENGINE_SHM_PREFIX = "kvpool-kv-"
+# (Before the lock existed, clients named them "kvpool-kv-...": those are never reaped, since
+# nothing tells a live one of them from a dead one.)
+ENGINE_SHM_PREFIX = "kvpool-engine-"
 
 class HostRegion(msgspec.Struct, tag=1, **_WIRE):
     """KV memory in a POSIX shared-memory object the daemon can open by name."""
@@ -285,6 +287,29 @@ class NamespaceInfo(msgspec.Struct, **_WIRE):
     quota_bytes: int         # 0: no cap
 
 
+class TierInfo(msgspec.Struct, **_WIRE):
+    """One tier under the pool (the disk tier; later ones the same way). Counters only grow
+    over one daemon's life; rates are differences between snapshots."""
+
+    name: str                # "disk"
+    is_enabled: bool         # False once a fault turned it off (the pool keeps serving)
+    location: str            # where it keeps blocks (the disk tier's directory)
+    capacity_bytes: int
+    used_bytes: int          # bytes of blocks held and being written
+    blocks: int              # blocks held (loadable)
+    hit_blocks: int          # lookups answered from this tier (each promotes its block)
+    demoted_blocks: int      # blocks written down from the pool
+    demoted_bytes: int
+    promoted_blocks: int     # blocks read back into the pool, verified
+    promoted_bytes: int
+    verify_failures: int     # blocks whose checksum failed on the way up (misses, dropped)
+    io_errors: int           # I/O faults (the first one turns the tier off)
+    evicted_blocks: int      # dropped by the tier's own LRU to make room
+    missed_blocks: int       # left the pool before they could be written down
+    adopted_blocks: int      # found on disk at start
+    status: str = ""         # "ok", or why the tier is off
+
+
 class PoolInfo(msgspec.Struct, **_WIRE):
     """The daemon's numbers, as `kvpool info` prints them."""
 
@@ -312,6 +337,7 @@ class PoolInfo(msgspec.Struct, **_WIRE):
     hit_tokens: int = 0      # hit_blocks weighted by each namespace's tokens per block
     miss_tokens: int = 0
     namespace_usage: list[NamespaceInfo] = []
+    tiers: list[TierInfo] = []   # tiers under the pool, top down (empty: the pool only)
 
 
 class InfoReply(msgspec.Struct, tag=72, **_WIRE):

@@ -28,6 +28,7 @@ import posix_ipc
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.keys import make_namespace
 from kvpool.shared.layout import Layout, SegmentPlacement
+from kvpool.shared.protocol import ENGINE_SHM_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 BLOCK_BYTES = 4096          # the smallest slot: a million transfers fit a 2-core machine
@@ -70,10 +71,10 @@ def pattern(keys: list[bytes], block_bytes: int = BLOCK_BYTES) -> np.ndarray:
 
 
 class ShmBlocks:
-    """``n`` KV blocks of ``block_bytes`` in a fresh ``kvpool-kv-*`` POSIX shm object."""
+    """``n`` KV blocks of ``block_bytes`` in a fresh engine (``kvpool-engine-*``) shm object."""
 
     def __init__(self, n: int, block_bytes: int = BLOCK_BYTES, name: str | None = None) -> None:
-        self.name = name or f"kvpool-kv-soak-{os.getpid()}-{secrets.token_hex(4)}"
+        self.name = name or f"{ENGINE_SHM_PREFIX}soak-{os.getpid()}-{secrets.token_hex(4)}"
         self.n, self.block_bytes = n, block_bytes
         nbytes = n * block_bytes
         # As ``SharedHostMemory`` does, without torch: created empty, locked shared for this

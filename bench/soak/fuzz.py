@@ -167,7 +167,7 @@ def run(workdir: Path, frames: int = 1_000_000, seconds: float = 3600, seed: int
     own = ShmBlocks(64, 4096)                        # a segment of the fuzzer's own to name
     names = ["../../../../etc/passwd", "/dev/shm/x", "..", ".", "", "/", "x\0y",
              "kvpool-kv-../x", "kvpool-kv-" + "a" * 300, "kvpool-kv-\0", d.pool_name,
-             "/" + d.pool_name, decoy_shm, "kvpool-kv-no-such-segment", own.name,
+             "/" + d.pool_name, decoy_shm, "kvpool-engine-no-such-segment", "kvpool-engine-../x", own.name,
              str(decoy_file), "../" + decoy_file.name, "kvpool-kv-" + "\n" * 3]
     t0 = time.monotonic()
     sent = answered = 0

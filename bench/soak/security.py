@@ -213,7 +213,7 @@ def _confused_deputy(d: Daemon) -> dict:
 
 CRAFTED = ["../../../../etc/passwd", "..", ".", "", "/", "x\0y", "kvpool-kv-\0", "a/b",
            "kvpool-kv-../../tmp/x", "kvpool-kv-" + "a" * 300, "/dev/shm/{decoy}", "{decoy}",
-           "../{decoy}", "{pool}", "/{pool}", "kvpool-kv-{missing}", "kvpool-kv-\n",
+           "../{decoy}", "{pool}", "/{pool}", "kvpool-engine-{missing}", "kvpool-engine-\n",
            "{file}", "../../..{file}", "kvpool-kv-{missing}/../{decoy}"]
 
 
@@ -364,8 +364,10 @@ ids = list(range(32))
 eng.fill(ids, eng.keys(ids))
 assert eng.worker.wait([eng.worker.submit_store(eng.reg, ids, eng.sched.prepare_store(
     eng.ns, eng.keys(ids)))], 30)[0].ok
-sparse = "kvpool-kv-sparse-%d" % os.getpid()
+sparse = "kvpool-engine-sparse-%d" % os.getpid()
 fd = os.open("/dev/shm/" + sparse, os.O_CREAT | os.O_RDWR, 0o600)
+import fcntl
+fcntl.flock(fd, fcntl.LOCK_SH)                  # a live engine's segment: not to be reaped
 os.ftruncate(fd, 8 << 20)                       # sparse: no pages yet
 hog = open("/dev/shm/hog", "wb")
 try:

@@ -13,6 +13,7 @@ pytest.importorskip("vllm")
 
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 from kvpool.client.vllm_meta import WorkerAcks  # noqa: E402
+from tests.conftest import wait_for  # noqa: E402
 
 from .vllm_harness import BS, Engine, fake_token  # noqa: E402
 
@@ -328,8 +329,10 @@ def test_daemon_killed_mid_run_every_request_finishes(make_engine, daemon, async
     e.run(timeout_s=90)
     assert sorted(e.stats.finished) == sorted(f"r{i}" for i in range(6))
     e.assert_clean()
-    # the daemon comes back: the connector reconnects by itself and pools again
+    # the daemon comes back: the connector reconnects by itself and pools again (once its
+    # backoff after the failures has passed: before that it rightly skips the pool)
     daemon.restart()
+    wait_for(e.connector.scheduler._daemon_ok, 30, "the connector's reconnect backoff to pass")
     e.add("after", prompt(50, 9000), max_tokens=1)
     e.run(timeout_s=60)
     e.sched.reset_prefix_cache()

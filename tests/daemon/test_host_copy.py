@@ -93,7 +93,7 @@ def test_attach_refuses_bad_regions(pool):
     place = [SegmentPlacement(0, 0, 64)]
     with pytest.raises(UnknownId, match="does not exist"):
         engine.attach(RegisterRequest(1, b"n" * 16, layout, 0, 4,
-                                      [HostRegion("kvpool-kv-no-such", 256)], place))
+                                      [HostRegion("kvpool-engine-no-such", 256)], place))
     mem = SharedHostMemory(256)
     try:
         with pytest.raises(OutOfRange):
@@ -132,14 +132,14 @@ def test_both_copy_paths_are_bit_exact(pool, slot_order):
 def test_attach_opens_only_engine_segments_the_peer_could_open(pool_config):
     """Regression (soak fuzz): a NUL byte in a name crashed the daemon inside the shm library,
     and any name at all (another daemon's pool, its own) was opened for any client."""
-    own = msgspec.structs.replace(pool_config, pool_name="kvpool-kv-pool-" + pool_config.pool_name)
+    own = msgspec.structs.replace(pool_config, pool_name="kvpool-engine-pool-" + pool_config.pool_name)
     pool = Pool.open(own)
     engine = HostCopyEngine(pool)
     layout = Layout(16, 1, "f16", (64,))
     place = [SegmentPlacement(0, 0, 64)]
     mem = SharedHostMemory(256)
     try:
-        for name in ("x\0y", "kvpool-kv-\0", "../" + mem.name, "kvpool-kv-a/b", own.pool_name,
+        for name in ("x\0y", "kvpool-kv-\0", "../" + mem.name, "kvpool-engine-a/b", own.pool_name,
                      "/" + own.pool_name, "kvpool-kv-" + "a" * 300, "other-" + mem.name):
             with pytest.raises(ProtocolError, match="refused"):
                 engine.attach(RegisterRequest(1, b"n" * 16, layout, 0, 4,

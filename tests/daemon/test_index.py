@@ -417,3 +417,41 @@ def test_handoff_refuses_another_tp_size_while_the_other_is_registered(index):
     live.add(NS_TP2)
     with pytest.raises(LayoutMismatch, match="tensor_parallel_size=1.*tensor_parallel_size=2"):
         index.check_handoff(family, NS_SMALL, 1, live.__contains__)
+
+
+# ---- fills from a lower tier (daemon/tiering.py drives these) -------------------------------
+
+def test_filling_slots_are_hits_loadable_after_end_fill_and_dropped_when_it_fails(index):
+    committed = []
+    index.on_commit = committed.extend
+    ks = keys(4, b"fill")
+    slots = index.reserve_fills(NS_SMALL, ks, now=0.0)
+    assert len(slots) == 4 and index.leading(NS_SMALL, ks) == 4
+    hits, leases, refs = index.lookup(NS_SMALL, [ks], True, OWNER, 0.0)
+    assert hits == [4]
+    loading = index.begin_load(NS_SMALL, refs[0])      # a load may name FILLING slots...
+    assert not index.is_loadable(loading)               # ...but must wait for the fill
+    assert index.prepare_store(NS_SMALL, ks, OWNER, 0.0) == [SLOT_PRESENT] * 4
+    index.end_fill(slots, [True, True, False, True])
+    assert committed == [slots[0], slots[1], slots[3]]  # the lower tier's feed
+    assert not index.is_loadable(loading)               # one block did not come back
+    index.end_load(loading, ok=False)
+    index.release_leases(leases, OWNER)
+    assert index.lookup(NS_SMALL, [ks], False, OWNER, 0.0)[0] == [2]
+    writing, committed_n, _ = index.slot_counts()
+    assert (writing, committed_n) == (0, 3)
+
+
+def test_a_reset_during_a_fill_frees_its_slots_when_the_fill_ends(index):
+    ks = keys(3, b"rf")
+    slots = index.reserve_fills(NS_SMALL, ks, now=0.0)
+    assert index.reset(NS_SMALL) == 3
+    assert index.leading(NS_SMALL, ks) == 0
+    index.end_fill(slots, [True] * 3)
+    assert index.slot_counts() == (0, 0, 0)
+
+
+def test_fills_stop_where_the_pool_has_no_room(index):
+    n = capacity(index, BIG, NS_BIG)                     # every BIG slot pinned
+    assert index.reserve_fills(NS_BIG, keys(2, b"nofit"), now=0.0) == []
+    assert n > 0

@@ -154,3 +154,17 @@ def test_close_stops_serving():
     assert time.monotonic() - t0 < 5
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url + "/metrics", timeout=2)
+
+
+def test_tier_gauges_and_counters_come_from_the_snapshot():
+    from kvpool.shared.protocol import TierInfo
+    m = Metrics()
+    t = TierInfo("disk", False, "/d", 100, 40, 3, 5, 6, 600, 7, 700, 1, 2, 8, 9, 3, "off: EIO")
+    m.update_from_info(PoolInfo("d", 0.0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, [],
+                                tiers=[t]))
+    text = m.render().decode()
+    for line in ('kvpool_tier_enabled{tier="disk"} 0.0', 'kvpool_tier_used_bytes{tier="disk"} 40.0',
+                 'kvpool_tier_promoted_bytes_total{tier="disk"} 700.0',
+                 'kvpool_tier_verify_failures_total{tier="disk"} 1.0',
+                 'kvpool_tier_missed_blocks_total{tier="disk"} 9.0'):
+        assert line in text, line

@@ -249,11 +249,11 @@ def test_full_pool_with_everything_leased_is_pool_full(daemon_factory):
 
 def test_crafted_shm_names_are_refused_and_the_daemon_serves_on(daemon, committed):
     """A NUL byte in a host region's name used to crash the daemon (a segfault in the shm
-    library); only engine segments (kvpool-kv-*) are opened on a client's behalf now."""
+    library); only engine segments (kvpool-engine-*) are opened on a client's behalf now."""
     kv, *_ = committed
     raw = Raw(daemon)
     raw.hello()
-    for name in ("kvpool-kv-\0", "x\0y", "../../etc/passwd", "..", "", "kvpool-kv-a/../b",
+    for name in ("kvpool-kv-\0", "x\0y", "../../etc/passwd", "..", "", "kvpool-engine-a/../b",
                  daemon.pool_name, "kvpool-kv-" + "a" * 300):
         r = raw.call(p.RegisterRequest(2, kv.namespace, kv.layout, 0, kv.blocks,
                                        [p.HostRegion(name, kv.mem.nbytes)], kv.placement))

@@ -53,3 +53,19 @@ def test_run_top_survives_an_unreachable_daemon():
     assert sleeps == [1.0, 1.0]
     assert "\x1b[2J" not in text                  # not a terminal: frames, no screen clearing
     assert text.count("kvpoold d1") == 2
+
+
+def test_tier_occupancy_and_rates_each_way():
+    from kvpool.shared.protocol import TierInfo
+
+    def tier(demoted, promoted, enabled=True):
+        return TierInfo("disk", enabled, "/nvme/kv", 100 << 30, 25 << 30, 1000, 10, 5,
+                        demoted, 7, promoted, 2, 0, 3, 4, 0, "ok" if enabled else "off: full")
+    a, b = snap(), snap(uptime_s=12.0)
+    a.tiers, b.tiers = [tier(0, 0)], [tier(8 * 10**9, 4 * 10**9)]
+    screen = render(b, a)
+    assert "disk" in screen and "25.0%" in screen and "1,000 blocks" in screen
+    assert "down (demote)   4.00 GB/s" in screen and "up (promote)   2.00 GB/s" in screen
+    assert "verify failures 2" in screen and "missed 4" in screen
+    b.tiers = [tier(0, 0, enabled=False)]
+    assert "OFF: off: full" in render(b, None)

@@ -19,7 +19,7 @@ import pytest
 
 from kvpool.daemon.metrics import Metrics
 from kvpool.shared.config import DaemonConfig, build_config, env_layer, parse_size, toml_layer
-from kvpool.shared.protocol import PoolInfo
+from kvpool.shared.protocol import PoolInfo, TierInfo
 
 yaml = pytest.importorskip("yaml")
 
@@ -104,6 +104,7 @@ def test_systemd_unit_fields():
     assert svc["Restart"] == "on-failure"
     assert svc["RemoveIPC"] == "no"
     assert "/dev/shm" in svc["ReadWritePaths"].split()
+    assert svc["StateDirectory"] == "kvpool" and svc["StateDirectoryMode"] == "0700"
     assert f"--config /etc/kvpool/{TOML.name}" in svc["ExecStart"]
     # Options that hide /dev/nvidia* or the host's /dev/shm, or delete the pool on stop.
     for key in ("PrivateDevices", "DevicePolicy", "DeviceAllow", "ProtectClock",
@@ -244,7 +245,9 @@ def test_daemonset_and_its_engine():
 def test_dashboard_queries_only_exported_metrics():
     dash = json.loads((DEPLOY / "grafana" / "kvpool-dashboard.json").read_text())
     metrics = Metrics()
-    metrics.update_from_info(PoolInfo("d", 0.0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, []))
+    disk = TierInfo("disk", True, "/var/lib/kvpool/disk", 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    metrics.update_from_info(PoolInfo("d", 0.0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, [],
+                                      tiers=[disk]))
     metrics.observe_store(1, 0.001)
     metrics.count_error(1)
     exported = set(re.findall(r"^(kvpool_\w+?)(?:\{| )", metrics.render().decode(), re.M))

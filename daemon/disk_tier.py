@@ -1,0 +1,455 @@
+"""The disk tier: pool blocks kept in files under one directory, behind ``LowerTier``.
+
+Owns what the directory holds, in memory (namespace → block hash → ``DiskBlock``), the tier's
+own LRU and its space against ``disk_size``, and the scheduling of batched I/O on a few
+threads. The bytes, the file format and the crash rules are ``daemon/disk_store.py``'s.
+
+- **Down (demote).** A batch of pool blocks of one size gets block indices (a free one, else the
+  file's next, else the disk LRU's oldest unread block: the same size reuses its index, another
+  size's is punched out and freed) and goes to one I/O thread as one ``DiskStore.write``. The
+  blocks become visible (``leading``) only once their data and records have landed.
+- **Up (promote).** Blocks being read are pinned (``readers``), so the LRU cannot hand their
+  index to a write. A read is cut into parts of ``BATCH_BYTES`` that run on all I/O threads at
+  once; each block is verified; one that fails is counted, logged and dropped.
+- **Space.** ``used_bytes`` (blocks held and being written) never passes ``capacity_bytes``.
+  A freed index returns to its size's free heap only after its record is zeroed and its space
+  punched, so no write can race the free of the same index. Writes fill the lowest free
+  indices first, so the files stay dense and runs stay sequential.
+- **Faults.** The first I/O error (a full disk included) turns the tier off: one ERROR log
+  line, ``is_enabled`` False, ``io_errors`` counted; what is in flight resolves as failed, and
+  the pool keeps serving without the tier until a restart.
+
+Everything here runs on the daemon's event loop and never blocks it, except ``open`` (the
+startup scan, before the daemon serves) and ``close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import os
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvpool.daemon.disk_store import DiskStore, Found
+from kvpool.daemon.tier import LowerTier
+from kvpool.shared.config import parse_size
+from kvpool.shared.protocol import TierInfo
+
+log = logging.getLogger("kvpoold")
+
+# A few threads keep several O_DIRECT requests queued on the device (NVMe wants depth);
+# more only add contention on a host whose cores the engines need.
+IO_THREADS = 4
+# One write batch or read part: big enough that a system call moves many MiB, small enough
+# that a batch pins little of the pool while it is written.
+BATCH_BYTES = 32 << 20
+# Demote batches in flight at once (each on its own thread).
+MAX_DEMOTES = 3
+
+WRITING, VALID = 1, 2
+
+
+@dataclass(slots=True, eq=False)
+class _Size:
+    slot_bytes: int
+    free: list[int] = field(default_factory=list)   # heap of free block indices
+    high: int = 0                                    # indices below this have been used
+
+
+@dataclass(slots=True, eq=False)
+class DiskBlock:
+    key: bytes                 # namespace + block hash, as in the pool
+    size: _Size
+    index: int                 # block index in its size's file
+    state: int = WRITING
+    checksum: int = 0
+    seq: int = 0               # write order (the LRU order a restart rebuilds)
+    readers: int = 0           # promotions in flight
+    doomed: bool = False       # dropped while in flight: freed when that ends
+
+
+class DiskTier(LowerTier):
+    name = "disk"
+
+    def __init__(self, store: DiskStore, capacity_bytes: int, pool_bytes: int) -> None:
+        self.store = store
+        self.capacity_bytes = capacity_bytes
+        # Never pin more than an eighth of the pool for writing, whatever BATCH_BYTES says.
+        self._batch_bytes = max(1, min(BATCH_BYTES, pool_bytes // (8 * MAX_DEMOTES)))
+        self._tables: dict[bytes, dict[bytes, DiskBlock]] = {}
+        self._lru: OrderedDict[DiskBlock, None] = OrderedDict()
+        self._sizes: dict[int, _Size] = {}
+        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-disk")
+        self._inflight: set[Future] = set()
+        self._demotes = 0
+        self._to_free: dict[_Size, list[int]] = {}
+        self._free_scheduled = False
+        self._seq = 1
+        self._enabled = True
+        self.status = "ok"
+        self.used_bytes = 0
+        self.blocks = 0
+        self.hit_blocks = self.demoted_blocks = self.demoted_bytes = 0
+        self.promoted_blocks = self.promoted_bytes = self.verify_failures = 0
+        self.io_errors = self.evicted_blocks = self.adopted_blocks = 0
+
+    # ---- start -----------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str, size: str, pool_buffer, pool_bytes: int) -> "DiskTier":
+        """Open the directory, adopt every valid block a previous daemon left, size the tier.
+        Raises ``ConfigError``/``DiskBusy`` (the daemon does not start)."""
+        t0 = time.monotonic()
+        store = DiskStore.open(path, pool_buffer)
+        try:
+            found = store.scan()
+            held = sum(len(f.indices) * f.slot_bytes for f in found)
+            capacity = held + store.free_bytes() // 2 if size == "auto" else parse_size(size)
+            tier = cls(store, capacity, pool_bytes)
+            tier._adopt(found)
+        except BaseException:
+            store.close()
+            raise
+        log.info("disk tier %s: %d blocks (%d bytes) adopted of %d bytes in %.2f s", path,
+                 tier.blocks, tier.used_bytes, capacity, time.monotonic() - t0)
+        return tier
+
+    def _adopt(self, found: list[Found]) -> None:
+        """Index what ``scan`` found, oldest write first, so the LRU order survives; a key
+        found twice keeps its newest copy; beyond capacity the oldest go. Vectorised but for
+        one object per block (0.6 s per 100k blocks as a plain loop on a 2-core host)."""
+        sizes = [self._size(f.slot_bytes) for f in found]
+        for f, size in zip(found, sizes):
+            size.high = f.file_blocks
+            size.free = list(range(f.file_blocks))     # until a record says otherwise
+        if not any(len(f.indices) for f in found):
+            return
+        which = np.concatenate([np.full(len(f.indices), i) for i, f in enumerate(found)])
+        index = np.concatenate([f.indices for f in found])
+        rec = np.concatenate([f.records for f in found])
+        order = np.argsort(rec["seq"], kind="stable")
+        which, index, rec = which[order], index[order], rec[order]
+        n = len(rec)
+        keep = np.zeros(n, bool)
+        _, newest = np.unique(rec["key"][::-1], return_index=True)
+        keep[n - 1 - newest] = True
+        nbytes = np.asarray([f.slot_bytes for f in found], np.int64)[which] * keep
+        keep &= np.cumsum(nbytes[::-1])[::-1] <= self.capacity_bytes   # the newest that fit
+        kept = np.flatnonzero(keep)
+        raw = rec["key"][kept].tobytes()
+        keys = [raw[i:i + 32] for i in range(0, len(raw), 32)]
+        blocks = list(map(DiskBlock, keys, [sizes[w] for w in which[kept].tolist()],
+                          index[kept].tolist(), itertools.repeat(VALID, len(kept)),
+                          rec["checksum"][kept].tolist(), rec["seq"][kept].tolist()))
+        self._lru = OrderedDict.fromkeys(blocks)
+        names = np.frombuffer(raw, "V16")
+        ns_of, hashes = names[0::2], names[1::2].tolist()
+        uniq, inverse = np.unique(ns_of, return_inverse=True)
+        by_ns = np.argsort(inverse, kind="stable")
+        cuts = np.flatnonzero(np.diff(inverse[by_ns])) + 1
+        for ns, group in zip(uniq.tolist(), np.split(by_ns, cuts)):
+            g = group.tolist()
+            self._tables[ns] = dict(zip(map(hashes.__getitem__, g), map(blocks.__getitem__, g)))
+        self.blocks = self.adopted_blocks = len(blocks)
+        self.used_bytes = int(nbytes[kept].sum())
+        self._seq = int(rec["seq"].max()) + 1
+        for w, size in enumerate(sizes):
+            mine = (which == w)
+            held = index[mine & keep]
+            size.free = np.setdiff1d(np.arange(size.high), held).tolist()   # sorted: a heap
+            stale = index[mine & ~keep]
+            if len(stale):
+                self.store.free(size.slot_bytes, stale)
+
+    # ---- LowerTier: questions --------------------------------------------------------------
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def leading(self, ns: bytes, hashes: list[bytes], slot_bytes: int) -> int:
+        table = self._tables.get(ns) if self._enabled else None
+        if not table:
+            return 0
+        n = 0
+        for h in hashes:
+            b = table.get(h)
+            if b is None or b.state != VALID or b.size.slot_bytes != slot_bytes:
+                break
+            n += 1
+        return n
+
+    def wants(self, key: bytes, slot_bytes: int) -> bool:
+        if not self._enabled or slot_bytes > self.capacity_bytes:
+            return False
+        table = self._tables.get(key[:16])
+        return table is None or key[16:] not in table
+
+    def can_demote(self) -> bool:
+        return self._enabled and self._demotes < MAX_DEMOTES
+
+    def batch_blocks(self, slot_bytes: int) -> int:
+        return max(1, self._batch_bytes // slot_bytes)
+
+    # ---- LowerTier: down -------------------------------------------------------------------
+
+    def demote(self, keys: list[bytes], offsets: list[int], slot_bytes: int
+               ) -> asyncio.Future[int]:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[int] = loop.create_future()
+        size = self._size(slot_bytes)
+        blocks: list[DiskBlock] = []
+        replaced: list[int] = []
+        for key in keys:
+            got = self._place(size)
+            if got is None:
+                break
+            index, reused = got
+            b = DiskBlock(key, size, index, WRITING, seq=self._seq)
+            self._seq += 1
+            table = self._tables.setdefault(key[:16], {})
+            table[key[16:]] = b
+            blocks.append(b)
+            if reused:
+                replaced.append(index)
+        self._schedule_free()
+        if not blocks:
+            done.set_result(0)
+            return done
+        n = len(blocks)
+        self._demotes += 1
+        f = self._submit(self.store.write, slot_bytes,
+                         np.fromiter((b.index for b in blocks), np.int64, n),
+                         np.asarray(offsets[:n], np.int64), keys[:n],
+                         np.fromiter((b.seq for b in blocks), np.uint64, n),
+                         np.asarray(replaced, np.int64))
+        f.add_done_callback(lambda f: loop.call_soon_threadsafe(self._demoted, f, blocks, done))
+        return done
+
+    def _demoted(self, f: Future, blocks: list[DiskBlock], done: asyncio.Future) -> None:
+        self._demotes -= 1
+        exc = f.exception()
+        if exc is not None:
+            self._fault("writing blocks", exc)
+            for b in blocks:
+                b.doomed = True
+                self._unmap(b)
+            self.used_bytes -= sum(b.size.slot_bytes for b in blocks)
+            done.set_result(0)
+            return
+        kept = 0
+        for b, checksum in zip(blocks, f.result().tolist()):
+            b.checksum = checksum
+            b.state = VALID
+            if b.doomed:              # forgotten (reset) while it was written
+                self._release(b)
+                continue
+            self._lru[b] = None
+            kept += 1
+        self.blocks += kept
+        self.demoted_blocks += len(blocks)
+        self.demoted_bytes += len(blocks) * blocks[0].size.slot_bytes
+        self._schedule_free()
+        done.set_result(kept)
+
+    def _place(self, size: _Size) -> tuple[int, bool] | None:
+        """(block index, whether it overwrites a block evicted for it) for one new block of
+        ``size``, with its bytes counted; None if nothing can make room."""
+        need = size.slot_bytes
+        while self.used_bytes + need > self.capacity_bytes:
+            victim = next((b for b in self._lru if b.readers == 0), None)
+            if victim is None:
+                return None
+            self.evicted_blocks += 1
+            self._unmap(victim)
+            if victim.size is size:
+                return victim.index, True    # its bytes are counted for the new block
+            self._release(victim)
+        self.used_bytes += need
+        if size.free:
+            return heapq.heappop(size.free), False
+        size.high += 1
+        return size.high - 1, False
+
+    # ---- LowerTier: up ---------------------------------------------------------------------
+
+    def promote(self, keys: list[bytes], offsets: list[int], slot_bytes: int
+                ) -> asyncio.Future[list[bool]]:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[bool]] = loop.create_future()
+        blocks: list[DiskBlock | None] = []
+        for key in keys:
+            b = self._tables.get(key[:16], {}).get(key[16:])
+            if b is None or b.state != VALID or b.doomed or b.size.slot_bytes != slot_bytes:
+                b = None
+            else:
+                b.readers += 1
+                self._lru.move_to_end(b)
+            blocks.append(b)
+        live = [i for i, b in enumerate(blocks) if b is not None]
+        self.hit_blocks += len(live)
+        ok = [False] * len(blocks)
+        if not live or not self._enabled:
+            self._promoted(blocks, ok, done, [])
+            return done
+        per = self.batch_blocks(slot_bytes)
+        parts = [live[a:a + per] for a in range(0, len(live), per)]
+        results: list[Future] = []
+
+        def part_done(_f: Future) -> None:
+            if all(r.done() for r in results):
+                loop.call_soon_threadsafe(self._promoted, blocks, ok, done, list(zip(parts,
+                                                                                     results)))
+        for part in parts:
+            sel = [blocks[i] for i in part]
+            results.append(self._submit(
+                self.store.read, slot_bytes,
+                np.fromiter((b.index for b in sel), np.int64, len(sel)),
+                np.asarray([offsets[i] for i in part], np.int64), [b.key for b in sel],
+                np.fromiter((b.checksum for b in sel), np.uint64, len(sel))))
+        for r in results:
+            r.add_done_callback(part_done)
+        return done
+
+    def _promoted(self, blocks: list[DiskBlock | None], ok: list[bool], done: asyncio.Future,
+                  parts: list[tuple[list[int], Future]]) -> None:
+        if done.done():           # several parts may finish in the same instant
+            return
+        bad: list[DiskBlock] = []
+        for part, r in parts:
+            exc = r.exception()
+            if exc is not None:
+                self._fault("reading blocks", exc)
+                continue
+            for i, good in zip(part, r.result().tolist()):
+                ok[i] = bool(good)
+                if not good:
+                    bad.append(blocks[i])
+        n_ok = sum(ok)
+        self.promoted_blocks += n_ok
+        if n_ok:
+            self.promoted_bytes += n_ok * next(b for b in blocks if b is not None).size.slot_bytes
+        for b in blocks:
+            if b is not None:
+                b.readers -= 1
+        if bad:
+            self.verify_failures += len(bad)
+            log.warning("disk tier: %d block(s) failed checksum verification on read (first: "
+                        "%s at index %d of blocks-%d.dat): dropped, their loads recompute",
+                        len(bad), bad[0].key.hex(), bad[0].index, bad[0].size.slot_bytes)
+            for b in bad:
+                self._unmap(b)
+                b.doomed = True
+        for b in blocks:
+            if b is not None and b.doomed and b.readers == 0:
+                self._release(b)
+        self._schedule_free()
+        done.set_result(ok)
+
+    # ---- LowerTier: the rest ---------------------------------------------------------------
+
+    def forget(self, ns: bytes) -> int:
+        table = self._tables.get(ns)
+        if not table:
+            return 0
+        blocks = list(table.values())
+        for b in blocks:
+            self._unmap(b)
+            b.doomed = True
+            if b.state == VALID and b.readers == 0:
+                self._release(b)
+        self._schedule_free()
+        return len(blocks)
+
+    def info(self) -> TierInfo:
+        return TierInfo(self.name, self._enabled, str(self.store.path), self.capacity_bytes,
+                        self.used_bytes, self.blocks, self.hit_blocks, self.demoted_blocks,
+                        self.demoted_bytes, self.promoted_blocks, self.promoted_bytes,
+                        self.verify_failures, self.io_errors, self.evicted_blocks, 0,
+                        self.adopted_blocks, self.status)
+
+    async def close(self, timeout_s: float) -> None:
+        self._flush_free()        # forgotten blocks must not come back at the next start
+        self._enabled = False
+        if self._inflight:
+            await asyncio.wait([asyncio.wrap_future(f) for f in set(self._inflight)],
+                               timeout=timeout_s)
+        if self._inflight:
+            log.warning("disk tier: %d I/O operations still running at exit; blocks they write "
+                        "are not recorded and will not be served", len(self._inflight))
+            self._io.shutdown(wait=False, cancel_futures=True)
+            return
+        self._io.shutdown(wait=True)
+        self.store.close()
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _size(self, slot_bytes: int) -> _Size:
+        size = self._sizes.get(slot_bytes)
+        if size is None:
+            size = self._sizes[slot_bytes] = _Size(slot_bytes)
+        return size
+
+    def _submit(self, fn, *args) -> Future:
+        f = self._io.submit(fn, *args)
+        self._inflight.add(f)
+        f.add_done_callback(self._inflight.discard)
+        return f
+
+    def _unmap(self, b: DiskBlock) -> None:
+        """Make ``b`` unreachable (table, LRU); its index stays taken."""
+        table = self._tables.get(b.key[:16])
+        if table is not None and table.get(b.key[16:]) is b:
+            del table[b.key[16:]]
+            if not table:
+                del self._tables[b.key[:16]]
+        if self._lru.pop(b, True) is None:
+            self.blocks -= 1
+
+    def _release(self, b: DiskBlock) -> None:
+        """Give ``b``'s space back: counted now, its index reusable once the record is zeroed
+        and the space punched (``_flush_free``)."""
+        self.used_bytes -= b.size.slot_bytes
+        self._to_free.setdefault(b.size, []).append(b.index)
+
+    def _schedule_free(self) -> None:
+        if self._to_free and not self._free_scheduled:
+            self._free_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_free)
+
+    def _flush_free(self) -> None:
+        self._free_scheduled = False
+        todo, self._to_free = self._to_free, {}
+        if not self._enabled:
+            return
+        loop = asyncio.get_running_loop()
+        for size, idx in todo.items():
+            f = self._submit(self.store.free, size.slot_bytes, np.asarray(idx, np.int64))
+
+            def freed(f: Future, size=size, idx=idx) -> None:
+                if f.exception() is not None:
+                    self._fault("freeing blocks", f.exception())
+                    return
+                for i in idx:
+                    heapq.heappush(size.free, i)
+            f.add_done_callback(lambda f, freed=freed: loop.call_soon_threadsafe(freed, f))
+
+    def _fault(self, what: str, exc: BaseException) -> None:
+        self.io_errors += 1
+        if not isinstance(exc, OSError):
+            log.error("disk tier: %s failed with an unexpected error", what, exc_info=exc)
+        if not self._enabled:
+            return
+        self._enabled = False
+        self.status = f"off: {what} failed: {exc}"
+        log.error("DISK TIER OFF: %s in %s failed: %s. kvpoold keeps serving from the pool "
+                  "alone; no block is read from the disk tier until the daemon restarts "
+                  "(free space or fix the disk first)", what, self.store.path,
+                  os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else exc)

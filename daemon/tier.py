@@ -1,0 +1,79 @@
+"""The interface of a tier under the pool: where blocks go when the pool lets them go.
+
+The pool (``daemon/index.py``) is the top tier: engines only ever copy to and from it. A lower
+tier keeps copies of pool blocks somewhere bigger and slower (``daemon/disk_tier.py``: files in
+a directory; a cross-host store would be another), and brings them back into pool slots when a
+lookup asks for a key the pool no longer holds. ``daemon/tiering.py`` is the only caller: it
+decides which blocks go down and when, pins the pool slots a tier reads or writes, and turns a
+lower-tier hit into a pool slot the engine loads from.
+
+Contract for every tier (all methods are called on the daemon's event loop and return at once;
+the I/O runs on the tier's own threads):
+
+- Blocks are named by their 32-byte pool key (namespace + block hash) and have a fixed size
+  per namespace (the layout's ``slot_bytes``), passed with every call.
+- ``leading`` and ``wants`` answer from memory: no I/O, never blocking.
+- ``demote``/``promote`` take pool byte offsets. The caller keeps those pool bytes stable
+  (pinned) until the returned future resolves. ``demote`` reads them; ``promote`` writes them
+  and resolves to one bool per block: True only when the bytes in the pool are exactly those
+  that were demoted (checksummed on the way down, verified on the way up). A block that fails
+  is dropped by the tier and never reported loadable again.
+- A fault the tier cannot serve through (disk full, I/O error) turns it off: ``is_enabled``
+  goes False, futures in flight resolve (failed blocks as False), and from then on ``leading``
+  answers 0 and ``wants`` False. The pool keeps serving.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+
+from kvpool.shared.protocol import TierInfo
+
+
+class LowerTier(abc.ABC):
+    name: str
+
+    @property
+    @abc.abstractmethod
+    def is_enabled(self) -> bool: ...
+
+    @abc.abstractmethod
+    def leading(self, ns: bytes, hashes: list[bytes], slot_bytes: int) -> int:
+        """How many of ``hashes`` (block hashes of namespace ``ns``), from the first on, this
+        tier holds as blocks of ``slot_bytes`` bytes that it could promote now."""
+
+    @abc.abstractmethod
+    def wants(self, key: bytes, slot_bytes: int) -> bool:
+        """Whether a pool block ``key`` should be demoted (the tier does not hold it yet)."""
+
+    @abc.abstractmethod
+    def can_demote(self) -> bool:
+        """Whether ``demote`` may be called now (False while its batches are all in flight)."""
+
+    @abc.abstractmethod
+    def batch_blocks(self, slot_bytes: int) -> int:
+        """The most blocks of ``slot_bytes`` bytes worth putting in one ``demote`` call."""
+
+    @abc.abstractmethod
+    def demote(self, keys: list[bytes], offsets: list[int], slot_bytes: int
+               ) -> asyncio.Future[int]:
+        """Copy pool blocks (key i at pool byte offset i) down; resolves to how many the tier
+        now holds (some may find no room)."""
+
+    @abc.abstractmethod
+    def promote(self, keys: list[bytes], offsets: list[int], slot_bytes: int
+                ) -> asyncio.Future[list[bool]]:
+        """Copy held blocks up into pool bytes at ``offsets``; per block, True if verified."""
+
+    @abc.abstractmethod
+    def forget(self, ns: bytes) -> int:
+        """Drop every block of namespace ``ns`` (a cache reset); returns how many."""
+
+    @abc.abstractmethod
+    def info(self) -> TierInfo: ...
+
+    @abc.abstractmethod
+    async def close(self, timeout_s: float) -> None:
+        """Let I/O in flight finish (up to ``timeout_s``), make what landed durable, release
+        the tier's files. After it returns, the tier touches no pool memory."""

