@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 
 # While connecting, how often to look for a sign that the daemon is gone.
 _CONNECT_CHECK_MS = 20
+# A refused probe is looked at again this many times, this far apart (a daemon between creating
+# its socket and listening on it refuses too): at most 40 ms for a daemon that is really gone.
+_PROBE_TRIES = 3
+_PROBE_RETRY_S = 0.02
 # How long ``close`` waits for the daemon to acknowledge the goodbye.
 _BYE_WAIT_MS = 200
 
@@ -202,22 +206,35 @@ class Transport:
         killed daemon leaves its socket file behind, and ZeroMQ would keep knocking on it. Also
         names a permission problem, which ZeroMQ only shows as silence."""
         path = self.config.socket_path
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(self.config.timeout_ms / 1000)
-        try:
-            probe.connect(path)
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise DaemonUnavailable(f"kvpoold not reachable at {path}: nothing listens there "
-                                    f"(not running)") from None
-        except PermissionError:
-            raise DaemonUnavailable(f"permission denied on {path}: this user may not connect to "
-                                    f"kvpoold (see its socket_mode and group)") from None
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.ETIMEDOUT) and not isinstance(e, TimeoutError):
-                raise DaemonUnavailable(f"cannot reach kvpoold at {path}: {e.strerror}") from None
-            # A full accept backlog: the daemon is there but busy; let ZeroMQ wait for it.
-        finally:
-            probe.close()
+        for attempt in range(_PROBE_TRIES):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(self.config.timeout_ms / 1000)
+            try:
+                probe.connect(path)
+                return
+            except ConnectionRefusedError:
+                # Also what a daemon that has just created its socket but not yet listens on
+                # it answers: look again, briefly, before calling it gone.
+                if attempt + 1 < _PROBE_TRIES:
+                    time.sleep(_PROBE_RETRY_S)
+                    continue
+                raise DaemonUnavailable(f"kvpoold not reachable at {path}: nothing listens "
+                                        f"there (not running)") from None
+            except FileNotFoundError:
+                raise DaemonUnavailable(f"kvpoold not reachable at {path}: nothing listens "
+                                        f"there (not running)") from None
+            except PermissionError:
+                raise DaemonUnavailable(f"permission denied on {path}: this user may not "
+                                        f"connect to kvpoold (see its socket_mode and group)"
+                                        ) from None
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.ETIMEDOUT) and not isinstance(
+                        e, TimeoutError):
+                    raise DaemonUnavailable(f"cannot reach kvpoold at {path}: {e.strerror}"
+                                            ) from None
+                return   # a full accept backlog: the daemon is there but busy; ZeroMQ waits
+            finally:
+                probe.close()
 
     def _open_socket(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
