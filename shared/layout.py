@@ -22,6 +22,13 @@ from kvpool.shared.errors import LayoutMismatch, OutOfRange
 # Shards are laid out at this alignment inside a slot, and slots inside the pool, so every copy
 # unit starts on a page boundary (the host path copies in units of the gcd of all offsets).
 SHARD_ALIGN_BYTES = 4096
+# Bounds a layout must keep. Well above any real engine, and low enough that nothing the daemon
+# derives from a layout (a bit per TP rank, a slot size, a loop over segments) can be made
+# enormous by a hostile or corrupt registration.
+MAX_TP_SIZE = 256
+MAX_BLOCK_TOKENS = 1 << 20
+MAX_SEGMENTS = 1 << 16
+MAX_SEGMENT_BYTES = 1 << 40
 
 
 class Layout(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -53,10 +60,14 @@ class Layout(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields
 
     def check(self) -> None:
         """Raise ``LayoutMismatch`` for a layout no slot can hold."""
-        if self.block_tokens <= 0 or self.tp_size <= 0:
-            raise LayoutMismatch("layout needs block_tokens > 0 and tp_size > 0")
-        if not self.segment_bytes or any(n <= 0 for n in self.segment_bytes):
-            raise LayoutMismatch("layout needs at least one segment, each > 0 bytes")
+        if not 0 < self.block_tokens <= MAX_BLOCK_TOKENS or not 0 < self.tp_size <= MAX_TP_SIZE:
+            raise LayoutMismatch(f"layout needs block_tokens in [1, {MAX_BLOCK_TOKENS}] and "
+                                 f"tp_size in [1, {MAX_TP_SIZE}]; got {self.block_tokens} and "
+                                 f"{self.tp_size}")
+        if not 0 < len(self.segment_bytes) <= MAX_SEGMENTS or any(
+                not 0 < n <= MAX_SEGMENT_BYTES for n in self.segment_bytes):
+            raise LayoutMismatch(f"layout needs 1 to {MAX_SEGMENTS} segments, each of 1 to "
+                                 f"{MAX_SEGMENT_BYTES} bytes")
 
     def fingerprint(self) -> bytes:
         """16 bytes naming this layout; stable across processes, hosts and versions."""
