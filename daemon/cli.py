@@ -86,7 +86,11 @@ def _setup_logging(config: DaemonConfig) -> None:
 
 
 def load_daemon_config(config_file: str | None, given: dict[str, Any]) -> DaemonConfig:
-    return build_config(DaemonConfig, toml_layer(config_file), given)
+    config = build_config(DaemonConfig, toml_layer(config_file), given)
+    if config.remote_store:      # the whole URL, so --check-config and a start reject it alike
+        from kvpool.daemon.remote_url import parse_remote_url
+        parse_remote_url(config.remote_store)
+    return config
 
 
 @click.command(context_settings={"auto_envvar_prefix": "KVPOOL", "show_default": True})
