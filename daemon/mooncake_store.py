@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -40,6 +42,7 @@ assert TRAILER_BYTES == 32
 # Mooncake's own buffer serves copies of unregistered memory; every transfer here is from or
 # into registered memory, so it only needs to exist.
 LOCAL_BUFFER_BYTES = 16 << 20
+CONNECT_TIMEOUT_S = 2.0
 # Mooncake store error codes (mooncake-store/include/types.h) that this module tells apart.
 OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900
@@ -95,6 +98,19 @@ class MooncakeStore:
         ``kvpool[mooncake]`` extra is missing."""
         from mooncake.store import MooncakeDistributedStore
         u = self.url
+        # Mooncake's setup holds the GIL, hence the daemon's event loop, for as long as it
+        # retries: 20 tries of ~4 s against an absent master (measured). So it only runs once
+        # the master's ports take connections; against a live master it returns in ~50 ms.
+        endpoints = [("master", u.master_host, u.rpc_port)]
+        if u.metadata.startswith("http://"):
+            m = urlsplit(u.metadata)
+            endpoints.append(("metadata server", m.hostname, m.port or 80))
+        for what, host, port in endpoints:
+            try:
+                socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+            except OSError as e:
+                raise RemoteFault(f"the Mooncake {what} at {host}:{port} is not reachable: "
+                                  f"{e.strerror or e}") from None
         store = MooncakeDistributedStore()
         rc = store.setup(u.local_host, u.metadata, self.segment_bytes, LOCAL_BUFFER_BYTES,
                          u.protocol, u.device, u.master)
@@ -191,10 +207,14 @@ class MooncakeStore:
         return GetResult(ok, int(missing.sum()), int(((codes >= 0) & ~ok).sum()),
                          int(((codes < 0) & ~missing).sum()))
 
+    def remove(self, keys: list[bytes]) -> None:
+        """Remove blocks from the store, leases or not (a value that failed verification)."""
+        self._live().batch_remove([remote_key(k) for k in keys], True)
+
     def remove_namespace(self, ns: bytes) -> int:
         """Remove every object of namespace ``ns`` from the store (a cache reset); returns
         Mooncake's count or error code."""
-        return int(self._live().remove_by_regex(namespace_pattern(ns)))
+        return int(self._live().remove_by_regex(namespace_pattern(ns), True))
 
     def _live(self):
         store = self._store

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -99,6 +100,10 @@ class RemoteTier(LowerTier):
         ``ConfigError`` says what is wrong (the daemon does not start). Connecting happens in
         the background once the daemon serves (``start``)."""
         url = resolve_local(parse_remote_url(config.remote_store))
+        # Mooncake logs through glog, which reads its flags when the library loads: below
+        # debug, only its fatal lines (our own log says what an outage means, once; Mooncake
+        # would say it every ping). GLOG_minloglevel in the environment wins.
+        os.environ.setdefault("GLOG_minloglevel", "0" if config.log_level == "debug" else "3")
         try:
             import mooncake.store  # noqa: F401  (the wheel's binaries load here)
         except ImportError as e:
@@ -222,6 +227,7 @@ class RemoteTier(LowerTier):
         self._puts -= 1
         exc = f.exception()
         if exc is not None:
+            self.io_errors += 1
             self._fault("publishing blocks", exc)
             done.set_result(0)
             return
@@ -279,6 +285,7 @@ class RemoteTier(LowerTier):
             exc = f.exception()
             part = keys[a:a + self.batch_blocks(slot_bytes)]
             if exc is not None:
+                self.io_errors += 1
                 self._fault("fetching blocks", exc)
                 self.lost_blocks += len(part)
                 continue
@@ -298,8 +305,11 @@ class RemoteTier(LowerTier):
         if corrupt:
             self.verify_failures += len(corrupt)
             log.warning("remote tier: %d block(s) fetched from the Mooncake Store failed "
-                        "verification (first: %s): misses, their loads recompute",
-                        len(corrupt), remote_key(corrupt[0]))
+                        "verification (first: %s): misses, their loads recompute; removed "
+                        "from the store", len(corrupt), remote_key(corrupt[0]))
+            # Useless to every host, and an existence check would find them again.
+            self._ctl_call(self.store.remove, corrupt).add_done_callback(
+                lambda f: f.cancelled() or f.exception())
         done.set_result(ok.tolist())
 
     # ---- LowerTier: the rest ---------------------------------------------------------------
@@ -357,13 +367,15 @@ class RemoteTier(LowerTier):
         while self._state != CLOSED:
             if self._ctl_busy == 0:
                 f = asyncio.wrap_future(self._ctl_call(self._check))
-                try:
-                    healthy = await asyncio.wait_for(asyncio.shield(f), self._check_deadline())
-                except asyncio.TimeoutError:
-                    healthy = TimeoutError(f"the master did not answer a health check within "
-                                           f"{self._check_deadline():.1f} s")
-                except Exception as e:   # RemoteFault, a Mooncake error
-                    healthy = e
+                # A check past its deadline keeps running on the control thread (and keeps
+                # the next one back); its late answer is read and dropped.
+                f.add_done_callback(lambda f: f.cancelled() or f.exception())
+                await asyncio.wait([f], timeout=self._check_deadline())
+                if not f.done():
+                    healthy: object = TimeoutError(f"the master did not answer a health check "
+                                                   f"within {self._check_deadline():.1f} s")
+                else:
+                    healthy = f.exception() or f.result()
                 if self._state == CLOSED:
                     return
                 if healthy is True:
@@ -406,11 +418,12 @@ class RemoteTier(LowerTier):
             self.on_restored()
 
     def _fault(self, what: str, exc: BaseException) -> None:
-        self.io_errors += 1
+        """A call failed in a way that says the store is unusable: off, once per outage."""
         if not isinstance(exc, (RemoteFault, TimeoutError, OSError)):
             log.error("remote tier: %s failed with an unexpected error", what, exc_info=exc)
         if self._state not in (UP, CONNECTING):
             return
+        self.io_errors += 1
         self._state = DOWN
         self.outages += 1
         self.status = f"off: {what} failed: {exc}"

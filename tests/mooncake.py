@@ -4,9 +4,11 @@ extra installs), on free ports, that tests can kill and restart on the same port
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,29 @@ def mooncake_master(tmp_path):
     m = MooncakeMaster(tmp_path).start()
     yield m
     m.cleanup()
+
+
+_CORRUPT = r"""
+import sys
+from mooncake.store import MooncakeDistributedStore
+master, metadata, key = sys.argv[1:4]
+s = MooncakeDistributedStore()
+assert s.setup("127.0.0.1", metadata, 0, 64 << 20, "tcp", "", master) == 0, "setup"
+value = bytearray(s.get(key))
+assert value, f"{key} is not in the store"
+value[len(value) // 3] ^= 0xFF                     # one flipped byte inside the block
+assert s.remove(key, True) == 0, "remove"
+assert s.put(key, bytes(value)) == 0, "put"
+s.close()
+print("corrupted", len(value))
+"""
+
+
+def corrupt_value(master: MooncakeMaster, key: str) -> None:
+    """Flip one byte of the block inside the stored value ``key`` (its trailer untouched),
+    from a separate Mooncake client process."""
+    r = subprocess.run([sys.executable, "-c", _CORRUPT, f"127.0.0.1:{master.rpc_port}",
+                        f"http://127.0.0.1:{master.http_port}/metadata", key],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "GLOG_minloglevel": "2"})
+    assert r.returncode == 0 and "corrupted" in r.stdout, r.stdout + r.stderr[-2000:]
