@@ -189,7 +189,8 @@ def format_tier(t) -> list[str]:
         f"  moved    demoted {t.demoted_blocks} blocks ({_human(t.demoted_bytes)})   promoted "
         f"{t.promoted_blocks} blocks ({_human(t.promoted_bytes)})   hits {t.hit_blocks}",
         f"  dropped  evicted {t.evicted_blocks}   missed {t.missed_blocks}   verify failures "
-        f"{t.verify_failures}   I/O errors {t.io_errors}",
+        f"{t.verify_failures}   I/O errors {t.io_errors}   lost {t.lost_blocks}   rejected "
+        f"{t.rejected_blocks}",
     ]
 
 
