@@ -126,6 +126,10 @@ class Raw:
             assert codes == [BIG_BYTES], codes
         return statistics.median(times)
 
+    def clear(self) -> None:
+        """Empty the store (each repetition starts with it empty, and never fills it)."""
+        self.s.remove_all(True)
+
     def close(self) -> None:
         self.s.close()
 
@@ -156,24 +160,24 @@ def one_rep(work: Path, m: MooncakeMaster, raw: Raw, n: int, singles: int, rep: 
     for sub in ("a", "b"):
         (work / sub).mkdir(parents=True)
     a = DaemonProcess(work / "a", pool, ["--extent-size", "64MiB", "--log-level", "info"])
-    b = DaemonProcess(work / "b", pool, ["--extent-size", "64MiB", "--log-level", "info"])
+    b = DaemonProcess(work / "b", pool, remote)
     made: list[HostKv] = []
     try:
         # b's pool memory touched once, as a long-running daemon's (or a CUDA-registered) pool
-        # is: blocks stored and reset, the pool kept for the b that fetches.
-        b.start(["--keep-pool"])
-        kv = HostKv(blocks=n + singles, **BIG)
+        # is: blocks of another model stored and reset (a reset removes them from the store too).
+        b.start()
+        kv = HostKv(blocks=n + singles, model="warm-up", **BIG)
         made.append(kv)
         cfg = b.client_config(timeout_ms=60_000)
         worker, reg = kv.register(cfg)
         sched = SchedulerClient(cfg)
-        junk = kv.keys(list(range(7 * 10**8, 7 * 10**8 + (n + singles) * 16)))
+        junk = kv.keys(list(range(n * 16 + singles * 16)))
         assert all(c.ok for c in worker.wait([worker.submit_store(
             reg, list(range(n + singles)), sched.prepare_store(kv.namespace, junk))], 600))
+        wait_for(lambda: _remote(sched).is_enabled, 60, "b to connect")
         sched.reset(kv.namespace)
         worker.close()
         sched.close()
-        assert b.stop() == 0
         # A pool full of blocks, stored by an engine through a daemon without the tier...
         a.start(["--keep-pool"])
         kv = HostKv(blocks=n, **BIG)
@@ -199,7 +203,6 @@ def one_rep(work: Path, m: MooncakeMaster, raw: Raw, n: int, singles: int, rep: 
         publish_s = _until(sched_a, "demoted_bytes", n * BIG_BYTES) - _stamp(
             a, "connected to Mooncake master")
         # Another host fetches them: one lookup, store -> pool (verified), then the engine.
-        b.restart(remote)
         kv_b = HostKv(blocks=n, **BIG)
         made.append(kv_b)
         cfg_b = b.client_config(timeout_ms=60_000)
@@ -282,6 +285,7 @@ def main() -> None:
         reps = []
         for r in range(args.reps):
             got = one_rep(work / f"rep{r}", m, raw, n, args.singles, r)
+            raw.clear()
             reps.append({**got, "publish_ratio": got["publish_gbps"] / got["raw_put_gbps"],
                          "fetch_ratio": got["fetch_gbps"] / got["raw_get_gbps"]})
             print(json.dumps({k: v for k, v in reps[-1].items()

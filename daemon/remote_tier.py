@@ -13,8 +13,8 @@ value format are ``daemon/mooncake_store.py``'s.
   before the lookup answers: the probes of one loop turn go out as one ``batch_is_exist`` on
   the control thread, and the lookup waits for it (the engine's scheduler polls; it never waits)
   at most ``remote_timeout_ms``. ``leading`` then answers from ``present``, from memory.
-- **Up (fetch).** A hit is fetched straight into the pool's FILLING slots, in parts of at most
-  ``BATCH_BYTES`` on the data threads at once, each block verified; one that fails its checksum
+- **Up (fetch).** A hit is fetched straight into the pool's FILLING slots, split over the data
+  threads (one call each: Mooncake overlaps the transfers inside a call), each block verified; one that fails its checksum
   is a miss (counted, logged); one the store no longer has is a miss too (``lost_blocks``).
 - **Faults.** A probe past its deadline, an unanswered call or a failed health check turns the
   tier off: one ERROR line, ``is_enabled`` False, ``io_errors`` counted; lookups answer from
@@ -55,9 +55,10 @@ log = logging.getLogger("kvpoold")
 # Two publishes or fetches at once keep a TCP link busy while the other side hashes; more only
 # add contention on a host whose cores the engines need.
 DATA_THREADS = 2
-# One publish batch or fetch part: many MiB per call (Mooncake's per-call cost is ~0.3 ms),
-# little of the pool pinned while it goes out.
-BATCH_BYTES = 32 << 20
+# One publish batch: many MiB per call (Mooncake overlaps the transfers inside a call; 16-block
+# calls published at ~0.6x the rate of one big call here), and never more than a quarter of the
+# pool pinned by the batches in flight.
+BATCH_BYTES = 64 << 20
 MAX_BATCH_BLOCKS = 512
 # Keys checked per key list and lookup: a prompt of 512 blocks of 16 tokens is 8k tokens;
 # hits further out are found by the lookups of the following steps.
@@ -72,9 +73,10 @@ CONNECTING, UP, DOWN, CLOSED = "connecting", "up", "down", "closed"
 class RemoteTier(LowerTier):
     name = "remote"
 
-    def __init__(self, store: MooncakeStore, timeout_s: float) -> None:
+    def __init__(self, store: MooncakeStore, timeout_s: float, pool_bytes: int) -> None:
         self.store = store
         self.timeout_s = timeout_s
+        self._batch_bytes = max(1, min(BATCH_BYTES, pool_bytes // (4 * DATA_THREADS)))
         self._state = CONNECTING
         self.status = f"connecting to {store.url.display()}"
         self._present: OrderedDict[bytes, int] = OrderedDict()
@@ -111,7 +113,7 @@ class RemoteTier(LowerTier):
                               f"(and apt-get install libibverbs1 librdmacm1 libnuma1): {e}"
                               ) from None
         return cls(_new_store(url, pool_buffer, parse_size(config.remote_segment_size)),
-                   config.remote_timeout_ms / 1000)
+                   config.remote_timeout_ms / 1000, len(pool_buffer))
 
     def start(self) -> None:
         log.info("remote tier: connecting to Mooncake master %s (metadata %s, %s, this host "
@@ -158,7 +160,7 @@ class RemoteTier(LowerTier):
         return self._state == UP and self._puts < DATA_THREADS
 
     def batch_blocks(self, slot_bytes: int) -> int:
-        return max(1, min(MAX_BATCH_BLOCKS, BATCH_BYTES // slot_bytes))
+        return max(1, min(MAX_BATCH_BLOCKS, self._batch_bytes // slot_bytes))
 
     # ---- probes ----------------------------------------------------------------------------
 
@@ -263,27 +265,31 @@ class RemoteTier(LowerTier):
         if not keys:
             done.set_result([])
             return done
-        per = self.batch_blocks(slot_bytes)
+        per = self._fetch_blocks(len(keys))
+        started = time.monotonic()
         parts = [(a, self._data_call(self.store.get, keys[a:a + per], offsets[a:a + per],
                                      slot_bytes))
                  for a in range(0, len(keys), per)]
 
         def part_done(_f: Future) -> None:
             if all(f.done() for _, f in parts):
-                loop.call_soon_threadsafe(self._fetched, parts, keys, slot_bytes, done)
+                loop.call_soon_threadsafe(self._fetched, parts, keys, slot_bytes, done, started)
         for _, f in parts:
             f.add_done_callback(part_done)
         return done
 
     def _fetched(self, parts: list[tuple[int, Future]], keys: list[bytes], slot_bytes: int,
-                 done: asyncio.Future[list[bool]]) -> None:
+                 done: asyncio.Future[list[bool]], started: float) -> None:
         if done.done():              # several parts may finish in the same instant
             return
+        log.debug("remote tier: fetched %d blocks of %d bytes in %.1f ms (%d calls)", len(keys),
+                  slot_bytes, (time.monotonic() - started) * 1e3, len(parts))
         ok = np.zeros(len(keys), bool)
         corrupt: list[bytes] = []
+        per = self._fetch_blocks(len(keys))
         for a, f in parts:
             exc = f.exception()
-            part = keys[a:a + self.batch_blocks(slot_bytes)]
+            part = keys[a:a + per]
             if exc is not None:
                 self.io_errors += 1
                 self._fault("fetching blocks", exc)
@@ -448,6 +454,14 @@ class RemoteTier(LowerTier):
         size = self._present.pop(key, None)
         if size is not None:
             self._present_bytes -= size
+
+    @staticmethod
+    def _fetch_blocks(n: int) -> int:
+        """Blocks per fetch call: the run split over every data thread at once. The slots are
+        FILLING already, so unlike a publish a bigger call pins nothing more, and Mooncake
+        overlaps the transfers of one call (one call of 192 blocks ran ~3x faster than 12 calls
+        of 16 on two threads here)."""
+        return max(1, min(MAX_BATCH_BLOCKS, -(-n // DATA_THREADS)))
 
     def _ctl_call(self, fn: Callable, *args) -> Future:
         """Run ``fn`` on the control thread; ``_ctl_busy`` counts it until it returns."""
