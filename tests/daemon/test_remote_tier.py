@@ -39,6 +39,13 @@ def engine(d, stored=None) -> PoolEngine:
     return e
 
 
+def two_hosts(daemon_factory, master: MooncakeMaster):
+    """Two hosts and an engine on each, sharing what was stored (to check loads against)."""
+    a, b = host(daemon_factory, master), host(daemon_factory, master)
+    ea = engine(a)
+    return a, b, ea, engine(b, ea.stored)
+
+
 def wait_published(e: PoolEngine, n: int) -> None:
     wait_for(lambda: e.tier("remote").demoted_blocks >= n, 30,
              f"{n} blocks published (tier: {e.tier('remote')})")
@@ -97,9 +104,7 @@ def test_pool_then_disk_then_remote(daemon_factory, mooncake_master, tmp_path):
 
 def test_master_killed_then_restarted_mid_run(daemon_factory, mooncake_master):
     m = mooncake_master
-    a, b = host(daemon_factory, m), host(daemon_factory, m)
-    ea = engine(a)
-    eb = engine(b, ea.stored)
+    a, b, ea, eb = two_hosts(daemon_factory, m)
     try:
         before = ea.store(0, 8, seed=1)
         wait_published(ea, 8)
@@ -201,9 +206,7 @@ def test_unresolvable_master_is_a_clear_startup_error(daemon_factory):
 
 
 def test_corrupted_value_is_a_miss_never_loaded(daemon_factory, mooncake_master):
-    a, b = host(daemon_factory, mooncake_master), host(daemon_factory, mooncake_master)
-    ea = engine(a)
-    eb = engine(b, ea.stored)
+    a, b, ea, eb = two_hosts(daemon_factory, mooncake_master)
     try:
         prompt = ea.store(0, 8, seed=1)
         wait_published(ea, 8)
