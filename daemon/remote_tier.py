@@ -16,8 +16,8 @@ value format are ``daemon/mooncake_store.py``'s.
 - **Up (fetch).** A hit is fetched straight into the pool's FILLING slots, the whole run in one
   call (Mooncake overlaps the transfers inside a call), each block verified; one that fails its checksum
   is a miss (counted, logged); one the store no longer has is a miss too (``lost_blocks``).
-- **Faults.** A probe past its deadline, an unanswered call or a failed health check turns the
-  tier off: one ERROR line, ``is_enabled`` False, ``io_errors`` counted; lookups answer from
+- **Faults.** A probe past its deadline, an unanswered call or a failed health check (Mooncake's
+  own view of the master, every ``MONITOR_PERIOD_S``) turns the tier off: one ERROR line, ``is_enabled`` False, ``io_errors`` counted; lookups answer from
   this host alone at once and nothing is published. A monitor task checks the master every
   ``MONITOR_PERIOD_S`` (from the control thread, never more than one call at a time, so a hung
   master holds one thread, not the loop); when it answers again the tier comes back with one
@@ -57,9 +57,9 @@ log = logging.getLogger("kvpoold")
 # engine waiting for a remote hit never queues behind publishes.
 DATA_THREADS = 2
 FETCH_THREADS = 2
-# One publish batch: many MiB per call (Mooncake overlaps the transfers inside a call; 16-block
-# calls published at ~0.6x the rate of one big call here), and never more than a quarter of the
-# pool pinned by the batches in flight.
+# One publish batch: many MiB per call (Mooncake overlaps the transfers inside a call, so few
+# big calls beat many small ones), and never more than a quarter of the pool pinned by the
+# batches in flight.
 BATCH_BYTES = 64 << 20
 MAX_BATCH_BLOCKS = 512
 # Keys checked per key list and lookup: a prompt of 512 blocks of 16 tokens is 8k tokens;
@@ -95,7 +95,6 @@ class RemoteTier(LowerTier):
         self.hit_blocks = self.demoted_blocks = self.demoted_bytes = 0
         self.promoted_blocks = self.promoted_bytes = self.verify_failures = 0
         self.io_errors = self.lost_blocks = self.rejected_blocks = 0
-        self.outages = 0
 
     # ---- start -----------------------------------------------------------------------------
 
@@ -384,7 +383,7 @@ class RemoteTier(LowerTier):
         stops answering and back on when it answers again. One call at a time."""
         while self._state != CLOSED:
             if self._ctl_busy == 0:
-                f = asyncio.wrap_future(self._ctl_call(self._check))
+                f = asyncio.wrap_future(self._ctl_call(self._check, self._state != UP))
                 # A check past its deadline keeps running on the control thread (and keeps
                 # the next one back); its late answer is read and dropped.
                 f.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -410,13 +409,16 @@ class RemoteTier(LowerTier):
         # control thread and only holds the monitor.
         return max(self.timeout_s, 1.0) if self.store.is_connected else 30.0
 
-    def _check(self) -> bool:
-        """(control thread) Connect if needed; True when the master answers a real call."""
+    def _check(self, full: bool) -> bool:
+        """(control thread) Connect if needed; True when the master answers. While the tier is
+        up, Mooncake's own view (its client pings the master) is enough, and a hung master
+        shows in the next call's deadline anyway; to come back, a real call must answer."""
         if not self.store.is_connected:
             self.store.connect()
         if not self.store.healthy():
             return False
-        self.store.exists(["kvpool/health"])
+        if full:
+            self.store.exists(["kvpool/health"])
         return True
 
     def _restored(self) -> None:
@@ -443,7 +445,6 @@ class RemoteTier(LowerTier):
             return
         self.io_errors += 1
         self._state = DOWN
-        self.outages += 1
         self.status = f"off: {what} failed: {exc}"
         log.error("REMOTE TIER OFF: %s against Mooncake master %s failed: %s. kvpoold serves "
                   "from this host alone, publishes nothing and checks the master every %.1f s",
