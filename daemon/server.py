@@ -5,9 +5,11 @@ dispatch, reply) beside ``housekeeping()`` (heartbeat timeouts, lease/write expi
 (stop accepting, let jobs finish for a grace period, abort the rest, drop leases, close engines,
 unlink or keep the pool).
 
-With a lower tier (``--disk-path``), ``daemon/tiering.py`` is asked before each lookup (lower-tier
-hits come up into the pool) and when a load starts (a load of a block still coming up waits for
-it); the tier's I/O runs on its own threads.
+With tiers under the pool (``--disk-path``, ``--remote-store``), ``daemon/tiering.py`` is asked
+before each lookup (lower-tier hits come up into the pool; a lookup that a remote store must be
+asked about is answered when it has answered, within its tier's deadline, while the loop serves
+everyone else) and when a load starts (a load of a block still coming up waits for it); the
+tiers' I/O runs on their own threads.
 
 Rules: the event loop never blocks (copies run in the engines, off the loop); every request gets
 exactly one reply; every exception is turned into an ``ErrorReply`` (or a failed ``JobDone``) in
@@ -66,7 +68,7 @@ class SocketBusy(KvpoolError):
 
 class Server:
     def __init__(self, config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine],
-                 lower: LowerTier | None = None) -> None:
+                 lowers: list[LowerTier] | None = None) -> None:
         self.config = config
         self.pool = pool
         self.engines = engines
@@ -96,7 +98,7 @@ class Server:
         if pool.adopted:
             kept = self.index.adopt()
             log.info("adopted %d committed blocks from the existing pool", kept)
-        self.tiering = Tiering(self.index, lower) if lower is not None else None
+        self.tiering = Tiering(self.index, lowers) if lowers else None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -302,12 +304,12 @@ class Server:
         idx = self.index
         match msg:
             case p.LookupRequest():
-                if self.tiering is not None:
-                    self.tiering.before_lookup(msg.namespace, msg.key_lists, now)
-                hits, leases, slots = idx.lookup(msg.namespace, msg.key_lists, msg.pin,
-                                                 owner.id, now)
-                self.telemetry.lookup(hits, msg.key_lists, idx.block_tokens(msg.namespace))
-                return p.LookupReply(msg.req_id, hits, leases, slots)
+                probing = (self.tiering.probe(msg.namespace, msg.key_lists)
+                           if self.tiering is not None else None)
+                if probing is not None:
+                    probing.add_done_callback(lambda _f: self._lookup_later(identity, owner, msg))
+                    return None
+                return self._lookup(owner, msg, now)
             case p.PrepareStoreRequest():
                 _check_count(len(msg.keys), "keys")
                 return p.PrepareStoreReply(msg.req_id,
@@ -338,6 +340,32 @@ class Server:
                          msg.namespace.hex(), owner.id, n)
                 return p.OkReply(msg.req_id, n)
         raise ProtocolError(f"unexpected message {type(msg).__name__}")
+
+    def _lookup(self, owner: Owner, msg: p.LookupRequest, now: float) -> p.LookupReply:
+        idx = self.index
+        if self.tiering is not None:
+            self.tiering.before_lookup(msg.namespace, msg.key_lists, now)
+        hits, leases, slots = idx.lookup(msg.namespace, msg.key_lists, msg.pin, owner.id, now)
+        self.telemetry.lookup(hits, msg.key_lists, idx.block_tokens(msg.namespace))
+        return p.LookupReply(msg.req_id, hits, leases, slots)
+
+    def _lookup_later(self, identity: bytes, owner: Owner, msg: p.LookupRequest) -> None:
+        """Answer a lookup whose probe of a lower tier has resolved, unless its client left
+        meanwhile (its leases would only wait for their TTL)."""
+        if not self.is_serving or self.registry.by_identity.get(identity) is not owner:
+            return
+        try:
+            reply: p.Reply = self._lookup(owner, msg, time.monotonic())
+        except KvpoolError as e:
+            self.errors += 1
+            self.telemetry.error(e.code)
+            reply = p.ErrorReply(msg.req_id, int(e.code), e.message)
+        except Exception as e:   # a bug of ours: say so, keep serving
+            self.errors += 1
+            self.telemetry.error(ErrorCode.INTERNAL)
+            log.exception("internal error answering a lookup")
+            reply = p.ErrorReply(msg.req_id, int(ErrorCode.INTERNAL), f"internal error: {e!r}")
+        self._send(identity, reply)
 
     def _hello(self, identity: bytes, msg: p.Hello, peer: Peer | None, now: float) -> p.Reply:
         self.allow.check(peer)
@@ -627,7 +655,7 @@ class Server:
                           slots_pinned=self.index.pinned_count(), hit_tokens=st.hit_tokens,
                           miss_tokens=st.miss_tokens,
                           namespace_usage=self.index.namespace_usage(),
-                          tiers=[self.tiering.info()] if self.tiering is not None else [])
+                          tiers=self.tiering.info() if self.tiering is not None else [])
 
 
 def _check_count(n: int, what: str) -> None:
@@ -646,9 +674,9 @@ def _readable(fd: int) -> bool:
 
 
 def run(config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine],
-        lower: LowerTier | None = None) -> int:
+        lowers: list[LowerTier] | None = None) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code (0 after a clean stop)."""
-    server = Server(config, pool, engines, lower)
+    server = Server(config, pool, engines, lowers)
     try:
         import uvloop
     except ImportError:

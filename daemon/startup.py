@@ -1,5 +1,5 @@
-"""Wiring: open the pool, the disk tier under it, the copy engines the host supports; run the
-server.
+"""Wiring: open the pool, the tiers under it (disk, then remote), the copy engines the host
+supports; run the server.
 
 Kept apart from the CLI so tests and embedders can start a daemon from a ``DaemonConfig``.
 """
@@ -56,12 +56,22 @@ def raise_open_file_limit() -> None:
             log.warning("could not raise the open-file limit from %d: %s", soft, e)
 
 
-def open_lower_tier(config: DaemonConfig, pool: Pool) -> LowerTier | None:
-    """The disk tier when ``disk_path`` is set (its startup scan runs here, before serving)."""
-    if not config.disk_path:
-        return None
-    from kvpool.daemon.disk_tier import DiskTier
-    return DiskTier.open(config.disk_path, config.disk_size, pool.buffer, pool.nbytes)
+def open_lower_tiers(config: DaemonConfig, pool: Pool) -> list[LowerTier]:
+    """The tiers under the pool, in the order lookups ask them: the disk tier when
+    ``disk_path`` is set (its startup scan runs here, before serving), then the remote tier
+    when ``remote_store`` is set (its URL is checked here; it connects once serving)."""
+    lowers: list[LowerTier] = []
+    remote = None
+    if config.remote_store:      # first: it holds nothing yet if the disk tier fails to open
+        from kvpool.daemon.remote_tier import RemoteTier
+        remote = RemoteTier.open(config, pool.buffer)
+    if config.disk_path:
+        from kvpool.daemon.disk_tier import DiskTier
+        lowers.append(DiskTier.open(config.disk_path, config.disk_size, pool.buffer,
+                                    pool.nbytes))
+    if remote is not None:
+        lowers.append(remote)
+    return lowers
 
 
 def run_daemon(config: DaemonConfig) -> int:
@@ -70,8 +80,8 @@ def run_daemon(config: DaemonConfig) -> int:
     pool = Pool.open(config)
     try:
         engines = build_engines(config, pool)
-        lower = open_lower_tier(config, pool)
+        lowers = open_lower_tiers(config, pool)
     except BaseException:
         pool.close(unlink=not config.keep_pool)
         raise
-    return run(config, pool, engines, lower)
+    return run(config, pool, engines, lowers)

@@ -146,6 +146,23 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     allow_gid: Annotated[str, _doc(
         "groups (gids or names, comma-separated) whose members may connect",
         pattern=r"^[A-Za-z0-9_.,-]*$")] = ""
+    # ---- remote tier (appended; the README's "Remote tier" section plans its capacity) ----
+    # The URL is checked in full by kvpool.daemon.remote_url at start (a bad one is exit 2).
+    remote_store: Annotated[str, _doc(
+        "cross-host tier under the pool and the disk tier, on a Mooncake Store: "
+        "mooncake://MASTER_HOST:RPC_PORT[?metadata=URL&protocol=tcp|rdma&device=NAME"
+        "&local=ADDR]; metadata defaults to http://MASTER_HOST:8080/metadata; empty: no "
+        "remote tier", max_length=2048)] = ""
+    # Mooncake places each value in the memory some host lent; 0 makes this host a pure client.
+    remote_segment_size: Annotated[str, _doc(
+        "DRAM this host lends to the Mooncake Store (the store's capacity is the sum over "
+        "hosts); 0: lend none, use only what others lend", pattern=_SIZE_ONLY)] = "4GiB"
+    # A lookup waits for the store's existence check (the scheduler polls, it never waits);
+    # on a LAN the check takes well under a millisecond, so this bounds a sick master only.
+    remote_timeout_ms: Annotated[int, _doc(
+        "longest a lookup waits for the Mooncake master; past it the lookup answers from this "
+        "host alone and the remote tier is off until the master answers again",
+        ge=1, le=60_000)] = 200
 
     @property
     def socket_path(self) -> str:

@@ -291,7 +291,7 @@ class TierInfo(msgspec.Struct, **_WIRE):
     """One tier under the pool (the disk tier; later ones the same way). Counters only grow
     over one daemon's life; rates are differences between snapshots."""
 
-    name: str                # "disk"
+    name: str                # "disk", "remote"
     is_enabled: bool         # False once a fault turned it off (the pool keeps serving)
     location: str            # where it keeps blocks (the disk tier's directory)
     capacity_bytes: int
@@ -308,6 +308,10 @@ class TierInfo(msgspec.Struct, **_WIRE):
     missed_blocks: int       # left the pool before they could be written down
     adopted_blocks: int      # found on disk at start
     status: str = ""         # "ok", or why the tier is off
+    # Appended with the remote tier (defaults keep older replies decodable):
+    lost_blocks: int = 0     # hits that could not be brought up (gone from the tier meanwhile,
+                             # or the transfer failed): misses, the engine recomputes them
+    rejected_blocks: int = 0  # blocks the tier refused for want of room
 
 
 class PoolInfo(msgspec.Struct, **_WIRE):

@@ -55,3 +55,74 @@ class HostKv:
 
     def close(self) -> None:
         self.mem.close()
+
+
+class PoolEngine:
+    """A worker and a scheduler client over one HostKv, and every block stored, by key: what
+    the tier tests store through a daemon and check after it came back from a tier.
+
+    Each daemon life gets a new PoolEngine with a new HostKv (same layout, so same namespace):
+    re-registering an old shm name after a restart would need the name to still exist, and on
+    a shared test machine /dev/shm is not ours alone. Engines on two daemons share ``stored``
+    to check that blocks stored on one load byte-exact on the other."""
+
+    def __init__(self, daemon, stored: dict[bytes, torch.Tensor] | None = None,
+                 **kv: int) -> None:
+        from kvpool.client.scheduler import SchedulerClient
+        self.kv = HostKv(**kv)
+        self.worker, self.reg = self.kv.register(daemon.client_config(timeout_ms=10000))
+        self.sched = SchedulerClient(daemon.client_config(timeout_ms=10000))
+        self.stored: dict[bytes, torch.Tensor] = {} if stored is None else stored
+
+    def store(self, first: int, n: int, seed: int) -> list[bytes]:
+        """Store blocks of a new prompt (n full blocks, token ids from ``first``)."""
+        keys = self.kv.keys(list(range(first, first + self.kv.block_tokens * n)))
+        for a in range(0, n, 32):
+            part = keys[a:a + 32]
+            ids = list(range(len(part)))
+            self.kv.fill_random(ids, seed=seed * 1000 + a)
+            refs = self.sched.prepare_store(self.kv.namespace, part)
+            todo = [(b, r) for b, r in zip(ids, refs) if r >= 0]
+            done = self.worker.wait([self.worker.submit_store(
+                self.reg, [b for b, _ in todo], [r for _, r in todo])], 20)[0]
+            assert done.ok, done
+            for b, k in zip(ids, part):
+                self.stored[k] = self.kv.blocks_of([b])
+        return keys
+
+    def load(self, keys: list[bytes]):
+        """Look up ``keys`` (one prompt) and load its hit run 32 blocks at a time into blocks
+        32.. (poisoned first); returns (hits, the failed JobCompletion or None). Every block
+        of a load that succeeded must equal what was stored."""
+        hit = self.sched.lookup(self.kv.namespace, [keys], pin=True)
+        n = hit.hits[0]
+        try:
+            for a in range(0, n, 32):
+                refs = hit.slots[0][a:a + 32]
+                ids = list(range(32, 32 + len(refs)))
+                self.kv.poison(ids)
+                done = self.worker.wait([self.worker.submit_load(self.reg, refs, ids)], 30)[0]
+                if not done.ok:
+                    return n, done
+                for b, k in zip(ids, keys[a:a + 32]):
+                    assert torch.equal(self.kv.blocks_of([b]), self.stored[k]), \
+                        f"block {keys.index(k)} came back different from what was stored"
+        finally:
+            self.sched.release(hit.leases)
+        return n, None
+
+    def load_and_check(self, keys: list[bytes]) -> int:
+        """``load`` that must succeed; returns the hit count."""
+        n, failed = self.load(keys)
+        assert failed is None, failed
+        return n
+
+    def tier(self, name: str | None = None):
+        """The first tier under the pool, or the one called ``name``."""
+        tiers = self.sched.info().tiers
+        return tiers[0] if name is None else next(t for t in tiers if t.name == name)
+
+    def close(self) -> None:
+        self.worker.close()
+        self.sched.close()
+        self.kv.close()
