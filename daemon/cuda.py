@@ -549,10 +549,14 @@ def has_memcpy_2d_batch() -> bool:
 
 
 def pitched_ops(dst: np.ndarray, dst_pitch: np.ndarray, src: np.ndarray, src_pitch: np.ndarray,
-                width: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """A ``CUDA_MEMCPY3D_BATCH_OP`` array of 2D copies: op ``i`` moves ``rows[i]`` rows of
-    ``width[i]`` bytes from ``src[i]`` (rows ``src_pitch[i]`` apart) to ``dst[i]`` (rows
-    ``dst_pitch[i]`` apart), all pointer operands in unified addressing (element = byte)."""
+                width: np.ndarray, rows: np.ndarray, depth: np.ndarray | int = 1, *,
+                dst_layer: np.ndarray | None = None, src_layer: np.ndarray | None = None
+                ) -> np.ndarray:
+    """A ``CUDA_MEMCPY3D_BATCH_OP`` array of pitched copies: op ``i`` moves ``depth[i]`` layers
+    of ``rows[i]`` rows of ``width[i]`` bytes from ``src[i]`` (rows ``src_pitch[i]`` apart,
+    layers ``src_layer[i]`` rows apart) to ``dst[i]`` (likewise), all pointer operands in
+    unified addressing (element = byte). Layers default to ``rows`` rows apart; with depth 1
+    (the default) an op is a 2D copy."""
     n = len(dst)
     ops = np.zeros(n, dtype=BATCH3D_OP_DTYPE)
     ops["src_type"] = CU_MEMCPY_OPERAND_TYPE_POINTER
@@ -561,11 +565,11 @@ def pitched_ops(dst: np.ndarray, dst_pitch: np.ndarray, src: np.ndarray, src_pit
     ops["dst_ptr"] = dst
     ops["src_row"] = src_pitch
     ops["dst_row"] = dst_pitch
-    ops["src_layer"] = rows
-    ops["dst_layer"] = rows
+    ops["src_layer"] = rows if src_layer is None else src_layer
+    ops["dst_layer"] = rows if dst_layer is None else dst_layer
     ops["width"] = width
     ops["height"] = rows
-    ops["depth"] = 1
+    ops["depth"] = depth
     ops["order"] = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
     return ops
 
@@ -623,6 +627,60 @@ def check_memcpy_2d_batch(ordinal: int) -> str:
         stream_synchronize(stream)
         if not np.array_equal(got, pattern):
             return "pitched device->host copy moved the wrong bytes"
+        return ""
+    except CudaError as e:
+        return str(e)
+    finally:
+        stream_destroy(stream)
+        mem_free(dev)
+        host_free(src)
+        host_free(back)
+
+
+def check_memcpy_3d_batch(ordinal: int) -> str:
+    """Like ``check_memcpy_2d_batch`` for 3D copies as a rank's head range uses them: layers
+    of several rows whose layer distance is larger than their rows, on both sides, and a pool
+    side whose rows are further apart than they are wide. "" when right, else why not (the
+    engine then cuts each 3D copy into its 2D layers)."""
+    if not has_memcpy_2d_batch():
+        return "no cuMemcpy3DBatchAsync in this driver"
+    use_device(ordinal)
+    width, rows, depth = 1024, 4, 3
+    hpitch, hlayer = 2 * width, rows                 # host: rows of a slot with 2 ranks' heads
+    gpitch, glayer = width, 3 * rows                 # GPU: rows back to back, layers apart
+    hbytes, gbytes = hpitch * hlayer * depth, gpitch * glayer * depth
+    src = host_alloc(hbytes)
+    back = host_alloc(hbytes)
+    dev = mem_alloc(gbytes)
+    stream = stream_create()
+    try:
+        pattern = (np.arange(hbytes, dtype=np.uint32) * 2654435761 >> 9).astype(np.uint8)
+        ctypes.memmove(src, pattern.ctypes.data, hbytes)
+        ctypes.memset(back, 0, hbytes)
+        one = np.ones(1, dtype=np.uint64)
+        driver().check("cuMemsetD8Async", driver().cuMemsetD8Async(dev, 0x5A, gbytes, stream))
+        memcpy_2d_batch_async(pitched_ops(one * dev, one * gpitch, one * src, one * hpitch,
+                                          one * width, one * rows, one * depth,
+                                          dst_layer=one * glayer, src_layer=one * hlayer), stream)
+        # out again as plain 1D copies (known good) from where each row must have landed
+        cells = [((z * glayer + y) * gpitch, (z * hlayer + y) * hpitch)
+                 for z in range(depth) for y in range(rows)]
+        for g, h in cells:
+            memcpy_async(back + h, dev + g, width, stream)
+        stream_synchronize(stream)
+        got = np.ctypeslib.as_array((ctypes.c_uint8 * hbytes).from_address(back))
+        want = np.zeros(hbytes, dtype=np.uint8)
+        for _, h in cells:
+            want[h:h + width] = pattern[h:h + width]
+        if not np.array_equal(got, want):
+            return "3D pitched host->device copy moved the wrong bytes"
+        ctypes.memset(back, 0, hbytes)
+        memcpy_2d_batch_async(pitched_ops(one * back, one * hpitch, one * dev, one * gpitch,
+                                          one * width, one * rows, one * depth,
+                                          dst_layer=one * hlayer, src_layer=one * glayer), stream)
+        stream_synchronize(stream)
+        if not np.array_equal(got, want):
+            return "3D pitched device->host copy moved the wrong bytes"
         return ""
     except CudaError as e:
         return str(e)

@@ -1,8 +1,9 @@
 """Host transfer path: copies between KV tensors in host shared memory and the pool.
 
 The path CI and CPU engines use; the CUDA engines implement the same ``CopyEngine`` interface.
-A job is turned into two row-index vectors over the pool and the worker's region, each row one
-copy unit (the largest power-of-two-free unit that divides every offset and size of the job),
+A job is turned into two row-index vectors over the pool and the worker's region (over the
+rank's pieces of each slot, ``segment_address_table``: whole segments, or the rows of its head
+range in a slot that holds every head), each row one copy unit (the largest power-of-two-free unit that divides every offset and size of the job),
 and moved with one vectorised gather/scatter pair per bounded batch of rows: no Python work per
 block or per layer. Copies run on a per-registration thread (torch releases the GIL), so the
 event loop never waits and each worker's jobs finish in the order they were sent.
@@ -40,6 +41,12 @@ class HostMapped(Mapped):
         self.maps = maps
         self.views = views          # one uint8 array per region, exactly its registered bytes
         self.table = segment_address_table(registration)
+        _, _, _, nbytes, slot = self.table
+        # Where the rank's part starts in a slot when it is one contiguous run there (its
+        # pieces back to back: TP=1, or a rank-sharded shard); None for a strided part.
+        ends = np.cumsum(nbytes)
+        self.contiguous_at: int | None = (
+            int(slot[0]) if np.array_equal(slot[1:] - slot[0], ends[:-1]) else None)
         # One thread per registration keeps its jobs in submission order.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-host-copy")
 
@@ -165,18 +172,19 @@ class HostCopyEngine(CopyEngine):
 
     def _copy_runs(self, mapped: HostMapped, src: np.ndarray, shard_offsets: np.ndarray,
                    unit: int, to_pool: bool) -> bool:
-        """One pass when the pool side is a few contiguous runs of shards; False otherwise.
+        """One pass when the pool side is a few contiguous runs of parts; False otherwise.
 
         Slots of one size are handed out in address order and LRU eviction frees them in
-        roughly that order, so a job's shards are usually a handful of runs; then each run is
+        roughly that order, so a job's slots are usually a handful of runs; then each run is
         one gather straight into the pool (store) or one scatter straight from it (load), and
-        no bytes go through a temporary. Needs one region (the pool side of a region's
-        segments is then the whole shard) and shards that touch (TP=1, page-sized shards).
+        no bytes go through a temporary. Needs one region, a rank's part that is contiguous in
+        the slot, and parts that touch from slot to slot (TP=1 with page-sized blocks).
         """
         region, _, _, nbytes, _ = mapped.table
         shard = int(nbytes.sum())
-        if len(np.unique(region)) != 1 or shard % unit:
+        if len(np.unique(region)) != 1 or shard % unit or mapped.contiguous_at is None:
             return False
+        shard_offsets = shard_offsets + mapped.contiguous_at   # a multiple of unit (see _copy)
         breaks = np.flatnonzero(np.diff(shard_offsets) != shard) + 1
         if len(breaks) >= MAX_RUNS:
             return False

@@ -84,16 +84,21 @@ def test_cuda_modules_import_without_cuda():
             cuda.device_count()
 
 
-def _expand_pitched(gpu, gpitch, host, rows, width):
+def _expand_pitched(gpu, gpitch, glayer, host, hpitch, hlayer, width, rows, depth):
+    """Every (gpu, host, nbytes) row a ``pitched_table`` moves, by the driver's 3D addressing:
+    byte x of row y of layer z at ptr + (z * layer + y) * pitch + x."""
     out = []
-    for g, p, h, r, w in zip(*(x.astype(np.int64) for x in (gpu, gpitch, host, rows, width))):
-        out += [(g + k * p, h + k * w, w) for k in range(r)]
+    cols = (gpu, gpitch, glayer, host, hpitch, hlayer, width, rows, depth)
+    for g, gp, gl, h, hp, hl, w, r, d in zip(*(x.astype(np.int64) for x in cols)):
+        assert r <= gl and r <= hl and w <= gp and w <= hp
+        out += [(g + (z * gl + y) * gp, h + (z * hl + y) * hp, w)
+                for z in range(d) for y in range(r)]
     return out
 
 
 @pytest.mark.parametrize("case", ["per_layer", "mla", "mixed", "block_outer"])
 def test_pitched_table_moves_the_same_bytes_as_the_chunk_table(case):
-    from kvpool.daemon.cuda_copy import pitched_table, strided_runs
+    from kvpool.daemon.cuda_copy import pitched_plan, pitched_table, strided_runs
     nb = 9
     if case == "per_layer":     # [L, 2, NB, inner]: one run of 2L rows
         lead, inner = 8, 64
@@ -126,8 +131,8 @@ def test_pitched_table_moves_the_same_bytes_as_the_chunk_table(case):
         assert list(bounds) == [0, 3, 6]
     blocks = np.array([5, 0, 7, 2])
     shards = np.arange(4, dtype=np.int64) * int(seg_bytes.sum()) * 3
-    table = pitched_table(seg_dev, seg_stride, seg_bytes, seg_prefix, bounds, blocks, shards,
-                          1 << 30)
+    plan = pitched_plan(seg_dev, seg_stride, seg_bytes, seg_prefix, bounds)
+    table = pitched_table(plan, blocks, shards, 1 << 30)
     assert all(t.dtype == np.uint64 for t in table)
     assert len(table[0]) == len(blocks) * (len(bounds) - 1)
     naive = _naive(seg_dev, seg_stride, seg_bytes, seg_prefix, blocks, shards, 1 << 30)
