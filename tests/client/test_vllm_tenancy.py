@@ -4,7 +4,6 @@ of one slot). Real vLLM schedulers, real daemon."""
 
 from __future__ import annotations
 
-
 import pytest
 
 pytest.importorskip("vllm")
