@@ -597,57 +597,27 @@ def check_memcpy_2d_batch(ordinal: int) -> str:
     """Run a small pitched round trip through ``cuMemcpy3DBatchAsync`` on ``ordinal`` and
     compare bytes; returns "" when it is right, else why not (the caller then keeps to 1D
     batches). Guards the hand-written struct layout against a driver that reads it otherwise."""
-    if not has_memcpy_2d_batch():
-        return "no cuMemcpy3DBatchAsync in this driver"
-    use_device(ordinal)
-    rows, width, pitch = 4, 4096, 3 * 4096
-    src = host_alloc(rows * width)
-    back = host_alloc(rows * width)
-    dev = mem_alloc(rows * pitch)
-    stream = stream_create()
-    try:
-        pattern = (np.arange(rows * width, dtype=np.uint32) * 2654435761 >> 7).astype(np.uint8)
-        ctypes.memmove(src, pattern.ctypes.data, rows * width)
-        ctypes.memset(back, 0, rows * width)
-        driver().check("cuMemsetD8Async", driver().cuMemsetD8Async(dev, 0x5A, rows * pitch,
-                                                                      stream))
-        one = np.ones(1, dtype=np.uint64)
-        memcpy_2d_batch_async(pitched_ops(one * dev, one * pitch, one * src, one * width,
-                                          one * width, one * rows), stream)
-        # out again as plain 1D copies (known good), row by row
-        for r in range(rows):
-            memcpy_async(back + r * width, dev + r * pitch, width, stream)
-        stream_synchronize(stream)
-        got = np.ctypeslib.as_array((ctypes.c_uint8 * (rows * width)).from_address(back))
-        if not np.array_equal(got, pattern):
-            return "pitched host->device copy moved the wrong bytes"
-        ctypes.memset(back, 0, rows * width)
-        memcpy_2d_batch_async(pitched_ops(one * back, one * width, one * dev, one * pitch,
-                                          one * width, one * rows), stream)
-        stream_synchronize(stream)
-        if not np.array_equal(got, pattern):
-            return "pitched device->host copy moved the wrong bytes"
-        return ""
-    except CudaError as e:
-        return str(e)
-    finally:
-        stream_destroy(stream)
-        mem_free(dev)
-        host_free(src)
-        host_free(back)
+    # host rows back to back, GPU rows 3 widths apart
+    return _pitched_round_trip(ordinal, "pitched", width=4096, rows=4, depth=1,
+                               hpitch=4096, hlayer=4, gpitch=3 * 4096, glayer=4)
 
 
 def check_memcpy_3d_batch(ordinal: int) -> str:
     """Like ``check_memcpy_2d_batch`` for 3D copies as a rank's head range uses them: layers
-    of several rows whose layer distance is larger than their rows, on both sides, and a pool
-    side whose rows are further apart than they are wide. "" when right, else why not (the
-    engine then cuts each 3D copy into its 2D layers)."""
+    of several rows further apart than their rows, and host rows further apart than they are
+    wide (a slot holding two ranks' heads). "" when right, else why not (the engine then cuts
+    each 3D copy into its 2D layers)."""
+    return _pitched_round_trip(ordinal, "3D pitched", width=1024, rows=4, depth=3,
+                               hpitch=2048, hlayer=4, gpitch=1024, glayer=12)
+
+
+def _pitched_round_trip(ordinal: int, what: str, *, width: int, rows: int, depth: int,
+                        hpitch: int, hlayer: int, gpitch: int, glayer: int) -> str:
+    """Host -> GPU by one pitched op, checked row by row with plain 1D copies (known good) from
+    where each row must have landed, then GPU -> host by one pitched op, checked again."""
     if not has_memcpy_2d_batch():
         return "no cuMemcpy3DBatchAsync in this driver"
     use_device(ordinal)
-    width, rows, depth = 1024, 4, 3
-    hpitch, hlayer = 2 * width, rows                 # host: rows of a slot with 2 ranks' heads
-    gpitch, glayer = width, 3 * rows                 # GPU: rows back to back, layers apart
     hbytes, gbytes = hpitch * hlayer * depth, gpitch * glayer * depth
     src = host_alloc(hbytes)
     back = host_alloc(hbytes)
@@ -662,7 +632,6 @@ def check_memcpy_3d_batch(ordinal: int) -> str:
         memcpy_2d_batch_async(pitched_ops(one * dev, one * gpitch, one * src, one * hpitch,
                                           one * width, one * rows, one * depth,
                                           dst_layer=one * glayer, src_layer=one * hlayer), stream)
-        # out again as plain 1D copies (known good) from where each row must have landed
         cells = [((z * glayer + y) * gpitch, (z * hlayer + y) * hpitch)
                  for z in range(depth) for y in range(rows)]
         for g, h in cells:
@@ -673,14 +642,14 @@ def check_memcpy_3d_batch(ordinal: int) -> str:
         for _, h in cells:
             want[h:h + width] = pattern[h:h + width]
         if not np.array_equal(got, want):
-            return "3D pitched host->device copy moved the wrong bytes"
+            return f"{what} host->device copy moved the wrong bytes"
         ctypes.memset(back, 0, hbytes)
         memcpy_2d_batch_async(pitched_ops(one * back, one * hpitch, one * dev, one * gpitch,
                                           one * width, one * rows, one * depth,
                                           dst_layer=one * hlayer, src_layer=one * glayer), stream)
         stream_synchronize(stream)
         if not np.array_equal(got, want):
-            return "3D pitched device->host copy moved the wrong bytes"
+            return f"{what} device->host copy moved the wrong bytes"
         return ""
     except CudaError as e:
         return str(e)

@@ -48,6 +48,19 @@ def _pool_shards(pool, reg, offsets):
     return np.stack([a[o:o + n] for o in offsets])
 
 
+def _load_back(engine, m, w, offs, dst, want, what: str) -> None:
+    """Load ``offs`` into blocks ``dst`` of a poisoned worker: exactly ``want`` lands there, and
+    nothing outside the loaded blocks is written."""
+    w.call("poison", POISON)
+    r = engine.submit_load(m, offs, dst).result(60)
+    assert len(r.done_event) == 64
+    w.call("wait_load", r.done_event)
+    assert np.array_equal(w.call("blocks", dst.tolist()), want), \
+        f"{what}: GPU blocks differ after load"
+    untouched = np.setdiff1d(np.arange(NUM_BLOCKS), dst)
+    assert (w.call("blocks", untouched.tolist()) == POISON).all()
+
+
 def test_pitched_copies_pass_their_check(engine):
     from kvpool.daemon import cuda
     if not cuda.has_memcpy_2d_batch():
@@ -91,15 +104,7 @@ def test_round_trip_bit_exact(engine, pool, layout, backend):
         assert r.nbytes == len(src) * reg.layout.shard_bytes
         got = _pool_shards(pool, reg, offs)
         assert np.array_equal(got, want), f"{layout}/{backend}: pool differs after store"
-        w.call("poison", POISON)
-        r = engine.submit_load(m, offs, dst).result(60)
-        assert len(r.done_event) == 64
-        w.call("wait_load", r.done_event)
-        assert np.array_equal(w.call("blocks", dst.tolist()), want), \
-            f"{layout}/{backend}: GPU blocks differ after load"
-        # nothing outside the loaded blocks was written
-        untouched = np.setdiff1d(np.arange(NUM_BLOCKS), dst)
-        assert (w.call("blocks", untouched.tolist()) == POISON).all()
+        _load_back(engine, m, w, offs, dst, want, f"{layout}/{backend}")
         engine.detach(m, wait_s=10)
         assert m.released.is_set()
     finally:
@@ -242,13 +247,7 @@ def test_tp_cross_rank_part_round_trip(engine, pool, layout, backend):
             others = np.delete(rows, np.s_[h0:h1], axis=1)
             assert (others == background).all(), f"{layout}/{backend}: other heads written"
             assert (a[o + lay.rows * heads * cell:o + lay.slot_bytes] == background).all()
-        w.call("poison", POISON)
-        r = engine.submit_load(m, offs, dst).result(60)
-        w.call("wait_load", r.done_event)
-        assert np.array_equal(w.call("blocks", dst.tolist()), want), \
-            f"{layout}/{backend}: GPU blocks differ after load"
-        untouched = np.setdiff1d(np.arange(NUM_BLOCKS), dst)
-        assert (w.call("blocks", untouched.tolist()) == POISON).all()
+        _load_back(engine, m, w, offs, dst, want, f"{layout}/{backend}")
         engine.detach(m, wait_s=10)
     finally:
         engine.backend = "auto"
