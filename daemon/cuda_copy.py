@@ -644,6 +644,9 @@ class CudaCopyEngine(CopyEngine):
                  register_piece_bytes: int = 1 << 30, kernel_words: int = 4096,
                  kernel_warps: int = 16, dma_2d: bool | None = None,
                  dma_2d_batch_ops: int = 256, inline_max_ops: int = 0) -> None:
+        # Benchmark and debugging knobs from the environment (A/B runs of one daemon build).
+        env = os.environ
+        backend = env.get("KVPOOL_CUDA_BACKEND", backend)   # type: ignore[assignment]
         if backend not in ("auto", "dma", "kernel"):
             raise ValueError(f"backend must be auto, dma or kernel, not {backend!r}")
         self.pool = pool
@@ -657,8 +660,6 @@ class CudaCopyEngine(CopyEngine):
         self.dma_calls_s = 0.0    # CPU seconds inside cuMemcpyBatchAsync (benchmarks)
         self.kernel_words = kernel_words
         self.kernel_warps = kernel_warps
-        # Benchmark and debugging knobs from the environment (A/B runs of one daemon build).
-        env = os.environ
         if "KVPOOL_CUDA_DMA_2D" in env:
             dma_2d = env["KVPOOL_CUDA_DMA_2D"] not in ("0", "off", "false")
         # pitched copies: True/False forced, None until the first lane has checked them
