@@ -169,7 +169,7 @@ class Index:
 
     def namespace_usage(self) -> list[NamespaceInfo]:
         """Per registered namespace: blocks, bytes and quota (for `kvpool info` and metrics)."""
-        return [NamespaceInfo(ns, layout.description, layout.tp_size,
+        return [NamespaceInfo(ns, layout.description, 0 if layout.kv_heads else layout.tp_size,
                               self._ns_blocks.get(ns, 0), self._ns_bytes.get(ns, 0),
                               self._quota.get(ns, 0))
                 for ns, layout in self._layouts.items()]

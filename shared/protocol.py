@@ -265,7 +265,7 @@ class NamespaceInfo(msgspec.Struct, **_WIRE):
 
     namespace: bytes
     description: str         # what its engines said the layout is (model group, heads, ...)
-    tp_size: int
+    tp_size: int             # 0: any (head-split slots, shared by every TP size)
     blocks: int              # committed
     used_bytes: int          # committed and being written
     quota_bytes: int         # 0: no cap
