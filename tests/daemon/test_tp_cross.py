@@ -79,6 +79,16 @@ def test_tp_cross_host_byte_exact(daemon, order):
         sched.close()
 
 
+def test_tp_cross_tp8(daemon):
+    """8 KV heads: TP=8 -> TP=1 and TP=2 -> TP=8 (one head per rank)."""
+    sched = SchedulerClient(daemon.client_config(), "sched")
+    try:
+        hand_off(daemon, sched, 8, 1, 0, heads=8, cell=16)
+        hand_off(daemon, sched, 2, 8, 1, heads=8, cell=16, order="BLHNC")
+    finally:
+        sched.close()
+
+
 def test_tp_cross_gqa_replicated_heads_are_stored_once(daemon):
     """2 KV heads at TP=4: ranks 1 and 3 replicate the heads of ranks 0 and 2; their stores
     copy nothing, the blocks commit on the primaries, and TP=1, 2 and 8 read them back."""
