@@ -348,9 +348,11 @@ class Server:
         reg = self.registry.add_registration(owner, msg.namespace, msg.layout, msg.tp_rank,
                                              msg.num_blocks, engine, mapped)
         lay = msg.layout
-        heads = (f", KV heads {'%d-%d' % lay.head_range(msg.tp_rank)} of {lay.kv_heads}"
-                 f"{'' if lay.is_primary(msg.tp_rank) else ' (replica: loads only)'}"
-                 if lay.kv_heads else "")
+        heads = ""
+        if lay.kv_heads:
+            h0, h1 = lay.head_range(msg.tp_rank)
+            heads = (f", KV heads [{h0}, {h1}) of {lay.kv_heads}"
+                     f"{'' if lay.is_primary(msg.tp_rank) else ' (replica: loads only)'}")
         log.info("client %d registered rank %d/%d of namespace %s: %d blocks%s", owner.id,
                  msg.tp_rank, lay.tp_size, msg.namespace.hex(), msg.num_blocks, heads)
         return p.RegisterReply(msg.req_id, reg.id)
