@@ -98,7 +98,8 @@ class SchedulerClient:
                 self._replies[reply.req_id] = reply
         reply = self._replies.pop(call.req_id, None)
         if reply is None:
-            if self._t.is_stale or time.monotonic() > call._deadline:
+            if (self._t.is_stale or self._t.connection_lost()
+                    or time.monotonic() > call._deadline):
                 self._pending.discard(call.req_id)
                 self._t.disconnect()
                 raise DaemonUnavailable("kvpoold did not answer the lookup in time")

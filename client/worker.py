@@ -54,6 +54,7 @@ class WorkerClient:
         self._local_ids = itertools.count(1)
         self._job_ids = itertools.count(1)
         self._in_flight: set[int] = set()
+        self._job_of_req: dict[int, int] = {}    # req_id of each submitted job's request
         self._done: list[JobCompletion] = []
 
     def register(self, namespace: bytes, layout: Layout, tp_rank: int, num_blocks: int,
@@ -111,13 +112,36 @@ class WorkerClient:
         if self._t.is_stale:
             self._fail_in_flight("kvpoold vanished or restarted during the transfer")
             self._t.disconnect(backoff=False)
-        for reply in self._t.drain():
+        replies = self._t.drain()
+        if self._t.connection_lost():
+            # Replies already read still count; what is still in flight never will.
+            self._collect(replies)
+            self._fail_in_flight("kvpoold closed the connection during the transfer")
+            self._t.disconnect(backoff=False)
+            replies = []
+        self._collect(replies)
+        out, self._done = self._done, []
+        return out
+
+    def _collect(self, replies: list[p.Reply]) -> None:
+        for reply in replies:
             if isinstance(reply, p.JobDone) and reply.job_id in self._in_flight:
+                self._job_of_req.pop(reply.req_id, None)
                 self._in_flight.discard(reply.job_id)
                 self._done.append(JobCompletion(reply.job_id, reply.code == 0, reply.code,
                                                 reply.message, reply.nbytes, reply.done_event))
-        out, self._done = self._done, []
-        return out
+            elif isinstance(reply, p.ErrorReply) and reply.req_id in self._job_of_req:
+                # The request was refused before it became a job (say, HELLO_REQUIRED: the
+                # daemon restarted or released us). Its job fails now, not at some timeout.
+                job = self._job_of_req.pop(reply.req_id)
+                if job in self._in_flight:
+                    self._in_flight.discard(job)
+                    self._done.append(JobCompletion(job, False, reply.code, reply.message))
+                if reply.code == ErrorCode.HELLO_REQUIRED:
+                    # Nothing else in flight on this connection will be answered either; the
+                    # next submit reconnects and replays the registrations.
+                    self._fail_in_flight(reply.message)
+                    self._t.disconnect(backoff=False)
 
     def wait(self, job_ids: Sequence[int], timeout_s: float) -> list[JobCompletion]:
         """Completions of ``job_ids``, waiting at most ``timeout_s`` (for tools and tests)."""
@@ -152,12 +176,14 @@ class WorkerClient:
         reg = self._registrations.get(registration_id)
         if reg is None:
             raise KeyError(f"unknown local registration {registration_id}")
-        if self._t.is_stale or not self._t.is_connected:
+        if self._t.is_stale or not self._t.is_connected or self._t.connection_lost():
             self._fail_in_flight("kvpoold vanished or restarted during the transfer")
+            self._t.disconnect(backoff=False)
         self._t.ensure_connected()
         job = next(self._job_ids)
-        self._t.send(lambda rid: make(rid, job, reg.daemon_id))
+        req_id = self._t.send(lambda rid: make(rid, job, reg.daemon_id))
         self._in_flight.add(job)
+        self._job_of_req[req_id] = job
         return job
 
     def _send_registration(self, reg: _Registration) -> int:
@@ -176,6 +202,7 @@ class WorkerClient:
         for job in self._in_flight:
             self._done.append(JobCompletion(job, False, int(ErrorCode.ABORTED), why))
         self._in_flight.clear()
+        self._job_of_req.clear()
 
 
 def _with_req_id(req: p.RegisterRequest, req_id: int) -> p.RegisterRequest:

@@ -21,10 +21,14 @@ from __future__ import annotations
 import abc
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvpool.shared.protocol import RegisterRequest
+
+if TYPE_CHECKING:
+    from kvpool.daemon.peer import Peer
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,9 @@ class CopyEngine(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def attach(self, registration: RegisterRequest) -> Mapped: ...
+    def attach(self, registration: RegisterRequest, peer: "Peer | None" = None) -> Mapped:
+        """``peer``: the registering process's kernel credentials, for engines that open
+        memory by name on its behalf (they must not open what it could not)."""
 
     @abc.abstractmethod
     def detach(self, mapped: Mapped) -> None: ...

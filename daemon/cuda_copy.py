@@ -727,7 +727,7 @@ class CudaCopyEngine(CopyEngine):
 
     # -- attach / detach --
 
-    def attach(self, registration: RegisterRequest) -> CudaMapped:
+    def attach(self, registration: RegisterRequest, peer=None) -> CudaMapped:
         """Open every region's IPC handle on the GPU named by its UUID. Takes a few ms (IPC
         open), more on the first registration of a GPU (streams, threads)."""
         self._require_ready()

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
+import re
+import stat
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -20,10 +23,11 @@ import posix_ipc
 import torch
 
 from kvpool.daemon.copy_engine import CopyEngine, JobResult, Mapped, segment_address_table
+from kvpool.daemon.peer import Peer, check_may_open
 from kvpool.daemon.pool import Pool
-from kvpool.shared.errors import Aborted, LayoutMismatch, ProtocolError, UnknownId
+from kvpool.shared.errors import Aborted, LayoutMismatch, ProtocolError, TooLarge, UnknownId
 from kvpool.shared.layout import check_placement
-from kvpool.shared.protocol import HostRegion, RegisterRequest
+from kvpool.shared.protocol import ENGINE_SHM_PREFIX, HostRegion, RegisterRequest
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,12 @@ log = logging.getLogger(__name__)
 BATCH_BYTES = 4 << 20
 # Above this many runs of adjacent shards a job takes the gather/scatter path instead.
 MAX_RUNS = 16
+_SHM_NAME_MAX = 200
+# Engine segments, named by ``SharedHostMemory``; "kvpool-kv-" is what clients from before the
+# liveness lock used (still accepted: the same protocol version may send it).
+_SHM_PREFIXES = (ENGINE_SHM_PREFIX, "kvpool-kv-")
+_SHM_NAME = re.compile(r"/?((?:%s)[A-Za-z0-9_.-]{1,%d})"
+                       % ("|".join(map(re.escape, _SHM_PREFIXES)), _SHM_NAME_MAX - 16))
 
 
 class HostMapped(Mapped):
@@ -56,6 +66,7 @@ class HostCopyEngine(CopyEngine):
 
     def __init__(self, pool: Pool, threads: int = 2) -> None:
         self._pool_u8 = pool.view()
+        self._pool_name = pool.name.lstrip("/")
         self._closed = False
         # Torch's own intra-op threads spin at barriers; beside busy engine processes on the
         # same cores that collapses a 2-thread index_select from ~4.6 to ~1 GB/s (measured on
@@ -65,28 +76,34 @@ class HostCopyEngine(CopyEngine):
         self._threads = threads
         self._fanout = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvpool-copy")
 
-    def attach(self, registration: RegisterRequest) -> HostMapped:
+    def attach(self, registration: RegisterRequest, peer: Peer | None = None) -> HostMapped:
         regions = registration.regions
         if not all(isinstance(r, HostRegion) for r in regions):
             raise ProtocolError("the host copy engine takes HostRegion registrations only")
+        names = [check_shm_name(r.shm_name, self._pool_name) for r in regions]
         check_placement(registration.layout, registration.placement,
                         [r.nbytes for r in regions], registration.num_blocks)
         maps: list[mmap.mmap] = []
         views: list[np.ndarray] = []
         try:
-            for r in regions:
+            for r, name in zip(regions, names):
                 try:
-                    shm = posix_ipc.SharedMemory("/" + r.shm_name.lstrip("/"), 0)
+                    shm = posix_ipc.SharedMemory("/" + name, 0)
                 except posix_ipc.ExistentialError:
-                    raise UnknownId(f"shared memory {r.shm_name!r} does not exist") from None
+                    raise UnknownId(f"shared memory {name!r} does not exist") from None
                 except posix_ipc.PermissionsError:
-                    raise UnknownId(f"shared memory {r.shm_name!r} is not readable by kvpoold "
+                    raise UnknownId(f"shared memory {name!r} is not readable by kvpoold "
                                     f"(check owner and mode)") from None
                 try:
-                    if r.offset_bytes < 0 or r.offset_bytes + r.nbytes > shm.size:
-                        raise LayoutMismatch(f"region {r.shm_name!r} [{r.offset_bytes}, "
-                                             f"+{r.nbytes}) exceeds its {shm.size} bytes")
-                    m = mmap.mmap(shm.fd, shm.size)
+                    st = os.fstat(shm.fd)
+                    if not stat.S_ISREG(st.st_mode):
+                        raise ProtocolError(f"shared memory {name!r} is not a regular object")
+                    check_may_open(st, peer, f"shared memory {name!r}")
+                    if r.nbytes < 0 or r.offset_bytes < 0 or r.offset_bytes + r.nbytes > st.st_size:
+                        raise LayoutMismatch(f"region {name!r} [{r.offset_bytes}, "
+                                             f"+{r.nbytes}) exceeds its {st.st_size} bytes")
+                    _back(shm.fd, st, r.offset_bytes, r.nbytes, name)
+                    m = mmap.mmap(shm.fd, st.st_size)
                 finally:
                     shm.close_fd()
                 maps.append(m)
@@ -207,6 +224,34 @@ class HostCopyEngine(CopyEngine):
                     parts.append(lambda i=idx, o=pool_run: worker.index_copy_(0, i, o))
         self._parallel(parts)
         return True
+
+
+def check_shm_name(name: str, pool_name: str) -> str:
+    """The bare name of an engine KV segment, or ``ProtocolError``.
+
+    The daemon opens shared memory on a client's behalf only for engine KV segments, named
+    ``kvpool-engine-*`` (``SharedHostMemory``; ``kvpool-kv-*`` from older clients), never its own pool: no crafted name (``../``
+    paths, NUL bytes, which crash the shm library, another tenant's or daemon's segment)
+    makes it open anything else."""
+    m = _SHM_NAME.fullmatch(name)
+    if m is None or m.group(1) == pool_name:
+        raise ProtocolError(f"shared memory name {name[:80]!r} refused: a host region must be an "
+                            f"engine KV segment named {ENGINE_SHM_PREFIX}<letters, digits, _ . ->, at "
+                            f"most {_SHM_NAME_MAX} characters")
+    return m.group(1)
+
+
+def _back(fd: int, st: os.stat_result, offset: int, nbytes: int, name: str) -> None:
+    """Make sure /dev/shm pages back the region: copying into a page tmpfs cannot provide is a
+    SIGBUS that kills the daemon. Engines' segments are fully backed (``SharedHostMemory``
+    reserves them); a sparse one is reserved here, once, or refused if /dev/shm is full."""
+    if st.st_blocks * 512 >= st.st_size or not nbytes:
+        return
+    try:
+        os.posix_fallocate(fd, offset, nbytes)
+    except OSError as e:
+        raise TooLarge(f"shared memory {name!r} is sparse and /dev/shm cannot back its "
+                       f"{nbytes} bytes: {e.strerror}") from None
 
 
 def _unit_rows(starts: np.ndarray, seg_bytes: np.ndarray, unit: int) -> torch.Tensor:

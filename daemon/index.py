@@ -5,7 +5,7 @@ slot records into the mapped pool, no waiting. Time is passed in (``now``) so te
 
 Slot lifecycle (Plasma's CREATED → SEALED, with TP):
 
-    FREE --prepare_store--> WRITING --every rank landed--> COMMITTED --evict/reset--> FREE
+    FREE --prepare_store--> WRITING --every unit landed--> COMMITTED --evict/reset--> FREE
                                └── abort / owner gone / write timeout / failed rank --> FREE
     FREE --reserve_fills--> FILLING --end_fill(ok)--> COMMITTED
                                └── end_fill(failed) / reset --> FREE
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvpool.daemon.eviction import LruPolicy
-from kvpool.daemon.pool import COMMITTED, FREE, WRITING, Pool
+from kvpool.daemon.pool import COMMITTED, FREE, GENERATION_MASK, WRITING, Pool
 from kvpool.shared.errors import (LayoutMismatch, LeaseExpired, OutOfRange, PoolFull,
                                   ProtocolError, UnknownId)
 from kvpool.shared.layout import Layout
@@ -116,6 +116,8 @@ class Index:
         self._writing: dict[int, Slot] = {}
         self._classes: dict[int, SizeClass] = {}
         self._extent_class: dict[int, SizeClass] = {}
+        # Extent being emptied for another size -> that size (see _drain_for).
+        self._draining: dict[int, SizeClass] = {}
         self._free_extents = list(range(pool.geometry.num_extents - 1, -1, -1))
         self._layouts: dict[bytes, Layout] = {}
         # Space per namespace: bytes of its WRITING and COMMITTED slots; for namespaces with a
@@ -212,6 +214,9 @@ class Index:
         self._free_extents = []
         for e in range(pool.geometry.num_extents - 1, -1, -1):
             slot_bytes = int(pool.extents[e]["slot_bytes"])
+            if slot_bytes and not pool.extent_is_sane(e):
+                pool.release_extent(e)     # torn by a crash mid-assignment, or not ours
+                slot_bytes = 0
             if not slot_bytes:
                 self._free_extents.append(e)
                 continue
@@ -373,11 +378,11 @@ class Index:
         if s is None:
             return None
         s.ns, s.key, s.owner = ns, ns + k, 0
-        s.generation = (s.generation + 1) & 0x7FFF_FFFF
+        s.generation = (s.generation + 1) & GENERATION_MASK
         s.ref = make_slot_ref(s.id, s.generation)
         s.landed = s.writing = 0
         s.doomed = False
-        self.pool.write_state(s.extent, s.index, WRITING)
+        self.pool.write_state(s.extent, s.index, WRITING, s.generation)
         table[k] = s
         self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
         return s
@@ -587,7 +592,11 @@ class Index:
         self._extent_class[extent] = cls
         base = extent * self.pool.slot_id_stride
         first = self.pool.slot_offset(extent, 0)
-        slots = [Slot(base + i, extent, i, first + i * cls.slot_bytes, cls) for i in range(n)]
+        # Generations continue from the records: a slot id that served another size, or the
+        # previous daemon, never repeats a generation (and so a slot ref) it handed out.
+        gens = self.pool.generations(extent, n).tolist()
+        slots = [Slot(base + i, extent, i, first + i * cls.slot_bytes, cls, generation=gens[i])
+                 for i in range(n)]
         for s in slots:
             self._slots[s.id] = s
         if fresh:
@@ -615,10 +624,16 @@ class Index:
             n = self.pool.assign_extent(extent, slot_bytes)
             self._add_extent(cls, extent, n, fresh=True)
             return cls.free.pop()
-        if victim is None:
-            return None
-        self._evict(victim)
-        return cls.free.pop()
+        while victim is not None:
+            self._evict(victim)
+            if cls.free:
+                return cls.free.pop()
+            # The victim sat in an extent being drained for another size: it did not come back
+            # to this size's free list. Evict the next one.
+            victim_id = cls.lru.oldest(self._is_pinned)
+            victim = self._slots[victim_id] if victim_id is not None else None
+        self._drain_for(cls)
+        return cls.free.pop() if cls.free else None
 
     def _is_pinned(self, slot_id: int) -> bool:
         return self._slots[slot_id].pins > 0
@@ -633,6 +648,8 @@ class Index:
             if cls is wanting:
                 continue
             for e in cls.extents:
+                if e in self._draining:
+                    continue
                 age = 0
                 for s in self._extent_slots(e):
                     if s.state == WRITING or s.pins:
@@ -642,6 +659,67 @@ class Index:
                     if best is None or age < best_age:
                         best, best_age = e, age
         return best, best_age
+
+    # ---- draining an extent for another size ------------------------------------------------
+    # An extent goes to another slot size only when all of it is free or evictable. A busy model
+    # nearly always has some block being written or read in every one of its extents, so a
+    # second model could be refused (POOL_FULL) for as long as the first stays busy (found by
+    # the soak campaign). When a size finds no room at all, the extent of the least recently
+    # used block of another size is drained: its free slots leave that size's free list, its
+    # unpinned blocks are evicted, its other blocks hidden (new lookups miss them, freed when the
+    # transfer or lease holding them ends: at most lease_ttl_s; a lease keeps its promise and
+    # still loads). The last one freed hands the extent to the size that asked, which meanwhile
+    # gets SLOT_NO_SPACE. One at a time.
+
+    def _drain_for(self, wanting: SizeClass) -> None:
+        if self._draining or len(self._classes) < 2:
+            return
+        # The extent of the least recently used evictable block of another size: no scan of
+        # the pool, and a size with nothing evictable (all pinned or written) is left alone.
+        oldest = None
+        for cls in self._classes.values():
+            victim = cls.lru.oldest(self._is_pinned) if cls is not wanting else None
+            if victim is not None and (oldest is None
+                                       or self._slots[victim].last_use < oldest.last_use):
+                oldest = self._slots[victim]
+        if oldest is None:
+            return
+        best = oldest.extent
+        self._draining[best] = wanting
+        owner = self._extent_class[best]
+        slots = self._extent_slots(best)
+        ids = {s.id for s in slots}
+        owner.free = [s for s in owner.free if s.id not in ids]
+        for s in slots:
+            if best not in self._draining:
+                break
+            if s.state == COMMITTED and not s.pins:
+                self._evict(s)
+            elif s.state == COMMITTED:
+                # Leased or being loaded: new lookups miss it (a hot block cannot hold the
+                # extent forever), but the lease still loads it; freed when the last pin ends.
+                self.stats.evictions += 1
+                if self._unmap(s):
+                    self._forget_committed(s)
+                    if self.events is not None:
+                        self.events.append(("removed", s.ns, s.key[16:]))
+            elif s.state == WRITING or s.state == FILLING:
+                self._drop(s)       # a store into it is refused, or lands unseen
+        self._finish_drain(best)
+
+    def _finish_drain(self, extent: int) -> None:
+        """Hand a drained extent to the size that asked for it, once every slot is free."""
+        wanting = self._draining.get(extent)
+        if wanting is None or any(s.state != FREE for s in self._extent_slots(extent)):
+            return
+        del self._draining[extent]
+        self._reclaim_extent(extent)
+        n = self.pool.assign_extent(extent, wanting.slot_bytes)
+        if n:
+            self._add_extent(wanting, extent, n, fresh=True)
+        else:
+            self.pool.release_extent(extent)
+            self._free_extents.append(extent)
 
     def _extent_slots(self, extent: int) -> list[Slot]:
         base = extent * self.pool.slot_id_stride
@@ -711,7 +789,10 @@ class Index:
         s.doomed = False
         s.landed = s.writing = 0
         self.pool.write_state(s.extent, s.index, FREE)
-        s.size_class.free.append(s)
+        if s.extent in self._draining:
+            self._finish_drain(s.extent)
+        else:
+            s.size_class.free.append(s)
 
     def _forget_committed(self, s: Slot) -> None:
         """Take a committed slot out of the LRUs that may evict it."""
@@ -735,6 +816,9 @@ class Index:
             s.pins -= 1
             if s.doomed and s.pins == 0 and s.state != FREE:
                 self._free(s)
+            elif (s.pins == 0 and s.state == COMMITTED and self._draining
+                  and s.extent in self._draining):
+                self._free(s)       # hidden when its extent began to drain
 
 
 _EMPTY: dict[bytes, Slot] = {}

@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from kvpool.daemon.copy_engine import CopyEngine, Mapped
+from kvpool.daemon.peer import Peer
 from kvpool.shared.errors import UnknownId
 from kvpool.shared.layout import Layout
 from kvpool.shared.protocol import Hello, Role
@@ -28,6 +29,7 @@ class Owner:
     last_seen: float
     registrations: set[int] = field(default_factory=set)
     jobs_in_flight: int = 0
+    peer: "Peer | None" = None   # kernel credentials of its connection (None: unknown)
 
 
 @dataclass(eq=False)

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 import fcntl
 import logging
 import os
+import select
 import signal
 import time
 import uuid
@@ -33,6 +34,7 @@ import zmq
 
 from kvpool.daemon.copy_engine import CopyEngine, JobResult
 from kvpool.daemon.index import Index, Slot
+from kvpool.daemon.peer import AllowList, Peer
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.registry import Owner, Registration, Registry
 from kvpool.daemon.shm_reaper import reap_engine_segments
@@ -42,11 +44,18 @@ from kvpool.daemon.tiering import Tiering
 from kvpool.shared import protocol as p
 from kvpool.shared.config import DaemonConfig, parse_size
 from kvpool.shared.errors import (Aborted, BlockLost, ErrorCode, HelloRequired, KvpoolError,
-                                  OutOfRange, ProtocolError, TooLarge, VersionMismatch)
+                                  OutOfRange, PermissionDenied, ProtocolError, TooLarge,
+                                  VersionMismatch)
 
 log = logging.getLogger("kvpoold")
 
 SHUTDOWN_GRACE_S = 5.0
+# Registrations one client may hold at once (re-registering a namespace and rank replaces, and
+# does not count). A vLLM worker holds one per KV-cache group; each one maps memory and may own
+# a copy thread, so a client must not be able to open them without end.
+MAX_REGISTRATIONS_PER_CLIENT = 64
+# Blocks one store, load or prepare_store request may name (a vLLM step names a few thousand).
+MAX_BLOCKS_PER_REQUEST = 65536
 # How often abandoned engine KV segments are looked for besides start and client release.
 REAP_PERIOD_S = 10.0
 
@@ -76,6 +85,9 @@ class Server:
         self._sock: zmq.Socket | None = None
         self._lock_fd: int | None = None
         self._in_drain = False
+        self.allow = AllowList(config.allow_uid, config.allow_gid)
+        # pid -> pidfd and the owners of that process: readable when the process exits.
+        self._exits: dict[int, tuple[int, set[int]]] = {}
         # Replaced by Telemetry.start() in _startup; hooks are safe to call before that.
         self.telemetry = Telemetry.disabled()
         # KVPOOL_TRACE=<file>: one line per job with the monotonic ns of each hop (benchmarks)
@@ -160,7 +172,8 @@ class Server:
         self._in_drain = True
         try:
             while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                self._dispatch(sock.recv_multipart(zmq.NOBLOCK))
+                # Frames, not bytes: each carries its connection's kernel credentials.
+                self._dispatch(sock.recv_multipart(zmq.NOBLOCK, copy=False))
         except zmq.Again:
             pass
         finally:
@@ -181,7 +194,7 @@ class Server:
             self.telemetry.tick(now, self.info)
             limit = now - self.config.peer_timeout_ms / 1000
             for owner in [o for o in self.registry.owners.values() if o.last_seen < limit]:
-                log.info("client %d (%s, pid %d) went silent: releasing what it held",
+                log.info("client %d (%r, pid %d) went silent: releasing what it held",
                          owner.id, owner.name, owner.pid)
                 self._release_owner(owner)
 
@@ -213,28 +226,34 @@ class Server:
             self._ctx.term()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
+        for fd, _ in self._exits.values():
+            os.close(fd)
+        self._exits.clear()
         self.pool.close(unlink=not self.config.keep_pool)
         self.telemetry.close(pool_kept=self.config.keep_pool)
 
     # ---- dispatch --------------------------------------------------------------------------
 
-    def _dispatch(self, frames: list[bytes]) -> None:
-        identity = frames[0]
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
         req_id = 0
         try:
             if len(frames) != 2:
                 raise ProtocolError(f"expected one frame per message, got {len(frames) - 1}")
             frame = frames[1]
-            if len(frame) > self.config.max_request_bytes:
-                raise TooLarge(f"frame of {len(frame)} bytes exceeds max_request_bytes="
+            data = frame.buffer
+            if len(data) > self.config.max_request_bytes:
+                req_id = p.peek_req_id(data)
+                raise TooLarge(f"frame of {len(data)} bytes exceeds max_request_bytes="
                                f"{self.config.max_request_bytes}")
             try:
-                msg = p.decode_request(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                req_id = p.peek_req_id(frame)
+                msg = p.decode_request(data)
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
+                # (msgspec lets a string that is not UTF-8 out as UnicodeDecodeError.)
+                req_id = p.peek_req_id(data)
                 raise ProtocolError(f"malformed request: {e}") from None
             req_id = msg.req_id
-            reply = self._handle(identity, msg)
+            reply = self._handle(identity, msg, frame)
         except KvpoolError as e:
             self.errors += 1
             self.telemetry.error(e.code)
@@ -258,18 +277,22 @@ class Server:
         if not self._in_drain:
             asyncio.get_running_loop().call_soon(self._drain)
 
-    def _handle(self, identity: bytes, msg: p.Request) -> p.Reply | None:
+    def _handle(self, identity: bytes, msg: p.Request, frame: zmq.Frame) -> p.Reply | None:
         now = time.monotonic()
         match msg:
             case p.Hello():
-                return self._hello(identity, msg, now)
+                return self._hello(identity, msg, Peer.from_frame(frame), now)
             case p.Heartbeat(owner_id=owner_id):
+                if self.allow.is_active:
+                    self.allow.check(Peer.from_frame(frame))
                 owner = self.registry.owners.get(owner_id)
                 if owner is None:
                     raise HelloRequired(f"owner {owner_id} unknown to daemon {self.daemon_id}")
                 owner.last_seen = now
                 return p.HeartbeatReply(msg.req_id, self.daemon_id)
             case p.Ping():
+                if self.allow.is_active:
+                    self.allow.check(Peer.from_frame(frame))
                 return p.Pong(msg.req_id, self.daemon_id, now - self.started)
         owner = self.registry.by_identity.get(identity)
         if owner is None:
@@ -286,6 +309,7 @@ class Server:
                 self.telemetry.lookup(hits, msg.key_lists, idx.block_tokens(msg.namespace))
                 return p.LookupReply(msg.req_id, hits, leases, slots)
             case p.PrepareStoreRequest():
+                _check_count(len(msg.keys), "keys")
                 return p.PrepareStoreReply(msg.req_id,
                                            idx.prepare_store(msg.namespace, msg.keys, owner.id, now))
             case p.AbortStoreRequest():
@@ -302,7 +326,11 @@ class Server:
                 return p.OkReply(msg.req_id, 1)
             case p.InfoRequest():
                 return p.InfoReply(msg.req_id, self.info(now))
+            case p.ByeRequest():
+                self._release_owner(owner)
+                return p.OkReply(msg.req_id, 1)
             case p.ResetRequest():
+                self._check_may_reset(owner, msg.namespace)
                 n = idx.reset(msg.namespace)
                 if self.tiering is not None:
                     n += self.tiering.reset(msg.namespace)
@@ -311,7 +339,8 @@ class Server:
                 return p.OkReply(msg.req_id, n)
         raise ProtocolError(f"unexpected message {type(msg).__name__}")
 
-    def _hello(self, identity: bytes, msg: p.Hello, now: float) -> p.Reply:
+    def _hello(self, identity: bytes, msg: p.Hello, peer: Peer | None, now: float) -> p.Reply:
+        self.allow.check(peer)
         if msg.protocol_version != p.PROTOCOL_VERSION:
             raise VersionMismatch(f"client speaks kvpool protocol {msg.protocol_version}, this "
                                   f"daemon speaks {p.PROTOCOL_VERSION}: upgrade the older side")
@@ -319,15 +348,22 @@ class Server:
         if old is not None:
             self._release_owner(old)
         owner = self.registry.add_owner(identity, msg, now)
-        log.info("client %d connected: %s role=%s pid=%d engine=%s", owner.id, msg.name,
+        owner.peer = peer
+        self._watch_exit(owner)
+        log.info("client %d connected: %r role=%s pid=%d engine=%r", owner.id, msg.name,
                  msg.role.name, msg.pid, msg.engine_id)
         return p.HelloReply(msg.req_id, p.PROTOCOL_VERSION, self.daemon_id, owner.id,
                             self.pool.nbytes, self.config.heartbeat_interval_ms,
                             self.config.max_request_bytes)
 
     def _register(self, owner: Owner, msg: p.RegisterRequest) -> p.Reply:
+        msg.layout.check()
         if not msg.regions:
             raise ProtocolError("a registration needs at least one region")
+        old = self.registry.find_registration(owner, msg.namespace, msg.tp_rank)
+        if old is None and len(owner.registrations) >= MAX_REGISTRATIONS_PER_CLIENT:
+            raise TooLarge(f"this client already holds {len(owner.registrations)} registrations "
+                           f"(at most {MAX_REGISTRATIONS_PER_CLIENT}): unregister some first")
         kinds = {type(r) for r in msg.regions}
         engine = self.engines.get(kinds.pop()) if len(kinds) == 1 else None
         if engine is None:
@@ -337,8 +373,7 @@ class Server:
             raise OutOfRange(f"tp_rank {msg.tp_rank} outside tp_size {msg.layout.tp_size}")
         # Any TP size may join a head-split namespace: each rank moves its own heads.
         self.index.register_namespace(msg.namespace, msg.layout, msg.quota_bytes)
-        mapped = engine.attach(msg)
-        old = self.registry.find_registration(owner, msg.namespace, msg.tp_rank)
+        mapped = engine.attach(msg, owner.peer)
         # Before closing the one it replaces, so the engine's event feed sees no removal.
         self.telemetry.registration_added(owner.engine_id, owner.pid, msg.namespace,
                                           msg.layout.block_tokens,
@@ -367,7 +402,12 @@ class Server:
             reg = self.registry.registration(owner, msg.registration_id)
             if len(msg.block_ids) != len(msg.slots):
                 raise ProtocolError(f"{len(msg.block_ids)} block ids for {len(msg.slots)} slots")
-            blocks = np.asarray(msg.block_ids, dtype=np.int64)
+            _check_count(len(msg.slots), "blocks")
+            try:
+                blocks = np.asarray(msg.block_ids, dtype=np.int64)
+            except OverflowError:
+                raise OutOfRange(f"block ids must be in [0, {reg.num_blocks}); one does not even "
+                                 f"fit 64 bits") from None
             if len(blocks) and (blocks.min() < 0 or blocks.max() >= reg.num_blocks):
                 raise OutOfRange(f"block ids must be in [0, {reg.num_blocks}); got "
                                  f"[{blocks.min()}, {blocks.max()}]")
@@ -479,9 +519,11 @@ class Server:
             self.telemetry.error(code)
             self.telemetry.job_done(is_store, 0, started, len(slots), ok=False)
             reply = p.JobDone(msg.req_id, msg.job_id, int(code), str(exc))
-        if not reg.closing:
+        # Every request gets its one reply while its client is connected, also when the job's
+        # registration was closed under it (unregistered or replaced): the worker waits for it.
+        if self.registry.by_identity.get(owner.identity) is owner:
             self._send(owner.identity, reply)
-        elif reg.jobs_in_flight == 0:
+        if reg.closing and reg.jobs_in_flight == 0:
             self._detach(reg)
         if self._trace:
             # owner job store|load blocks backend recv submitted engine-stamps... callback sent
@@ -499,12 +541,70 @@ class Server:
     # ---- releasing -------------------------------------------------------------------------
 
     def _release_owner(self, owner: Owner) -> None:
+        self._unwatch_exit(owner)
         regs = self.registry.remove_owner(owner)
         for reg in regs:
             self._close_registration(reg)
         self.index.release_owner(owner.id)
         if regs and self.is_serving:
             reap_engine_segments()   # a dead worker's KV segment goes with it
+
+    def _watch_exit(self, owner: Owner) -> None:
+        """Release ``owner`` the moment its process exits, however it exits (a pidfd turns
+        readable then), rather than after ``peer_timeout_ms`` of silence. The pid comes from
+        the kernel (SO_PEERCRED); a peer in a PID namespace we cannot see has none, and only
+        the heartbeat timeout covers it."""
+        pid = owner.peer.pid if owner.peer is not None else 0
+        if pid <= 0 or not hasattr(os, "pidfd_open"):
+            return
+        watch = self._exits.get(pid)
+        if watch is not None and _readable(watch[0]):
+            self._process_exited(pid)      # that process is gone; this pid is a new one
+            watch = None
+        if watch is None:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:                # exited already, or not ours to see
+                return
+            watch = self._exits[pid] = (fd, set())
+            asyncio.get_running_loop().add_reader(fd, self._process_exited, pid)
+        watch[1].add(owner.id)
+
+    def _unwatch_exit(self, owner: Owner) -> None:
+        pid = owner.peer.pid if owner.peer is not None else 0
+        watch = self._exits.get(pid)
+        if watch is not None:
+            watch[1].discard(owner.id)
+            if not watch[1]:
+                self._close_exit_watch(pid)
+
+    def _close_exit_watch(self, pid: int) -> None:
+        fd, _ = self._exits.pop(pid)
+        asyncio.get_running_loop().remove_reader(fd)
+        os.close(fd)
+
+    def _process_exited(self, pid: int) -> None:
+        watch = self._exits.get(pid)
+        if watch is None:
+            return
+        owners = [self.registry.owners[o] for o in watch[1] if o in self.registry.owners]
+        self._close_exit_watch(pid)
+        for owner in owners:
+            log.info("client %d (%r, pid %d) exited: releasing what it held", owner.id,
+                     owner.name, pid)
+            self._release_owner(owner)
+
+    def _check_may_reset(self, owner: Owner, ns: bytes) -> None:
+        """A reset drops every block of a namespace, so it is for that namespace's engines: a
+        client whose user has a live registration in it, the daemon's user, or root."""
+        peer = owner.peer
+        if peer is None or peer.uid in (0, os.geteuid()):
+            return
+        if any(r.namespace == ns and r.owner.peer is not None and r.owner.peer.uid == peer.uid
+               for r in self.registry.registrations.values()):
+            return
+        raise PermissionDenied(f"uid {peer.uid} has no registration in namespace {ns.hex()}: "
+                               f"only its own engines may reset it")
 
     def _close_registration(self, reg: Registration) -> None:
         self.telemetry.registration_removed(reg.owner.engine_id, reg.owner.pid, reg.namespace,
@@ -536,6 +636,21 @@ class Server:
                           miss_tokens=st.miss_tokens,
                           namespace_usage=self.index.namespace_usage(),
                           tiers=[self.tiering.info()] if self.tiering is not None else [])
+
+
+def _check_count(n: int, what: str) -> None:
+    """Bound the work one request does on the event loop: a prepare of a whole 16 MiB frame of
+    keys held every other client for over a second (measured on a 2-core host)."""
+    if n > MAX_BLOCKS_PER_REQUEST:
+        raise TooLarge(f"{n} {what} in one request; at most {MAX_BLOCKS_PER_REQUEST}: split it")
+
+
+def _readable(fd: int) -> bool:
+    """Whether ``fd`` is readable now (poll, not select: daemon fds pass 1024 with many
+    clients)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def run(config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine],

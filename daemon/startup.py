@@ -7,6 +7,7 @@ Kept apart from the CLI so tests and embedders can start a daemon from a ``Daemo
 from __future__ import annotations
 
 import logging
+import resource
 
 from kvpool.daemon.copy_engine import CopyEngine
 from kvpool.daemon.host_copy import HostCopyEngine
@@ -43,6 +44,18 @@ def build_engines(config: DaemonConfig, pool: Pool) -> dict[type, CopyEngine]:
     return engines
 
 
+def raise_open_file_limit() -> None:
+    """Every client connection is a file descriptor (two per engine process with heartbeats):
+    a soft limit of 1024, what a login shell or a container often gives, would turn client
+    number ~500 away. Raise it to the hard limit, which needs no privilege."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-file limit from %d: %s", soft, e)
+
+
 def open_lower_tier(config: DaemonConfig, pool: Pool) -> LowerTier | None:
     """The disk tier when ``disk_path`` is set (its startup scan runs here, before serving)."""
     if not config.disk_path:
@@ -53,6 +66,7 @@ def open_lower_tier(config: DaemonConfig, pool: Pool) -> LowerTier | None:
 
 def run_daemon(config: DaemonConfig) -> int:
     from kvpool.daemon.server import run
+    raise_open_file_limit()
     pool = Pool.open(config)
     try:
         engines = build_engines(config, pool)

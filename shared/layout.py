@@ -38,6 +38,17 @@ from kvpool.shared.errors import LayoutMismatch, OutOfRange
 # Shards are laid out at this alignment inside a slot, and slots inside the pool, so every copy
 # unit starts on a page boundary (the host path copies in units of the gcd of all offsets).
 SHARD_ALIGN_BYTES = 4096
+# Bounds a layout must keep. Well above any real engine, and low enough that nothing the daemon
+# derives from a layout (a bit per TP rank, a slot size, a loop over segments) can be made
+# enormous by a hostile or corrupt registration.
+MAX_TP_SIZE = 256
+MAX_BLOCK_TOKENS = 1 << 20
+MAX_SEGMENTS = 1 << 16
+MAX_SEGMENT_BYTES = 1 << 40
+# Head-split layouts: a bit per KV head in a slot's commit mask; a rank's part of a block is cut
+# into at most this many rows (plus its segments) by every copy engine.
+MAX_KV_HEADS = 1 << 12
+MAX_ROWS = 1 << 20
 
 
 class Layout(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -131,12 +142,17 @@ class Layout(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields
 
     def check(self) -> None:
         """Raise ``LayoutMismatch`` for a layout no slot can hold."""
-        if self.block_tokens <= 0 or self.tp_size <= 0:
-            raise LayoutMismatch("layout needs block_tokens > 0 and tp_size > 0")
-        if not self.segment_bytes or any(n <= 0 for n in self.segment_bytes):
-            raise LayoutMismatch("layout needs at least one segment, each > 0 bytes")
-        if self.kv_heads < 0 or self.head_bytes < 0:
-            raise LayoutMismatch("kv_heads and head_bytes must be >= 0")
+        if not 0 < self.block_tokens <= MAX_BLOCK_TOKENS or not 0 < self.tp_size <= MAX_TP_SIZE:
+            raise LayoutMismatch(f"layout needs block_tokens in [1, {MAX_BLOCK_TOKENS}] and "
+                                 f"tp_size in [1, {MAX_TP_SIZE}]; got {self.block_tokens} and "
+                                 f"{self.tp_size}")
+        if not 0 < len(self.segment_bytes) <= MAX_SEGMENTS or any(
+                not 0 < n <= MAX_SEGMENT_BYTES for n in self.segment_bytes):
+            raise LayoutMismatch(f"layout needs 1 to {MAX_SEGMENTS} segments, each of 1 to "
+                                 f"{MAX_SEGMENT_BYTES} bytes")
+        if not 0 <= self.kv_heads <= MAX_KV_HEADS or not 0 <= self.head_bytes <= MAX_SEGMENT_BYTES:
+            raise LayoutMismatch(f"kv_heads must be in [0, {MAX_KV_HEADS}] and head_bytes in "
+                                 f"[0, {MAX_SEGMENT_BYTES}]")
         if not self.kv_heads:
             return
         if self.head_bytes <= 0:
@@ -149,6 +165,9 @@ class Layout(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields
         if self.shard_bytes % row:
             raise LayoutMismatch(f"this rank's {self.shard_bytes} bytes per block are not whole "
                                  f"rows of {self.local_heads} heads x {self.head_bytes} bytes")
+        if self.local_heads < h and self.rows > MAX_ROWS:
+            raise LayoutMismatch(f"a block of {self.rows} rows of heads is more than the "
+                                 f"{MAX_ROWS} a rank's part may be cut into")
 
     def fingerprint(self) -> bytes:
         """16 bytes naming this layout; stable across processes, hosts and versions. Equal for

@@ -22,7 +22,7 @@ Conversation:
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
@@ -56,6 +56,14 @@ class Role(IntEnum):
 
 
 _WIRE = dict(array_like=True, gc=False)
+
+# Namespaces and block hashes are exactly 16 bytes: the daemon keeps a slot's key as the two
+# concatenated (32 bytes in the pool's records), so a key of another length would shift every
+# record written next to it. Checked when the frame is decoded.
+Key = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+# Free text a client sends about itself: shown, never parsed; bounded so a thousand clients
+# cannot make the daemon hold gigabytes of names.
+Label = Annotated[str, msgspec.Meta(max_length=256)]
 
 
 # ---- regions a worker registers (where its KV tensors live) ------------------------------------
@@ -92,9 +100,9 @@ class Hello(msgspec.Struct, tag=1, **_WIRE):
     req_id: int
     protocol_version: int
     role: Role
-    name: str = ""          # free text shown by `kvpool info` (e.g. "vllm worker tp0")
+    name: Label = ""        # free text shown by `kvpool info` (e.g. "vllm worker tp0")
     pid: int = 0
-    engine_id: str = ""     # vLLM engine id; groups a scheduler with its workers
+    engine_id: Label = ""   # vLLM engine id; groups a scheduler with its workers
 
 
 class Heartbeat(msgspec.Struct, tag=2, **_WIRE):
@@ -111,7 +119,7 @@ class RegisterRequest(msgspec.Struct, tag=4, **_WIRE):
     rank): registering again replaces the earlier registration."""
 
     req_id: int
-    namespace: bytes
+    namespace: Key
     layout: Layout
     tp_rank: int
     num_blocks: int
@@ -135,15 +143,15 @@ class LookupRequest(msgspec.Struct, tag=6, **_WIRE):
     """Many requests' key lists in one round trip; each answer is its run of leading hits."""
 
     req_id: int
-    namespace: bytes
-    key_lists: list[list[bytes]]
+    namespace: Key
+    key_lists: list[list[Key]]
     pin: bool = False       # pin each hit run under a lease until released or expired
 
 
 class PrepareStoreRequest(msgspec.Struct, tag=7, **_WIRE):
     req_id: int
-    namespace: bytes
-    keys: list[bytes]
+    namespace: Key
+    keys: list[Key]
 
 
 class AbortStoreRequest(msgspec.Struct, tag=8, **_WIRE):
@@ -187,12 +195,20 @@ class ResetRequest(msgspec.Struct, tag=13, **_WIRE):
     """Forget every block of ``namespace``: committed ones now, in-flight ones when they land."""
 
     req_id: int
-    namespace: bytes
+    namespace: Key
+
+
+class ByeRequest(msgspec.Struct, tag=14, **_WIRE):
+    """The client is closing this connection: release what it holds now, not at the peer
+    timeout (a process that exits is released at once anyway; this is for one that lives on).
+    Appended as a new tag: a daemon that does not know it answers PROTOCOL, which is harmless."""
+
+    req_id: int
 
 
 Request = Union[Hello, Heartbeat, Ping, RegisterRequest, UnregisterRequest, LookupRequest,
                 PrepareStoreRequest, AbortStoreRequest, ReleaseRequest, StoreRequest,
-                LoadRequest, InfoRequest, ResetRequest]
+                LoadRequest, InfoRequest, ResetRequest, ByeRequest]
 
 
 # ---- replies -------------------------------------------------------------------------------
@@ -357,13 +373,21 @@ def decode_reply(frame: bytes | memoryview) -> Reply:
     return _reply_decoder.decode(frame)
 
 
-def peek_req_id(frame: bytes) -> int:
-    """Best effort: the ``req_id`` of a frame that failed to decode, so the error reply can
-    still be matched by the client; 0 if even that cannot be read."""
+class _Head(msgspec.Struct, array_like=True):
+    """The first two items every request starts with; the rest of the frame is skipped."""
+
+    tag: object
+    req_id: int
+
+
+_head_decoder = msgspec.msgpack.Decoder(_Head)
+
+
+def peek_req_id(frame: bytes | memoryview) -> int:
+    """Best effort: the ``req_id`` of a frame that failed to decode or was refused unread (too
+    large), so the error reply can still be matched by the client; 0 if even that cannot be
+    read. Costs a scan of the frame, no Python objects for the rest of it."""
     try:
-        raw = msgspec.msgpack.decode(frame)
+        return _head_decoder.decode(frame).req_id
     except Exception:
         return 0
-    if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], int):
-        return raw[1]
-    return 0

@@ -130,6 +130,51 @@ def test_a_new_layout_takes_whole_extents_from_an_idle_one(index):
     assert hits[:per] == [0] * per and all(hits[per:])
 
 
+def test_a_new_layout_gets_room_from_a_busy_one(index):
+    """Regression (soak, worker kills with two block sizes): an extent went to another size
+    only when idle as a whole, so while one model kept a block in flight in each of its
+    extents, a second model got POOL_FULL for as long as that lasted. Now the least recently
+    used extent of the busy size is drained for it and handed over once its pins end."""
+    n = 0
+    while True:                                             # the pool is all BIG
+        try:
+            refs = index.prepare_store(NS_BIG, keys(1, b"b%d" % n), OWNER, 0)
+        except PoolFull:
+            break
+        index.end_store(index.begin_store(NS_BIG, refs, 0), 0, True)
+        n += 1
+        if index.slot_counts()[1] < n:                      # it evicts: the pool is full
+            break
+    per = index.pool.slots_per_extent(BIG.slot_bytes)
+
+    def busy_everywhere():
+        """One block pinned in each BIG extent (a load in flight, say): none is idle."""
+        leases = []
+        for e in list(index._classes[BIG.slot_bytes].extents):
+            s = next(s for s in index._extent_slots(e) if s.state == 2)
+            leases += index.lookup(NS_BIG, [[s.key[16:]]], True, OTHER, 0)[1]
+        return leases
+    pins = busy_everywhere()
+    index.release_owner(OWNER)
+    with pytest.raises(PoolFull):
+        index.prepare_store(NS_SMALL, keys(1, b"s"), OWNER, 1)    # starts a drain
+    # The busy model keeps being busy elsewhere: new pins, old ones released.
+    fresh = busy_everywhere()
+    # A lease taken before the drain still loads what it pinned.
+    drained = next(lid for lid in pins if index._leases[lid].slots[0].extent in index._draining)
+    held = index._leases[drained].slots
+    index.end_load(index.begin_load(NS_BIG, [x.ref for x in held]), True)
+    index.release_leases(pins, OTHER)
+    refs = index.prepare_store(NS_SMALL, keys(4, b"s"), OWNER, 2)
+    assert all(r >= 0 for r in refs), "the small model still starves"
+    index.end_store(index.begin_store(NS_SMALL, refs, 0), 0, True)
+    assert index.lookup(NS_SMALL, [keys(4, b"s")], False, OWNER, 2)[0] == [4]
+    # The busy model lost one extent's worth of blocks, nothing it had pinned.
+    writing, committed, _ = index.slot_counts()
+    assert committed >= n - per - 1
+    index.release_leases(fresh, OTHER)
+
+
 def test_lease_ttl_and_write_timeout_expire(index):
     ks = keys(3)
     store(index, NS_SMALL, ks)
@@ -201,6 +246,65 @@ def test_adoption_keeps_committed_blocks_and_drops_unfinished_ones(pool_config):
         assert ix2.lookup(NS_TP2, [keys(2)], False, OWNER, 0)[0] == [0]
         assert all(r >= 0 for r in ix2.prepare_store(NS_TP2, keys(2), OWNER, 0))
         assert ix2.slot_counts()[:2] == (2, 5)
+    finally:
+        pool2.close(unlink=True)
+
+
+def test_refs_handed_out_before_a_restart_are_never_handed_out_again(pool_config):
+    """Regression (soak, daemon kills): generations of slots that were only being written were
+    not kept, so the restarted daemon handed the very same slot ref to another key, and a store
+    the engine sent late with the old ref landed under that key."""
+    pool = Pool.open(pool_config)
+    ix = Index(pool, 10, 60)
+    ix.register_namespace(NS_SMALL, SMALL)
+    old = ix.prepare_store(NS_SMALL, keys(3, b"a"), OWNER, 0)     # prepared, never written
+    store(ix, NS_SMALL, keys(2, b"c"))
+    pool.close(unlink=False)
+    pool2 = Pool.open(pool_config)
+    try:
+        ix2 = Index(pool2, 10, 60)
+        ix2.adopt()
+        new = ix2.prepare_store(NS_SMALL, keys(3, b"b"), OWNER, 0)
+        assert not set(old) & set(new), "a ref of the previous daemon was handed out again"
+        with pytest.raises(UnknownId):
+            ix2.begin_store(NS_SMALL, old[:1], 0)
+    finally:
+        pool2.close(unlink=True)
+
+
+def test_a_new_pool_does_not_start_generations_at_zero(pool_config):
+    """Refs from a replaced pool's daemon must not match the new one's first refs either."""
+    pool = Pool.open(pool_config)
+    try:
+        ix = Index(pool, 10, 60)
+        ix.register_namespace(NS_SMALL, SMALL)
+        ref = ix.prepare_store(NS_SMALL, keys(1), OWNER, 0)[0]
+        from kvpool.shared.protocol import slot_ref_generation
+        assert slot_ref_generation(ref) != 1
+    finally:
+        pool.close(unlink=True)
+
+
+def test_adoption_ignores_an_extent_entry_torn_by_a_crash(pool_config):
+    """Regression: assign_extent wrote num_slots before slot_bytes; a crash between them left
+    an entry whose slots overran the extent, and adoption laid them over the next extent."""
+    pool = Pool.open(pool_config)
+    ix = Index(pool, 10, 60)
+    ix.register_namespace(NS_BIG, BIG)
+    store(ix, NS_BIG, keys(2))
+    extent = next(e for e in range(pool.geometry.num_extents)
+                  if int(pool.extents[e]["slot_bytes"]))
+    pool.extents[extent]["num_slots"] = pool.geometry.records_per_extent   # 64 x 256 KiB > 1 MiB
+    pool.close(unlink=False)
+    pool2 = Pool.open(pool_config)
+    try:
+        assert not pool2.extent_is_sane(extent)
+        ix2 = Index(pool2, 10, 60)
+        assert ix2.adopt() == 0
+        ends = sorted((s.offset, s.offset + s.size_class.slot_bytes) for s in ix2._slots.values())
+        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "slots overlap"
+        ix2.register_namespace(NS_SMALL, SMALL)
+        assert capacity(ix2, SMALL, NS_SMALL) > 0
     finally:
         pool2.close(unlink=True)
 

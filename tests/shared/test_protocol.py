@@ -22,6 +22,7 @@ REQUESTS = [
     p.LoadRequest(11, 1, 3, [5, 6], [7, 8]),
     p.InfoRequest(12),
     p.ResetRequest(13, NS),
+    p.ByeRequest(14),
 ]
 REPLIES = [
     p.HelloReply(1, p.PROTOCOL_VERSION, "d", 3, 1 << 30, 100, 1 << 20),
@@ -81,3 +82,16 @@ def test_garbage_is_a_decode_error_and_req_id_is_recovered_when_possible():
 def test_slot_ref_packs_index_and_generation():
     ref = p.make_slot_ref(123456, 789)
     assert (p.slot_ref_index(ref), p.slot_ref_generation(ref)) == (123456, 789)
+
+
+@pytest.mark.parametrize("msg", [
+    p.PrepareStoreRequest(7, NS, [KEY, b"k" * 15]),      # a short key would shift its record
+    p.PrepareStoreRequest(7, NS, [b"k" * 17]),
+    p.LookupRequest(6, b"n" * 17, [[KEY]]),
+    p.ResetRequest(13, b""),
+    p.RegisterRequest(4, b"n" * 8, LAYOUT, 0, 1, [p.HostRegion("shm", 4096)], []),
+    p.Hello(1, 1, p.Role.WORKER, "w" * 257),               # names are bounded
+], ids=lambda m: type(m).__name__)
+def test_keys_namespaces_and_names_are_checked_when_decoded(msg):
+    with pytest.raises(msgspec.ValidationError):
+        p.decode_request(p.encode(msg))
