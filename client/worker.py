@@ -59,12 +59,11 @@ class WorkerClient:
 
     def register(self, namespace: bytes, layout: Layout, tp_rank: int, num_blocks: int,
                  regions: Sequence[p.Region], placement: Sequence[SegmentPlacement], *,
-                 quota_bytes: int = 0, handoff: bytes = b"") -> int:
+                 quota_bytes: int = 0) -> int:
         """Register this rank's KV memory; returns a local registration id.
 
-        ``quota_bytes`` caps the namespace in the pool (0: none); ``handoff`` names the model
-        for P/D hand-off, so the daemon refuses a decode engine whose TP split differs from the
-        prefill's (see ``RegisterRequest``).
+        ``quota_bytes`` caps the namespace in the pool (0: none). Ranks of any TP size may
+        register a head-split layout of one namespace (``kvpool.shared.layout``).
 
         Raises ``LayoutMismatch``/``OutOfRange``/``UnknownId`` for a registration the daemon
         refuses. A daemon that is not there raises nothing: the registration is kept and sent
@@ -72,7 +71,7 @@ class WorkerClient:
         """
         local = next(self._local_ids)
         req = p.RegisterRequest(0, namespace, layout, tp_rank, num_blocks, list(regions),
-                                list(placement), quota_bytes, handoff)
+                                list(placement), quota_bytes)
         self._registrations[local] = reg = _Registration(req)
         try:
             if self._t.is_connected and not self._t.is_stale:

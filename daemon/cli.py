@@ -215,7 +215,7 @@ def format_info(info) -> str:
     ]
     for n in info.namespace_usage:
         quota = f" of {_human(n.quota_bytes)} quota" if n.quota_bytes else ""
-        lines.append(f"  ns {n.namespace.hex()[:12]}  tp {n.tp_size}  {n.blocks} blocks  "
+        lines.append(f"  ns {n.namespace.hex()[:12]}  tp {n.tp_size or 'any'}  {n.blocks} blocks  "
                      f"{_human(n.used_bytes)}{quota}  {n.description[:60]}")
     for t in info.tiers:
         lines += format_tier(t)

@@ -5,13 +5,15 @@ slot records into the mapped pool, no waiting. Time is passed in (``now``) so te
 
 Slot lifecycle (Plasma's CREATED → SEALED, with TP):
 
-    FREE --prepare_store--> WRITING --every rank landed--> COMMITTED --evict/reset--> FREE
+    FREE --prepare_store--> WRITING --every unit landed--> COMMITTED --evict/reset--> FREE
                                └── abort / owner gone / write timeout / failed rank --> FREE
     FREE --reserve_fills--> FILLING --end_fill(ok)--> COMMITTED
                                └── end_fill(failed) / reset --> FREE
 
-- A WRITING slot is invisible to lookups; it becomes COMMITTED only when all ``tp_size`` ranks
-  of its layout have landed their shard, so a partial store is never visible.
+- A WRITING slot is invisible to lookups; it becomes COMMITTED only when every unit of its
+  layout has landed (``Layout.full_mask``: every KV head of a head-split layout, whatever TP
+  size wrote them; every rank's shard of a rank-sharded one), so a partial store is never
+  visible. Stores name the units they land as a bit mask (``Layout.rank_mask``).
 - ``pins`` counts leases and in-flight jobs. Eviction takes only COMMITTED, unpinned slots.
   A slot dropped while pinned is *doomed*: unreachable at once, freed when the last pin goes.
 - Slot refs carry the slot's generation, so a stale ref never touches a reused slot.
@@ -62,8 +64,8 @@ class Slot:
     key: bytes = b""            # ns + block hash (32 bytes), as in the slot record
     ref: int = 0                # slot ref for the current generation
     pins: int = 0
-    landed: int = 0             # bit r: rank r's shard is in
-    writing: int = 0            # bit r: rank r's store job is in flight
+    landed: int = 0             # bit u: unit u (a head, or a rank's shard) is in
+    writing: int = 0            # bit u: a store job of unit u is in flight
     owner: int = 0              # who prepared it (while WRITING)
     deadline: float = 0.0       # WRITING: dropped if not landed by then
     last_use: int = 0           # LRU tick of the last commit or hit
@@ -124,8 +126,6 @@ class Index:
         self._ns_blocks: dict[bytes, int] = {}      # committed blocks per namespace
         self._quota: dict[bytes, int] = {}
         self._ns_lru: dict[bytes, LruPolicy] = {}
-        # P/D hand-off family -> {namespace: tp_size} of the registrations that declared it.
-        self._handoff: dict[bytes, dict[bytes, int]] = {}
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
         self._tick = itertools.count(1)
@@ -138,13 +138,15 @@ class Index:
     # ---- namespaces ------------------------------------------------------------------------
 
     def register_namespace(self, ns: bytes, layout: Layout, quota_bytes: int = 0) -> None:
-        """Bind a namespace to its layout; ``LayoutMismatch`` if it is bound to another one.
+        """Bind a namespace to its layout's canonical form; ``LayoutMismatch`` if it is bound
+        to another one.
 
         ``quota_bytes`` (0: none) is the engine's cap for the namespace. The latest registration
         decides (engines of one namespace serve one model with one config), bounded by the
         daemon's ``namespace_quota``.
         """
         layout.check()
+        layout = layout.canonical()   # engines of every TP size of a head-split layout agree
         if quota_bytes < 0:
             raise OutOfRange(f"quota_bytes must be >= 0, got {quota_bytes}")
         known = self._layouts.get(ns)
@@ -161,27 +163,6 @@ class Index:
             self._quota.pop(ns, None)
             self._ns_lru.pop(ns, None)
 
-    def check_handoff(self, family: bytes, ns: bytes, tp_size: int,
-                      registered: Callable[[bytes], bool]) -> None:
-        """Refuse a P/D registration whose TP split differs from that of another namespace of
-        the same hand-off family with a live registration (``registered``): KV stored with one
-        TP split cannot be loaded by ranks of another, so the engine gets an error now rather
-        than a recompute on every hand-off. Blocks left by engines that have gone do not count:
-        a fleet moving to another TP size must not be refused until they are evicted (the decode
-        side still checks each hand-off's TP size and recomputes a mismatch)."""
-        if not family:
-            return
-        peers = self._handoff.setdefault(family, {})
-        for other, other_tp in peers.items():
-            if other != ns and other_tp != tp_size and registered(other):
-                raise LayoutMismatch(
-                    f"P/D hand-off across TP sizes is not supported: this engine runs "
-                    f"tensor_parallel_size={tp_size}, but the same model and layout are "
-                    f"registered for hand-off with tensor_parallel_size={other_tp} (namespace "
-                    f"{other.hex()}). Run prefill and decode with one TP size, or set "
-                    f"pd_handoff=false in kv_connector_extra_config to share only prefixes")
-        peers[ns] = tp_size
-
     def quota_of(self, ns: bytes) -> int:
         return self._quota.get(ns, 0)
 
@@ -190,7 +171,7 @@ class Index:
 
     def namespace_usage(self) -> list[NamespaceInfo]:
         """Per registered namespace: blocks, bytes and quota (for `kvpool info` and metrics)."""
-        return [NamespaceInfo(ns, layout.description, layout.tp_size,
+        return [NamespaceInfo(ns, layout.description, 0 if layout.kv_heads else layout.tp_size,
                               self._ns_blocks.get(ns, 0), self._ns_bytes.get(ns, 0),
                               self._quota.get(ns, 0))
                 for ns, layout in self._layouts.items()]
@@ -251,7 +232,7 @@ class Index:
                     slot.state, slot.key, slot.ns = COMMITTED, key, key[:16]
                     slot.generation = int(rec["generation"])
                     slot.ref = make_slot_ref(slot.id, slot.generation)
-                    slot.landed = (1 << layout.tp_size) - 1
+                    slot.landed = layout.full_mask
                     slot.last_use = next(self._tick)
                     table[key[16:]] = slot
                     cls.lru.insert(slot.id)
@@ -427,10 +408,12 @@ class Index:
                 n += 1
         return n
 
-    def begin_store(self, ns: bytes, refs: list[int], rank: int) -> list[Slot]:
-        """Validate a store job's slots and pin them; all or nothing."""
+    def begin_store(self, ns: bytes, refs: list[int], rank: int, mask: int | None = None
+                    ) -> list[Slot]:
+        """Validate a store job's slots and pin them; all or nothing. ``mask`` is the units the
+        job lands (``Layout.rank_mask``; default: rank ``rank``'s shard, ``1 << rank``)."""
         slots = []
-        bit = 1 << rank
+        bit = 1 << rank if mask is None else mask
         for ref in refs:
             s = self._resolve(ref)
             if s is None:
@@ -439,7 +422,10 @@ class Index:
                 raise UnknownId(f"slot ref {ref:#x} is not prepared for this namespace (aborted, "
                                 f"reset, timed out or never prepared)")
             if (s.landed | s.writing) & bit:
-                raise ProtocolError(f"rank {rank} already stored slot ref {ref:#x}")
+                raise ProtocolError(f"rank {rank} stores units {bit:#x} of slot ref {ref:#x}, "
+                                    f"which overlap units already stored or being stored "
+                                    f"({s.landed | s.writing:#x}): overlapping head ranges, or "
+                                    f"the same rank twice")
             slots.append(s)
         if len({s.id for s in slots}) != len(slots):
             raise ProtocolError("a store job names the same slot twice")
@@ -448,12 +434,13 @@ class Index:
             s.pins += 1
         return slots
 
-    def end_store(self, slots: list[Slot], rank: int, ok: bool) -> int:
-        """A store job finished (or failed): commit slots whose every rank has landed; drop
-        the others of a failed job. Returns how many slots committed."""
-        bit = 1 << rank
+    def end_store(self, slots: list[Slot], rank: int, ok: bool, mask: int | None = None) -> int:
+        """A store job finished (or failed): commit slots whose every unit has landed; drop
+        the others of a failed job. ``mask`` as given to ``begin_store``. Returns how many
+        slots committed."""
+        bit = 1 << rank if mask is None else mask
         ready: list[Slot] = []
-        full = (1 << self._layouts[slots[0].ns].tp_size) - 1 if slots else 0
+        full = self._layouts[slots[0].ns].full_mask if slots else 0
         for s in slots:
             s.writing &= ~bit
             s.pins -= 1

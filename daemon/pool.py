@@ -6,7 +6,8 @@ Layout of the segment (all little-endian, offsets from byte 0):
 
 The data area is cut into equal *extents*. An extent is handed to one slot size at a time
 (``assign_extent``) and holds only slots, packed, so an extent of a power-of-two size wastes
-nothing on the usual power-of-two block sizes; a slot holds every TP rank's shard of one block.
+nothing on the usual power-of-two block sizes; a slot holds one whole block: every KV head
+(head-split layouts, any TP size) or every TP rank's shard (``kvpool.shared.layout``).
 The record table keeps a fixed number of records per extent, enough for slots of 16 KiB; smaller
 slots fill only part of an extent. The records (key, state, generation) and the layout table live in the
 segment itself, so a daemon started after a crash or an upgrade re-reads them and adopts every
@@ -39,7 +40,12 @@ from kvpool.shared.layout import Layout
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVPOOL\x00\x01"
-FORMAT_VERSION = 1
+# 2: layouts may be head-split (a slot holds every KV head, whatever the TP size of the engine
+# that wrote it; ``kvpool.shared.layout``). A format-1 pool holds only rank-sharded layouts,
+# whose slots format 2 keeps byte for byte, so it is migrated in place (``Pool.open``). Daemons
+# before format 2 replace a format-2 pool rather than misread its layout table.
+FORMAT_VERSION = 2
+MIGRATES_FROM = (1,)
 HEADER_BYTES = 4096
 LAYOUT_TABLE_BYTES = 1 << 20
 PAGE = 4096
@@ -198,15 +204,22 @@ class Pool:
                            f"stop it or choose another --pool-name") from None
         try:
             if not created:
-                old = cls._read_geometry(fd, shm.size)
+                old, version = cls._read_geometry(fd, shm.size)
                 if old == want:
                     log.info("adopting pool %s left by an earlier daemon (%d bytes)", name,
                              shm.size)
                     _reserve(fd, want.pool_bytes, name)
-                    return cls._map(name, shm, fd, want, adopted=True)
-                reason = "unreadable header" if old is None else (
-                    f"size/extent changed ({old.pool_bytes}/{old.extent_bytes} -> "
-                    f"{want.pool_bytes}/{want.extent_bytes})")
+                    pool = cls._map(name, shm, fd, want, adopted=True)
+                    if version != FORMAT_VERSION:
+                        pool._migrate(version)
+                    return pool
+                if old is None:
+                    reason = "unreadable header" if version is None else (
+                        f"pool format {version}, this kvpoold reads formats "
+                        f"{', '.join(map(str, MIGRATES_FROM + (FORMAT_VERSION,)))}")
+                else:
+                    reason = (f"size/extent changed ({old.pool_bytes}/{old.extent_bytes} -> "
+                              f"{want.pool_bytes}/{want.extent_bytes})")
                 log.warning("replacing stale pool %s (%s): its cached blocks are dropped", name,
                             reason)
                 os.ftruncate(fd, 0)   # drop the old pages before growing to the new size
@@ -222,16 +235,33 @@ class Pool:
         return pool
 
     @staticmethod
-    def _read_geometry(fd: int, size: int) -> Geometry | None:
+    def _read_geometry(fd: int, size: int) -> tuple[Geometry | None, int | None]:
+        """The geometry of a pool this daemon can adopt (its format is current or migrates),
+        else None; and the header's format version (None: no kvpool header at all)."""
         if size < HEADER_BYTES:
-            return None
+            return None, None
         raw = os.pread(fd, HEADER_DTYPE.itemsize, 0)
         h = np.frombuffer(raw, HEADER_DTYPE)[0]
-        if bytes(h["magic"]) != MAGIC or int(h["format_version"]) != FORMAT_VERSION:
-            return None
+        if bytes(h["magic"]) != MAGIC:
+            return None, None
+        version = int(h["format_version"])
+        if version != FORMAT_VERSION and version not in MIGRATES_FROM:
+            return None, version
         return Geometry(int(h["pool_bytes"]), int(h["extent_bytes"]), int(h["num_extents"]),
                         int(h["data_offset"]), int(h["layout_table_offset"]),
-                        int(h["record_table_offset"]), int(h["records_per_extent"]))
+                        int(h["record_table_offset"]), int(h["records_per_extent"])), version
+
+    def _migrate(self, version: int) -> None:
+        """Bring an adopted pool of an older format to this one, in place, before the index
+        reads it. Format 1 -> 2: nothing moves (its layouts are all rank-sharded, a format 2
+        slot kind), only the version changes, so a daemon before format 2 no longer adopts it."""
+        layouts = self.load_layouts()
+        self.header[0]["format_version"] = FORMAT_VERSION
+        log.warning("pool %s was format %d: migrated in place to format %d, keeping its %d "
+                    "layouts (all rank-sharded) and their committed blocks. vLLM engines now "
+                    "name their blocks independently of TP, so blocks they stored before this "
+                    "upgrade are not looked up again and age out of the LRU", self.name,
+                    version, FORMAT_VERSION, len(layouts))
 
     @classmethod
     def _map(cls, name, shm, fd, geometry, adopted) -> "Pool":

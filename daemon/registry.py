@@ -45,6 +45,11 @@ class Registration:
     jobs_in_flight: int = 0
     closing: bool = False    # no new jobs; detach when the last one finishes
 
+    @property
+    def mask(self) -> int:
+        """The slot units this rank's stores land (0: a head replica that only loads)."""
+        return self.layout.rank_mask(self.tp_rank)
+
 
 class Registry:
     """Owners by id and by routing identity; registrations by id. Event-loop thread only."""
@@ -84,10 +89,6 @@ class Registry:
             if reg.namespace == namespace and reg.tp_rank == tp_rank:
                 return reg
         return None
-
-    def has_namespace(self, namespace: bytes) -> bool:
-        """Whether any live registration serves ``namespace``."""
-        return any(r.namespace == namespace for r in self.registrations.values())
 
     def registration(self, owner: Owner, registration_id: int) -> Registration:
         reg = self.registrations.get(registration_id)

@@ -399,8 +399,7 @@ class Server:
                                 f" in this daemon (CUDA regions need a daemon started with CUDA)")
         if not 0 <= msg.tp_rank < msg.layout.tp_size:
             raise OutOfRange(f"tp_rank {msg.tp_rank} outside tp_size {msg.layout.tp_size}")
-        self.index.check_handoff(msg.handoff, msg.namespace, msg.layout.tp_size,
-                                 self.registry.has_namespace)
+        # Any TP size may join a head-split namespace: each rank moves its own heads.
         self.index.register_namespace(msg.namespace, msg.layout, msg.quota_bytes)
         mapped = engine.attach(msg, owner.peer)
         # Before closing the one it replaces, so the engine's event feed sees no removal.
@@ -411,8 +410,14 @@ class Server:
             self._close_registration(self.registry.close_registration(old.id))
         reg = self.registry.add_registration(owner, msg.namespace, msg.layout, msg.tp_rank,
                                              msg.num_blocks, engine, mapped)
-        log.info("client %d registered rank %d/%d of namespace %s: %d blocks", owner.id,
-                 msg.tp_rank, msg.layout.tp_size, msg.namespace.hex(), msg.num_blocks)
+        lay = msg.layout
+        heads = ""
+        if lay.kv_heads:
+            h0, h1 = lay.head_range(msg.tp_rank)
+            heads = (f", KV heads [{h0}, {h1}) of {lay.kv_heads}"
+                     f"{'' if lay.is_primary(msg.tp_rank) else ' (replica: loads only)'}")
+        log.info("client %d registered rank %d/%d of namespace %s: %d blocks%s", owner.id,
+                 msg.tp_rank, lay.tp_size, msg.namespace.hex(), msg.num_blocks, heads)
         return p.RegisterReply(msg.req_id, reg.id)
 
     # ---- jobs ------------------------------------------------------------------------------
@@ -434,8 +439,12 @@ class Server:
             if len(blocks) and (blocks.min() < 0 or blocks.max() >= reg.num_blocks):
                 raise OutOfRange(f"block ids must be in [0, {reg.num_blocks}); got "
                                  f"[{blocks.min()}, {blocks.max()}]")
+            if is_store and not reg.mask:
+                # A replica of heads that another rank of its engine stores: nothing to copy,
+                # and the slot commits (or not) on that rank's store alone.
+                return p.JobDone(msg.req_id, msg.job_id, 0, "", 0)
             if is_store:
-                slots = self.index.begin_store(reg.namespace, msg.slots, reg.tp_rank)
+                slots = self.index.begin_store(reg.namespace, msg.slots, reg.tp_rank, reg.mask)
             else:
                 slots = self.index.begin_load(reg.namespace, msg.slots)
         except KvpoolError as e:
@@ -443,7 +452,6 @@ class Server:
             self.telemetry.error(e.code)
             return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
         offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
-        offsets += reg.tp_rank * reg.layout.shard_stride_bytes
         try:
             if is_store:
                 fut = reg.engine.submit_store(reg.mapped, blocks, offsets, msg.wait_event)
@@ -554,7 +562,7 @@ class Server:
 
     def _end_job(self, reg: Registration, slots: list[Slot], is_store: bool, ok: bool) -> None:
         if is_store:
-            self.index.end_store(slots, reg.tp_rank, ok)
+            self.index.end_store(slots, reg.tp_rank, ok, reg.mask)
         else:
             self.index.end_load(slots, ok)
 

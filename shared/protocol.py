@@ -129,8 +129,8 @@ class RegisterRequest(msgspec.Struct, tag=4, **_WIRE):
     # A byte cap for the namespace (0: none). Eviction under it takes only this namespace's
     # blocks; the daemon's namespace_quota caps it further.
     quota_bytes: int = 0
-    # P/D: names the model and layout *without* the TP split (empty: not a P/D engine).
-    # Registrations that share it must agree on tp_size, or the later one is refused.
+    # Ignored: P/D engines once declared a hand-off family so that the daemon could refuse a
+    # TP mismatch; head-split slots serve every TP size. Kept so later fields keep positions.
     handoff: bytes = b""
 
 
@@ -281,7 +281,7 @@ class NamespaceInfo(msgspec.Struct, **_WIRE):
 
     namespace: bytes
     description: str         # what its engines said the layout is (model group, heads, ...)
-    tp_size: int
+    tp_size: int             # 0: any (head-split slots, shared by every TP size)
     blocks: int              # committed
     used_bytes: int          # committed and being written
     quota_bytes: int         # 0: no cap

@@ -155,3 +155,42 @@ def test_attach_opens_only_engine_segments_the_peer_could_open(pool_config):
     finally:
         mem.close()
         pool.close(unlink=True)
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "BLHNC", "LHBNC"])
+@pytest.mark.parametrize("slot_order", ["adjacent runs", "scattered"])
+def test_tp_cross_rank_rows_paths_are_bit_exact(pool, order, slot_order):
+    """A TP=2 rank's head range: the strided one-pass path (adjacent slots; per-layer caches
+    load their rows a segment at a time) and the gather/scatter path move exactly its heads of
+    each slot, and leave the other rank's heads alone."""
+    from tests.kvtest import HeadKv
+    kv = HeadKv(2, 1, heads=4, layers=4, blocks=40, block_tokens=8, cell=32, order=order)
+    engine = HostCopyEngine(pool)
+    reg = RegisterRequest(1, kv.namespace, kv.layout, 1, kv.blocks, [kv.mem.region],
+                          kv.placement)
+    mapped = engine.attach(reg)
+    try:
+        if order != "LHBNC":     # one cell per segment there: no uniform rows, generic path
+            assert mapped.rows is not None
+        n = 12
+        idx = {"adjacent runs": np.arange(n), "scattered": np.random.permutation(n) * 3}
+        slots = (idx[slot_order].astype(np.int64) * kv.layout.slot_bytes
+                 + pool.geometry.data_offset)
+        a = pool.view()
+        for o in slots:
+            a[o:o + kv.layout.slot_bytes] = 0x77
+        src = np.random.permutation(kv.blocks)[:n]
+        kv.fill(src.tolist(), seed=3)
+        engine.submit_store(mapped, src.astype(np.int64), slots).result(10)
+        heads, cell = 4, kv.layout.head_bytes
+        for o in slots:         # the other rank's heads (0-1) untouched
+            rows = a[o:o + kv.layout.slot_bytes].reshape(kv.layout.rows, heads, cell)
+            assert (rows[:, :2] == 0x77).all() and not (rows[:, 2:] == 0x77).all()
+        dst = np.random.permutation(kv.blocks)[:n]
+        kv.poison(dst.tolist())
+        engine.submit_load(mapped, slots, dst.astype(np.int64)).result(10)
+        kv.check(dst.tolist(), 3, stored_as=src.tolist())
+    finally:
+        engine.detach(mapped)
+        engine.close()
+        kv.close()

@@ -400,23 +400,68 @@ def test_quota_accounting_survives_reset_expiry_and_adoption(pool_config):
         pool2.close(unlink=True)
 
 
-# ---- P/D hand-off families ---------------------------------------------------------------
+# ---- head-split slots: one namespace for every TP size ------------------------------------
 
-def test_handoff_refuses_another_tp_size_while_the_other_is_registered(index):
-    family = b"F" * 16
-    live: set[bytes] = {NS_SMALL}
-    index.check_handoff(family, NS_SMALL, 1, live.__contains__)
-    index.check_handoff(family, NS_SMALL, 1, live.__contains__)    # the same again: fine
-    with pytest.raises(LayoutMismatch, match="tensor_parallel_size=2.*tensor_parallel_size=1"):
-        index.check_handoff(family, NS_TP2, 2, live.__contains__)
-    index.check_handoff(b"G" * 16, NS_TP2, 2, live.__contains__)   # another model: fine
-    index.check_handoff(b"", NS_TP2, 2, live.__contains__)         # not P/D: fine
-    store(index, NS_SMALL, keys(1))
-    live.clear()            # the TP=1 engines stopped: the fleet may move to TP=2, blocks or not
-    index.check_handoff(family, NS_TP2, 2, live.__contains__)
-    live.add(NS_TP2)
-    with pytest.raises(LayoutMismatch, match="tensor_parallel_size=1.*tensor_parallel_size=2"):
-        index.check_handoff(family, NS_SMALL, 1, live.__contains__)
+def _heads(tp: int, heads: int = 4, row: int = 256, rows: int = 16) -> Layout:
+    """A head-split layout of ``heads`` KV heads as one rank of ``tp`` holds it."""
+    local = max(1, heads // tp)
+    return Layout(16, tp, "f16", (rows * local * row // 2,) * 2, "heads", heads, row)
+
+
+def test_tp_cross_index_commits_once_every_head_range_landed_from_any_tp_size(index):
+    one, two, four = _heads(1), _heads(2), _heads(4)
+    assert one.canonical() == two.canonical() == four.canonical()
+    assert one.slot_bytes == two.slot_bytes == four.slot_bytes == 16 * 4 * 256
+    ns = b"H" * 16
+    index.register_namespace(ns, two)
+    index.register_namespace(ns, one)          # another TP size of the same model: same slots
+    index.register_namespace(ns, four)
+    ks = keys(3)
+    refs = index.prepare_store(ns, ks, OWNER, 0)
+    # TP=2: rank 0 holds heads 0-1, rank 1 heads 2-3; a block commits once both landed
+    index.end_store(index.begin_store(ns, refs, 0, two.rank_mask(0)), 0, True, two.rank_mask(0))
+    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [0]
+    with pytest.raises(ProtocolError, match="overlapping head ranges"):
+        index.begin_store(ns, refs, 1, four.rank_mask(1))       # heads 1: rank 0 stored them
+    got = index.begin_store(ns, refs[:2], 1, two.rank_mask(1))
+    assert index.end_store(got, 1, True, two.rank_mask(1)) == 2
+    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [2]
+    # the third block's other half from TP=4 ranks (heads 2 and 3), in either order
+    index.end_store(index.begin_store(ns, refs[2:], 3, four.rank_mask(3)), 3, True,
+                    four.rank_mask(3))
+    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [2]
+    index.end_store(index.begin_store(ns, refs[2:], 2, four.rank_mask(2)), 2, True,
+                    four.rank_mask(2))
+    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [3]
+
+
+def test_tp_cross_a_rank_that_dies_after_its_head_range_leaves_the_block_uncommitted(index):
+    """Rank 0 of a TP=2 engine lands its heads, rank 1 dies before storing: the block is never
+    visible, and the write timeout frees it."""
+    two = _heads(2)
+    ns = b"H" * 16
+    index.register_namespace(ns, two)
+    ks = keys(2)
+    refs = index.prepare_store(ns, ks, OWNER, now=0.0)
+    index.end_store(index.begin_store(ns, refs, 0, two.rank_mask(0)), 0, True, two.rank_mask(0))
+    assert index.lookup(ns, [ks], False, OWNER, 1.0)[0] == [0]
+    assert index.expire(now=61.0) == (0, 2)
+    assert index.lookup(ns, [ks], False, OWNER, 62.0)[0] == [0]
+    assert index.slot_counts() == (0, 0, 0)
+    with pytest.raises(UnknownId):
+        index.begin_store(ns, refs, 1, two.rank_mask(1))      # the late rank finds it gone
+    assert index.prepare_store(ns, ks, OWNER, 62.0)[0] >= 0   # stored again from scratch
+
+
+def test_tp_cross_replicated_heads_and_mla_store_one_copy():
+    # 2 KV heads over TP=4: ranks 0 and 2 store heads 0 and 1; ranks 1 and 3 hold replicas
+    gqa = _heads(4, heads=2)
+    assert [gqa.head_range(r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [gqa.rank_mask(r) for r in range(4)] == [0b01, 0, 0b10, 0]
+    assert gqa.full_mask == 0b11 and gqa.canonical() == _heads(1, heads=2).canonical()
+    mla = _heads(8, heads=1)          # one latent copy for every rank: rank 0 stores it
+    assert [mla.rank_mask(r) for r in range(8)] == [1] + [0] * 7
+    assert mla.canonical() == _heads(1, heads=1).canonical() == _heads(2, heads=1).canonical()
 
 
 # ---- fills from a lower tier (daemon/tiering.py drives these) -------------------------------
