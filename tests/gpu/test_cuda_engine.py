@@ -89,7 +89,9 @@ def test_round_trip_bit_exact(engine, pool, layout, backend):
         engine.backend = backend.replace("dma2d", "dma")
         engine.pitched = backend == "dma2d"
         m = engine.attach(reg)
-        if backend == "dma2d" and layout != "block_outer":
+        # a layout whose block is one contiguous run once segments merge (block_outer, or
+        # block_heads holding every head) has nothing for pitched copies to cut
+        if backend == "dma2d" and m.mean_chunk_bytes < reg.layout.shard_bytes:
             assert m.pitched_ok, "strided segments should make pitched runs"
         rng = np.random.default_rng(hash((layout, backend)) & 0xFFFF)
         src = rng.choice(NUM_BLOCKS, 40, replace=False)
