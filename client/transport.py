@@ -9,7 +9,11 @@ thread):
   engine whose daemon is gone pays at most one timeout per backoff period.
 - ``send(make)`` sends without waiting; replies arrive through ``drain()``, never blocking.
 - The connection (Hello) is made lazily and remade after a timeout or a daemon restart; the
-  ``on_connect`` hook lets the owner replay its registrations then.
+  ``on_connect`` hook lets the owner replay its registrations then. ``ensure_connected`` waits
+  for the Hello's answer (bounded); ``connect_nowait`` never waits: it sends the Hello and
+  answers False until a later ``drain`` has seen the reply, for callers that must never block
+  (the scheduler). ``epoch`` counts connections, so owners can tell that what the daemon granted
+  to an earlier one (slots, leases) is gone.
 - A background thread with its own socket sends heartbeats so the daemon can release what a
   dead process held; it also notices a restarted or vanished daemon (``is_stale``).
 """
@@ -50,6 +54,12 @@ class Transport:
         self._backoff_s = config.reconnect_backoff_ms / 1000
         self._unsolicited: list[p.Reply] = []
         self._heartbeat = _Heartbeat(self) if heartbeat else None
+        self.epoch = 0                       # successful connections so far
+        # A connection being made without waiting: the socket is open since _connect_deadline
+        # - timeout; the Hello is sent (_hello_id) once the socket is writable.
+        self._hello_id: int | None = None
+        self._connect_deadline = 0.0
+        self._hello_error: KvpoolError | None = None
 
     # ---- public ----------------------------------------------------------------------------
 
@@ -79,7 +89,8 @@ class Transport:
         return req_id
 
     def drain(self) -> list[p.Reply]:
-        """Every reply that has arrived, without waiting."""
+        """Every reply that has arrived, without waiting (the answer to a Hello sent by
+        ``connect_nowait`` is taken in here, not returned)."""
         out, self._unsolicited = self._unsolicited, []
         sock = self._sock
         if sock is None:
@@ -89,7 +100,58 @@ class Transport:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            out.append(p.decode_reply(frame))
+            reply = p.decode_reply(frame)
+            if self._hello_id is not None and reply.req_id == self._hello_id:
+                self._hello_answered(reply)
+                continue
+            out.append(reply)
+
+    def connect_nowait(self) -> bool:
+        """Make progress on connecting without waiting; True once connected.
+
+        Raises ``DaemonUnavailable`` inside the reconnect backoff, when no daemon listens, or
+        when the Hello went unanswered for ``timeout_ms`` (the socket is dropped then), and the
+        daemon's refusal of the Hello (``VersionMismatch``). Replies that arrive meanwhile stay
+        queued for ``drain``.
+        """
+        if self.is_stale:
+            self.disconnect(backoff=False)
+        if self.is_connected:
+            return True
+        if self._hello_error is not None:
+            err, self._hello_error = self._hello_error, None
+            self.disconnect()
+            raise err
+        now = time.monotonic()
+        if self._sock is None:
+            if now < self._retry_at:
+                raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} unavailable; "
+                                        f"next try in {(self._retry_at - now) * 1000:.0f} ms")
+            self._open_socket()
+            self._connect_deadline = now + self.config.timeout_ms / 1000
+        if self._hello_id is None:
+            assert self._sock is not None
+            if self._sock.poll(0, zmq.POLLOUT):
+                hello_id = self.next_id()
+                self._send(p.Hello(hello_id, p.PROTOCOL_VERSION, self.role, self.name,
+                                   os.getpid(), self.engine_id))
+                self._hello_id = hello_id
+        else:
+            self._unsolicited.extend(self.drain())
+            if self.is_connected:
+                return True
+            if self._hello_error is not None:
+                return self.connect_nowait()
+        if time.monotonic() > self._connect_deadline:
+            self.disconnect()
+            raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} did not answer the "
+                                    f"Hello within {self.config.timeout_ms} ms")
+        return False
+
+    @property
+    def is_connecting(self) -> bool:
+        """A connection is being made by ``connect_nowait`` (socket open, no answer yet)."""
+        return self._sock is not None and self.owner_id is None
 
     def wait_readable(self, timeout_s: float) -> bool:
         """Block until a reply is waiting or ``timeout_s`` passed (for callers with nothing
@@ -116,6 +178,8 @@ class Transport:
             self.disconnect(backoff=False)
         if self.is_connected:
             return
+        if self._sock is not None:   # a connect_nowait in progress: start over, waiting
+            self.disconnect(backoff=False)
         now = time.monotonic()
         if now < self._retry_at:
             raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} unavailable; next "
@@ -126,13 +190,27 @@ class Transport:
         except DaemonUnavailable:
             self.disconnect()
             raise
+        self._connected(reply)
+
+    def _connected(self, reply: p.HelloReply) -> None:
+        self._hello_id = None
         self.owner_id = reply.owner_id
         self.daemon_id = reply.daemon_id
+        self.epoch += 1
         self._backoff_s = self.config.reconnect_backoff_ms / 1000
         if self._heartbeat is not None:
             self._heartbeat.watch(reply.owner_id, reply.daemon_id, reply.heartbeat_interval_ms)
         if self.on_connect is not None:
             self.on_connect()
+
+    def _hello_answered(self, reply: p.Reply) -> None:
+        if isinstance(reply, p.HelloReply):
+            self._connected(reply)
+        else:
+            self._hello_id = None
+            self._hello_error = (error_from_code(reply.code, reply.message)
+                                 if isinstance(reply, p.ErrorReply) else
+                                 DaemonUnavailable(f"unexpected answer to Hello: {reply!r}"))
 
     def disconnect(self, backoff: bool = True) -> None:
         """Drop the socket (and anything queued on it); the next call reconnects."""
@@ -140,6 +218,7 @@ class Transport:
             self._sock.close(linger=0)
             self._sock = None
         self.owner_id = None
+        self._hello_id = None
         if self._heartbeat is not None:
             self._heartbeat.watch(None, None, 0)
         if backoff:

@@ -39,12 +39,15 @@ class LoadSpec:
 
 @dataclass(slots=True)
 class StoreSpec:
-    """Copy GPU ``block_ids`` of one group into prepared pool ``slots``."""
+    """Copy GPU ``block_ids`` of one group into reserved pool ``slots``, binding each slot to
+    its block hash in ``keys`` (the daemon drops a duplicate of a key it already holds)."""
 
     ticket: int
     group: int
     slots: list[int]
     block_ids: list[int]
+    keys: list[bytes] = field(default_factory=list)
+    grant: str = ""     # the daemon life that reserved the slots (StoreRequest.grant)
 
 
 @dataclass

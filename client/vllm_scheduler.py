@@ -2,11 +2,19 @@
 
 Runs inside vLLM's scheduler (engine core) process, on its one thread. Owns per-request state
 (block keys, lookup results and their leases, store cursors, store tickets) and talks to the
-daemon only through ``SchedulerClient``: at most one batched lookup in flight per namespace,
-one ``prepare_store`` per namespace per step, one ``release`` per step. It never blocks the
-scheduler on the daemon: a lookup in flight answers ``None`` ("ask again next step"), and a
-daemon that is missing or slow turns into zero hits and skipped stores (``DaemonUnavailable``
-is caught here, never raised to vLLM).
+daemon only through ``SchedulerClient``, and never waits for it: no method vLLM calls here makes
+a round trip. At most one batched lookup is in flight (a request whose lookup is out answers
+``None``: "ask again next step"); stores take writable slots from the client's stock of
+reservations, which it refills in the background, and name each slot's key in the store itself
+(the daemon binds it, and drops duplicates, when the store arrives); releases, aborts and resets
+are sent without waiting, their answers taken in by the next poll. The connection itself is
+made without waiting. A daemon that is missing or slow turns into zero hits and skipped stores
+(``DaemonUnavailable`` is caught here, never raised to vLLM).
+
+Stores of keys this engine knows are in the pool (it stored them, and no lookup has missed them
+since) are not planned again; a request that finishes with full blocks not yet stored because
+the stock ran short keeps its blocks (vLLM's delayed free) until slots come, bounded by
+``timeout_ms`` and by the daemon being reachable.
 
 Lifecycle of a request, as vLLM drives it:
 ``get_num_new_matched_tokens`` (queue a lookup, answer ``None`` until it lands, then the hit)
@@ -34,8 +42,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from kvpool.client.vllm_keys import GroupInfo, RequestKeys
 from kvpool.client.vllm_meta import LoadSpec, StepMeta, StoreSpec, WorkerAcks
-from kvpool.shared.errors import DaemonUnavailable, KvpoolError, PoolFull
-from kvpool.shared.protocol import SLOT_NO_SPACE, SLOT_PRESENT
+from kvpool.shared.errors import DaemonUnavailable, KvpoolError
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -45,9 +52,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvpool.vllm")
 
-# Keys remembered as committed, only to report BlockRemoved on reset; bounded so a long-lived
-# engine does not grow without limit (the daemon is the source of truth for presence).
+# Keys remembered as committed: to report BlockRemoved on reset, and to plan no store of a key
+# the pool holds (a GPU prefix hit, a recomputed preempted request). Bounded so a long-lived
+# engine does not grow without limit; the daemon is the source of truth for presence (it
+# dedups what this misses) and a lookup that misses a remembered key forgets it.
 _MAX_REMEMBERED_KEYS = 1 << 20
+_NOTHING: dict[bytes, None] = {}
 
 
 @dataclass(eq=False)
@@ -96,6 +106,7 @@ class _Req:
     stream_next: int = 0
     stream_end: int = 0        # 0: not streaming
     stream_ids: list[list[int]] = field(default_factory=list)   # per group: GPU block ids
+    backlog_until: float = 0.0  # finished, blocks kept for stores waiting on slots until then
 
 
 class SchedulerRole:
@@ -105,8 +116,12 @@ class SchedulerRole:
     def __init__(self, groups: list[GroupInfo], world_size: int, client: Any,
                  backoff_s: float = 0.2, backoff_max_s: float = 5.0, *,
                  kv_producer: bool = False, engine_id: str = "", tp_size: int = 1,
-                 pd_wait_s: float = 3.0, pd_stream: bool = True) -> None:
+                 pd_wait_s: float = 3.0, pd_stream: bool = True,
+                 store_wait_s: float = 2.0) -> None:
         self.groups = groups
+        # A finished request waits this long at most for slots to store its last blocks.
+        self.store_wait_s = store_wait_s
+        self._backlog: set[str] = set()   # finished requests keeping blocks for their stores
         self.world_size = world_size
         self.kv_producer = kv_producer
         self.engine_id = engine_id
@@ -167,24 +182,33 @@ class SchedulerRole:
     def _daemon_succeeded(self) -> None:
         self._fail_backoff = self._backoff_s
 
-    def _call(self, fn, *args, default=None):
-        """A daemon call that degrades: ``default`` when the daemon is missing or refuses."""
+    def _pump(self) -> bool:
+        """Connect (without waiting) and take in whatever the daemon has answered; False while
+        the daemon cannot be used (down, backing off, or the connection still being made)."""
         if not self._daemon_ok():
-            return default
+            return False
         try:
-            out = fn(*args)
+            if not self.client.ready():
+                return False
+            self.client.poll()
         except DaemonUnavailable as e:
             self._daemon_failed(e)
-            return default
-        except PoolFull as e:
-            # Every slot is pinned or being written: normal under load, the blocks stay unpooled.
-            logger.debug("kvpool: %s", e)
-            return default
-        except KvpoolError as e:
-            logger.warning("kvpool: %s failed: %s", getattr(fn, "__name__", fn), e)
-            return default
-        self._daemon_succeeded()
-        return out
+            return False
+        except KvpoolError as e:     # the daemon refused our Hello (another protocol version)
+            self._daemon_failed(e)
+            return False
+        return True
+
+    def _nowait(self, fn, *args) -> bool:
+        """Send a request nobody waits for; False if it could not be sent. Leases and slots
+        of a connection that is gone are released by the daemon with it, so losing these
+        is harmless."""
+        try:
+            fn(*args)
+        except DaemonUnavailable as e:
+            logger.debug("kvpool: %s not sent: %s", getattr(fn, "__name__", fn), e)
+            return False
+        return True
 
     # ---- lookups -------------------------------------------------------------------------
 
@@ -251,12 +275,23 @@ class SchedulerRole:
 
     def _send_lookups(self) -> None:
         """One lookup per namespace for every queued request (the step's batch)."""
+        if not self._queued:
+            return
+        connected = False
+        if self._daemon_ok():
+            try:
+                connected = self.client.ready()
+            except KvpoolError as e:
+                self._daemon_failed(e)
+            else:
+                if not connected:
+                    return          # connecting: the queued requests ask again next step
         ids = [r for r in dict.fromkeys(self._queued)
                if r in self._reqs and self._reqs[r].state == "queued"]
         self._queued.clear()
         if not ids:
             return
-        if not self._daemon_ok():
+        if not connected:
             self._resolve_miss(ids)
             return
         calls = []
@@ -271,10 +306,11 @@ class SchedulerRole:
                         start, end = self._window_start(g, st.target), st.target
                     lists.append(st.keys.keys(st.request, gi, end)[start:])
                     spans.append((rid, start))
-                calls.append((self.client.lookup_start(g.namespace, lists, True), gi, spans))
+                calls.append((self.client.lookup_start(g.namespace, lists, True), gi, spans,
+                              lists))
         except DaemonUnavailable as e:
             self._daemon_failed(e)
-            self._orphans.extend(call for call, _, _ in calls)   # their leases get released
+            self._orphans.extend(call for call, _, _, _ in calls)   # their leases get released
             self._resolve_miss(ids)
             return
         for rid in ids:
@@ -314,7 +350,7 @@ class SchedulerRole:
         replies = self._inflight_replies
         failed_at = -1
         try:
-            for k, (call, _, _) in enumerate(calls):
+            for k, (call, _, _, _) in enumerate(calls):
                 failed_at = k
                 if replies[k] is None:
                     # A reply is handed out once: keep it until the whole batch is in.
@@ -324,7 +360,7 @@ class SchedulerRole:
                 self._daemon_failed(e)
             else:
                 logger.warning("kvpool: lookup refused: %s", e)
-            for k, (call, _, _) in enumerate(calls):
+            for k, (call, _, _, _) in enumerate(calls):
                 if replies[k] is not None:
                     self._release.extend(x for x in replies[k].leases if x)
                 elif k != failed_at:
@@ -338,10 +374,16 @@ class SchedulerRole:
         self._daemon_succeeded()
         self._inflight_calls, self._inflight_replies = [], []
         per_req: dict[str, list[tuple[int, int, list[int], int]]] = {}
-        for (call, gi, spans), reply in zip(calls, replies):
+        for (call, gi, spans, lists), reply in zip(calls, replies):
+            known = self._committed[gi]
             for k, (rid, start) in enumerate(spans):
+                hit = reply.hits[k]
                 per_req.setdefault(rid, []).append(
-                    (start, reply.hits[k], list(reply.slots[k]), reply.leases[k]))
+                    (start, hit, list(reply.slots[k]), reply.leases[k]))
+                if known and hit < len(lists[k]):
+                    # The first miss is news: a key we stored has been evicted since; it may
+                    # be stored again.
+                    known.pop(lists[k][hit], None)
         requeue = False
         for rid, answers in per_req.items():
             st = self._reqs.get(rid)
@@ -533,6 +575,7 @@ class SchedulerRole:
         meta = StepMeta()
         if not self.enabled:
             return meta
+        self._pump()
         self._poll_lookups()
         if self._streams:
             now = time.monotonic()
@@ -561,10 +604,12 @@ class SchedulerRole:
         meta.free_now, self._free_ready = self._free_ready, []
         if self._abort_slots:
             slots, self._abort_slots = self._abort_slots, []
-            self._call(self.client.abort_store, slots)
+            self._nowait(self.client.abort_nowait, slots)
         if self._release:
             leases, self._release = sorted(set(self._release)), []
-            self._call(self.client.release, leases)
+            self._nowait(self.client.release_nowait, leases)
+        if self._backlog:
+            self._end_backlog()
         if self._retry:
             self._queued.extend(self._retry)
             self._retry = []
@@ -575,15 +620,22 @@ class SchedulerRole:
         return meta
 
     def _plan_stores(self, so: "SchedulerOutput") -> list[StoreSpec]:
-        """Newly full blocks of every scheduled request, minus keys in flight: one
-        ``prepare_store`` per namespace."""
+        """Newly full blocks of every scheduled request (and of finished ones waiting for
+        slots), minus keys in flight or known to be in the pool, each given a reserved slot
+        from the client's stock. Never waits: blocks the stock cannot cover yet are planned
+        again next step (or skipped when the pool has no room)."""
         if self.kv_cache_manager is None or not self._daemon_ok():
             return []
         bt = self.block_tokens
         wanted: list[list[tuple[str, int, bytes, int]]] = [[] for _ in self.groups]
         seen: list[set[bytes]] = [set() for _ in self.groups]
         spec_tokens = so.scheduled_spec_decode_tokens or {}
-        for rid, n_sched in so.num_scheduled_tokens.items():
+        todo: Iterable[tuple[str, int]] = so.num_scheduled_tokens.items()
+        if self._backlog:
+            todo = [*todo, *((rid, 0) for rid in self._backlog
+                             if rid not in so.num_scheduled_tokens)]
+        inflight = self._inflight_keys
+        for rid, n_sched in todo:
             st = self._reqs.get(rid)
             if st is None or not st.keys.cacheable or st.loading:
                 continue
@@ -600,25 +652,33 @@ class SchedulerRole:
                     continue
                 ids = table[g.index]
                 keys = st.keys.keys(req, gi, n_full)
+                # A P/D hand-off stores every block: the decode side must find each one.
+                known = self._committed[gi] if not st.producer else _NOTHING
                 for i in range(lo, min(n_full, len(ids))):
                     key = keys[i]
-                    if ids[i] == 0 or (gi, key) in self._inflight_keys or key in seen[gi]:
+                    if ids[i] == 0 or (gi, key) in inflight or key in seen[gi] or key in known:
                         continue
                     seen[gi].add(key)
                     wanted[gi].append((rid, i, key, ids[i]))
                 st.cursor[gi] = n_full
         specs: list[StoreSpec] = []
         for gi, g in enumerate(self.groups):
-            if not wanted[gi]:
+            want = wanted[gi]
+            if not want:
                 continue
-            refs = self._call(self.client.prepare_store, g.namespace,
-                              [key for _, _, key, _ in wanted[gi]])
-            if refs is None:
-                continue
+            refs, grant = self.client.take_slots(g.namespace, len(want))
+            if len(refs) < len(want):
+                if self.client.reserving(g.namespace):
+                    # Slots are on their way: these blocks are planned again next step.
+                    for rid, i, _, _ in want[len(refs):]:
+                        st = self._reqs[rid]
+                        st.cursor[gi] = min(st.cursor[gi], i)
+                else:
+                    logger.debug("kvpool: no room in the pool for %d blocks; not stored",
+                                 len(want) - len(refs))
+                want = want[:len(refs)]
             by_req: dict[str, _Ticket] = {}
-            for (rid, i, key, bid), ref in zip(wanted[gi], refs):
-                if ref in (SLOT_PRESENT, SLOT_NO_SPACE) or ref < 0:
-                    continue
+            for (rid, i, key, bid), ref in zip(want, refs):
                 t = by_req.get(rid)
                 if t is None:
                     t = by_req[rid] = _Ticket(rid, gi, [], [], [], [])
@@ -632,11 +692,31 @@ class SchedulerRole:
                 self._tickets[tid] = t
                 self._reqs[rid].tickets.add(tid)
                 for key in t.keys:
-                    self._inflight_keys[(gi, key)] = tid
+                    inflight[(gi, key)] = tid
                 for b in t.block_ids:
                     self._block_tickets.setdefault(b, set()).add(tid)
-                specs.append(StoreSpec(tid, gi, t.slots, t.block_ids))
+                specs.append(StoreSpec(tid, gi, t.slots, t.block_ids, t.keys, grant))
         return specs
+
+    def _has_unstored_blocks(self, st: _Req) -> bool:
+        req = st.request
+        return min(st.cursor) < min(req.num_computed_tokens, req.num_tokens) // self.block_tokens
+
+    def _end_backlog(self) -> None:
+        """Finished requests whose blocks are all planned (or that waited long enough, or
+        whose daemon is gone) let vLLM free their blocks once their stores have landed."""
+        now = time.monotonic()
+        give_up = not self._daemon_ok()
+        for rid in list(self._backlog):
+            st = self._reqs.get(rid)
+            if st is not None and not give_up and now < st.backlog_until \
+                    and self._has_unstored_blocks(st) \
+                    and any(self.client.reserving(g.namespace) for g in self.groups):
+                continue
+            self._backlog.discard(rid)
+            if st is not None and not st.tickets:
+                self._free_ready.append(rid)
+                self._forget(rid)
 
     # ---- completions ---------------------------------------------------------------------
 
@@ -690,7 +770,7 @@ class SchedulerRole:
         st = self._reqs.get(t.req_id)
         if st is not None:
             st.tickets.discard(tid)
-            if st.finishing and not st.tickets:
+            if st.finishing and not st.tickets and t.req_id not in self._backlog:
                 self._free_ready.append(t.req_id)
                 self._forget(t.req_id)
 
@@ -732,6 +812,13 @@ class SchedulerRole:
             return False, params
         # A lookup reply that lands later finds the request gone and releases its leases.
         self._consume_lookup(st, keep_leases=False)
+        if self._has_unstored_blocks(st) and self._daemon_ok() and st.keys.cacheable \
+                and any(self.client.reserving(g.namespace) for g in self.groups):
+            # Full blocks wait for slots from the stock: keep them until they are stored.
+            st.backlog_until = time.monotonic() + self.store_wait_s
+            self._backlog.add(request.request_id)
+            st.finishing = True
+            return True, params
         if st.tickets:
             st.finishing = True
             return True, params
@@ -754,23 +841,26 @@ class SchedulerRole:
 
     def has_pending_push_work(self) -> bool:
         return bool(self._tickets or self._free_ready or self._release or self._abort_slots
-                    or self._retry or self._streams)
+                    or self._retry or self._streams or self._backlog)
 
     def reset_cache(self) -> bool:
-        """Forget every block of this engine's namespaces in the pool; False if the daemon
-        could not be reached (vLLM then reports the reset as failed)."""
+        """Forget every block of this engine's namespaces in the pool, without waiting for the
+        daemon's answer (later lookups on this connection see the reset); False if it could
+        not be sent (vLLM then reports the reset as failed).
+
+        Stores planned before the reset must never show up after it (a reset often follows a
+        weight update): their slots are given back first, on the same connection, so a store
+        that reaches the daemon later finds its slot gone and commits nothing.
+        """
         from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
 
-        ok = True
-        for g in self.groups:
-            try:
-                self.client.reset(g.namespace)
-            except DaemonUnavailable as e:
-                self._daemon_failed(e)
-                ok = False
-            except KvpoolError as e:
-                logger.warning("kvpool: reset failed: %s", e)
-                ok = False
+        ok = self._pump()
+        if ok:
+            stale = [ref for t in self._tickets.values() for ref in t.slots]
+            if stale:
+                ok = self._nowait(self.client.abort_nowait, stale)
+            for g in self.groups:
+                ok = ok and self._nowait(self.client.reset_nowait, g.namespace)
         for t in self._tickets.values():
             t.stale = True
         self._inflight_keys.clear()
@@ -792,7 +882,7 @@ class SchedulerRole:
 
     def shutdown(self) -> None:
         if self._release:
-            self._call(self.client.release, sorted(set(self._release)))
+            self._nowait(self.client.release_nowait, sorted(set(self._release)))
             self._release = []
         close = getattr(self.client, "close", None)
         if close is not None:

@@ -130,6 +130,12 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "most bytes of blocks the disk tier keeps (its own LRU evicts beyond it); auto: what it "
         "holds already plus half of the free space of disk_path's filesystem",
         pattern=_SIZE_PATTERN)] = "auto"
+    # ---- stores without a round trip (appended) ----
+    # Schedulers ask for slots a few steps ahead; one they never name is back after this long.
+    # Their clients drop a reservation at half of it, so a store never races the expiry.
+    reservation_ttl_s: Annotated[float, _doc(
+        "slots reserved by an engine's scheduler for stores to come and not used by then are "
+        "taken back", gt=0, le=3600)] = 10.0
 
     @property
     def socket_path(self) -> str:
