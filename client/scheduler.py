@@ -164,6 +164,12 @@ class SchedulerClient:
                 t.disconnect()
                 raise DaemonUnavailable(f"kvpoold did not answer a reservation within "
                                         f"{self._timeout_s * 1000:.0f} ms")
+            self._refill(ns, st, now)
+
+    def keep_stock(self, namespace: bytes) -> None:
+        """Keep a stock of reserved slots of ``namespace`` from now on (refilled by ``poll``
+        whenever connected), so the first stores find slots."""
+        self._stocks.setdefault(namespace, _Stock())
 
     def lookup_start(self, namespace: bytes, key_lists: Sequence[Sequence[bytes]],
                      pin: bool = False) -> PendingCall:
@@ -182,6 +188,11 @@ class SchedulerClient:
         if st is None:
             st = self._stocks[namespace] = _Stock()
         self._check_epoch()
+        if st.count < n and st.asked and self._t.is_connected:
+            try:
+                self.poll()     # the grant may be waiting in the socket
+            except DaemonUnavailable:
+                pass            # the caller's next poll finds out and says so
         now = time.monotonic()
         while st.batches and st.batches[0][0] <= now:
             _, old = st.batches.popleft()

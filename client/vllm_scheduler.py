@@ -166,6 +166,11 @@ class SchedulerRole:
         self._backoff_s, self._backoff_max_s = backoff_s, backoff_max_s
         self._retry_at = 0.0
         self._fail_backoff = backoff_s
+        if self.enabled:
+            # Start connecting and stocking slots now, so the first steps find them.
+            for g in groups:
+                self.client.keep_stock(g.namespace)
+            self._pump()
 
     # ---- daemon access with a circuit breaker ----------------------------------------------
 
@@ -234,6 +239,7 @@ class SchedulerRole:
     def on_new_request(self, request: "Request") -> None:
         if self.enabled:
             self._state(request)
+            self._pump()
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -115,6 +115,9 @@ class WorkerClient:
         if self._t.is_stale:
             self._fail_in_flight("kvpoold vanished or restarted during the transfer")
             self._t.disconnect(backoff=False)
+        elif self._in_flight and not self._t.is_connected:
+            # The socket was dropped (a send found the daemon gone): no answer can come.
+            self._fail_in_flight("kvpoold went away during the transfer")
         for reply in self._t.drain():
             if isinstance(reply, p.JobDone) and reply.job_id in self._in_flight:
                 self._in_flight.discard(reply.job_id)

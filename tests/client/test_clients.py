@@ -101,3 +101,16 @@ def _try(fn):
         return fn()
     except DaemonUnavailable:
         return None
+
+
+def test_jobs_in_flight_fail_once_their_connection_is_dropped(daemon):
+    # A send that finds the daemon gone drops the socket; jobs sent before on it can never be
+    # answered, and must not wait for a heartbeat verdict that a dropped socket never gets.
+    kv = HostKv()
+    worker, reg = kv.register(daemon.client_config())
+    sched = SchedulerClient(daemon.client_config())
+    job = worker.submit_store(reg, [0], sched.prepare_store(kv.namespace, kv.keys([0] * 16)))
+    worker._t.disconnect()            # what Transport._send does on zmq.Again
+    done = worker.poll()
+    assert [(c.job_id, c.ok) for c in done] == [(job, False)] and worker.jobs_in_flight == 0
+    sched.close(); worker.close(); kv.close()

@@ -317,6 +317,7 @@ class Engine:
         self.connector.take_events = take_and_keep
         self.workers = [FakeWorker(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
                         for r in range(tp)]
+        self._prime()
         self.aggregator = KVOutputAggregator(expected_finished_count=tp)
         self.slow = [SlowStores(w.conn.worker, slow_stores) for w in self.workers] \
             if slow_stores else []
@@ -331,6 +332,20 @@ class Engine:
         self._bad_loads: set[str] = set()
         self.preemptions: set[str] = set()
         self.flushed_tickets = 0   # stores the workers had to finish before blocks were reused
+
+    def _prime(self, timeout_s: float = 5.0) -> None:
+        """Let the connector stock its first reserved slots, as the engine core's start-up
+        (workers register, then the scheduler is built, long before the first request) does.
+        Without a daemon this just gives up: the connector degrades by itself."""
+        role = self.connector.scheduler
+        if role is None or not role.enabled:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            role._pump()
+            if all(role.client.stock(g.namespace) for g in role.groups):
+                return
+            time.sleep(0.002)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -493,7 +508,10 @@ class Engine:
         return (f"requests={list(sc.requests)} running/waiting={counts} "
                 f"finished_ids={sc.finished_req_ids} tickets={list(role._tickets)} "
                 f"release={role._release} free_ready={role._free_ready} retry={role._retry} "
-                f"abort={role._abort_slots} reqs={list(role._reqs)} queue={len(self._queue)}")
+                f"abort={role._abort_slots} reqs={list(role._reqs)} queue={len(self._queue)} "
+                f"backlog={sorted(role._backlog)} worker store jobs="
+                f"{[dict(w.conn.worker._store_jobs) for w in self.workers]} in flight="
+                f"{[sorted(w.conn.worker.client._in_flight) for w in self.workers]}")
 
     # ---- checks --------------------------------------------------------------------------
 
