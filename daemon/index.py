@@ -18,11 +18,13 @@ Slot lifecycle (Plasma's CREATED → SEALED, with TP):
   A slot dropped while pinned is *doomed*: unreachable at once, freed when the last pin goes.
 - Slot refs carry the slot's generation, so a stale ref never touches a reused slot.
 - RESERVED is a slot granted to a scheduler ahead of its stores (``reserve``), bound to no key,
-  counted against its namespace's quota, invisible to lookups. The scheduler assigns it to a key
-  without asking, and the first rank's store (``begin_store`` with keys) binds it: to the key if
-  nobody holds that key, else as a *duplicate* (``Slot.dup``): written by no rank (the server
-  skips its copy), never mapped, freed once every rank has reported it. So dedup happens at bind
-  time, in one place, and a key is never visible twice nor torn. Unused reservations expire after
+  invisible to lookups, taking pool space but not its namespace's quota (a stock must not
+  crowd out a small quota's blocks). The scheduler assigns it to a key without asking, and the
+  first rank's store (``begin_store`` with keys) binds it: to the key if nobody holds that key
+  (the quota applies now, as for ``prepare_store``), else *void* (``Slot.void``): a duplicate, or
+  over a quota with nothing of its own left to evict. A void slot is written by no rank (the
+  server skips its copy), never mapped, and freed once every rank has reported it. So dedup
+  happens at bind time, in one place, and a key is never visible twice nor torn. Unused reservations expire after
   ``reserve_ttl_s``; a restarted daemon knows none of them (its pool records say WRITING, which
   adoption frees).
 - FILLING is a slot a lower tier is bringing back (``daemon/tiering.py``): lookups count it
@@ -84,7 +86,7 @@ class Slot:
     deadline: float = 0.0       # WRITING: dropped if not landed by then
     last_use: int = 0           # LRU tick of the last commit or hit
     doomed: bool = False
-    dup: bool = False           # bound to a key someone else holds: never written nor mapped
+    void: bool = False          # bound as a duplicate or over its quota: never written nor mapped
 
 
 @dataclass(slots=True, eq=False)
@@ -417,11 +419,11 @@ class Index:
         s.generation = (s.generation + 1) & 0x7FFF_FFFF
         s.ref = make_slot_ref(s.id, s.generation)
         s.landed = s.writing = 0
-        s.doomed = s.dup = False
+        s.doomed = s.void = False
         self.pool.write_state(s.extent, s.index, WRITING)
-        if table is not None:
+        if table is not None:   # a reservation counts for its namespace once bound
             table[k] = s
-        self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
+            self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
         return s
 
     # ---- reservations (stores planned without a round trip) --------------------------------
@@ -430,18 +432,18 @@ class Index:
         """Up to ``count`` RESERVED slot refs of ``ns`` for ``owner``, bound to no key, taken
         back at ``now + reserve_ttl_s`` unless a store binds them first. Fewer (possibly none)
         where the pool or the namespace's quota has no room (evicting LRU blocks as a store
-        would), or where ``owner`` already holds its share (1/RESERVE_SHARE of the pool)."""
+        would), or where ``owner`` already holds its share (1/RESERVE_SHARE of the pool). Quotas
+        apply when a store binds the slots, not here."""
         if not 0 <= count <= MAX_RESERVE:
             raise OutOfRange(f"a reservation asks for 0..{MAX_RESERVE} slots, not {count}")
         layout = self.layout_of(ns)
         slot_bytes = layout.slot_bytes
         held = self._reserved_bytes.get(owner, 0)
         count = min(count, max(0, self.pool.nbytes // RESERVE_SHARE - held) // slot_bytes)
-        quota = self._quota.get(ns, 0)
         out: list[int] = []
         for _ in range(count):
-            s = self._claim(ns, None, b"", slot_bytes, quota)
-            if s is None or s is _OVER_QUOTA:
+            s = self._claim(ns, None, b"", slot_bytes, 0)
+            if s is None:
                 break
             s.state, s.owner = RESERVED, owner
             s.deadline = now + self.reserve_ttl_s
@@ -492,7 +494,7 @@ class Index:
         """Validate a store job's slots and pin them; all or nothing.
 
         With ``keys`` (one block hash per ref), RESERVED slots are bound here: to their key, or
-        as duplicates (``Slot.dup``: the caller copies nothing into them) where the key is
+        as duplicates (``Slot.void``: the caller copies nothing into them) where the key is
         already committed, being written or filled, or named twice. Slots bound earlier (by
         another rank, or by ``prepare_store``) must be bound to the same key.
         """
@@ -521,17 +523,22 @@ class Index:
         if keys is not None:
             table = self._tables.setdefault(ns, {})
             deadline = now + self.write_timeout_s
+            quota = self._quota.get(ns, 0)
             for s, k in zip(slots, keys):
                 if s.state != RESERVED:
                     continue
                 self._unreserve(s)
                 s.state, s.key, s.deadline = WRITING, ns + k, deadline
                 self._writing[s.id] = s
+                slot_bytes = s.size_class.slot_bytes
                 if k in table:
-                    s.dup = True
+                    s.void = True
                     self.stats.duplicate_blocks += 1
+                elif quota and not self._fits_quota(ns, slot_bytes, quota):
+                    s.void = True      # as SLOT_NO_SPACE: this block is not pooled
                 else:
                     table[k] = s
+                    self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
         for s in slots:
             s.writing |= bit
             s.pins += 1
@@ -554,9 +561,9 @@ class Index:
                     ready.append(s)
             if s.doomed:
                 self._drop(s)
-        if any(s.dup for s in ready):
-            dups = [s for s in ready if s.dup]
-            ready = [s for s in ready if not s.dup]
+        if any(s.void for s in ready):
+            dups = [s for s in ready if s.void]
+            ready = [s for s in ready if not s.void]
             # Every rank has reported a duplicate: nothing to show, its slot goes back.
             for s in dups:
                 self._drop(s)
@@ -828,10 +835,10 @@ class Index:
         self._filling.pop(s.id, None)
         if s.state == RESERVED:
             self._unreserve(s)
-        if s.state != FREE:
+        elif s.state != FREE and not s.void:
             self._ns_bytes[s.ns] -= s.size_class.slot_bytes
         s.state = FREE
-        s.doomed = s.dup = False
+        s.doomed = s.void = False
         s.landed = s.writing = 0
         self.pool.write_state(s.extent, s.index, FREE)
         s.size_class.free.append(s)

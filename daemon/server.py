@@ -384,7 +384,7 @@ class Server:
         offsets += reg.tp_rank * reg.layout.shard_stride_bytes
         if is_store and msg.keys:
             # Duplicates (keys someone else holds) are bound but written by nobody.
-            keep = np.fromiter((not s.dup for s in slots), bool, len(slots))
+            keep = np.fromiter((not s.void for s in slots), bool, len(slots))
             if not keep.all():
                 blocks, offsets = blocks[keep], offsets[keep]
         try:

@@ -260,7 +260,8 @@ class Engine:
                  block_outermost: bool = False, max_num_batched_tokens: int = 64,
                  extra: dict | None = None, kv_role: str = "kv_both",
                  load_failure_policy: str = "recompute", slow_stores: int = 0,
-                 hold_stores: bool = False, late_stores: int = 0) -> None:
+                 hold_stores: bool = False, late_stores: int = 0, max_num_seqs: int = 16,
+                 write_kv: bool = True) -> None:
         model = ModelConfig(model=model_dir(root), dtype="float16", seed=42,
                             skip_tokenizer_init=True)
         self.groups = ([Group(["model.layers.0.self_attn"]),
@@ -272,7 +273,7 @@ class Engine:
                         **(extra or {})}
         self.cfg = VllmConfig(
             model_config=model,
-            scheduler_config=SchedulerConfig(max_num_seqs=16,
+            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              max_model_len=2048, enable_chunked_prefill=True,
                                              is_encoder_decoder=False,
@@ -326,6 +327,9 @@ class Engine:
         self.held = [HeldStores(w.conn.worker, late_stores or None) for w in self.workers] \
             if hold_stores or late_stores else []
         self.stats = Stats()
+        # write_kv=False (benchmarks): the fake model writes no KV and loads are not checked;
+        # the connector and daemon do exactly the same work.
+        self.write_kv = write_kv
         self._queue: list[tuple[object, ModelRunnerOutput]] = []
         init_none_hash(sha256)
         self.fail_next_loads = 0   # test hook: make the loads of the next N steps fail
@@ -443,7 +447,7 @@ class Engine:
                     w.load_history.setdefault(spec.req_id, []).append(
                         (spec.group, list(spec.block_ids)))
             w.conn.start_load_kv(None)
-            for rid, n in so.num_scheduled_tokens.items():
+            for rid, n in so.num_scheduled_tokens.items() if self.write_kv else ():
                 req = self.sched.requests[rid]
                 start = req.num_computed_tokens - n
                 tokens = list(req.all_token_ids)
@@ -457,8 +461,9 @@ class Engine:
                 failed_recving=res.failed_recving,
                 invalid_block_ids=w.conn.get_block_ids_with_load_errors(),
                 kv_connector_worker_meta=w.conn.build_connector_worker_meta())
-            self._verify_loads(w, res.finished_recving, res.failed_recving,
-                               kv_out.invalid_block_ids)
+            if self.write_kv:
+                self._verify_loads(w, res.finished_recving, res.failed_recving,
+                                   kv_out.invalid_block_ids)
             w.conn.clear_connector_metadata()
             sampled = []
             for r in ids:

@@ -380,7 +380,7 @@ def test_a_key_already_held_binds_as_a_duplicate_never_written_nor_shown_twice(i
     second = index.reserve(NS_TP2, 3, OTHER, now=0)       # engine B, same keys, later
     a0 = index.begin_store(NS_TP2, first, 0, ks, now=0)
     b0 = index.begin_store(NS_TP2, second[:2], 0, ks, now=0)   # both keys in flight from A
-    assert [s.dup for s in a0] == [False, False] and [s.dup for s in b0] == [True, True]
+    assert [s.void for s in a0] == [False, False] and [s.void for s in b0] == [True, True]
     index.end_store(a0, 0, True)
     index.end_store(b0, 0, True)
     index.end_store(index.begin_store(NS_TP2, first, 1, ks, now=0), 1, True)
@@ -394,11 +394,11 @@ def test_a_key_already_held_binds_as_a_duplicate_never_written_nor_shown_twice(i
     k = keys(1, b"e")
     r = index.begin_store(NS_TP2, second[2:] + index.reserve(NS_TP2, 1, OTHER, 0), 0,
                           ks[:1] + k, now=0)
-    assert [s.dup for s in r] == [True, False]
+    assert [s.void for s in r] == [True, False]
     index.end_store(r, 0, True)
     twice = index.reserve(NS_SMALL, 2, OWNER, 0)
     r = index.begin_store(NS_SMALL, twice, 0, k + k, now=0)
-    assert [s.dup for s in r] == [False, True]
+    assert [s.void for s in r] == [False, True]
     index.end_store(r, 0, True)
     assert index.lookup(NS_SMALL, [k], False, OWNER, 0)[0] == [1]
 
@@ -459,19 +459,35 @@ def test_bad_reservations_and_keyless_stores_into_reserved_slots_are_refused(ind
     assert index.reserved_count == 2                      # nothing was bound by the failures
 
 
-def test_reservations_count_against_quota_and_the_owners_share(pool):
+def test_quotas_apply_when_reserved_slots_are_bound_and_owners_have_a_share(pool):
     ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
-    ix.register_namespace(NS_A, SMALL, quota_bytes=3 * SMALL.slot_bytes)
-    assert len(ix.reserve(NS_A, 5, OWNER, 0)) == 3 and ix.used_bytes_of(NS_A) == 3 * SMALL.slot_bytes
-    assert ix.reserve(NS_A, 1, OTHER, 0) == []
+    ix.register_namespace(NS_A, SMALL, quota_bytes=2 * SMALL.slot_bytes)
+    old = keys(1, b"old")
+    store(ix, NS_A, old)
+    lease = ix.lookup(NS_A, [old], True, OWNER, 0)[1][0]           # pinned: not evictable
+    refs = ix.reserve(NS_A, 5, OWNER, 0)
+    assert len(refs) == 5 and ix.used_bytes_of(NS_A) == SMALL.slot_bytes   # stock: no quota
+    ks = keys(3, b"q")
+    slots = ix.begin_store(NS_A, refs[:3], 0, ks, now=0)
+    # one fits the quota; the others find nothing of A's own to evict: void, not written
+    assert [s.void for s in slots] == [False, True, True]
+    ix.end_store(slots, 0, True)
+    assert ix.lookup(NS_A, [ks], False, OWNER, 0)[0] == [1]
+    assert ix.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
+    ix.release_leases([lease], OWNER)
+    slots = ix.begin_store(NS_A, refs[3:4], 0, keys(1, b"n"), now=0)  # evicts "old" now
+    assert [s.void for s in slots] == [False]
+    ix.end_store(slots, 0, True)
+    assert ix.lookup(NS_A, [old], False, OWNER, 0)[0] == [0]
+    assert ix.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
     ix.register_namespace(NS_B, SMALL)
-    share = pool.nbytes // RESERVE_SHARE // SMALL.slot_bytes
-    assert len(ix.reserve(NS_B, share + 10, OTHER, 0)) == share
-    assert ix.reserve(NS_B, 1, OTHER, 0) == []            # its share is used up
-    assert len(ix.reserve(NS_B, 1, 7, 0)) == 1             # another client still gets some
+    share = pool.nbytes // RESERVE_SHARE // SMALL.slot_bytes - 1     # OWNER holds one already
+    assert len(ix.reserve(NS_B, share + 10, OWNER, 0)) == share
+    assert ix.reserve(NS_B, 1, OWNER, 0) == []            # its share is used up
+    assert len(ix.reserve(NS_B, 1, OTHER, 0)) == 1         # another client still gets some
     ix.expire(1000)
-    assert ix.used_bytes_of(NS_A) == 0 and ix.reserved_count == 0
-    assert len(ix.reserve(NS_B, 2, OTHER, 1000)) == 2      # the share is back
+    assert ix.reserved_count == 0 and ix.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
+    assert len(ix.reserve(NS_B, 2, OWNER, 1000)) == 2      # the share is back
 
 
 def test_a_restart_drops_reservations_with_the_pool_records(pool_config):
