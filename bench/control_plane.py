@@ -103,13 +103,15 @@ CONNECTOR_REQUESTS = 256
 
 
 def connector_methods(sock: str, tmp: str, async_scheduling: bool,
-                      n: int = CONNECTOR_REQUESTS) -> dict[str, dict[str, float]]:
+                      n: int = CONNECTOR_REQUESTS, decode: int = 256
+                      ) -> dict[str, dict[str, float]]:
     """Per connector method: calls and p50/p99/max us, with ``n`` requests running at once.
 
     Phase 1 stores ``n`` prompts of 512 tokens, then empties vLLM's GPU prefix cache. Phase 2,
     timed: ``n`` requests whose first 384 tokens are those prompts' (pool hits: lookups,
-    asynchronous loads) and 128 new ones, each decoding 64 tokens (stores of every block that
-    fills, during prefill and decode).
+    asynchronous loads) and 120 to 135 new ones (so that their blocks fill on different decode
+    steps, as in a server where requests come and go), each decoding ``decode`` tokens: stores
+    of every block that fills, during prefill and decode.
     """
     import gc
     from pathlib import Path
@@ -118,7 +120,7 @@ def connector_methods(sock: str, tmp: str, async_scheduling: bool,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tests.client.vllm_harness import Engine
 
-    e = Engine(Path(tmp), sock, async_scheduling=async_scheduling, num_blocks=12288,
+    e = Engine(Path(tmp), sock, async_scheduling=async_scheduling, num_blocks=16384,
                max_num_seqs=n, max_num_batched_tokens=8192, write_kv=False,
                engine_id=f"bench-{'async' if async_scheduling else 'sync'}",
                extra={"timeout_ms": 10_000})
@@ -136,8 +138,8 @@ def connector_methods(sock: str, tmp: str, async_scheduling: bool,
         gc.freeze()      # as vLLM's engine core does after start-up
         for i in range(n):
             start = base + 1000 * i
-            e.add(f"r{i}", list(range(start, start + 384)) + list(range(start + 600, start + 728)),
-                  max_tokens=64)
+            e.add(f"r{i}", list(range(start, start + 384)) +
+                  list(range(start + 600, start + 720 + i % 16)), max_tokens=decode)
         e.run(timeout_s=600)
         assert len(e.stats.loaded_reqs) >= n // 2, f"only {len(e.stats.loaded_reqs)} loads"
         out = {k: v for k, v in timer.summary().items() if v["calls"]}

@@ -16,6 +16,8 @@ thread):
   to an earlier one (slots, leases) is gone.
 - A background thread with its own socket sends heartbeats so the daemon can release what a
   dead process held; it also notices a restarted or vanished daemon (``is_stale``).
+- ``send`` and ``drain`` go through ``zmq_calls.HeldSocket``: they never release the GIL, so a
+  caller on a scheduler thread never waits for another thread to hand it back.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Callable
 
 import zmq
 
+from kvpool.client.zmq_calls import HeldSocket
 from kvpool.shared import protocol as p
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.errors import (DaemonUnavailable, HelloRequired, KvpoolError,
@@ -49,6 +52,7 @@ class Transport:
         self.daemon_id: str | None = None
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._held: HeldSocket | None = None
         self._ids = itertools.count(1)
         self._retry_at = 0.0
         self._backoff_s = config.reconnect_backoff_ms / 1000
@@ -92,13 +96,16 @@ class Transport:
         """Every reply that has arrived, without waiting (the answer to a Hello sent by
         ``connect_nowait`` is taken in here, not returned)."""
         out, self._unsolicited = self._unsolicited, []
-        sock = self._sock
-        if sock is None:
+        held = self._held
+        if held is None:
             return out
         while True:
             try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
+                frame = held.recv()
+            except zmq.ZMQError:
+                self.disconnect()
+                return out
+            if frame is None:
                 return out
             reply = p.decode_reply(frame)
             if self._hello_id is not None and reply.req_id == self._hello_id:
@@ -215,6 +222,7 @@ class Transport:
     def disconnect(self, backoff: bool = True) -> None:
         """Drop the socket (and anything queued on it); the next call reconnects."""
         if self._sock is not None:
+            self._held = None
             self._sock.close(linger=0)
             self._sock = None
         self.owner_id = None
@@ -243,6 +251,7 @@ class Transport:
         sock.setsockopt(zmq.IDENTITY, os.urandom(8))
         sock.connect(f"ipc://{self.config.socket_path}")
         self._sock = sock
+        self._held = HeldSocket(sock)
 
     def _hello(self) -> p.HelloReply:
         assert self._sock is not None
@@ -257,13 +266,15 @@ class Transport:
         return reply
 
     def _send(self, msg: p.Request) -> None:
-        assert self._sock is not None
+        assert self._held is not None
         try:
-            self._sock.send(p.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
+            sent = self._held.send(p.encode(msg))
+        except zmq.ZMQError:
+            sent = False
+        if not sent:
             self.disconnect()
             raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} is not "
-                                    f"accepting requests") from None
+                                    f"accepting requests")
 
     def _await(self, req_id: int, timeout_ms: int | None) -> p.Reply:
         assert self._sock is not None

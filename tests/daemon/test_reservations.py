@@ -149,8 +149,15 @@ def test_a_daemon_restart_empties_the_stock_and_new_grants_name_the_new_daemon(d
     assert grant != old_grant
     # The worker re-registers by itself; the old grant is refused, the new one stores.
     keys = kv.keys(list(range(32)))
-    done = wait_for(lambda: _try(lambda: worker.wait([worker.submit_store(
-        reg, [0, 1], old, keys=keys, grant=old_grant)], 10)[0]), 15, "the worker to reconnect")
+
+    def answered(refs, grant):
+        # A store sent on the connection the restart broke is aborted; try again until the
+        # restarted daemon answers it.
+        done = _try(lambda: worker.wait([worker.submit_store(reg, [0, 1], refs, keys=keys,
+                                                             grant=grant)], 10)[0])
+        return done if done is not None and done.code != ErrorCode.ABORTED else None
+
+    done = wait_for(lambda: answered(old, old_grant), 15, "the worker to reconnect")
     assert not done.ok and done.code == ErrorCode.UNKNOWN_ID
     assert worker.wait([worker.submit_store(reg, [0, 1], new, keys=keys, grant=grant)],
                        10)[0].ok
