@@ -121,7 +121,7 @@ def connector_methods(sock: str, tmp: str, async_scheduling: bool,
     from tests.client.vllm_harness import Engine
 
     e = Engine(Path(tmp), sock, async_scheduling=async_scheduling, num_blocks=16384,
-               max_num_seqs=n, max_num_batched_tokens=8192, write_kv=False,
+               max_num_seqs=n, max_num_batched_tokens=8192, write_kv=False, kv_events=False,
                engine_id=f"bench-{'async' if async_scheduling else 'sync'}",
                extra={"timeout_ms": 10_000})
     try:

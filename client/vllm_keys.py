@@ -162,6 +162,13 @@ class RequestKeys:
             have.extend(chain_block_hashes(tokens, bt, parent, 0, extras))
         return have[:num_blocks]
 
+    def range(self, request: "Request", slot: int, start: int, stop: int) -> list[bytes]:
+        """Keys of blocks ``[start, stop)`` of group ``slot`` (hashing what is missing)."""
+        have = self._keys[slot]
+        if len(have) < stop:
+            self.keys(request, slot, stop)
+        return have[start:stop]
+
     def truncate(self, num_blocks: int) -> None:
         """Forget keys past ``num_blocks`` (tokens there changed: streaming input, resumes)."""
         for k in self._keys:

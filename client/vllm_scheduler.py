@@ -38,7 +38,9 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from collections import deque
+from itertools import repeat
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from kvpool.client.vllm_keys import GroupInfo, RequestKeys
 from kvpool.client.vllm_meta import LoadSpec, StepMeta, StoreSpec, WorkerAcks
@@ -61,12 +63,21 @@ _NOTHING: dict[bytes, None] = {}
 
 
 @dataclass(eq=False)
-class _Ticket:
-    """One store: blocks of one group of one request, prepared in one step."""
+class _Run:
+    """The blocks of one request in a ticket."""
 
-    req_id: str
+    req: "_Req"
+    indices: Sequence[int]     # block positions in the request (a range when contiguous)
+    keys: list[bytes]
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """One store: the blocks of one group planned in one step, for every request (the workers
+    copy them in one job per group and step anyway, so finer tickets would buy nothing)."""
+
     group: int
-    indices: list[int]         # block positions in the request
+    runs: list[_Run]
     keys: list[bytes]
     slots: list[int]
     block_ids: list[int]
@@ -92,6 +103,7 @@ class _Req:
     load_blocks: list[int] = field(default_factory=list)
     load_keys: list[bytes] = field(default_factory=list)
     cursor: list[int] = field(default_factory=list)     # per group: next block to store
+    lo: int = 0                # min(cursor): a request with no block past it has none to store
     tickets: set[int] = field(default_factory=set)
     finishing: bool = False    # request_finished returned True: free via free_now
     finished: bool = False
@@ -117,11 +129,13 @@ class SchedulerRole:
                  backoff_s: float = 0.2, backoff_max_s: float = 5.0, *,
                  kv_producer: bool = False, engine_id: str = "", tp_size: int = 1,
                  pd_wait_s: float = 3.0, pd_stream: bool = True,
-                 store_wait_s: float = 2.0) -> None:
+                 store_wait_s: float = 2.0, events_enabled: bool = True) -> None:
         self.groups = groups
         # A finished request waits this long at most for slots to store its last blocks.
         self.store_wait_s = store_wait_s
         self._backlog: set[str] = set()   # finished requests keeping blocks for their stores
+        self._steps = 0                   # build_connector_meta calls so far
+        self._polled = -1                 # the step whose answers were last taken in
         self.world_size = world_size
         self.kv_producer = kv_producer
         self.engine_id = engine_id
@@ -152,14 +166,21 @@ class SchedulerRole:
         self._batch_results: dict[str, list[tuple[int, int, list[int], int]]] = {}
         self._tickets: dict[int, _Ticket] = {}
         self._next_ticket = 1
-        self._inflight_keys: dict[tuple[int, bytes], int] = {}
-        self._block_tickets: dict[int, set[int]] = {}
+        # Per group: key -> ticket storing it. Per GPU block: the ticket that last read it
+        # (entries of resolved tickets stay, and are ignored: the map is bounded by the number
+        # of GPU blocks, and nothing is deleted per block on the hot path).
+        self._inflight: list[dict[bytes, int]] = [{} for _ in groups]
+        self._block_ticket: dict[int, int] = {}
         self._step_loads: list[LoadSpec] = []
         self._flush: set[int] = set()
         self._free_ready: list[str] = []
         self._release: list[int] = []
         self._abort_slots: list[int] = []
         self._events: list[Any] = []
+        # KV events are built only if vLLM publishes them, and only when it asks for them
+        # (take_events), from the tickets that committed.
+        self.events_enabled = events_enabled
+        self._stored: list[_Ticket] = []
         self._loading_keys: dict[bytes, int] = {}   # group-0 keys of loads in flight
         self._orphans: list[Any] = []    # lookups nobody waits for; their leases get released
         self._committed: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in groups]
@@ -237,9 +258,16 @@ class SchedulerRole:
         return st
 
     def on_new_request(self, request: "Request") -> None:
-        if self.enabled:
-            self._state(request)
-            self._pump()
+        """A request entered the scheduler: hash its prompt's block keys now (as vLLM hashes
+        its own blocks when a request is created), not inside a scheduling step."""
+        if not self.enabled:
+            return
+        st = self._state(request)
+        if st.keys.cacheable:
+            n = (request.num_tokens - 1) // self.block_tokens
+            for gi, g in enumerate(self.groups):
+                if g.window_blocks is None:
+                    st.keys.keys(request, gi, n)
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -258,9 +286,12 @@ class SchedulerRole:
                     return 0, False
                 st.state, st.target, st.rounds = "queued", max_blocks, 0
                 self._queued.append(request.request_id)
-            self._poll_lookups()
-            if not self._inflight_calls:
-                self._send_lookups()
+            if self._polled != self._steps:
+                # Once per step: answers that came since the last step. The step's queued
+                # lookups go out together at its end (build_connector_meta).
+                self._polled = self._steps
+                self._pump()
+                self._poll_lookups()
             if st.hit is None:
                 return None, False
         end = max(st.hit, st.stream_to)
@@ -271,7 +302,7 @@ class SchedulerRole:
             # Another request is loading some of these blocks: wait for it and take them from
             # the GPU prefix cache then, instead of loading them twice.
             first = num_computed_tokens // self.block_tokens
-            if any(k in self._loading_keys for k in st.keys.keys(request, 0, end)[first:]):
+            if not self._loading_keys.keys().isdisjoint(st.keys.range(request, 0, first, end)):
                 return None, False
         return ext, True
 
@@ -467,7 +498,7 @@ class SchedulerRole:
         bt = self.block_tokens
         if num_external_tokens == 0 or st.hit is None:
             # Blocks the pool already holds need no store; the GPU-cached ones past them do.
-            st.cursor = [0 if st.producer else st.hit or 0] * len(self.groups)
+            self._set_cursor(st, 0 if st.producer else st.hit or 0)
             self._consume_lookup(st, keep_leases=False)
             return
         local_blocks = st.local_tokens // bt
@@ -499,7 +530,7 @@ class SchedulerRole:
                               failed=True)]
         st.loading = True
         st.load_blocks = [b for spec in loads for b in spec.block_ids]
-        st.load_keys = st.keys.keys(request, 0, end)[local_blocks:]
+        st.load_keys = st.keys.range(request, 0, local_blocks, end)
         for k in st.load_keys:
             self._loading_keys[k] = self._loading_keys.get(k, 0) + 1
         self._step_loads.extend(loads)
@@ -522,7 +553,7 @@ class SchedulerRole:
             # Nothing to copy (all needed blocks were local); the workers still report the
             # request as received so vLLM leaves WAITING_FOR_REMOTE_KVS.
             self._step_loads.append(LoadSpec(request.request_id, 0, [], []))
-        st.cursor = [0 if st.producer else end] * len(self.groups)
+        self._set_cursor(st, 0 if st.producer else end)
 
     def _consume_lookup(self, st: _Req, keep_leases: bool) -> None:
         """The lookup result is used up; its leases go now unless a load holds them."""
@@ -576,8 +607,6 @@ class SchedulerRole:
     # ---- per step: stores, flushes, releases ---------------------------------------------
 
     def build_connector_meta(self, so: "SchedulerOutput") -> StepMeta:
-        from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
-
         meta = StepMeta()
         if not self.enabled:
             return meta
@@ -592,19 +621,19 @@ class SchedulerRole:
         # first (preempted requests' blocks; sliding-window blocks freed and reused).
         flush = self._flush
         self._flush = set()
-        if self._block_tickets:
-            for _rid, groups, _full in yield_req_data(so):
-                for ids in groups or ():
-                    for b in ids:
-                        ts = self._block_tickets.get(b)
-                        if ts:
-                            flush.update(ts)
+        if self._tickets:
+            handed = self._handed_blocks(so)
+            if handed:
+                tickets, last = self._tickets, self._block_ticket
+                for b in last.keys() & handed:
+                    if last[b] in tickets:
+                        flush.add(last[b])
         for rid in so.preempted_req_ids or ():
             st = self._reqs.get(rid)
             if st is not None:
                 flush.update(st.tickets)
                 self._consume_lookup(st, keep_leases=False)
-                st.cursor = [0] * len(self.groups)
+                self._set_cursor(st, 0)
         meta.flush_tickets = sorted(flush)
         meta.stores = self._plan_stores(so)
         meta.free_now, self._free_ready = self._free_ready, []
@@ -623,86 +652,161 @@ class SchedulerRole:
             self._send_lookups()
         # Last: polling, deadlines and a failed send above may all have added load specs.
         meta.loads, self._step_loads = self._step_loads, []
+        self._steps += 1
         return meta
+
+    @staticmethod
+    def _handed_blocks(so: "SchedulerOutput") -> list[int]:
+        """GPU blocks given to requests this step (vLLM 0.32/0.33 ``SchedulerOutput``)."""
+        out: list[int] = []
+        for r in so.scheduled_new_reqs:
+            for ids in r.block_ids:
+                out += ids
+        for groups in so.scheduled_cached_reqs.new_block_ids:
+            if groups:
+                for ids in groups:
+                    if ids:
+                        out += ids
+        return out
+
+    @staticmethod
+    def _set_cursor(st: _Req, block: int) -> None:
+        st.cursor = [block] * len(st.cursor)
+        st.lo = block
 
     def _plan_stores(self, so: "SchedulerOutput") -> list[StoreSpec]:
         """Newly full blocks of every scheduled request (and of finished ones waiting for
         slots), minus keys in flight or known to be in the pool, each given a reserved slot
         from the client's stock. Never waits: blocks the stock cannot cover yet are planned
-        again next step (or skipped when the pool has no room)."""
+        again next step (or skipped when the pool has no room).
+
+        Runs every step over every scheduled request, so the common case (no block filled)
+        costs a few attribute reads per request, and the work per block is done by C-level
+        list, set and dict operations over each request's run of new blocks."""
         if self.kv_cache_manager is None or not self._daemon_ok():
             return []
         bt = self.block_tokens
-        wanted: list[list[tuple[str, int, bytes, int]]] = [[] for _ in self.groups]
-        seen: list[set[bytes]] = [set() for _ in self.groups]
-        spec_tokens = so.scheduled_spec_decode_tokens or {}
-        todo: Iterable[tuple[str, int]] = so.num_scheduled_tokens.items()
+        reqs = self._reqs
+        due: list[tuple[_Req, int]] = []
+        for rid, n_sched in so.num_scheduled_tokens.items():
+            st = reqs.get(rid)
+            if st is not None and (st.request.num_computed_tokens + n_sched) // bt > st.lo:
+                due.append((st, n_sched))
         if self._backlog:
-            todo = [*todo, *((rid, 0) for rid in self._backlog
-                             if rid not in so.num_scheduled_tokens)]
-        inflight = self._inflight_keys
-        for rid, n_sched in todo:
-            st = self._reqs.get(rid)
-            if st is None or not st.keys.cacheable or st.loading:
+            due += [(reqs[rid], 0) for rid in self._backlog
+                    if rid not in so.num_scheduled_tokens and rid in reqs]
+        if not due:
+            return []
+        spec_tokens = so.scheduled_spec_decode_tokens
+        tables = self._block_tables()
+        # per group: (request, block indices, keys, GPU block ids) runs to store
+        wanted: list[list[tuple[_Req, Sequence[int], list[bytes], list[int]]]] = \
+            [[] for _ in self.groups]
+        seen: list[set[bytes]] = [set() for _ in self.groups]
+        for st, n_sched in due:
+            if not st.keys.cacheable or st.loading:
                 continue
             req = st.request
-            done = min(req.num_computed_tokens + n_sched - len(spec_tokens.get(rid, ())),
-                       req.num_tokens)
-            n_full = done // bt
-            if n_full <= min(st.cursor):
+            rid = req.request_id
+            done = req.num_computed_tokens + n_sched
+            if spec_tokens and rid in spec_tokens:
+                done -= len(spec_tokens[rid])
+            n_full = min(done, req.num_tokens) // bt
+            if n_full <= st.lo:
                 continue
-            table = self.kv_cache_manager.get_block_ids(rid)
             for gi, g in enumerate(self.groups):
                 lo = st.cursor[gi]
                 if n_full <= lo:
                     continue
-                ids = table[g.index]
-                keys = st.keys.keys(req, gi, n_full)
+                st.cursor[gi] = n_full
+                if tables is not None:
+                    blocks = tables[g.index].get(rid) or ()
+                    hi = min(n_full, len(blocks))
+                    bids = [b.block_id for b in blocks[lo:hi]]
+                else:
+                    ids = self.kv_cache_manager.get_block_ids(rid)[g.index]
+                    hi = min(n_full, len(ids))
+                    bids = ids[lo:hi]
+                if hi <= lo:
+                    continue
+                keys = st.keys.range(req, gi, lo, hi)
+                inflight, taken = self._inflight[gi], seen[gi]
                 # A P/D hand-off stores every block: the decode side must find each one.
                 known = self._committed[gi] if not st.producer else _NOTHING
-                for i in range(lo, min(n_full, len(ids))):
-                    key = keys[i]
-                    if ids[i] == 0 or (gi, key) in inflight or key in seen[gi] or key in known:
+                if 0 in bids or not inflight.keys().isdisjoint(keys) \
+                        or not taken.isdisjoint(keys) or not known.keys().isdisjoint(keys):
+                    keep = [j for j, (k, b) in enumerate(zip(keys, bids))
+                            if b and k not in inflight and k not in taken and k not in known]
+                    if not keep:
                         continue
-                    seen[gi].add(key)
-                    wanted[gi].append((rid, i, key, ids[i]))
-                st.cursor[gi] = n_full
+                    index: Sequence[int] = [lo + j for j in keep]
+                    keys = [keys[j] for j in keep]
+                    bids = [bids[j] for j in keep]
+                else:
+                    index = range(lo, hi)
+                taken.update(keys)
+                wanted[gi].append((st, index, keys, bids))
+            st.lo = min(st.cursor)
         specs: list[StoreSpec] = []
         for gi, g in enumerate(self.groups):
-            want = wanted[gi]
-            if not want:
+            runs = wanted[gi]
+            if not runs:
                 continue
-            refs, grant = self.client.take_slots(g.namespace, len(want))
-            if len(refs) < len(want):
-                if self.client.reserving(g.namespace):
-                    # Slots are on their way: these blocks are planned again next step.
-                    for rid, i, _, _ in want[len(refs):]:
-                        st = self._reqs[rid]
-                        st.cursor[gi] = min(st.cursor[gi], i)
-                else:
-                    logger.debug("kvpool: no room in the pool for %d blocks; not stored",
-                                 len(want) - len(refs))
-                want = want[:len(refs)]
-            by_req: dict[str, _Ticket] = {}
-            for (rid, i, key, bid), ref in zip(want, refs):
-                t = by_req.get(rid)
-                if t is None:
-                    t = by_req[rid] = _Ticket(rid, gi, [], [], [], [])
-                t.indices.append(i)
-                t.keys.append(key)
-                t.slots.append(ref)
-                t.block_ids.append(bid)
-            for rid, t in by_req.items():
-                tid = self._next_ticket
-                self._next_ticket += 1
-                self._tickets[tid] = t
-                self._reqs[rid].tickets.add(tid)
-                for key in t.keys:
-                    inflight[(gi, key)] = tid
-                for b in t.block_ids:
-                    self._block_tickets.setdefault(b, set()).add(tid)
-                specs.append(StoreSpec(tid, gi, t.slots, t.block_ids, t.keys, grant))
+            total = sum(len(keys) for _, _, keys, _ in runs)
+            refs, grant = self.client.take_slots(g.namespace, total)
+            if len(refs) < total:
+                runs = self._cut_runs(gi, g.namespace, runs, len(refs))
+            if not runs:
+                continue
+            tid = self._next_ticket
+            self._next_ticket += 1
+            all_keys: list[bytes] = []
+            all_bids: list[int] = []
+            parts = []
+            for st, index, keys, bids in runs:
+                all_keys += keys
+                all_bids += bids
+                parts.append(_Run(st, index, keys))
+                st.tickets.add(tid)
+            refs = refs[:len(all_keys)]
+            self._tickets[tid] = _Ticket(gi, parts, all_keys, refs, all_bids)
+            self._inflight[gi].update(dict.fromkeys(all_keys, tid))
+            self._block_ticket.update(dict.fromkeys(all_bids, tid))
+            specs.append(StoreSpec(tid, gi, refs, all_bids, all_keys, grant))
         return specs
+
+    def _block_tables(self) -> list[dict[str, list[Any]]] | None:
+        """Per vLLM KV-cache group, the request -> blocks map of its manager, so a run of new
+        blocks costs its length rather than the request's whole table
+        (``KVCacheManager.get_block_ids`` lists every block of every group); None where the
+        manager is shaped otherwise (then that public call is used)."""
+        try:
+            managers = self.kv_cache_manager.coordinator.single_type_managers
+            maps = [m.req_to_blocks for m in managers]
+        except AttributeError:
+            return None
+        return maps
+
+    def _cut_runs(self, gi: int, namespace: bytes, runs: list, n: int) -> list:
+        """The stock covers only ``n`` blocks: keep the runs' first ``n``; the others are
+        planned again next step while slots are coming, else (no room in the pool) skipped."""
+        coming = self.client.reserving(namespace)
+        out = []
+        for st, index, keys, bids in runs:
+            if n >= len(keys):
+                out.append((st, index, keys, bids))
+                n -= len(keys)
+                continue
+            if coming:
+                st.cursor[gi] = min(st.cursor[gi], index[n])
+                st.lo = min(st.cursor)
+            else:
+                logger.debug("kvpool: no room in the pool for %d blocks; not stored",
+                             len(keys) - n)
+            if n:
+                out.append((st, index[:n], keys[:n], bids[:n]))
+                n = 0
+        return out
 
     def _has_unstored_blocks(self, st: _Req) -> bool:
         req = st.request
@@ -752,7 +856,7 @@ class SchedulerRole:
             self._release.extend(st.leases)
             st.leases, st.hit = [], None
             if rid in failed or (invalid and not invalid.isdisjoint(st.load_blocks)):
-                st.cursor = [0] * len(self.groups)   # recomputed blocks get stored again
+                self._set_cursor(st, 0)   # recomputed blocks get stored again
                 st.load_failed = True
             st.load_blocks = []
             if st.finished:
@@ -760,38 +864,40 @@ class SchedulerRole:
 
     def _resolve_ticket(self, tid: int, t: _Ticket) -> None:
         del self._tickets[tid]
-        for key in t.keys:
-            if self._inflight_keys.get((t.group, key)) == tid:
-                del self._inflight_keys[(t.group, key)]
-        for b in t.block_ids:
-            ts = self._block_tickets.get(b)
-            if ts is not None:
-                ts.discard(tid)
-                if not ts:
-                    del self._block_tickets[b]
+        if not t.stale:     # (a reset emptied the in-flight map; others may use it since)
+            deque(map(self._inflight[t.group].pop, t.keys, repeat(None)), maxlen=0)
         if t.failed:
             self._abort_slots.extend(t.slots)
         elif not t.stale:
-            self._committed_event(t)
-        st = self._reqs.get(t.req_id)
-        if st is not None:
+            remembered = self._committed[t.group]
+            remembered.update(dict.fromkeys(t.keys))
+            if len(remembered) > _MAX_REMEMBERED_KEYS:
+                for _ in range(len(remembered) - _MAX_REMEMBERED_KEYS):
+                    remembered.popitem(last=False)
+            if self.events_enabled:
+                self._stored.append(t)
+        for run in t.runs:
+            st = run.req
             st.tickets.discard(tid)
-            if st.finishing and not st.tickets and t.req_id not in self._backlog:
-                self._free_ready.append(t.req_id)
-                self._forget(t.req_id)
+            if st.finishing and not st.tickets:
+                rid = st.request.request_id
+                if rid not in self._backlog and self._reqs.get(rid) is st:
+                    self._free_ready.append(rid)
+                    self._forget(rid)
 
-    def _committed_event(self, t: _Ticket) -> None:
+    def _committed_event(self, t: _Ticket, run: _Run) -> None:
         from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
 
-        st = self._reqs.get(t.req_id)
+        st = run.req
+        if not run.indices:
+            return
         g = self.groups[t.group]
-        remembered = self._committed[t.group]
         bt = self.block_tokens
-        for i, key in zip(t.indices, t.keys):
-            remembered[key] = None
-            if st is None:
-                continue
-            parent = st.keys.keys(st.request, t.group, i)[-1] if i else None
+        first = run.indices[0]
+        chain = st.keys.range(st.request, t.group, max(first - 1, 0), run.indices[-1] + 1)
+        base = max(first - 1, 0)
+        for i, key in zip(run.indices, run.keys):
+            parent = chain[i - 1 - base] if i else None
             lora = st.request.lora_request
             self._events.append(BlockStored(
                 block_hashes=[key], parent_block_hash=parent,
@@ -799,8 +905,6 @@ class SchedulerRole:
                 lora_id=None, medium=MEDIUM_CPU,
                 lora_name=getattr(lora, "lora_name", None) if lora else None,
                 group_idx=g.index))
-        while len(remembered) > _MAX_REMEMBERED_KEYS:
-            remembered.popitem(last=False)
 
     # ---- finish, reset, events ----------------------------------------------------------
 
@@ -867,13 +971,15 @@ class SchedulerRole:
                 ok = self._nowait(self.client.abort_nowait, stale)
             for g in self.groups:
                 ok = ok and self._nowait(self.client.reset_nowait, g.namespace)
+        self._build_events()          # stored before the reset, reported before its removal
         for t in self._tickets.values():
             t.stale = True
-        self._inflight_keys.clear()
+        for inflight in self._inflight:
+            inflight.clear()
         for st in self._reqs.values():
             if not st.loading:
                 self._consume_lookup(st, keep_leases=False)
-            st.cursor = [0] * len(self.groups)
+            self._set_cursor(st, 0)
         for gi, remembered in enumerate(self._committed):
             if remembered:
                 self._events.append(BlockRemoved(block_hashes=list(remembered),
@@ -882,7 +988,15 @@ class SchedulerRole:
                 remembered.clear()
         return ok
 
+    def _build_events(self) -> None:
+        stored, self._stored = self._stored, []
+        for t in stored:
+            for run in t.runs:
+                self._committed_event(t, run)
+
     def take_events(self) -> Iterable[Any]:
+        if self._stored:
+            self._build_events()
         events, self._events = self._events, []
         return events
 

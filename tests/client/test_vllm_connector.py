@@ -295,24 +295,28 @@ def test_tp2_a_failed_rank_commits_nothing(make_engine, info):
 # ---- dedup ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
-def test_in_flight_stores_are_not_prepared_twice(make_engine, info, async_scheduling):
+def test_in_flight_stores_are_not_planned_twice(make_engine, info, async_scheduling):
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=256)
     role = e.connector.scheduler
-    asked: list[bytes] = []
-    original = role.client.prepare_store
+    planned: list[bytes] = []
+    original = role.build_connector_meta
 
-    def spy(namespace, keys):
-        asked.extend(keys)
-        return original(namespace, keys)
+    def spy(so):
+        meta = original(so)
+        planned.extend(k for spec in meta.stores for k in spec.keys)
+        return meta
 
-    role.client.prepare_store = spy
+    role.build_connector_meta = spy
     shared = prompt(64)
     e.add("a", shared + [1] * 5, max_tokens=2)
-    e.run(until=lambda: role._inflight_keys)        # a's 4 blocks are prepared and in flight
+    e.run(until=lambda: any(role._inflight))         # a's 4 blocks are planned and in flight
     e.add("b", shared + [2] * 5, max_tokens=2)
     e.run()
-    assert len(asked) == len(set(asked)), "a key was prepared twice"
+    assert len(planned) == len(set(planned)), "a key was planned twice"
     assert info.info().stored_blocks == 4
+    # b computed the same 4 blocks again (vLLM shares them only once cached): the keys this
+    # engine stored are known, so nothing went to the daemon as a duplicate either
+    assert info.info().duplicate_blocks == 0
     e.assert_clean(info)
 
 

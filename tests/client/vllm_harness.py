@@ -24,8 +24,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
-                         ParallelConfig, SchedulerConfig, VllmConfig)
+from vllm.config import (CacheConfig, DeviceConfig, KVEventsConfig,  # noqa: E402
+                         KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                         VllmConfig)
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
@@ -261,7 +262,7 @@ class Engine:
                  extra: dict | None = None, kv_role: str = "kv_both",
                  load_failure_policy: str = "recompute", slow_stores: int = 0,
                  hold_stores: bool = False, late_stores: int = 0, max_num_seqs: int = 16,
-                 write_kv: bool = True) -> None:
+                 write_kv: bool = True, kv_events: bool = True) -> None:
         model = ModelConfig(model=model_dir(root), dtype="float16", seed=42,
                             skip_tokenizer_init=True)
         self.groups = ([Group(["model.layers.0.self_attn"]),
@@ -284,7 +285,10 @@ class Engine:
                 kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.client.vllm",
                 kv_role=kv_role, engine_id=engine_id, kv_connector_extra_config=extra_config,
                 kv_load_failure_policy=load_failure_policy),
-            device_config=DeviceConfig("cpu"))
+            device_config=DeviceConfig("cpu"),
+            # vLLM's KV events on (published nowhere), so the connector reports its own.
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+            if kv_events else None)
         self.cfg.cache_config.num_gpu_blocks = num_blocks
         specs = []
         for g in self.groups:
