@@ -687,9 +687,10 @@ class SchedulerRole:
             return []
         bt = self.block_tokens
         reqs = self._reqs
+        get = reqs.get
         due: list[tuple[_Req, int]] = []
         for rid, n_sched in so.num_scheduled_tokens.items():
-            st = reqs.get(rid)
+            st = get(rid)
             if st is not None and (st.request.num_computed_tokens + n_sched) // bt > st.lo:
                 due.append((st, n_sched))
         if self._backlog:
