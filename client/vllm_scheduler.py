@@ -104,6 +104,7 @@ class _Req:
     load_keys: list[bytes] = field(default_factory=list)
     cursor: list[int] = field(default_factory=list)     # per group: next block to store
     lo: int = 0                # min(cursor): a request with no block past it has none to store
+    pooled: int = 0            # leading blocks this request loaded from the pool (held there)
     tickets: set[int] = field(default_factory=set)
     finishing: bool = False    # request_finished returned True: free via free_now
     finished: bool = False
@@ -497,8 +498,9 @@ class SchedulerRole:
             return
         bt = self.block_tokens
         if num_external_tokens == 0 or st.hit is None:
-            # Blocks the pool already holds need no store; the GPU-cached ones past them do.
-            self._set_cursor(st, 0 if st.producer else st.hit or 0)
+            # Blocks the pool already holds need no store (those a load brought in, when vLLM
+            # schedules the request after it); the GPU-cached ones past them do.
+            self._set_cursor(st, 0 if st.producer else max(st.hit or 0, st.pooled))
             self._consume_lookup(st, keep_leases=False)
             return
         local_blocks = st.local_tokens // bt
@@ -529,6 +531,7 @@ class SchedulerRole:
                                                           for b in spec.block_ids],
                               failed=True)]
         st.loading = True
+        st.pooled = 0 if unloadable else hit
         st.load_blocks = [b for spec in loads for b in spec.block_ids]
         st.load_keys = st.keys.range(request, 0, local_blocks, end)
         for k in st.load_keys:
@@ -858,6 +861,7 @@ class SchedulerRole:
             st.leases, st.hit = [], None
             if rid in failed or (invalid and not invalid.isdisjoint(st.load_blocks)):
                 self._set_cursor(st, 0)   # recomputed blocks get stored again
+                st.pooled = 0
                 st.load_failed = True
             st.load_blocks = []
             if st.finished:
