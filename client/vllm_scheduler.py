@@ -39,7 +39,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from collections import deque
-from itertools import repeat
+from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from kvpool.client.vllm_keys import GroupInfo, RequestKeys
@@ -683,22 +683,32 @@ class SchedulerRole:
         from the client's stock. Never waits: blocks the stock cannot cover yet are planned
         again next step (or skipped when the pool has no room).
 
-        Runs every step over every scheduled request, so the common case (no block filled)
-        costs a few attribute reads per request, and the work per block is done by C-level
-        list, set and dict operations over each request's run of new blocks."""
+        Only requests that vLLM handed new blocks this step are looked at (new and resumed
+        ones, prefill chunks, and a decode at the step after its block filled: vLLM allocates
+        the next block then, and the filled one's tokens are all known by then, also under
+        async scheduling); a request that finishes with a full block not yet stored is taken
+        in by the backlog (``request_finished``). So a step of decodes costs little per
+        running request, and the work per block is done by C-level list, set and dict
+        operations over each request's run of new blocks."""
         if self.kv_cache_manager is None or not self._daemon_ok():
             return []
         bt = self.block_tokens
-        reqs = self._reqs
-        get = reqs.get
+        get = self._reqs.get
+        n_sched_of = so.num_scheduled_tokens
+        cached = so.scheduled_cached_reqs
+        candidates = [r.req_id for r in so.scheduled_new_reqs]
+        candidates += compress(cached.req_ids, cached.new_block_ids)
         due: list[tuple[_Req, int]] = []
-        for rid, n_sched in so.num_scheduled_tokens.items():
+        for rid in candidates:
             st = get(rid)
-            if st is not None and (st.request.num_computed_tokens + n_sched) // bt > st.lo:
-                due.append((st, n_sched))
+            if st is not None:
+                n_sched = n_sched_of.get(rid, 0)
+                if (st.request.num_computed_tokens + n_sched) // bt > st.lo:
+                    due.append((st, n_sched))
         if self._backlog:
+            reqs = self._reqs
             due += [(reqs[rid], 0) for rid in self._backlog
-                    if rid not in so.num_scheduled_tokens and rid in reqs]
+                    if rid not in n_sched_of and rid in reqs]
         if not due:
             return []
         spec_tokens = so.scheduled_spec_decode_tokens

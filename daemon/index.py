@@ -24,9 +24,9 @@ Slot lifecycle (Plasma's CREATED → SEALED, with TP):
   (the quota applies now, as for ``prepare_store``), else *void* (``Slot.void``): a duplicate, or
   over a quota with nothing of its own left to evict. A void slot is written by no rank (the
   server skips its copy), never mapped, and freed once every rank has reported it. So dedup
-  happens at bind time, in one place, and a key is never visible twice nor torn. Unused reservations expire after
-  ``reserve_ttl_s``; a restarted daemon knows none of them (its pool records say WRITING, which
-  adoption frees).
+  happens at bind time, in one place, and a key is never visible twice nor torn. Unused
+  reservations expire after ``reserve_ttl_s``; a restarted daemon knows none of them (their
+  pool records say WRITING, which adoption frees).
 - FILLING is a slot a lower tier is bringing back (``daemon/tiering.py``): lookups count it
   as a hit and loads may name it, but the caller must not copy out of it before ``end_fill``.
   It is pinned by its fill, recorded as WRITING in the pool (a crash drops it), and becomes

@@ -30,6 +30,16 @@ def wait_for(cond: Callable[[], object], timeout_s: float, what: str, every_s: f
         time.sleep(every_s)
 
 
+def unless_unavailable(fn: Callable[[], object]):
+    """``fn()``, or None when the daemon is unavailable (for ``wait_for`` across restarts)."""
+    from kvpool.shared.errors import DaemonUnavailable
+
+    try:
+        return fn()
+    except DaemonUnavailable:
+        return None
+
+
 class DaemonProcess:
     """A kvpoold subprocess. ``start``/``stop``/``kill``/``restart`` keep socket and pool name."""
 

@@ -9,7 +9,7 @@ from kvpool.client.scheduler import SchedulerClient
 from kvpool.client.worker import WorkerClient
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.errors import DaemonUnavailable, ErrorCode
-from tests.conftest import wait_for
+from tests.conftest import unless_unavailable, wait_for
 from tests.kvtest import HostKv
 
 
@@ -69,11 +69,13 @@ def test_clients_recover_by_themselves_after_a_daemon_restart(daemon):
     assert time.monotonic() - t0 < 4
     daemon.restart()
     # The scheduler reconnects on its own; the worker replays its registration (same local id).
-    hit = wait_for(lambda: _try(lambda: sched.lookup(kv.namespace, [keys], pin=True)), 15,
+    hit = wait_for(lambda: unless_unavailable(
+        lambda: sched.lookup(kv.namespace, [keys], pin=True)), 15,
                    "the scheduler to reconnect")
     assert hit.hits == [2], "committed blocks must survive kill -9 and restart"
     kv.poison([5, 6])
-    done = wait_for(lambda: _try(lambda: worker.submit_load(reg, hit.slots[0], [5, 6])), 15,
+    done = wait_for(lambda: unless_unavailable(
+        lambda: worker.submit_load(reg, hit.slots[0], [5, 6])), 15,
                     "the worker to reconnect")
     assert worker.wait([done], 10)[0].ok and worker.is_registered(reg)
     assert torch.equal(kv.blocks_of([5, 6]), expected)
@@ -94,13 +96,6 @@ def test_jobs_in_flight_when_the_daemon_dies_fail_instead_of_hanging(daemon):
     assert worker.jobs_in_flight == 0
     assert any(not c.ok and c.code == ErrorCode.ABORTED for c in done) or all(c.ok for c in done)
     sched.close(); worker.close(); kv.close()
-
-
-def _try(fn):
-    try:
-        return fn()
-    except DaemonUnavailable:
-        return None
 
 
 def test_jobs_in_flight_fail_once_their_connection_is_dropped(daemon):

@@ -8,8 +8,21 @@ import torch
 
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.errors import DaemonUnavailable, ErrorCode
-from tests.conftest import wait_for
+from tests.conftest import unless_unavailable, wait_for
 from tests.kvtest import HostKv
+
+
+def _engine(config, name: str = "worker"):
+    """One engine's pieces: its KV memory, a registered worker, a scheduler client."""
+    kv = HostKv()
+    worker, reg = kv.register(config, name=name)
+    return kv, worker, reg, SchedulerClient(config)
+
+
+def _loads_back(worker, reg, kv: HostKv, slots: list[int], into: list[int], expected) -> bool:
+    kv.poison(into)
+    done = worker.wait([worker.submit_load(reg, slots, into)], 10)[0]
+    return done.ok and torch.equal(kv.blocks_of(into), expected)
 
 
 def _stocked(sched: SchedulerClient, ns: bytes, n: int) -> tuple[list[int], str]:
@@ -31,9 +44,7 @@ def _stocked(sched: SchedulerClient, ns: bytes, n: int) -> tuple[list[int], str]
 
 
 def test_a_store_into_reserved_slots_binds_them_and_is_byte_exact(daemon):
-    kv = HostKv()
-    worker, reg = kv.register(daemon.client_config())
-    sched = SchedulerClient(daemon.client_config())
+    kv, worker, reg, sched = _engine(daemon.client_config())
     keys = kv.keys(list(range(64)))
     refs, grant = _stocked(sched, kv.namespace, 4)
     assert grant == sched.ping().daemon_id
@@ -46,18 +57,14 @@ def test_a_store_into_reserved_slots_binds_them_and_is_byte_exact(daemon):
     assert done.ok, done.message
     hit = sched.lookup(kv.namespace, [keys], pin=True)
     assert hit.hits == [4] and hit.slots[0] == refs
-    kv.poison([8, 9, 10, 11])
-    assert worker.wait([worker.submit_load(reg, hit.slots[0], [8, 9, 10, 11])], 10)[0].ok
-    assert torch.equal(kv.blocks_of([8, 9, 10, 11]), expected)
+    assert _loads_back(worker, reg, kv, hit.slots[0], [8, 9, 10, 11], expected)
     sched.release(hit.leases)
     sched.close(); worker.close(); kv.close()
 
 
 def test_two_engines_storing_the_same_keys_show_each_block_once(daemon):
-    kv_a, kv_b = HostKv(), HostKv()
-    wa, ra = kv_a.register(daemon.client_config(), name="engine a")
-    wb, rb = kv_b.register(daemon.client_config(), name="engine b")
-    sa, sb = SchedulerClient(daemon.client_config()), SchedulerClient(daemon.client_config())
+    kv_a, wa, ra, sa = _engine(daemon.client_config(), "engine a")
+    kv_b, wb, rb, sb = _engine(daemon.client_config(), "engine b")
     keys = kv_a.keys(list(range(48)))
     kv_a.fill_random([0, 1, 2], seed=1)
     kv_b.fill_random([0, 1, 2], seed=2)       # other bytes: a torn block would show them
@@ -74,9 +81,8 @@ def test_two_engines_storing_the_same_keys_show_each_block_once(daemon):
     assert hit.slots[0] == first
     winner = kv_a if first is refs_a else kv_b
     expected = winner.blocks_of([0, 1, 2])
-    kv_a.poison([5, 6, 7])
-    assert wa.wait([wa.submit_load(ra, hit.slots[0], [5, 6, 7])], 10)[0].ok
-    assert torch.equal(kv_a.blocks_of([5, 6, 7]), expected), "a block mixes two engines' bytes"
+    assert _loads_back(wa, ra, kv_a, hit.slots[0], [5, 6, 7], expected), \
+        "a block mixes two engines' bytes"
     sa.release(hit.leases)
     wait_for(lambda: sa.info().slots_writing == 0, 10, "the duplicates to be freed")
     for c in (sa, sb, wa, wb):
@@ -85,9 +91,7 @@ def test_two_engines_storing_the_same_keys_show_each_block_once(daemon):
 
 
 def test_stores_naming_a_stale_grant_or_bad_keys_are_refused(daemon):
-    kv = HostKv()
-    worker, reg = kv.register(daemon.client_config())
-    sched = SchedulerClient(daemon.client_config())
+    kv, worker, reg, sched = _engine(daemon.client_config())
     keys = kv.keys(list(range(32)))
     refs, grant = _stocked(sched, kv.namespace, 2)
     cases = [
@@ -109,9 +113,7 @@ def test_stores_naming_a_stale_grant_or_bad_keys_are_refused(daemon):
 
 def test_unused_reservations_expire_in_the_daemon_and_in_the_client(daemon_factory):
     d = daemon_factory(extra=["--reservation-ttl-s", "0.4"])
-    kv = HostKv()
-    worker, reg = kv.register(d.client_config())
-    sched = SchedulerClient(d.client_config())
+    kv, worker, reg, sched = _engine(d.client_config())
     held, grant = _stocked(sched, kv.namespace, 2)      # taken, never stored
     assert sched.stock(kv.namespace) > 0                 # the rest of the grant
     # The client uses a grant only within half of its TTL, then gives the rest back.
@@ -120,8 +122,12 @@ def test_unused_reservations_expire_in_the_daemon_and_in_the_client(daemon_facto
     assert sched.stock(kv.namespace) == 0
     # The daemon takes back what nobody named; a store naming such a slot is refused.
     time.sleep(0.2)
-    wait_for(lambda: _try(lambda: sched.poll()) is None and sched.info().slots_reserved
-             <= sched.stock(kv.namespace), 10, "the daemon to take back unused reservations")
+
+    def taken_back() -> bool:
+        unless_unavailable(sched.poll)
+        return sched.info().slots_reserved <= sched.stock(kv.namespace)
+
+    wait_for(taken_back, 10, "the daemon to take back unused reservations")
     done = worker.wait([worker.submit_store(reg, [0, 1], held, keys=kv.keys(list(range(32))),
                                             grant=grant)], 10)[0]
     assert not done.ok and done.code == ErrorCode.UNKNOWN_ID and "expired" in done.message
@@ -129,9 +135,7 @@ def test_unused_reservations_expire_in_the_daemon_and_in_the_client(daemon_facto
 
 
 def test_a_daemon_restart_empties_the_stock_and_new_grants_name_the_new_daemon(daemon):
-    kv = HostKv()
-    worker, reg = kv.register(daemon.client_config())
-    sched = SchedulerClient(daemon.client_config())
+    kv, worker, reg, sched = _engine(daemon.client_config())
     old, old_grant = _stocked(sched, kv.namespace, 2)
     assert sched.stock(kv.namespace) > 0
     daemon.kill()
@@ -153,8 +157,8 @@ def test_a_daemon_restart_empties_the_stock_and_new_grants_name_the_new_daemon(d
     def answered(refs, grant):
         # A store sent on the connection the restart broke is aborted; try again until the
         # restarted daemon answers it.
-        done = _try(lambda: worker.wait([worker.submit_store(reg, [0, 1], refs, keys=keys,
-                                                             grant=grant)], 10)[0])
+        done = unless_unavailable(lambda: worker.wait([worker.submit_store(
+            reg, [0, 1], refs, keys=keys, grant=grant)], 10)[0])
         return done if done is not None and done.code != ErrorCode.ABORTED else None
 
     done = wait_for(lambda: answered(old, old_grant), 15, "the worker to reconnect")
@@ -168,9 +172,7 @@ def test_a_daemon_restart_empties_the_stock_and_new_grants_name_the_new_daemon(d
 def test_nowait_calls_return_at_once_with_the_daemon_frozen(daemon):
     import signal
 
-    kv = HostKv()
-    worker, reg = kv.register(daemon.client_config())
-    sched = SchedulerClient(daemon.client_config(timeout_ms=300))
+    kv, worker, reg, sched = _engine(daemon.client_config(timeout_ms=300))
     keys = kv.keys(list(range(32)))
     _stocked(sched, kv.namespace, 2)
     lease = sched.lookup(kv.namespace, [keys], pin=True).leases
@@ -187,7 +189,7 @@ def test_nowait_calls_return_at_once_with_the_daemon_frozen(daemon):
         def gone():
             try:
                 sched.poll()
-                sched.take_slots(kv.namespace, 4096)   # forces a reservation out
+                sched.take_slots(kv.namespace, 4096)   # the stock is short: a reservation goes out
             except DaemonUnavailable:
                 return True
             return False
@@ -195,10 +197,3 @@ def test_nowait_calls_return_at_once_with_the_daemon_frozen(daemon):
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
     sched.close(); worker.close(); kv.close()
-
-
-def _try(fn):
-    try:
-        return fn()
-    except DaemonUnavailable:
-        return None
