@@ -182,7 +182,10 @@ class SchedulerRole:
         # (take_events), from the tickets that committed.
         self.events_enabled = events_enabled
         self._stored: list[_Ticket] = []
-        self._loading_keys: dict[bytes, int] = {}   # group-0 keys of loads in flight
+        # Group-0 keys of loads in flight -> the request loading them. One loader per key (the
+        # others wait for it, see get_num_new_matched_tokens), so marks are set and cleared
+        # per request with C-level dict operations.
+        self._loading_keys: dict[bytes, str] = {}
         self._orphans: list[Any] = []    # lookups nobody waits for; their leases get released
         self._committed: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in groups]
         self._backoff_s, self._backoff_max_s = backoff_s, backoff_max_s
@@ -534,8 +537,7 @@ class SchedulerRole:
         st.pooled = 0 if unloadable else hit
         st.load_blocks = [b for spec in loads for b in spec.block_ids]
         st.load_keys = st.keys.range(request, 0, local_blocks, end)
-        for k in st.load_keys:
-            self._loading_keys[k] = self._loading_keys.get(k, 0) + 1
+        self._loading_keys.update(dict.fromkeys(st.load_keys, request.request_id))
         self._step_loads.extend(loads)
         self._consume_lookup(st, keep_leases=True)
         first = max(hit, local_blocks)
@@ -862,10 +864,7 @@ class SchedulerRole:
             if st is None or not st.loading:
                 continue
             st.loading = False
-            for k in st.load_keys:
-                n = self._loading_keys.pop(k) - 1
-                if n:
-                    self._loading_keys[k] = n
+            deque(map(self._loading_keys.pop, st.load_keys, repeat(None)), maxlen=0)
             st.load_keys = []
             self._release.extend(st.leases)
             st.leases, st.hit = [], None
