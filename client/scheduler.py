@@ -127,6 +127,16 @@ class SchedulerClient:
 
     # ---- never-waiting calls (the scheduler's step) ----------------------------------------
 
+    def connect(self) -> bool:
+        """Connect now, waiting up to ``timeout_ms`` (at start-up, before any step: the
+        heartbeat then keeps the connection while the engine idles). False if the daemon is
+        not there; ``ready`` tries again later without waiting."""
+        try:
+            self._t.ensure_connected()
+        except DaemonUnavailable:
+            return False
+        return True
+
     def ready(self) -> bool:
         """Connected (True), or connecting without waiting (False: ask again next step).
         Raises ``DaemonUnavailable`` when the daemon is missing or did not answer in time."""

@@ -130,12 +130,13 @@ class Transport:
             self.disconnect()
             raise err
         now = time.monotonic()
+        timeout_s = self.config.timeout_ms / 1000
         if self._sock is None:
             if now < self._retry_at:
                 raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} unavailable; "
                                         f"next try in {(self._retry_at - now) * 1000:.0f} ms")
             self._open_socket()
-            self._connect_deadline = now + self.config.timeout_ms / 1000
+            self._connect_deadline = now + timeout_s
         if self._hello_id is None:
             assert self._sock is not None
             if self._sock.poll(0, zmq.POLLOUT):
@@ -143,13 +144,19 @@ class Transport:
                 self._send(p.Hello(hello_id, p.PROTOCOL_VERSION, self.role, self.name,
                                    os.getpid(), self.engine_id))
                 self._hello_id = hello_id
-        else:
-            self._unsolicited.extend(self.drain())
-            if self.is_connected:
-                return True
-            if self._hello_error is not None:
-                return self.connect_nowait()
-        if time.monotonic() > self._connect_deadline:
+                self._connect_deadline = now + timeout_s    # for the answer, from now
+                return False
+            if now > self._connect_deadline:
+                self.disconnect()
+                raise DaemonUnavailable(f"kvpoold not reachable at {self.config.socket_path} "
+                                        f"within {self.config.timeout_ms} ms")
+            return False
+        self._unsolicited.extend(self.drain())
+        if self.is_connected:
+            return True
+        if self._hello_error is not None or self._hello_id is None:   # refused, or read late
+            return self.connect_nowait()
+        if now > self._connect_deadline:
             self.disconnect()
             raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} did not answer the "
                                     f"Hello within {self.config.timeout_ms} ms")
@@ -212,6 +219,12 @@ class Transport:
 
     def _hello_answered(self, reply: p.Reply) -> None:
         if isinstance(reply, p.HelloReply):
+            if time.monotonic() > self._connect_deadline:
+                # Read too late (nobody called for a while): no heartbeat ran meanwhile, so
+                # the daemon may have released this owner already. Say Hello again on this
+                # socket (the daemon replaces the owner of a connection that says Hello).
+                self._hello_id = None
+                return
             self._connected(reply)
         else:
             self._hello_id = None

@@ -192,9 +192,13 @@ class SchedulerRole:
         self._retry_at = 0.0
         self._fail_backoff = backoff_s
         if self.enabled:
-            # Start connecting and stocking slots now, so the first steps find them.
+            # Connect and start stocking slots now (start-up, not a step: this may wait up to
+            # timeout_ms once), so the first steps find them.
             for g in groups:
                 self.client.keep_stock(g.namespace)
+            connect = getattr(self.client, "connect", None)
+            if connect is not None and not connect():
+                self._daemon_failed(DaemonUnavailable("kvpoold not reachable at start"))
             self._pump()
 
     # ---- daemon access with a circuit breaker ----------------------------------------------

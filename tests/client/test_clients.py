@@ -109,3 +109,29 @@ def test_jobs_in_flight_fail_once_their_connection_is_dropped(daemon):
     done = worker.poll()
     assert [(c.job_id, c.ok) for c in done] == [(job, False)] and worker.jobs_in_flight == 0
     sched.close(); worker.close(); kv.close()
+
+
+def test_connecting_without_waiting_and_after_a_long_idle(daemon_factory, tmp_path):
+    # No daemon: each attempt returns at once, and fails once timeout_ms has passed.
+    cfg = ClientConfig(socket=str(tmp_path / "nobody.sock"), timeout_ms=200,
+                       reconnect_backoff_ms=50)
+    lone = SchedulerClient(cfg)
+    t0 = time.perf_counter()
+    with pytest.raises(DaemonUnavailable, match="not reachable"):
+        while time.perf_counter() - t0 < 5:
+            t1 = time.perf_counter()
+            assert lone.ready() is False
+            assert time.perf_counter() - t1 < 0.05
+            time.sleep(0.01)
+    lone.close()
+    # A Hello whose answer is read long after (an engine idle since start, no heartbeat yet)
+    # is said again rather than trusted: the daemon may have released that owner meanwhile.
+    d = daemon_factory(extra=["--peer-timeout-ms", "200"])
+    sched = SchedulerClient(d.client_config(timeout_ms=300))
+    wait_for(lambda: sched.ready() is False and sched._t._hello_id is not None, 5,
+             "the Hello to go out")
+    time.sleep(0.6)
+    wait_for(sched.ready, 5, "the client to connect")
+    call = sched.lookup_start(b"n" * 16, [[b"k" * 16]])
+    assert wait_for(call.result, 5, "the lookup answer").hits == [0]
+    sched.close()
