@@ -135,6 +135,7 @@ class SchedulerRole:
         # A finished request waits this long at most for slots to store its last blocks.
         self.store_wait_s = store_wait_s
         self._backlog: set[str] = set()   # finished requests keeping blocks for their stores
+        self._replan: set[str] = set()    # requests with blocks left unplanned (no slots yet)
         self._steps = 0                   # build_connector_meta calls so far
         self._polled = -1                 # the step whose answers were last taken in
         self.world_size = world_size
@@ -698,12 +699,22 @@ class SchedulerRole:
         operations over each request's run of new blocks."""
         if self.kv_cache_manager is None or not self._daemon_ok():
             return []
-        bt = self.block_tokens
-        get = self._reqs.get
-        n_sched_of = so.num_scheduled_tokens
         cached = so.scheduled_cached_reqs
         candidates = [r.req_id for r in so.scheduled_new_reqs]
         candidates += compress(cached.req_ids, cached.new_block_ids)
+        if self._replan:
+            candidates += self._replan
+            self._replan = set()
+        if not any(self.client.stock(g.namespace) for g in self.groups) \
+                and any(self.client.reserving(g.namespace) for g in self.groups):
+            # No slot in hand, a refill on its way: look at these requests again next step,
+            # without doing the work per request now.
+            self._replan.update(candidates)
+            self.client.take_slots(self.groups[0].namespace, 0)     # (asks, if not yet)
+            return []
+        bt = self.block_tokens
+        get = self._reqs.get
+        n_sched_of = so.num_scheduled_tokens
         due: list[tuple[_Req, int]] = []
         for rid in candidates:
             st = get(rid)
@@ -820,6 +831,7 @@ class SchedulerRole:
             if coming:
                 st.cursor[gi] = min(st.cursor[gi], index[n])
                 st.lo = min(st.cursor)
+                self._replan.add(st.request.request_id)
             else:
                 logger.debug("kvpool: no room in the pool for %d blocks; not stored",
                              len(keys) - n)
