@@ -3,14 +3,17 @@
 Runs inside vLLM's scheduler (engine core) process, on its one thread. Owns per-request state
 (block keys, lookup results and their leases, store cursors, store tickets) and talks to the
 daemon only through ``SchedulerClient``, and never waits for it: no method vLLM calls here makes
-a round trip. At most one batched lookup is in flight (a request whose lookup is out answers
-``None``: "ask again next step"); stores take writable slots from the client's stock of
+a round trip. The lookups a step queues go out together at its end (``build_connector_meta``),
+at most one batch in flight, and answers are taken in once at the start of the next step (a
+request whose lookup is out answers ``None``: "ask again next step"); stores take writable slots from the client's stock of
 reservations, which it refills in the background, and name each slot's key in the store itself
 (the daemon binds it, and drops duplicates, when the store arrives); releases, aborts and resets
 are sent without waiting, their answers taken in by the next poll. The connection itself is
 made without waiting. A daemon that is missing or slow turns into zero hits and skipped stores
 (``DaemonUnavailable`` is caught here, never raised to vLLM).
 
+Stores are planned for requests vLLM handed new blocks that step (a decode's block is stored
+the step after it filled, when vLLM allocates the next one), one ticket per group and step.
 Stores of keys this engine knows are in the pool (it stored them, and no lookup has missed them
 since) are not planned again; a request that finishes with full blocks not yet stored because
 the stock ran short keeps its blocks (vLLM's delayed free) until slots come, bounded by
