@@ -9,7 +9,13 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
 $PIP install -q --disable-pip-version-check "torch==2.13.0"
-$PIP install -q --disable-pip-version-check -e '.[test]'
+# The remote tier's Mooncake Store wheel loads RDMA and NUMA libraries even over TCP.
+if ! dpkg -s libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1; then
+    SUDO=$([ "$(id -u)" -eq 0 ] || echo sudo)
+    $SUDO apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q libibverbs1 librdmacm1 libnuma1
+fi
+$PIP install -q --disable-pip-version-check -e '.[test,mooncake]'
 # vLLM 0.33 (its CPU-capable scheduler, installed without its dependency tree) for the
 # connector tests, into the same venv so one pytest command runs everything.
 VLLM_VENV=.venv bash .ci/install-vllm.sh

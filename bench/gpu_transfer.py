@@ -80,13 +80,13 @@ def memcpy_limits(nbytes: int, reps: int) -> dict[str, float]:
     return out
 
 
-def start_daemon(tmp: Path, pool_size: str, env: dict | None = None, tag: str = ""
-                 ) -> tuple[subprocess.Popen, str]:
+def start_daemon(tmp: Path, pool_size: str, env: dict | None = None, tag: str = "",
+                 cuda: str = "on") -> tuple[subprocess.Popen, str]:
     sock = str(tmp / f"kvpoold{tag}.sock")
     log = open(tmp / "kvpoold.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "kvpool.daemon", "--socket", sock,
                              "--pool-name", f"kvpool-bench-{os.getpid()}{tag}", "--pool-size",
-                             pool_size, "--cuda", "on", "--log-level", "info"],
+                             pool_size, "--cuda", cuda, "--log-level", "info"],
                             stdout=log, stderr=log, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 60
     while not os.path.exists(sock):

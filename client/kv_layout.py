@@ -77,3 +77,63 @@ def plan_kv_memory(tensors: Sequence[torch.Tensor], block_dims: Sequence[int],
                 segs.append([region, offset, stride, nbytes])
     return KvMemoryPlan(tuple(s[3] for s in segs),
                         [SegmentPlacement(s[0], s[1], s[2]) for s in segs], num_blocks.pop())
+
+
+def head_cell_bytes(t: torch.Tensor, block_dim: int, head_dim: int) -> int | None:
+    """Bytes of one KV head's cell in a block of ``t``, or None when the block is not made of
+    such cells.
+
+    A head-split layout (``kvpool.shared.layout``) needs a rank's part of a block, its segments
+    concatenated in address order, to be rows of one contiguous cell per head with the head
+    index running fastest: then it is ``rows x local heads x cell`` whatever the rest of the
+    shape is. That holds when the dimensions with a smaller stride than the head's form one
+    contiguous run (the cell) and every other dimension's stride is at least a whole row of
+    heads. vLLM's layer views ``[B, H, N, C]`` pass in every ``KVCacheLayout`` (LBNHC and
+    BLNHC: a cell is one token's K and V of a head; LBHNC, BLHNC and LHBNC: all tokens of a
+    head; BHLNC: every layer of a head), as do the older ``[2, B, N, H, D]`` shapes.
+    """
+    b0 = t.select(block_dim, 0)
+    hd = head_dim - (head_dim > block_dim)
+    head_stride = b0.stride(hd)
+    heads = b0.size(hd)
+    others = [(b0.stride(d), b0.size(d)) for d in range(b0.dim()) if d != hd and b0.size(d) > 1]
+    cell = 1
+    for stride, size in sorted(s for s in others if s[0] < head_stride):
+        if stride != cell:
+            return None
+        cell *= size
+    if cell > head_stride:
+        return None
+    if heads > 1 and any(head_stride <= s < heads * head_stride for s, _ in others):
+        return None
+    return cell * t.element_size()
+
+
+def head_split(tensors: Sequence[torch.Tensor], block_dims: Sequence[int],
+               head_dims: Sequence[int | None], kv_heads: int, tp_size: int,
+               shard_bytes: int) -> int:
+    """``head_bytes`` for a head-split ``Layout`` of ``tensors`` (one rank's KV of one group,
+    ``kv_heads`` across all ranks), or 0 when they cannot be split by heads (the layout is
+    then rank-sharded: only engines of one TP size share it).
+
+    ``head_dims[i]`` is the KV-head dimension of ``tensors[i]`` (None: it has none, as MLA's
+    latent). One head (MLA, or a single KV head replicated on every rank) needs no split:
+    the whole part is one row of one cell.
+    """
+    if kv_heads <= 0:
+        return 0
+    if kv_heads == 1:
+        return shard_bytes
+    local = max(1, kv_heads // tp_size)
+    cells = set()
+    for t, bd, hd in zip(tensors, block_dims, head_dims):
+        if hd is None or t.size(hd) != local:
+            return 0
+        cell = head_cell_bytes(t, bd, hd)
+        if cell is None:
+            return 0
+        cells.add(cell)
+    if len(cells) != 1:
+        return 0
+    cell = cells.pop()
+    return cell if shard_bytes % (local * cell) == 0 else 0

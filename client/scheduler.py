@@ -148,8 +148,8 @@ class SchedulerClient:
         ``*_nowait`` calls. Raises ``DaemonUnavailable`` (after dropping the connection) when
         a reservation went unanswered for ``timeout_ms``."""
         t = self._t
-        if t.is_stale:
-            t.disconnect(backoff=False)
+        if t.is_stale or (t.is_connected and t.connection_lost()):
+            t.disconnect(backoff=False)     # restarted or gone: the next ``ready`` finds out
         if t.is_connecting:
             t.connect_nowait()
         self._check_epoch()
@@ -328,6 +328,7 @@ class SchedulerClient:
         reply = self._replies.pop(call.req_id, None)
         if reply is None:
             if (self._t.is_stale or call._epoch != self._t.epoch or not self._t.is_connected
+                    or self._t.connection_lost()
                     or time.monotonic() > call._deadline):
                 self._pending.discard(call.req_id)
                 if call._epoch == self._t.epoch:

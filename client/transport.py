@@ -22,9 +22,11 @@ thread):
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Callable
@@ -38,6 +40,15 @@ from kvpool.shared.errors import (DaemonUnavailable, HelloRequired, KvpoolError,
                                   error_from_code)
 
 log = logging.getLogger(__name__)
+
+# While connecting, how often to look for a sign that the daemon is gone.
+_CONNECT_CHECK_MS = 20
+# A refused probe is looked at again this many times, this far apart (a daemon between creating
+# its socket and listening on it refuses too): at most 40 ms for a daemon that is really gone.
+_PROBE_TRIES = 3
+_PROBE_RETRY_S = 0.02
+# How long ``close`` waits for the daemon to acknowledge the goodbye.
+_BYE_WAIT_MS = 200
 
 
 class Transport:
@@ -53,6 +64,13 @@ class Transport:
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._held: HeldSocket | None = None
+        # ZeroMQ's events for our socket: DISCONNECTED (the daemon closed the connection: it
+        # died or restarted, so nothing sent on it will be answered) or CONNECT_RETRIED (it is
+        # not there).
+        self._monitor: zmq.Socket | None = None
+        self._held_monitor: HeldSocket | None = None
+        self._lost = False
+        self._poller = zmq.Poller()
         self._ids = itertools.count(1)
         self._retry_at = 0.0
         self._backoff_s = config.reconnect_backoff_ms / 1000
@@ -78,7 +96,7 @@ class Transport:
             self._send(make(req_id))
             try:
                 return self._await(req_id, timeout_ms)
-            except HelloRequired:
+            except (HelloRequired, _ConnectionLost):
                 # The daemon restarted under us: reconnect (replaying registrations) and retry.
                 self.disconnect(backoff=False)
                 if attempt:
@@ -91,6 +109,20 @@ class Transport:
         req_id = self.next_id()
         self._send(make(req_id))
         return req_id
+
+    def connection_lost(self) -> bool:
+        """Whether the daemon closed our connection (died or restarted) since it was made:
+        replies to anything in flight on it will never come. Never blocks, and keeps the GIL
+        (read through ``HeldSocket``: the scheduler asks every step)."""
+        mon = self._held_monitor
+        if mon is None:
+            return False
+        try:
+            while mon.recv() is not None:    # each part of each event; any event means lost
+                self._lost = True
+        except zmq.ZMQError:
+            self._lost = True
+        return self._lost
 
     def drain(self) -> list[p.Reply]:
         """Every reply that has arrived, without waiting (the answer to a Hello sent by
@@ -121,7 +153,7 @@ class Transport:
         daemon's refusal of the Hello (``VersionMismatch``). Replies that arrive meanwhile stay
         queued for ``drain``.
         """
-        if self.is_stale:
+        if self.is_stale or (self.is_connected and self.connection_lost()):
             self.disconnect(backoff=False)
         if self.is_connected:
             return True
@@ -135,8 +167,19 @@ class Transport:
             if now < self._retry_at:
                 raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} unavailable; "
                                         f"next try in {(self._retry_at - now) * 1000:.0f} ms")
+            try:
+                # One look, no retry (retries sleep): a socket file nobody listens on fails now.
+                self._probe(tries=1)
+            except DaemonUnavailable:
+                self.disconnect()
+                raise
             self._open_socket()
             self._connect_deadline = now + timeout_s
+        elif self.connection_lost():
+            # The daemon refused the connection or closed it before answering the Hello.
+            self.disconnect()
+            raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} closed the "
+                                    f"connection while it was being made")
         if self._hello_id is None:
             assert self._sock is not None
             if self._sock.poll(0, zmq.POLLOUT):
@@ -188,7 +231,7 @@ class Transport:
         return hb is not None and hb.is_stale
 
     def ensure_connected(self) -> None:
-        if self.is_stale:
+        if self.is_stale or self.connection_lost():
             self.disconnect(backoff=False)
         if self.is_connected:
             return
@@ -198,8 +241,9 @@ class Transport:
         if now < self._retry_at:
             raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} unavailable; next "
                                     f"try in {(self._retry_at - now) * 1000:.0f} ms")
-        self._open_socket()
         try:
+            self._probe()
+            self._open_socket()
             reply = self._hello()
         except DaemonUnavailable:
             self.disconnect()
@@ -236,6 +280,12 @@ class Transport:
         """Drop the socket (and anything queued on it); the next call reconnects."""
         if self._sock is not None:
             self._held = None
+            self._held_monitor = None
+            self._poller.unregister(self._sock)
+            self._poller.unregister(self._monitor)
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
             self._sock.close(linger=0)
             self._sock = None
         self.owner_id = None
@@ -250,11 +300,56 @@ class Transport:
             self._retry_at = 0.0
 
     def close(self) -> None:
+        """Say goodbye (so the daemon releases what we hold now) and close; waits for the
+        daemon's answer at most ``_BYE_WAIT_MS``."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
+        if self.is_connected and not self.is_stale:
+            try:
+                req_id = self.next_id()
+                self._send(p.ByeRequest(req_id))
+                self._await(req_id, min(_BYE_WAIT_MS, self.config.timeout_ms))
+            except KvpoolError:
+                pass
         self.disconnect(backoff=False)
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _probe(self, tries: int = _PROBE_TRIES) -> None:
+        """Fail at once when nobody listens on the socket, instead of after ``timeout_ms``: a
+        killed daemon leaves its socket file behind, and ZeroMQ would keep knocking on it. Also
+        names a permission problem, which ZeroMQ only shows as silence. ``tries=1`` never
+        sleeps (a connect to a Unix socket does not wait for the listener to accept)."""
+        path = self.config.socket_path
+        for attempt in range(tries):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(self.config.timeout_ms / 1000)
+            try:
+                probe.connect(path)
+                return
+            except ConnectionRefusedError:
+                # Also what a daemon that has just created its socket but not yet listens on
+                # it answers: look again, briefly, before calling it gone.
+                if attempt + 1 < tries:
+                    time.sleep(_PROBE_RETRY_S)
+                    continue
+                raise DaemonUnavailable(f"kvpoold not reachable at {path}: nothing listens "
+                                        f"there (not running)") from None
+            except FileNotFoundError:
+                raise DaemonUnavailable(f"kvpoold not reachable at {path}: nothing listens "
+                                        f"there (not running)") from None
+            except PermissionError:
+                raise DaemonUnavailable(f"permission denied on {path}: this user may not "
+                                        f"connect to kvpoold (see its socket_mode and group)"
+                                        ) from None
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.ETIMEDOUT) and not isinstance(
+                        e, TimeoutError):
+                    raise DaemonUnavailable(f"cannot reach kvpoold at {path}: {e.strerror}"
+                                            ) from None
+                return   # a full accept backlog: the daemon is there but busy; ZeroMQ waits
+            finally:
+                probe.close()
 
     def _open_socket(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
@@ -262,15 +357,26 @@ class Transport:
         # IMMEDIATE: never queue requests for a daemon that is not there; fail fast instead.
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.IDENTITY, os.urandom(8))
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED
+                                                | zmq.EVENT_CONNECT_RETRIED)
+        self._lost = False
         sock.connect(f"ipc://{self.config.socket_path}")
         self._sock = sock
         self._held = HeldSocket(sock)
+        self._held_monitor = HeldSocket(self._monitor)
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
 
     def _hello(self) -> p.HelloReply:
         assert self._sock is not None
-        if not self._sock.poll(self.config.timeout_ms, zmq.POLLOUT):
-            raise DaemonUnavailable(f"kvpoold not reachable at {self.config.socket_path} "
-                                    f"within {self.config.timeout_ms} ms")
+        deadline = time.monotonic() + self.config.timeout_ms / 1000
+        # Writable once the connection is up. A daemon that dies as we connect (the probe
+        # reached it a moment before) shows up on the monitor instead: give up then, not at
+        # the timeout.
+        while not self._sock.poll(_CONNECT_CHECK_MS, zmq.POLLOUT):
+            if self.connection_lost() or time.monotonic() > deadline:
+                raise DaemonUnavailable(f"kvpoold not reachable at {self.config.socket_path} "
+                                        f"within {self.config.timeout_ms} ms")
         req_id = self.next_id()
         self._send(p.Hello(req_id, p.PROTOCOL_VERSION, self.role, self.name, os.getpid(),
                            self.engine_id))
@@ -295,7 +401,15 @@ class Transport:
         deadline = time.monotonic() + (timeout_ms or self.config.timeout_ms) / 1000
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not sock.poll(left_ms, zmq.POLLIN):
+            ready = dict(self._poller.poll(left_ms)) if left_ms > 0 else {}
+            if self._monitor in ready and self.connection_lost():
+                # The daemon went away mid-call: say so now, not at the timeout.
+                self.disconnect(backoff=False)
+                raise _ConnectionLost(f"kvpoold at {self.config.socket_path} closed the "
+                                      f"connection (it stopped or restarted)")
+            if sock not in ready:
+                if left_ms > 0:
+                    continue
                 self.disconnect()
                 raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} did not answer "
                                         f"within {timeout_ms or self.config.timeout_ms} ms")
@@ -305,6 +419,10 @@ class Transport:
                     raise error_from_code(reply.code, reply.message)
                 return reply
             self._unsolicited.append(reply)   # job completions and late replies
+
+
+class _ConnectionLost(DaemonUnavailable):
+    """The daemon closed the connection a call was waiting on; ``call`` reconnects once."""
 
 
 class _Heartbeat:
@@ -349,6 +467,7 @@ class _Heartbeat:
         watched: tuple[int | None, str | None] = (None, None)
         next_id = 1
         first_id = 1   # replies to heartbeats sent before the current connection are stale
+        awake = time.monotonic()
         try:
             while True:
                 with self._cond:
@@ -368,6 +487,12 @@ class _Heartbeat:
                     watched = (owner, daemon)
                     last_reply = time.monotonic()
                     first_id = next_id
+                now = time.monotonic()
+                if now - awake > 1.5 * interval + 0.5:
+                    # We were not running (SIGSTOP, a paused container, a long GIL hold): the
+                    # silence was ours, not the daemon's. Listen afresh before judging it.
+                    last_reply = now
+                awake = now
                 if sock is None:
                     sock = ctx.socket(zmq.DEALER)
                     sock.setsockopt(zmq.LINGER, 0)
@@ -386,7 +511,9 @@ class _Heartbeat:
                     if isinstance(reply, p.ErrorReply) or (
                             isinstance(reply, p.HeartbeatReply) and reply.daemon_id != daemon):
                         self._mark_stale(owner, daemon)
-                if time.monotonic() - last_reply > self._t.config.timeout_ms / 1000:
+                # Silence counts only past a few beats: a loaded daemon may answer one late.
+                if time.monotonic() - last_reply > max(self._t.config.timeout_ms / 1000,
+                                                       3 * interval):
                     self._mark_stale(owner, daemon)
                     last_reply = time.monotonic()
                 with self._cond:

@@ -129,11 +129,9 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
         groups = build_groups(vllm_config, kv_cache_config, extra)
         engine_id = self._kv_transfer_config.engine_id or ""
         quota_bytes = parse_size(extra.get("quota", 0))
-        # Explicit P/D roles declare the hand-off, so a decode engine whose TP differs from the
-        # prefill's is refused at registration; kv_both engines (prefix sharing, or proxies that
-        # set do_remote_* per request) opt in with pd_handoff=true.
-        role_is_pd = self._kv_transfer_config.kv_role in ("kv_producer", "kv_consumer")
-        pd_handoff = _flag(extra.get("pd_handoff", role_is_pd), "pd_handoff")
+        # No effect since prefill and decode may run different TP sizes (it declared P/D so
+        # that the daemon could refuse a TP mismatch); still checked, so old configs start.
+        _flag(extra.get("pd_handoff", False), "pd_handoff")
         # A stream that stalls reports its missing blocks as load errors, which vLLM's "fail"
         # policy turns into a failed request: there, wait for the whole hand-off instead.
         pd_stream = _flag(extra.get("pd_stream", self._kv_transfer_config.kv_load_failure_policy
@@ -176,8 +174,7 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
             self.worker = WorkerRole(groups, kv_cache_config.num_blocks, rank,
                                      pc.tensor_parallel_size, client,
                                      block_level_errors=len(kv_cache_config.kv_cache_groups) == 1,
-                                     quota_bytes=quota_bytes, pd_handoff=pd_handoff,
-                                     kv_alloc=kv_alloc)
+                                     quota_bytes=quota_bytes, kv_alloc=kv_alloc)
 
     @property
     def requires_kv_delivery(self) -> bool:

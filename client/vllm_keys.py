@@ -35,9 +35,9 @@ class GroupInfo:
     block_tokens: int
     layer_names: tuple[str, ...]
     sliding_window: int | None  # tokens; None for full attention
-    # The model and layout without the TP split (per-rank heads, TP size): P/D instances of one
-    # model share it whatever their TP, so the daemon can refuse a TP mismatch at registration.
-    handoff: bytes = b""
+    # The group's KV heads across all TP ranks (1 for MLA: one latent copy for every rank); the
+    # workers register head-split layouts with it, so engines of every TP size share blocks.
+    kv_heads: int = 0
 
     @property
     def window_blocks(self) -> int | None:
@@ -61,14 +61,33 @@ def model_identity(vllm_config: "VllmConfig", extra: dict[str, Any]) -> str:
     return f"{mc.model}@{revision}"
 
 
+def total_kv_heads(vllm_config: "VllmConfig", spec: Any, tp: int) -> int:
+    """KV heads of a group across all TP ranks: 1 where every rank holds the same single copy
+    (MLA, ``max_tp_shards=1``), else the model's KV heads when they agree with the spec's
+    per-rank count (vLLM replicates heads when there are fewer than ranks), else the per-rank
+    count times TP (a layer group sized otherwise than the model as a whole)."""
+    if getattr(spec, "max_tp_shards", None) == 1 or "MLA" in type(spec).__name__:
+        return 1
+    local = int(spec.num_kv_heads)
+    try:
+        total = int(vllm_config.model_config.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        total = 0
+    if total > 0 and max(1, total // tp) == local:
+        return total
+    return local * tp
+
+
 def build_groups(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
                  extra: dict[str, Any]) -> list[GroupInfo]:
     """Namespaces for every group the pool can hold (attention groups; not Mamba/recurrent).
 
     The identity names everything that changes the bytes of a block: model, group layers and
-    spec (heads, head size, dtype, window), block size, TP size and the resolved KV-cache
-    layout. The worker's registered ``Layout`` is checked against the namespace by the daemon,
-    so a disagreement is refused instead of sharing wrong bytes.
+    spec (KV heads of the whole model, head size, dtype, window), block size and the resolved
+    KV-cache layout. Not the TP size: workers of every TP size store and load their own heads
+    of one slot (``kvpool.shared.layout``), so engines at TP 1, 2, 4, 8 share blocks. The
+    worker's registered ``Layout`` is checked against the namespace by the daemon, so a
+    disagreement is refused instead of sharing wrong bytes.
     """
     from vllm.v1.kv_cache_interface import AttentionSpec, SlidingWindowSpec
 
@@ -81,20 +100,16 @@ def build_groups(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         if not isinstance(spec, AttentionSpec):
             continue
         window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        identity = (f"vllm-kv v1|{type(spec).__name__}|bs={spec.block_size}"
-                    f"|heads={spec.num_kv_heads}|head={spec.head_size}/{spec.head_size_v}"
+        heads = total_kv_heads(vllm_config, spec, tp)
+        identity = (f"vllm-kv v2|{type(spec).__name__}|bs={spec.block_size}"
+                    f"|kv_heads={heads}|head={spec.head_size}/{spec.head_size_v}"
                     f"|dtype={spec.dtype}|quant={getattr(spec, 'kv_quant_mode', '')}"
-                    f"|window={window}|tp={tp}|layout={layout}"
+                    f"|window={window}|layout={layout}"
                     f"|layers={','.join(group.layer_names)}")
-        family = (f"vllm-kv v1|{type(spec).__name__}|bs={spec.block_size}"
-                  f"|head={spec.head_size}/{spec.head_size_v}|dtype={spec.dtype}"
-                  f"|quant={getattr(spec, 'kv_quant_mode', '')}|window={window}|layout={layout}"
-                  f"|layers={','.join(group.layer_names)}")
         fp = hashlib.blake2b(identity.encode(), digest_size=16).digest()
-        family_fp = hashlib.blake2b(family.encode(), digest_size=16).digest()
         out.append(GroupInfo(index=i, namespace=make_namespace(model, fp), identity=identity,
                              block_tokens=spec.block_size, layer_names=tuple(group.layer_names),
-                             sliding_window=window, handoff=make_namespace(model, family_fp)))
+                             sliding_window=window, kv_heads=heads))
     return out
 
 

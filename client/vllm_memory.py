@@ -31,6 +31,17 @@ def block_dim(t: torch.Tensor, num_blocks: int) -> int:
     return dims[0]
 
 
+def head_dim(t: torch.Tensor, block: int) -> int | None:
+    """The KV-head dimension of a vLLM KV tensor whose block dimension is ``block``: vLLM
+    0.33's layer views are ``[B, H, N, C]``, older ones ``[2, B, N, H, D]`` or
+    ``[B, 2, N, H, D]``; None for shapes without one (MLA's ``[B, N, latent]``)."""
+    if t.dim() == 4 and block == 0:
+        return 1
+    if t.dim() == 5:
+        return 3
+    return None
+
+
 def _shm_mappings() -> list[tuple[int, int, int, str]]:
     """(start, end, file offset, shm name) of every /dev/shm mapping of this process."""
     out = []

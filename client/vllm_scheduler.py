@@ -259,14 +259,9 @@ class SchedulerRole:
             params = request.kv_transfer_params or {}
             st.producer = self.kv_producer or bool(params.get("do_remote_decode"))
             if params.get("do_remote_prefill") and params.get("kvpool_tokens"):
-                tp = params.get("kvpool_tp", self.tp_size)
-                if tp != self.tp_size:
-                    logger.error("kvpool: request %s was prefilled with TP %s but this engine "
-                                 "runs TP %s; P/D across TP sizes is not supported, "
-                                 "recomputing its prompt", request.request_id, tp, self.tp_size)
-                else:
-                    st.expect_blocks = int(params["kvpool_tokens"]) // self.block_tokens
-                    st.wait_until = time.monotonic() + self.pd_wait_s
+                # Whatever TP size the prefill ran (kvpool_tp): its ranks stored every head.
+                st.expect_blocks = int(params["kvpool_tokens"]) // self.block_tokens
+                st.wait_until = time.monotonic() + self.pd_wait_s
         return st
 
     def on_new_request(self, request: "Request") -> None:

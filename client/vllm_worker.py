@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvpool.client.kv_layout import plan_kv_memory
+from kvpool.client.kv_layout import head_split, plan_kv_memory
 from kvpool.client.vllm_keys import GroupInfo
-from kvpool.client.vllm_memory import TransferEvents, block_dim, regions_for
+from kvpool.client.vllm_memory import TransferEvents, block_dim, head_dim, regions_for
 from kvpool.client.vllm_meta import StepMeta, WorkerAcks
 from kvpool.shared.errors import DaemonUnavailable, KvpoolError
 from kvpool.shared.layout import Layout
@@ -37,13 +37,12 @@ FLUSH_TIMEOUT_S = 30.0
 class WorkerRole:
     def __init__(self, groups: list[GroupInfo], num_blocks: int, tp_rank: int, tp_size: int,
                  client: Any, block_level_errors: bool = True, *, quota_bytes: int = 0,
-                 pd_handoff: bool = False, kv_alloc: "ShmKvAllocation | None" = None) -> None:
+                 kv_alloc: "ShmKvAllocation | None" = None) -> None:
         self.groups = groups
         # Where vLLM allocates a CPU worker's KV cache (see get_mem_pool_context); holds the
         # shared memory for the worker's life.
         self.kv_alloc = kv_alloc
         self.quota_bytes = quota_bytes
-        self.pd_handoff = pd_handoff
         # vLLM maps failed block ids back to requests only when the model has one KV-cache
         # group; with several it needs the failed request ids instead.
         self.block_level_errors = block_level_errors
@@ -81,22 +80,31 @@ class WorkerRole:
                 continue
             try:
                 regions, spans = regions_for(tensors)
-                plan = plan_kv_memory(tensors, [block_dim(t, self.num_blocks) for t in tensors],
-                                      spans)
+                bdims = [block_dim(t, self.num_blocks) for t in tensors]
+                plan = plan_kv_memory(tensors, bdims, spans)
             except (ValueError, ImportError) as e:
                 why = self.kv_alloc.failure if self.kv_alloc and self.kv_alloc.failure else e
                 logger.warning("kvpool: KV-cache group %d cannot be pooled, running without "
                                "kvpool: %s", g.index, why)
                 continue
+            hdims = [head_dim(t, d) for t, d in zip(tensors, bdims)]
+            head_bytes = head_split(tensors, bdims, hdims, g.kv_heads, self.tp_size,
+                                    sum(plan.segment_bytes))
+            if g.kv_heads and not head_bytes:
+                logger.warning("kvpool: the KV of group %d is not laid out as rows of KV heads "
+                               "(shape %s, strides %s): its blocks are shared only with engines "
+                               "of tensor_parallel_size=%d", g.index, tuple(tensors[0].shape),
+                               tensors[0].stride(), self.tp_size)
             layout = Layout(block_tokens=g.block_tokens, tp_size=self.tp_size,
                             dtype=str(tensors[0].dtype).removeprefix("torch."),
-                            segment_bytes=plan.segment_bytes, description=g.identity)
+                            segment_bytes=plan.segment_bytes, description=g.identity,
+                            kv_heads=g.kv_heads if head_bytes else 0, head_bytes=head_bytes)
             self._tensors.extend(tensors)
             try:
                 # A missing daemon raises nothing: the client sends it when the daemon appears.
                 self._regs[gi] = self.client.register(
                     g.namespace, layout, self.tp_rank, plan.num_blocks, regions, plan.placement,
-                    quota_bytes=self.quota_bytes, handoff=g.handoff if self.pd_handoff else b"")
+                    quota_bytes=self.quota_bytes)
             except KvpoolError as e:
                 logger.error("kvpool refused the registration of group %d: %s", g.index, e)
         self._events = TransferEvents(self._tensors)

@@ -54,16 +54,16 @@ class WorkerClient:
         self._local_ids = itertools.count(1)
         self._job_ids = itertools.count(1)
         self._in_flight: set[int] = set()
+        self._job_of_req: dict[int, int] = {}    # req_id of each submitted job's request
         self._done: list[JobCompletion] = []
 
     def register(self, namespace: bytes, layout: Layout, tp_rank: int, num_blocks: int,
                  regions: Sequence[p.Region], placement: Sequence[SegmentPlacement], *,
-                 quota_bytes: int = 0, handoff: bytes = b"") -> int:
+                 quota_bytes: int = 0) -> int:
         """Register this rank's KV memory; returns a local registration id.
 
-        ``quota_bytes`` caps the namespace in the pool (0: none); ``handoff`` names the model
-        for P/D hand-off, so the daemon refuses a decode engine whose TP split differs from the
-        prefill's (see ``RegisterRequest``).
+        ``quota_bytes`` caps the namespace in the pool (0: none). Ranks of any TP size may
+        register a head-split layout of one namespace (``kvpool.shared.layout``).
 
         Raises ``LayoutMismatch``/``OutOfRange``/``UnknownId`` for a registration the daemon
         refuses. A daemon that is not there raises nothing: the registration is kept and sent
@@ -71,7 +71,7 @@ class WorkerClient:
         """
         local = next(self._local_ids)
         req = p.RegisterRequest(0, namespace, layout, tp_rank, num_blocks, list(regions),
-                                list(placement), quota_bytes, handoff)
+                                list(placement), quota_bytes)
         self._registrations[local] = reg = _Registration(req)
         try:
             if self._t.is_connected and not self._t.is_stale:
@@ -118,13 +118,36 @@ class WorkerClient:
         elif self._in_flight and not self._t.is_connected:
             # The socket was dropped (a send found the daemon gone): no answer can come.
             self._fail_in_flight("kvpoold went away during the transfer")
-        for reply in self._t.drain():
+        replies = self._t.drain()
+        if self._t.connection_lost():
+            # Replies already read still count; what is still in flight never will.
+            self._collect(replies)
+            self._fail_in_flight("kvpoold closed the connection during the transfer")
+            self._t.disconnect(backoff=False)
+            replies = []
+        self._collect(replies)
+        out, self._done = self._done, []
+        return out
+
+    def _collect(self, replies: list[p.Reply]) -> None:
+        for reply in replies:
             if isinstance(reply, p.JobDone) and reply.job_id in self._in_flight:
+                self._job_of_req.pop(reply.req_id, None)
                 self._in_flight.discard(reply.job_id)
                 self._done.append(JobCompletion(reply.job_id, reply.code == 0, reply.code,
                                                 reply.message, reply.nbytes, reply.done_event))
-        out, self._done = self._done, []
-        return out
+            elif isinstance(reply, p.ErrorReply) and reply.req_id in self._job_of_req:
+                # The request was refused before it became a job (say, HELLO_REQUIRED: the
+                # daemon restarted or released us). Its job fails now, not at some timeout.
+                job = self._job_of_req.pop(reply.req_id)
+                if job in self._in_flight:
+                    self._in_flight.discard(job)
+                    self._done.append(JobCompletion(job, False, reply.code, reply.message))
+                if reply.code == ErrorCode.HELLO_REQUIRED:
+                    # Nothing else in flight on this connection will be answered either; the
+                    # next submit reconnects and replays the registrations.
+                    self._fail_in_flight(reply.message)
+                    self._t.disconnect(backoff=False)
 
     def wait(self, job_ids: Sequence[int], timeout_s: float) -> list[JobCompletion]:
         """Completions of ``job_ids``, waiting at most ``timeout_s`` (for tools and tests)."""
@@ -159,12 +182,14 @@ class WorkerClient:
         reg = self._registrations.get(registration_id)
         if reg is None:
             raise KeyError(f"unknown local registration {registration_id}")
-        if self._t.is_stale or not self._t.is_connected:
+        if self._t.is_stale or not self._t.is_connected or self._t.connection_lost():
             self._fail_in_flight("kvpoold vanished or restarted during the transfer")
+            self._t.disconnect(backoff=False)
         self._t.ensure_connected()
         job = next(self._job_ids)
-        self._t.send(lambda rid: make(rid, job, reg.daemon_id))
+        req_id = self._t.send(lambda rid: make(rid, job, reg.daemon_id))
         self._in_flight.add(job)
+        self._job_of_req[req_id] = job
         return job
 
     def _send_registration(self, reg: _Registration) -> int:
@@ -183,6 +208,7 @@ class WorkerClient:
         for job in self._in_flight:
             self._done.append(JobCompletion(job, False, int(ErrorCode.ABORTED), why))
         self._in_flight.clear()
+        self._job_of_req.clear()
 
 
 def _with_req_id(req: p.RegisterRequest, req_id: int) -> p.RegisterRequest:

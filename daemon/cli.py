@@ -86,7 +86,11 @@ def _setup_logging(config: DaemonConfig) -> None:
 
 
 def load_daemon_config(config_file: str | None, given: dict[str, Any]) -> DaemonConfig:
-    return build_config(DaemonConfig, toml_layer(config_file), given)
+    config = build_config(DaemonConfig, toml_layer(config_file), given)
+    if config.remote_store:      # the whole URL, so --check-config and a start reject it alike
+        from kvpool.daemon.remote_url import parse_remote_url
+        parse_remote_url(config.remote_store)
+    return config
 
 
 @click.command(context_settings={"auto_envvar_prefix": "KVPOOL", "show_default": True})
@@ -185,7 +189,8 @@ def format_tier(t) -> list[str]:
         f"  moved    demoted {t.demoted_blocks} blocks ({_human(t.demoted_bytes)})   promoted "
         f"{t.promoted_blocks} blocks ({_human(t.promoted_bytes)})   hits {t.hit_blocks}",
         f"  dropped  evicted {t.evicted_blocks}   missed {t.missed_blocks}   verify failures "
-        f"{t.verify_failures}   I/O errors {t.io_errors}",
+        f"{t.verify_failures}   I/O errors {t.io_errors}   lost {t.lost_blocks}   rejected "
+        f"{t.rejected_blocks}",
     ]
 
 
@@ -211,7 +216,7 @@ def format_info(info) -> str:
     ]
     for n in info.namespace_usage:
         quota = f" of {_human(n.quota_bytes)} quota" if n.quota_bytes else ""
-        lines.append(f"  ns {n.namespace.hex()[:12]}  tp {n.tp_size}  {n.blocks} blocks  "
+        lines.append(f"  ns {n.namespace.hex()[:12]}  tp {n.tp_size or 'any'}  {n.blocks} blocks  "
                      f"{_human(n.used_bytes)}{quota}  {n.description[:60]}")
     for t in info.tiers:
         lines += format_tier(t)

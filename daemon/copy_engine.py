@@ -21,10 +21,14 @@ from __future__ import annotations
 import abc
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvpool.shared.protocol import RegisterRequest
+
+if TYPE_CHECKING:
+    from kvpool.daemon.peer import Peer
 
 
 @dataclass(frozen=True)
@@ -44,16 +48,19 @@ class Mapped(abc.ABC):
 
 
 class CopyEngine(abc.ABC):
-    """Moves one registration's blocks to and from this rank's shard of pool slots.
+    """Moves one registration's blocks to and from this rank's part of pool slots.
 
-    ``shard_offsets[i]`` is the pool byte offset of this rank's shard of the i-th slot; block
-    ``block_ids[i]`` pairs with it. Both are int64 arrays of equal length, already validated.
+    ``shard_offsets[i]`` is the pool byte offset of the i-th slot (the slot's start: the rank's
+    part inside it is ``segment_address_table``'s business); block ``block_ids[i]`` pairs with
+    it. Both are int64 arrays of equal length, already validated.
     """
 
     name: str
 
     @abc.abstractmethod
-    def attach(self, registration: RegisterRequest) -> Mapped: ...
+    def attach(self, registration: RegisterRequest, peer: "Peer | None" = None) -> Mapped:
+        """``peer``: the registering process's kernel credentials, for engines that open
+        memory by name on its behalf (they must not open what it could not)."""
 
     @abc.abstractmethod
     def detach(self, mapped: Mapped) -> None: ...
@@ -71,13 +78,42 @@ class CopyEngine(abc.ABC):
 
 
 def segment_address_table(mapped_registration: RegisterRequest) -> tuple[np.ndarray, ...]:
-    """Per-segment (region, offset, block stride, nbytes, offset inside the shard) as int64
-    arrays: the inputs every engine vectorises its address computation over."""
+    """Where this rank's part of a block is, as int64 arrays over its *pieces*: (region, offset,
+    block stride, nbytes, offset inside the slot). A piece is contiguous on both sides: in the
+    worker's memory at ``region``'s base + offset + block * stride, in the pool at the slot's
+    offset + the last column. Every engine vectorises its address computation over these.
+
+    A rank-sharded layout's pieces are its segments, at ``tp_rank * shard_stride_bytes`` plus
+    their offset in the shard. A head-split layout's are its segments cut at row boundaries,
+    each row ``local_heads * head_bytes`` at its head range inside the slot's row (see
+    ``kvpool.shared.layout``); a rank holding every head keeps its segments whole (the slot is
+    then its shard, byte for byte).
+    """
     reg = mapped_registration
-    nbytes = np.asarray(reg.layout.segment_bytes, dtype=np.int64)
+    lay = reg.layout
+    nbytes = np.asarray(lay.segment_bytes, dtype=np.int64)
     prefix = np.zeros_like(nbytes)
     np.cumsum(nbytes[:-1], out=prefix[1:])
     region = np.asarray([p.region for p in reg.placement], dtype=np.int64)
     offset = np.asarray([p.offset_bytes for p in reg.placement], dtype=np.int64)
     stride = np.asarray([p.block_stride_bytes for p in reg.placement], dtype=np.int64)
-    return region, offset, stride, nbytes, prefix
+    if not lay.kv_heads:
+        return region, offset, stride, nbytes, prefix + reg.tp_rank * lay.shard_stride_bytes
+    if lay.local_heads == lay.kv_heads:
+        return region, offset, stride, nbytes, prefix
+    row = lay.local_heads * lay.head_bytes
+    pitch = lay.kv_heads * lay.head_bytes
+    h0, _ = lay.head_range(reg.tp_rank)
+    shard = int(nbytes.sum())
+    # Cut the shard (segments back to back) at every segment and every row boundary.
+    cuts = np.union1d(prefix, np.arange(0, shard, row, dtype=np.int64))
+    size = np.diff(np.append(cuts, shard))
+    seg = np.searchsorted(prefix, cuts, side="right") - 1
+    slot = (cuts // row) * pitch + h0 * lay.head_bytes + cuts % row
+    return region[seg], offset[seg] + cuts - prefix[seg], stride[seg], size, slot
+
+
+def part_span(table: tuple[np.ndarray, ...]) -> tuple[int, int]:
+    """[first, last) byte of a slot that a rank's pieces (``segment_address_table``) touch."""
+    _, _, _, nbytes, slot = table
+    return int(slot.min()), int((slot + nbytes).max())

@@ -549,10 +549,14 @@ def has_memcpy_2d_batch() -> bool:
 
 
 def pitched_ops(dst: np.ndarray, dst_pitch: np.ndarray, src: np.ndarray, src_pitch: np.ndarray,
-                width: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """A ``CUDA_MEMCPY3D_BATCH_OP`` array of 2D copies: op ``i`` moves ``rows[i]`` rows of
-    ``width[i]`` bytes from ``src[i]`` (rows ``src_pitch[i]`` apart) to ``dst[i]`` (rows
-    ``dst_pitch[i]`` apart), all pointer operands in unified addressing (element = byte)."""
+                width: np.ndarray, rows: np.ndarray, depth: np.ndarray | int = 1, *,
+                dst_layer: np.ndarray | None = None, src_layer: np.ndarray | None = None
+                ) -> np.ndarray:
+    """A ``CUDA_MEMCPY3D_BATCH_OP`` array of pitched copies: op ``i`` moves ``depth[i]`` layers
+    of ``rows[i]`` rows of ``width[i]`` bytes from ``src[i]`` (rows ``src_pitch[i]`` apart,
+    layers ``src_layer[i]`` rows apart) to ``dst[i]`` (likewise), all pointer operands in
+    unified addressing (element = byte). Layers default to ``rows`` rows apart; with depth 1
+    (the default) an op is a 2D copy."""
     n = len(dst)
     ops = np.zeros(n, dtype=BATCH3D_OP_DTYPE)
     ops["src_type"] = CU_MEMCPY_OPERAND_TYPE_POINTER
@@ -561,11 +565,11 @@ def pitched_ops(dst: np.ndarray, dst_pitch: np.ndarray, src: np.ndarray, src_pit
     ops["dst_ptr"] = dst
     ops["src_row"] = src_pitch
     ops["dst_row"] = dst_pitch
-    ops["src_layer"] = rows
-    ops["dst_layer"] = rows
+    ops["src_layer"] = rows if src_layer is None else src_layer
+    ops["dst_layer"] = rows if dst_layer is None else dst_layer
     ops["width"] = width
     ops["height"] = rows
-    ops["depth"] = 1
+    ops["depth"] = depth
     ops["order"] = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
     return ops
 
@@ -593,36 +597,59 @@ def check_memcpy_2d_batch(ordinal: int) -> str:
     """Run a small pitched round trip through ``cuMemcpy3DBatchAsync`` on ``ordinal`` and
     compare bytes; returns "" when it is right, else why not (the caller then keeps to 1D
     batches). Guards the hand-written struct layout against a driver that reads it otherwise."""
+    # host rows back to back, GPU rows 3 widths apart
+    return _pitched_round_trip(ordinal, "pitched", width=4096, rows=4, depth=1,
+                               hpitch=4096, hlayer=4, gpitch=3 * 4096, glayer=4)
+
+
+def check_memcpy_3d_batch(ordinal: int) -> str:
+    """Like ``check_memcpy_2d_batch`` for 3D copies as a rank's head range uses them: layers
+    of several rows further apart than their rows, and host rows further apart than they are
+    wide (a slot holding two ranks' heads). "" when right, else why not (the engine then cuts
+    each 3D copy into its 2D layers)."""
+    return _pitched_round_trip(ordinal, "3D pitched", width=1024, rows=4, depth=3,
+                               hpitch=2048, hlayer=4, gpitch=1024, glayer=12)
+
+
+def _pitched_round_trip(ordinal: int, what: str, *, width: int, rows: int, depth: int,
+                        hpitch: int, hlayer: int, gpitch: int, glayer: int) -> str:
+    """Host -> GPU by one pitched op, checked row by row with plain 1D copies (known good) from
+    where each row must have landed, then GPU -> host by one pitched op, checked again."""
     if not has_memcpy_2d_batch():
         return "no cuMemcpy3DBatchAsync in this driver"
     use_device(ordinal)
-    rows, width, pitch = 4, 4096, 3 * 4096
-    src = host_alloc(rows * width)
-    back = host_alloc(rows * width)
-    dev = mem_alloc(rows * pitch)
+    hbytes, gbytes = hpitch * hlayer * depth, gpitch * glayer * depth
+    src = host_alloc(hbytes)
+    back = host_alloc(hbytes)
+    dev = mem_alloc(gbytes)
     stream = stream_create()
     try:
-        pattern = (np.arange(rows * width, dtype=np.uint32) * 2654435761 >> 7).astype(np.uint8)
-        ctypes.memmove(src, pattern.ctypes.data, rows * width)
-        ctypes.memset(back, 0, rows * width)
-        driver().check("cuMemsetD8Async", driver().cuMemsetD8Async(dev, 0x5A, rows * pitch,
-                                                                      stream))
+        pattern = (np.arange(hbytes, dtype=np.uint32) * 2654435761 >> 9).astype(np.uint8)
+        ctypes.memmove(src, pattern.ctypes.data, hbytes)
+        ctypes.memset(back, 0, hbytes)
         one = np.ones(1, dtype=np.uint64)
-        memcpy_2d_batch_async(pitched_ops(one * dev, one * pitch, one * src, one * width,
-                                          one * width, one * rows), stream)
-        # out again as plain 1D copies (known good), row by row
-        for r in range(rows):
-            memcpy_async(back + r * width, dev + r * pitch, width, stream)
+        driver().check("cuMemsetD8Async", driver().cuMemsetD8Async(dev, 0x5A, gbytes, stream))
+        memcpy_2d_batch_async(pitched_ops(one * dev, one * gpitch, one * src, one * hpitch,
+                                          one * width, one * rows, one * depth,
+                                          dst_layer=one * glayer, src_layer=one * hlayer), stream)
+        cells = [((z * glayer + y) * gpitch, (z * hlayer + y) * hpitch)
+                 for z in range(depth) for y in range(rows)]
+        for g, h in cells:
+            memcpy_async(back + h, dev + g, width, stream)
         stream_synchronize(stream)
-        got = np.ctypeslib.as_array((ctypes.c_uint8 * (rows * width)).from_address(back))
-        if not np.array_equal(got, pattern):
-            return "pitched host->device copy moved the wrong bytes"
-        ctypes.memset(back, 0, rows * width)
-        memcpy_2d_batch_async(pitched_ops(one * back, one * width, one * dev, one * pitch,
-                                          one * width, one * rows), stream)
+        got = np.ctypeslib.as_array((ctypes.c_uint8 * hbytes).from_address(back))
+        want = np.zeros(hbytes, dtype=np.uint8)
+        for _, h in cells:
+            want[h:h + width] = pattern[h:h + width]
+        if not np.array_equal(got, want):
+            return f"{what} host->device copy moved the wrong bytes"
+        ctypes.memset(back, 0, hbytes)
+        memcpy_2d_batch_async(pitched_ops(one * back, one * hpitch, one * dev, one * gpitch,
+                                          one * width, one * rows, one * depth,
+                                          dst_layer=one * hlayer, src_layer=one * glayer), stream)
         stream_synchronize(stream)
-        if not np.array_equal(got, pattern):
-            return "pitched device->host copy moved the wrong bytes"
+        if not np.array_equal(got, want):
+            return f"{what} device->host copy moved the wrong bytes"
         return ""
     except CudaError as e:
         return str(e)

@@ -53,7 +53,8 @@ from typing import Any, Literal
 import numpy as np
 
 from kvpool.daemon import cuda
-from kvpool.daemon.copy_engine import CopyEngine, JobResult, Mapped, segment_address_table
+from kvpool.daemon.copy_engine import (CopyEngine, JobResult, Mapped, part_span,
+                                       segment_address_table)
 from kvpool.shared.errors import (Aborted, InternalError, KvpoolError, LayoutMismatch,
                                   OutOfRange, UnknownId)
 from kvpool.shared.layout import check_placement
@@ -129,41 +130,111 @@ def split_at_boundaries(gpu: np.ndarray, host: np.ndarray, size: np.ndarray, bas
 
 
 def strided_runs(region: np.ndarray, seg_dev: np.ndarray, seg_stride: np.ndarray,
-                 seg_bytes: np.ndarray, max_pitch: int = (1 << 31) - 1) -> np.ndarray:
-    """Cut segments (in shard order) into runs a pitched copy can move at once: same region,
-    block stride and size, GPU addresses one constant pitch apart (>= the size, so rows never
-    overlap). Returns each run's first segment index plus a final ``len(seg_dev)``."""
+                 seg_bytes: np.ndarray, seg_prefix: np.ndarray | None = None,
+                 max_pitch: int = (1 << 31) - 1) -> np.ndarray:
+    """Cut pieces (in slot order) into runs a pitched copy can move at once: same region,
+    block stride and size, GPU addresses one constant pitch apart and pool offsets another
+    (each >= the size, so rows never overlap). ``seg_prefix`` None: pieces back to back in the
+    slot. Returns each run's first piece index plus a final ``len(seg_dev)``."""
+    if seg_prefix is None:
+        seg_prefix = np.zeros_like(seg_bytes)
+        np.cumsum(seg_bytes[:-1], out=seg_prefix[1:])
     starts = [0]
-    pitch = 0
+    pitch = hpitch = 0
     for s in range(1, len(seg_dev)):
         d = int(seg_dev[s] - seg_dev[s - 1])
+        h = int(seg_prefix[s] - seg_prefix[s - 1])
         same = (region[s] == region[s - 1] and seg_stride[s] == seg_stride[s - 1]
-                and seg_bytes[s] == seg_bytes[s - 1] and seg_bytes[s] <= d <= max_pitch)
-        if same and (s - starts[-1] == 1 or d == pitch):
-            pitch = d
+                and seg_bytes[s] == seg_bytes[s - 1] and seg_bytes[s] <= d <= max_pitch
+                and seg_bytes[s] <= h <= max_pitch)
+        if same and (s - starts[-1] == 1 or (d == pitch and h == hpitch)):
+            pitch, hpitch = d, h
             continue
         starts.append(s)
-        pitch = 0
+        pitch = hpitch = 0
     return np.asarray(starts + [len(seg_dev)], dtype=np.int64)
 
 
-def pitched_table(seg_dev: np.ndarray, seg_stride: np.ndarray, seg_bytes: np.ndarray,
-                  seg_prefix: np.ndarray, bounds: np.ndarray, block_ids: np.ndarray,
-                  shard_offsets: np.ndarray, pool_base: int) -> tuple[np.ndarray, ...]:
-    """(gpu address, gpu pitch, pool address, rows, row bytes) of every pitched copy of a job:
-    one per (item, run), rows back to back in the shard (pool pitch = row bytes)."""
+# Columns of a pitched plan (``pitched_plan``): one row per copy of one block.
+(P_GPU, P_STRIDE, P_GPITCH, P_GLAYER, P_HOST, P_HPITCH, P_HLAYER, P_WIDTH, P_HEIGHT,
+ P_DEPTH) = range(10)
+
+
+def pitched_plan(seg_dev: np.ndarray, seg_stride: np.ndarray, seg_bytes: np.ndarray,
+                 seg_prefix: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """The pitched copies of one block, as an int64 [ops, 10] table (``P_*`` columns): GPU
+    address of block 0 and block stride, GPU row pitch and rows per layer, slot offset, pool row
+    pitch and rows per layer, row bytes, rows, layers.
+
+    Runs (``strided_runs``) of more than one row that repeat with one shape at constant GPU and
+    pool distances, each a whole number of rows, become one 3D copy: a rank's head range of a
+    per-layer cache (every layer's rows at one pitch on the GPU, at another in the slot that
+    holds every head) is then one copy per block. Everything else is a 2D copy (depth 1)."""
     first = bounds[:-1]
     rows = np.diff(bounds)
-    pitch = np.where(rows > 1, seg_dev[np.minimum(first + 1, len(seg_dev) - 1)] - seg_dev[first],
-                     seg_bytes[first])
+    nxt = np.minimum(first + 1, len(seg_dev) - 1)
+    width = seg_bytes[first]
+    gpitch = np.where(rows > 1, seg_dev[nxt] - seg_dev[first], width)
+    hpitch = np.where(rows > 1, seg_prefix[nxt] - seg_prefix[first], width)
+    ops: list[list[int]] = []
+    r = 0
+    while r < len(first):
+        op = [int(seg_dev[first[r]]), int(seg_stride[first[r]]), int(gpitch[r]), int(rows[r]),
+              int(seg_prefix[first[r]]), int(hpitch[r]), int(rows[r]), int(width[r]),
+              int(rows[r]), 1]
+        n = 1
+        if rows[r] > 1 and r + 1 < len(first):
+            dg = int(seg_dev[first[r + 1]] - seg_dev[first[r]])
+            dh = int(seg_prefix[first[r + 1]] - seg_prefix[first[r]])
+            shape = (rows[r], width[r], gpitch[r], hpitch[r], seg_stride[first[r]])
+            if (dg > 0 and dh > 0 and dg % gpitch[r] == 0 and dh % hpitch[r] == 0
+                    and dg // gpitch[r] >= rows[r] and dh // hpitch[r] >= rows[r]):
+                while (r + n < len(first)
+                       and (rows[r + n], width[r + n], gpitch[r + n], hpitch[r + n],
+                            seg_stride[first[r + n]]) == shape
+                       and seg_dev[first[r + n]] - seg_dev[first[r + n - 1]] == dg
+                       and seg_prefix[first[r + n]] - seg_prefix[first[r + n - 1]] == dh):
+                    n += 1
+                if n > 1:
+                    op[P_GLAYER], op[P_HLAYER], op[P_DEPTH] = (dg // int(gpitch[r]),
+                                                               dh // int(hpitch[r]), n)
+        ops.append(op)
+        r += n
+    return np.asarray(ops, dtype=np.int64).reshape(-1, 10)
+
+
+def flatten_plan(plan: np.ndarray) -> np.ndarray:
+    """The same copies with every 3D copy cut into its layers (2D copies only)."""
+    depth = plan[:, P_DEPTH]
+    if (depth == 1).all():
+        return plan
+    out = np.repeat(plan, depth, axis=0)
+    z = np.arange(len(out)) - np.repeat(np.cumsum(depth) - depth, depth)
+    out[:, P_GPU] += z * out[:, P_GLAYER] * out[:, P_GPITCH]
+    out[:, P_HOST] += z * out[:, P_HLAYER] * out[:, P_HPITCH]
+    out[:, P_GLAYER] = out[:, P_HEIGHT]
+    out[:, P_HLAYER] = out[:, P_HEIGHT]
+    out[:, P_DEPTH] = 1
+    return out
+
+
+def pitched_table(plan: np.ndarray, block_ids: np.ndarray, shard_offsets: np.ndarray,
+                  pool_base: int) -> tuple[np.ndarray, ...]:
+    """Every pitched copy of a job: (gpu address, gpu pitch, gpu rows per layer, pool address,
+    pool pitch, pool rows per layer, row bytes, rows, layers) as uint64 arrays, one per
+    (item, plan row). Item ``i`` pairs GPU block ``block_ids[i]`` with the slot at pool byte
+    offset ``shard_offsets[i]``."""
     blocks = np.asarray(block_ids, dtype=np.int64)
     shards = np.asarray(shard_offsets, dtype=np.int64)
-    n, r = len(blocks), len(first)
-    gpu = (seg_dev[first][None, :] + blocks[:, None] * seg_stride[first][None, :]).ravel()
-    host = (pool_base + shards[:, None] + seg_prefix[first][None, :]).ravel()
-    return (gpu.astype(np.uint64), np.broadcast_to(pitch, (n, r)).ravel().astype(np.uint64),
-            host.astype(np.uint64), np.broadcast_to(rows, (n, r)).ravel().astype(np.uint64),
-            np.broadcast_to(seg_bytes[first], (n, r)).ravel().astype(np.uint64))
+    n, r = len(blocks), len(plan)
+    gpu = (plan[None, :, P_GPU] + blocks[:, None] * plan[None, :, P_STRIDE]).ravel()
+    host = (pool_base + shards[:, None] + plan[None, :, P_HOST]).ravel()
+
+    def rep(col: int) -> np.ndarray:
+        return np.broadcast_to(plan[:, col], (n, r)).ravel().astype(np.uint64)
+
+    return (gpu.astype(np.uint64), rep(P_GPITCH), rep(P_GLAYER), host.astype(np.uint64),
+            rep(P_HPITCH), rep(P_HLAYER), rep(P_WIDTH), rep(P_HEIGHT), rep(P_DEPTH))
 
 
 def split_items(shard_offsets: np.ndarray, shard_bytes: int, piece: int) -> np.ndarray:
@@ -188,7 +259,10 @@ class CudaMapped(Mapped):
         self.ordinal = ordinal
         self.handles = handles
         self.region_base = region_base
-        region, offset, stride, nbytes, prefix = segment_address_table(registration)
+        table = segment_address_table(registration)
+        region, offset, stride, nbytes, prefix = table
+        # the bytes of a slot this rank touches (its head range may leave out both ends)
+        self.part_lo, self.part_hi = part_span(table)
         base = np.asarray(region_base, dtype=np.int64)
         self.seg_dev = base[region] + offset
         self.seg_stride = stride
@@ -201,9 +275,12 @@ class CudaMapped(Mapped):
         g, _, s = chunk_table(self.seg_dev, stride, nbytes, prefix, np.arange(1),
                               np.zeros(1, dtype=np.int64), 0)
         self.mean_chunk_bytes = int(s.sum()) // max(1, len(s))
-        # pitched runs, worth using where they cut the operations per block at least in half
-        self.run_bounds = strided_runs(region, self.seg_dev, stride, nbytes)
-        self.pitched_ok = len(self.run_bounds) - 1 <= len(s) // 2
+        # pitched copies, worth using where they cut the operations per block at least in half
+        # (counted as 2D copies: 3D ones are only used once a lane has checked them)
+        self.plan = pitched_plan(self.seg_dev, stride, nbytes, prefix,
+                                 strided_runs(region, self.seg_dev, stride, nbytes, prefix))
+        self.plan_2d = flatten_plan(self.plan)
+        self.pitched_ok = len(self.plan_2d) <= len(s) // 2
         self.seg_table_gpu: Any = None      # torch int64 [4, S] on the device, for the kernel
         self.load_events: list[int] = []
         self.load_event_handles: list[bytes] = []
@@ -363,8 +440,7 @@ class _Lane:
         still being registered, the kernel path's first compile, the pitched-copy check)."""
         m = job.mapped
         eng = self.engine
-        shard_bytes = int(m.registration.layout.shard_bytes)
-        shard_end = eng.pool_base + int(job.shard_offsets.max()) + shard_bytes
+        shard_end = eng.pool_base + int(job.shard_offsets.max()) + m.part_hi
         reg = eng.registration
         if reg is None:
             pinned = False
@@ -375,7 +451,8 @@ class _Lane:
         else:
             pinned = reg.wait_until(shard_end)
         backend = eng._choose(m, pinned)
-        if inline and (backend == "kernel" or (m.pitched_ok and eng.pitched is None)):
+        if inline and (backend == "kernel" or (m.pitched_ok and (
+                eng.pitched is None or (len(m.plan) < len(m.plan_2d) and eng.pitched_3d is None)))):
             return False
         if job.trace is not None:
             job.trace.append(time.monotonic_ns())
@@ -390,16 +467,18 @@ class _Lane:
             if m.pitched_ok and eng.pitched:
                 # Shards that straddle two registered pieces of the pool (a few per GiB) go
                 # as 1D chunks, split at the boundary; every other one as pitched runs.
-                cross = (split_items(shards, shard_bytes, reg.piece_bytes) if split
-                         else None)
+                cross = (split_items(shards + m.part_lo, m.part_hi - m.part_lo,
+                                     reg.piece_bytes) if split else None)
                 keep = slice(None) if cross is None else ~cross
-                gpu, gpitch, host, rows, width = pitched_table(
-                    m.seg_dev, m.seg_stride, m.seg_bytes, m.seg_prefix, m.run_bounds,
-                    blocks[keep], shards[keep], eng.pool_base)
+                plan = m.plan if eng.pitched_3d else m.plan_2d
+                gpu, gpitch, glayer, host, hpitch, hlayer, width, rows, depth = pitched_table(
+                    plan, blocks[keep], shards[keep], eng.pool_base)
                 if job.to_pool:
-                    ops = cuda.pitched_ops(host, width, gpu, gpitch, width, rows)
+                    ops = cuda.pitched_ops(host, hpitch, gpu, gpitch, width, rows, depth,
+                                           dst_layer=hlayer, src_layer=glayer)
                 else:
-                    ops = cuda.pitched_ops(gpu, gpitch, host, width, width, rows)
+                    ops = cuda.pitched_ops(gpu, gpitch, host, hpitch, width, rows, depth,
+                                           dst_layer=glayer, src_layer=hlayer)
                 job.backend = "dma2d"
                 self._spread(len(ops), eng.dma_2d_batch_ops,
                              lambda a, b, st: cuda.memcpy_2d_batch_async(ops[a:b], st))
@@ -565,6 +644,9 @@ class CudaCopyEngine(CopyEngine):
                  register_piece_bytes: int = 1 << 30, kernel_words: int = 4096,
                  kernel_warps: int = 16, dma_2d: bool | None = None,
                  dma_2d_batch_ops: int = 256, inline_max_ops: int = 0) -> None:
+        # Benchmark and debugging knobs from the environment (A/B runs of one daemon build).
+        env = os.environ
+        backend = env.get("KVPOOL_CUDA_BACKEND", backend)   # type: ignore[assignment]
         if backend not in ("auto", "dma", "kernel"):
             raise ValueError(f"backend must be auto, dma or kernel, not {backend!r}")
         self.pool = pool
@@ -578,12 +660,15 @@ class CudaCopyEngine(CopyEngine):
         self.dma_calls_s = 0.0    # CPU seconds inside cuMemcpyBatchAsync (benchmarks)
         self.kernel_words = kernel_words
         self.kernel_warps = kernel_warps
-        # Benchmark and debugging knobs from the environment (A/B runs of one daemon build).
-        env = os.environ
         if "KVPOOL_CUDA_DMA_2D" in env:
             dma_2d = env["KVPOOL_CUDA_DMA_2D"] not in ("0", "off", "false")
         # pitched copies: True/False forced, None until the first lane has checked them
         self.pitched: bool | None = dma_2d
+        # 3D pitched copies (a rank's head range of a per-layer cache in one copy per block):
+        # None until checked like the 2D ones; False cuts each into its 2D layers.
+        self.pitched_3d: bool | None = None if dma_2d is not False else False
+        if env.get("KVPOOL_CUDA_DMA_3D", "") in ("0", "off", "false"):
+            self.pitched_3d = False
         self.dma_2d_batch_ops = dma_2d_batch_ops
         self.inline_max_ops = int(env.get("KVPOOL_CUDA_INLINE_OPS", inline_max_ops))
         self.trace = bool(env.get("KVPOOL_TRACE"))
@@ -612,15 +697,21 @@ class CudaCopyEngine(CopyEngine):
             self._ready.set()
 
     def _check_pitched(self, ordinal: int) -> None:
-        """Decide once, on a lane thread, whether pitched batches move the right bytes."""
+        """Decide once, on a lane thread, whether pitched batches (2D, then 3D) move the right
+        bytes."""
         with self._pitched_lock:
-            if self.pitched is not None:
-                return
-            why = cuda.check_memcpy_2d_batch(ordinal)
-            if why:
-                log.warning("kvpool: pitched batched copies unusable (%s); per-layer layouts "
-                            "use one copy per chunk", why)
-            self.pitched = not why
+            if self.pitched is None:
+                why = cuda.check_memcpy_2d_batch(ordinal)
+                if why:
+                    log.warning("kvpool: pitched batched copies unusable (%s); per-layer layouts "
+                                "use one copy per chunk", why)
+                self.pitched = not why
+            if self.pitched_3d is None:
+                why = cuda.check_memcpy_3d_batch(ordinal) if self.pitched else "no 2D copies"
+                if why:
+                    log.warning("kvpool: 3D pitched copies unusable (%s); a rank's head range "
+                                "goes as one 2D copy per layer", why)
+                self.pitched_3d = not why
 
     def _require_ready(self) -> None:
         self._ready.wait()
@@ -636,7 +727,7 @@ class CudaCopyEngine(CopyEngine):
 
     # -- attach / detach --
 
-    def attach(self, registration: RegisterRequest) -> CudaMapped:
+    def attach(self, registration: RegisterRequest, peer=None) -> CudaMapped:
         """Open every region's IPC handle on the GPU named by its UUID. Takes a few ms (IPC
         open), more on the first registration of a GPU (streams, threads)."""
         self._require_ready()

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
+from kvpool.daemon.checksum import block_checksums
 from kvpool.shared.errors import ConfigError, KvpoolError
 
 log = logging.getLogger(__name__)
@@ -66,12 +66,6 @@ except (OSError, AttributeError):   # not glibc/Linux: freed space is reused, no
 
 class DiskBusy(KvpoolError):
     """Another live daemon uses this disk tier directory."""
-
-
-def block_seed(key: bytes) -> int:
-    """The checksum seed of a block: binds the checksum to the key, so a record left over a
-    block that now holds another key's bytes fails verification."""
-    return xxhash.xxh3_64_intdigest(key)
 
 
 def record_checks(records: np.ndarray) -> np.ndarray:
@@ -186,8 +180,7 @@ class DiskStore:
             self._put_records(f, np.asarray(replaced, np.int64),
                               np.zeros(len(replaced), RECORD_DTYPE))
         pool = self._pool
-        sums = np.fromiter((xxhash.xxh3_64_intdigest(pool[o:o + slot_bytes], block_seed(k))
-                            for o, k in zip(offsets.tolist(), keys)), np.uint64, len(keys))
+        sums = block_checksums(pool, offsets.tolist(), keys, slot_bytes)
         for first, _, bufs in self._runs(indices, offsets, slot_bytes):
             _pwritev_all(f.data_fd, bufs, first * slot_bytes)
         os.fdatasync(f.data_fd)
@@ -215,8 +208,7 @@ class DiskStore:
                 short.append(np.arange(first + got, first + count))
         complete = ~np.isin(indices, np.concatenate(short)) if short else True
         pool = self._pool
-        ok = np.fromiter((xxhash.xxh3_64_intdigest(pool[o:o + slot_bytes], block_seed(k))
-                          for o, k in zip(offsets.tolist(), keys)), np.uint64, len(keys))
+        ok = block_checksums(pool, offsets.tolist(), keys, slot_bytes)
         return complete & (ok == checksums.astype(np.uint64))
 
     def free(self, slot_bytes: int, indices: np.ndarray) -> None:

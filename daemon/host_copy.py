@@ -1,8 +1,9 @@
 """Host transfer path: copies between KV tensors in host shared memory and the pool.
 
 The path CI and CPU engines use; the CUDA engines implement the same ``CopyEngine`` interface.
-A job is turned into two row-index vectors over the pool and the worker's region, each row one
-copy unit (the largest power-of-two-free unit that divides every offset and size of the job),
+A job is turned into two row-index vectors over the pool and the worker's region (over the
+rank's pieces of each slot, ``segment_address_table``: whole segments, or the rows of its head
+range in a slot that holds every head), each row one copy unit (the largest power-of-two-free unit that divides every offset and size of the job),
 and moved with one vectorised gather/scatter pair per bounded batch of rows: no Python work per
 block or per layer. Copies run on a per-registration thread (torch releases the GIL), so the
 event loop never waits and each worker's jobs finish in the order they were sent.
@@ -12,6 +13,9 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
+import re
+import stat
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -19,10 +23,11 @@ import posix_ipc
 import torch
 
 from kvpool.daemon.copy_engine import CopyEngine, JobResult, Mapped, segment_address_table
+from kvpool.daemon.peer import Peer, check_may_open
 from kvpool.daemon.pool import Pool
-from kvpool.shared.errors import Aborted, LayoutMismatch, ProtocolError, UnknownId
+from kvpool.shared.errors import Aborted, LayoutMismatch, ProtocolError, TooLarge, UnknownId
 from kvpool.shared.layout import check_placement
-from kvpool.shared.protocol import HostRegion, RegisterRequest
+from kvpool.shared.protocol import ENGINE_SHM_PREFIX, HostRegion, RegisterRequest
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,12 @@ log = logging.getLogger(__name__)
 BATCH_BYTES = 4 << 20
 # Above this many runs of adjacent shards a job takes the gather/scatter path instead.
 MAX_RUNS = 16
+_SHM_NAME_MAX = 200
+# Engine segments, named by ``SharedHostMemory``; "kvpool-kv-" is what clients from before the
+# liveness lock used (still accepted: the same protocol version may send it).
+_SHM_PREFIXES = (ENGINE_SHM_PREFIX, "kvpool-kv-")
+_SHM_NAME = re.compile(r"/?((?:%s)[A-Za-z0-9_.-]{1,%d})"
+                       % ("|".join(map(re.escape, _SHM_PREFIXES)), _SHM_NAME_MAX - 16))
 
 
 class HostMapped(Mapped):
@@ -40,6 +51,13 @@ class HostMapped(Mapped):
         self.maps = maps
         self.views = views          # one uint8 array per region, exactly its registered bytes
         self.table = segment_address_table(registration)
+        _, _, _, nbytes, slot = self.table
+        # Where the rank's part starts in a slot when it is one contiguous run there (its
+        # pieces back to back: TP=1, or a rank-sharded shard); None for a strided part.
+        ends = np.cumsum(nbytes)
+        self.contiguous_at: int | None = (
+            int(slot[0]) if np.array_equal(slot[1:] - slot[0], ends[:-1]) else None)
+        self.rows = _uniform_rows(registration.layout.slot_bytes, self.table)
         # One thread per registration keeps its jobs in submission order.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-host-copy")
 
@@ -49,6 +67,7 @@ class HostCopyEngine(CopyEngine):
 
     def __init__(self, pool: Pool, threads: int = 2) -> None:
         self._pool_u8 = pool.view()
+        self._pool_name = pool.name.lstrip("/")
         self._closed = False
         # Torch's own intra-op threads spin at barriers; beside busy engine processes on the
         # same cores that collapses a 2-thread index_select from ~4.6 to ~1 GB/s (measured on
@@ -58,28 +77,34 @@ class HostCopyEngine(CopyEngine):
         self._threads = threads
         self._fanout = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvpool-copy")
 
-    def attach(self, registration: RegisterRequest) -> HostMapped:
+    def attach(self, registration: RegisterRequest, peer: Peer | None = None) -> HostMapped:
         regions = registration.regions
         if not all(isinstance(r, HostRegion) for r in regions):
             raise ProtocolError("the host copy engine takes HostRegion registrations only")
+        names = [check_shm_name(r.shm_name, self._pool_name) for r in regions]
         check_placement(registration.layout, registration.placement,
                         [r.nbytes for r in regions], registration.num_blocks)
         maps: list[mmap.mmap] = []
         views: list[np.ndarray] = []
         try:
-            for r in regions:
+            for r, name in zip(regions, names):
                 try:
-                    shm = posix_ipc.SharedMemory("/" + r.shm_name.lstrip("/"), 0)
+                    shm = posix_ipc.SharedMemory("/" + name, 0)
                 except posix_ipc.ExistentialError:
-                    raise UnknownId(f"shared memory {r.shm_name!r} does not exist") from None
+                    raise UnknownId(f"shared memory {name!r} does not exist") from None
                 except posix_ipc.PermissionsError:
-                    raise UnknownId(f"shared memory {r.shm_name!r} is not readable by kvpoold "
+                    raise UnknownId(f"shared memory {name!r} is not readable by kvpoold "
                                     f"(check owner and mode)") from None
                 try:
-                    if r.offset_bytes < 0 or r.offset_bytes + r.nbytes > shm.size:
-                        raise LayoutMismatch(f"region {r.shm_name!r} [{r.offset_bytes}, "
-                                             f"+{r.nbytes}) exceeds its {shm.size} bytes")
-                    m = mmap.mmap(shm.fd, shm.size)
+                    st = os.fstat(shm.fd)
+                    if not stat.S_ISREG(st.st_mode):
+                        raise ProtocolError(f"shared memory {name!r} is not a regular object")
+                    check_may_open(st, peer, f"shared memory {name!r}")
+                    if r.nbytes < 0 or r.offset_bytes < 0 or r.offset_bytes + r.nbytes > st.st_size:
+                        raise LayoutMismatch(f"region {name!r} [{r.offset_bytes}, "
+                                             f"+{r.nbytes}) exceeds its {st.st_size} bytes")
+                    _back(shm.fd, st, r.offset_bytes, r.nbytes, name)
+                    m = mmap.mmap(shm.fd, st.st_size)
                 finally:
                     shm.close_fd()
                 maps.append(m)
@@ -148,6 +173,8 @@ class HostCopyEngine(CopyEngine):
         total = int(nbytes.sum()) * len(block_ids)
         if self._copy_runs(mapped, src, shard_offsets, unit, to_pool):
             return JobResult(total)
+        if self._copy_rows(mapped, src, shard_offsets, to_pool):
+            return JobResult(total)
         for r in np.unique(region):
             cols = np.flatnonzero(region == r)
             rows_w = _unit_rows(src[:, cols], nbytes[cols], unit)
@@ -165,18 +192,19 @@ class HostCopyEngine(CopyEngine):
 
     def _copy_runs(self, mapped: HostMapped, src: np.ndarray, shard_offsets: np.ndarray,
                    unit: int, to_pool: bool) -> bool:
-        """One pass when the pool side is a few contiguous runs of shards; False otherwise.
+        """One pass when the pool side is a few contiguous runs of parts; False otherwise.
 
         Slots of one size are handed out in address order and LRU eviction frees them in
-        roughly that order, so a job's shards are usually a handful of runs; then each run is
+        roughly that order, so a job's slots are usually a handful of runs; then each run is
         one gather straight into the pool (store) or one scatter straight from it (load), and
-        no bytes go through a temporary. Needs one region (the pool side of a region's
-        segments is then the whole shard) and shards that touch (TP=1, page-sized shards).
+        no bytes go through a temporary. Needs one region, a rank's part that is contiguous in
+        the slot, and parts that touch from slot to slot (TP=1 with page-sized blocks).
         """
         region, _, _, nbytes, _ = mapped.table
         shard = int(nbytes.sum())
-        if len(np.unique(region)) != 1 or shard % unit:
+        if len(np.unique(region)) != 1 or shard % unit or mapped.contiguous_at is None:
             return False
+        shard_offsets = shard_offsets + mapped.contiguous_at   # a multiple of unit (see _copy)
         breaks = np.flatnonzero(np.diff(shard_offsets) != shard) + 1
         if len(breaks) >= MAX_RUNS:
             return False
@@ -201,6 +229,101 @@ class HostCopyEngine(CopyEngine):
         return True
 
 
+    def _copy_rows(self, mapped: HostMapped, src: np.ndarray, shard_offsets: np.ndarray,
+                   to_pool: bool) -> bool:
+        """A rank's head range (``HostMapped.rows``) without building a pool row index: over a
+        run of adjacent slots its rows are one strided view of the pool, filled by one gather
+        straight from the worker's rows (store), or scattered into them through a cache-sized
+        temporary (load: ``index_copy_`` from a strided source was measured 2.3 against
+        3.5 GB/s so on a 2-core host); False when the job's slots form too many runs."""
+        if mapped.rows is None:
+            return False
+        first, nrows, pitch, width, run = mapped.rows
+        breaks = np.flatnonzero(np.diff(shard_offsets) != nrows * pitch) + 1
+        if len(breaks) >= MAX_RUNS:
+            return False
+        region = int(mapped.table[0][0])
+        worker = _rows(mapped.views[region], width)
+        word = worker.element_size()
+        if (self._pool_u8.ctypes.data + first) % word or pitch % word:
+            return False
+        pool = torch.from_numpy(self._pool_u8)
+        if word > 1:
+            pool = pool[:len(self._pool_u8) // word * word].view(worker.dtype)
+        idx = torch.from_numpy((src // width).ravel())   # worker rows, slot by slot, in order
+        wide = _rows(mapped.views[region], run * width)   # worker runs, for loads
+        runs = torch.from_numpy((src[:, ::run] // (run * width)).ravel())
+        parts = []
+        for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, len(shard_offsets)]):
+            step = max(1, -(-(hi - lo) // self._threads))
+            for a in range(int(lo), int(hi), step):
+                b = min(int(hi), a + step)
+                view = pool.as_strided(((b - a) * nrows, width // word), (pitch // word, 1),
+                                       (int(shard_offsets[a]) + first) // word)
+                if to_pool:
+                    i = idx[a * nrows:b * nrows]
+                    parts.append(lambda i=i, o=view: torch.index_select(worker, 0, i, out=o))
+                else:
+                    i = runs[a * nrows // run:b * nrows // run]
+                    parts.append(lambda i=i, v=view: _scatter_strided(wide, i, v, run))
+        self._parallel(parts)
+        return True
+
+
+def check_shm_name(name: str, pool_name: str) -> str:
+    """The bare name of an engine KV segment, or ``ProtocolError``.
+
+    The daemon opens shared memory on a client's behalf only for engine KV segments, named
+    ``kvpool-engine-*`` (``SharedHostMemory``; ``kvpool-kv-*`` from older clients), never its own pool: no crafted name (``../``
+    paths, NUL bytes, which crash the shm library, another tenant's or daemon's segment)
+    makes it open anything else."""
+    m = _SHM_NAME.fullmatch(name)
+    if m is None or m.group(1) == pool_name:
+        raise ProtocolError(f"shared memory name {name[:80]!r} refused: a host region must be an "
+                            f"engine KV segment named {ENGINE_SHM_PREFIX}<letters, digits, _ . ->, at "
+                            f"most {_SHM_NAME_MAX} characters")
+    return m.group(1)
+
+
+def _back(fd: int, st: os.stat_result, offset: int, nbytes: int, name: str) -> None:
+    """Make sure /dev/shm pages back the region: copying into a page tmpfs cannot provide is a
+    SIGBUS that kills the daemon. Engines' segments are fully backed (``SharedHostMemory``
+    reserves them); a sparse one is reserved here, once, or refused if /dev/shm is full."""
+    if st.st_blocks * 512 >= st.st_size or not nbytes:
+        return
+    try:
+        os.posix_fallocate(fd, offset, nbytes)
+    except OSError as e:
+        raise TooLarge(f"shared memory {name!r} is sparse and /dev/shm cannot back its "
+                       f"{nbytes} bytes: {e.strerror}") from None
+
+
+def _uniform_rows(slot_bytes: int, table: tuple[np.ndarray, ...]
+                  ) -> tuple[int, int, int, int, int] | None:
+    """(first byte, rows, pitch, row bytes, rows per worker run) when a rank's part of a slot
+    is rows of one width at one pitch that continue from slot to slot (a head range of a
+    head-split layout whose slot is exactly its rows: ``_copy_rows``), in one region, each row
+    a whole row of the worker's memory at that width; else None. A worker run is the rows that
+    sit back to back in the worker's memory (a segment's tokens), as wide rows of their own."""
+    region, offset, stride, nbytes, slot = table
+    if len(slot) < 2 or len(np.unique(region)) != 1 or (nbytes != nbytes[0]).any():
+        return None
+    width, pitch = int(nbytes[0]), int(slot[1] - slot[0])
+    if (pitch <= width or (np.diff(slot) != pitch).any() or slot_bytes != len(slot) * pitch
+            or (offset % width).any() or (stride % width).any()):
+        return None
+    run = 1
+    while run < len(slot) and offset[run] == offset[0] + run * width and stride[run] == stride[0]:
+        run += 1
+    if len(slot) % run:
+        run = 1
+    o, st = offset.reshape(-1, run), stride.reshape(-1, run)
+    if not ((o - o[:, :1] == np.arange(run) * width).all() and (st == st[:, :1]).all()
+            and not (o[:, 0] % (run * width)).any() and not (stride % (run * width)).any()):
+        run = 1
+    return int(slot[0]), len(slot), pitch, width, run
+
+
 def _unit_rows(starts: np.ndarray, seg_bytes: np.ndarray, unit: int) -> torch.Tensor:
     """Row index (in ``unit``-sized rows) of every unit of every [block, segment] whose byte
     offsets are ``starts``, block by block, segment by segment: all vectorised."""
@@ -216,6 +339,18 @@ def _rows(u8: np.ndarray, unit: int) -> torch.Tensor:
     if unit % 8 == 0 and u8.ctypes.data % 8 == 0:
         return t.view(torch.int64).view(n, unit // 8)
     return t.view(n, unit)
+
+
+def _scatter_strided(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
+                     run: int) -> None:
+    """``dst[dst_rows] = src`` for a strided ``src`` whose rows go ``run`` at a time into one
+    (``run`` times wider) row of ``dst``, through a cache-sized contiguous temporary."""
+    batch = max(1, BATCH_BYTES // (run * src.shape[1] * src.element_size())) * run
+    tmp = torch.empty((min(batch, len(src)), src.shape[1]), dtype=src.dtype)
+    for i in range(0, len(src), batch):
+        t = tmp[:min(batch, len(src) - i)]
+        t.copy_(src[i:i + batch])
+        dst.index_copy_(0, dst_rows[i // run:(i + len(t)) // run], t.view(-1, dst.shape[1]))
 
 
 def _gather_scatter(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,

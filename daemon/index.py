@@ -5,15 +5,17 @@ slot records into the mapped pool, no waiting. Time is passed in (``now``) so te
 
 Slot lifecycle (Plasma's CREATED → SEALED, with TP):
 
-    FREE --prepare_store--> WRITING --every rank landed--> COMMITTED --evict/reset--> FREE
+    FREE --prepare_store--> WRITING --every unit landed--> COMMITTED --evict/reset--> FREE
                                └── abort / owner gone / write timeout / failed rank --> FREE
     FREE --reserve_fills--> FILLING --end_fill(ok)--> COMMITTED
                                └── end_fill(failed) / reset --> FREE
     FREE --reserve--> RESERVED --first rank's keyed store--> WRITING (bound to its key)
-                         └── abort / owner gone / reservation TTL --> FREE
+                         └── abort / owner gone / reservation TTL / extent drained --> FREE
 
-- A WRITING slot is invisible to lookups; it becomes COMMITTED only when all ``tp_size`` ranks
-  of its layout have landed their shard, so a partial store is never visible.
+- A WRITING slot is invisible to lookups; it becomes COMMITTED only when every unit of its
+  layout has landed (``Layout.full_mask``: every KV head of a head-split layout, whatever TP
+  size wrote them; every rank's shard of a rank-sharded one), so a partial store is never
+  visible. Stores name the units they land as a bit mask (``Layout.rank_mask``).
 - ``pins`` counts leases and in-flight jobs. Eviction takes only COMMITTED, unpinned slots.
   A slot dropped while pinned is *doomed*: unreachable at once, freed when the last pin goes.
 - Slot refs carry the slot's generation, so a stale ref never touches a reused slot.
@@ -51,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvpool.daemon.eviction import LruPolicy
-from kvpool.daemon.pool import COMMITTED, FREE, WRITING, Pool
+from kvpool.daemon.pool import COMMITTED, FREE, GENERATION_MASK, WRITING, Pool
 from kvpool.shared.errors import (LayoutMismatch, LeaseExpired, OutOfRange, PoolFull,
                                   ProtocolError, UnknownId)
 from kvpool.shared.layout import Layout
@@ -80,8 +82,8 @@ class Slot:
     key: bytes = b""            # ns + block hash (32 bytes), as in the slot record
     ref: int = 0                # slot ref for the current generation
     pins: int = 0
-    landed: int = 0             # bit r: rank r's shard is in
-    writing: int = 0            # bit r: rank r's store job is in flight
+    landed: int = 0             # bit u: unit u (a head, or a rank's shard) is in
+    writing: int = 0            # bit u: a store job of unit u is in flight
     owner: int = 0              # who prepared it (while WRITING)
     deadline: float = 0.0       # WRITING: dropped if not landed by then
     last_use: int = 0           # LRU tick of the last commit or hit
@@ -137,6 +139,8 @@ class Index:
         self._writing: dict[int, Slot] = {}
         self._classes: dict[int, SizeClass] = {}
         self._extent_class: dict[int, SizeClass] = {}
+        # Extent being emptied for another size -> that size (see _drain_for).
+        self._draining: dict[int, SizeClass] = {}
         self._free_extents = list(range(pool.geometry.num_extents - 1, -1, -1))
         self._layouts: dict[bytes, Layout] = {}
         # Space per namespace: bytes of its WRITING and COMMITTED slots; for namespaces with a
@@ -145,8 +149,6 @@ class Index:
         self._ns_blocks: dict[bytes, int] = {}      # committed blocks per namespace
         self._quota: dict[bytes, int] = {}
         self._ns_lru: dict[bytes, LruPolicy] = {}
-        # P/D hand-off family -> {namespace: tp_size} of the registrations that declared it.
-        self._handoff: dict[bytes, dict[bytes, int]] = {}
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
         self._tick = itertools.count(1)
@@ -159,13 +161,15 @@ class Index:
     # ---- namespaces ------------------------------------------------------------------------
 
     def register_namespace(self, ns: bytes, layout: Layout, quota_bytes: int = 0) -> None:
-        """Bind a namespace to its layout; ``LayoutMismatch`` if it is bound to another one.
+        """Bind a namespace to its layout's canonical form; ``LayoutMismatch`` if it is bound
+        to another one.
 
         ``quota_bytes`` (0: none) is the engine's cap for the namespace. The latest registration
         decides (engines of one namespace serve one model with one config), bounded by the
         daemon's ``namespace_quota``.
         """
         layout.check()
+        layout = layout.canonical()   # engines of every TP size of a head-split layout agree
         if quota_bytes < 0:
             raise OutOfRange(f"quota_bytes must be >= 0, got {quota_bytes}")
         known = self._layouts.get(ns)
@@ -182,27 +186,6 @@ class Index:
             self._quota.pop(ns, None)
             self._ns_lru.pop(ns, None)
 
-    def check_handoff(self, family: bytes, ns: bytes, tp_size: int,
-                      registered: Callable[[bytes], bool]) -> None:
-        """Refuse a P/D registration whose TP split differs from that of another namespace of
-        the same hand-off family with a live registration (``registered``): KV stored with one
-        TP split cannot be loaded by ranks of another, so the engine gets an error now rather
-        than a recompute on every hand-off. Blocks left by engines that have gone do not count:
-        a fleet moving to another TP size must not be refused until they are evicted (the decode
-        side still checks each hand-off's TP size and recomputes a mismatch)."""
-        if not family:
-            return
-        peers = self._handoff.setdefault(family, {})
-        for other, other_tp in peers.items():
-            if other != ns and other_tp != tp_size and registered(other):
-                raise LayoutMismatch(
-                    f"P/D hand-off across TP sizes is not supported: this engine runs "
-                    f"tensor_parallel_size={tp_size}, but the same model and layout are "
-                    f"registered for hand-off with tensor_parallel_size={other_tp} (namespace "
-                    f"{other.hex()}). Run prefill and decode with one TP size, or set "
-                    f"pd_handoff=false in kv_connector_extra_config to share only prefixes")
-        peers[ns] = tp_size
-
     def quota_of(self, ns: bytes) -> int:
         return self._quota.get(ns, 0)
 
@@ -211,7 +194,7 @@ class Index:
 
     def namespace_usage(self) -> list[NamespaceInfo]:
         """Per registered namespace: blocks, bytes and quota (for `kvpool info` and metrics)."""
-        return [NamespaceInfo(ns, layout.description, layout.tp_size,
+        return [NamespaceInfo(ns, layout.description, 0 if layout.kv_heads else layout.tp_size,
                               self._ns_blocks.get(ns, 0), self._ns_bytes.get(ns, 0),
                               self._quota.get(ns, 0))
                 for ns, layout in self._layouts.items()]
@@ -254,6 +237,9 @@ class Index:
         self._free_extents = []
         for e in range(pool.geometry.num_extents - 1, -1, -1):
             slot_bytes = int(pool.extents[e]["slot_bytes"])
+            if slot_bytes and not pool.extent_is_sane(e):
+                pool.release_extent(e)     # torn by a crash mid-assignment, or not ours
+                slot_bytes = 0
             if not slot_bytes:
                 self._free_extents.append(e)
                 continue
@@ -269,7 +255,7 @@ class Index:
                     slot.state, slot.key, slot.ns = COMMITTED, key, key[:16]
                     slot.generation = int(rec["generation"])
                     slot.ref = make_slot_ref(slot.id, slot.generation)
-                    slot.landed = (1 << layout.tp_size) - 1
+                    slot.landed = layout.full_mask
                     slot.last_use = next(self._tick)
                     table[key[16:]] = slot
                     cls.lru.insert(slot.id)
@@ -416,11 +402,11 @@ class Index:
         if s is None:
             return None
         s.ns, s.key, s.owner = ns, ns + k if k else b"", 0
-        s.generation = (s.generation + 1) & 0x7FFF_FFFF
+        s.generation = (s.generation + 1) & GENERATION_MASK
         s.ref = make_slot_ref(s.id, s.generation)
         s.landed = s.writing = 0
         s.doomed = s.void = False
-        self.pool.write_state(s.extent, s.index, WRITING)
+        self.pool.write_state(s.extent, s.index, WRITING, s.generation)
         if table is not None:   # a reservation counts for its namespace once bound
             table[k] = s
             self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
@@ -489,17 +475,18 @@ class Index:
                 n += 1
         return n
 
-    def begin_store(self, ns: bytes, refs: list[int], rank: int,
+    def begin_store(self, ns: bytes, refs: list[int], rank: int, mask: int | None = None, *,
                     keys: list[bytes] | None = None, now: float = 0.0) -> list[Slot]:
-        """Validate a store job's slots and pin them; all or nothing.
+        """Validate a store job's slots and pin them; all or nothing. ``mask`` is the units the
+        job lands (``Layout.rank_mask``; default: rank ``rank``'s shard, ``1 << rank``).
 
         With ``keys`` (one block hash per ref), RESERVED slots are bound here: to their key, or
         as duplicates (``Slot.void``: the caller copies nothing into them) where the key is
         already committed, being written or filled, or named twice. Slots bound earlier (by
-        another rank, or by ``prepare_store``) must be bound to the same key.
+        another rank's store, or by ``prepare_store``) must be bound to the same key.
         """
         slots = []
-        bit = 1 << rank
+        bit = 1 << rank if mask is None else mask
         for i, ref in enumerate(refs):
             s = self._resolve(ref)
             if s is None:
@@ -516,7 +503,10 @@ class Index:
                 raise ProtocolError(f"slot ref {ref:#x} is bound to another key than the one "
                                     f"this store names")
             if (s.landed | s.writing) & bit:
-                raise ProtocolError(f"rank {rank} already stored slot ref {ref:#x}")
+                raise ProtocolError(f"rank {rank} stores units {bit:#x} of slot ref {ref:#x}, "
+                                    f"which overlap units already stored or being stored "
+                                    f"({s.landed | s.writing:#x}): overlapping head ranges, or "
+                                    f"the same rank twice")
             slots.append(s)
         if len({s.id for s in slots}) != len(slots):
             raise ProtocolError("a store job names the same slot twice")
@@ -544,12 +534,13 @@ class Index:
             s.pins += 1
         return slots
 
-    def end_store(self, slots: list[Slot], rank: int, ok: bool) -> int:
-        """A store job finished (or failed): commit slots whose every rank has landed; drop
-        the others of a failed job. Returns how many slots committed."""
-        bit = 1 << rank
+    def end_store(self, slots: list[Slot], rank: int, ok: bool, mask: int | None = None) -> int:
+        """A store job finished (or failed): commit slots whose every unit has landed; drop
+        the others of a failed job. ``mask`` as given to ``begin_store``. Returns how many
+        slots committed."""
+        bit = 1 << rank if mask is None else mask
         ready: list[Slot] = []
-        full = (1 << self._layouts[slots[0].ns].tp_size) - 1 if slots else 0
+        full = self._layouts[slots[0].ns].full_mask if slots else 0
         for s in slots:
             s.writing &= ~bit
             s.pins -= 1
@@ -715,7 +706,11 @@ class Index:
         self._extent_class[extent] = cls
         base = extent * self.pool.slot_id_stride
         first = self.pool.slot_offset(extent, 0)
-        slots = [Slot(base + i, extent, i, first + i * cls.slot_bytes, cls) for i in range(n)]
+        # Generations continue from the records: a slot id that served another size, or the
+        # previous daemon, never repeats a generation (and so a slot ref) it handed out.
+        gens = self.pool.generations(extent, n).tolist()
+        slots = [Slot(base + i, extent, i, first + i * cls.slot_bytes, cls, generation=gens[i])
+                 for i in range(n)]
         for s in slots:
             self._slots[s.id] = s
         if fresh:
@@ -743,10 +738,16 @@ class Index:
             n = self.pool.assign_extent(extent, slot_bytes)
             self._add_extent(cls, extent, n, fresh=True)
             return cls.free.pop()
-        if victim is None:
-            return None
-        self._evict(victim)
-        return cls.free.pop()
+        while victim is not None:
+            self._evict(victim)
+            if cls.free:
+                return cls.free.pop()
+            # The victim sat in an extent being drained for another size: it did not come back
+            # to this size's free list. Evict the next one.
+            victim_id = cls.lru.oldest(self._is_pinned)
+            victim = self._slots[victim_id] if victim_id is not None else None
+        self._drain_for(cls)
+        return cls.free.pop() if cls.free else None
 
     def _is_pinned(self, slot_id: int) -> bool:
         return self._slots[slot_id].pins > 0
@@ -761,6 +762,8 @@ class Index:
             if cls is wanting:
                 continue
             for e in cls.extents:
+                if e in self._draining:
+                    continue
                 age = 0
                 for s in self._extent_slots(e):
                     if s.state == WRITING or s.state == RESERVED or s.pins:
@@ -770,6 +773,69 @@ class Index:
                     if best is None or age < best_age:
                         best, best_age = e, age
         return best, best_age
+
+    # ---- draining an extent for another size ------------------------------------------------
+    # An extent goes to another slot size only when all of it is free or evictable. A busy model
+    # nearly always has some block being written or read in every one of its extents, so a
+    # second model could be refused (POOL_FULL) for as long as the first stays busy (found by
+    # the soak campaign). When a size finds no room at all, the extent of the least recently
+    # used block of another size is drained: its free slots leave that size's free list, its
+    # unpinned blocks are evicted, its other blocks hidden (new lookups miss them, freed when the
+    # transfer or lease holding them ends: at most lease_ttl_s; a lease keeps its promise and
+    # still loads). The last one freed hands the extent to the size that asked, which meanwhile
+    # gets SLOT_NO_SPACE. One at a time.
+
+    def _drain_for(self, wanting: SizeClass) -> None:
+        if self._draining or len(self._classes) < 2:
+            return
+        # The extent of the least recently used evictable block of another size: no scan of
+        # the pool, and a size with nothing evictable (all pinned or written) is left alone.
+        oldest = None
+        for cls in self._classes.values():
+            victim = cls.lru.oldest(self._is_pinned) if cls is not wanting else None
+            if victim is not None and (oldest is None
+                                       or self._slots[victim].last_use < oldest.last_use):
+                oldest = self._slots[victim]
+        if oldest is None:
+            return
+        best = oldest.extent
+        self._draining[best] = wanting
+        owner = self._extent_class[best]
+        slots = self._extent_slots(best)
+        ids = {s.id for s in slots}
+        owner.free = [s for s in owner.free if s.id not in ids]
+        for s in slots:
+            if best not in self._draining:
+                break
+            if s.state == COMMITTED and not s.pins:
+                self._evict(s)
+            elif s.state == COMMITTED:
+                # Leased or being loaded: new lookups miss it (a hot block cannot hold the
+                # extent forever), but the lease still loads it; freed when the last pin ends.
+                self.stats.evictions += 1
+                if self._unmap(s):
+                    self._forget_committed(s)
+                    if self.events is not None:
+                        self.events.append(("removed", s.ns, s.key[16:]))
+            elif s.state == WRITING or s.state == FILLING or s.state == RESERVED:
+                # A store into it is refused (a reserved one too: its scheduler's store of
+                # that block fails, the block is not pooled), or lands unseen.
+                self._drop(s)
+        self._finish_drain(best)
+
+    def _finish_drain(self, extent: int) -> None:
+        """Hand a drained extent to the size that asked for it, once every slot is free."""
+        wanting = self._draining.get(extent)
+        if wanting is None or any(s.state != FREE for s in self._extent_slots(extent)):
+            return
+        del self._draining[extent]
+        self._reclaim_extent(extent)
+        n = self.pool.assign_extent(extent, wanting.slot_bytes)
+        if n:
+            self._add_extent(wanting, extent, n, fresh=True)
+        else:
+            self.pool.release_extent(extent)
+            self._free_extents.append(extent)
 
     def _extent_slots(self, extent: int) -> list[Slot]:
         base = extent * self.pool.slot_id_stride
@@ -841,7 +907,10 @@ class Index:
         s.doomed = s.void = False
         s.landed = s.writing = 0
         self.pool.write_state(s.extent, s.index, FREE)
-        s.size_class.free.append(s)
+        if s.extent in self._draining:
+            self._finish_drain(s.extent)
+        else:
+            s.size_class.free.append(s)
 
     def _forget_committed(self, s: Slot) -> None:
         """Take a committed slot out of the LRUs that may evict it."""
@@ -865,6 +934,9 @@ class Index:
             s.pins -= 1
             if s.doomed and s.pins == 0 and s.state != FREE:
                 self._free(s)
+            elif (s.pins == 0 and s.state == COMMITTED and self._draining
+                  and s.extent in self._draining):
+                self._free(s)       # hidden when its extent began to drain
 
 
 _EMPTY: dict[bytes, Slot] = {}

@@ -64,16 +64,17 @@ def _error_label(code: int) -> str:
         return str(code)
 
 
-# The tiers under the pool (``PoolInfo.tiers``), labelled ``tier`` ("disk"): name → (TierInfo
+# The tiers under the pool (``PoolInfo.tiers``), labelled ``tier`` ("disk", "remote"): name → (TierInfo
 # field, is a counter, help). Counters come from the snapshot too: the tier counts them on the
 # event loop and the scrape reads the latest ``PoolInfo`` (at most INFO_PERIOD_S old).
 _TIER_FIELDS = {
     "kvpool_tier_enabled": ("is_enabled", False, "1 while the tier serves; 0 once a fault (disk "
-                            "full, I/O error) turned it off."),
+                            "full, I/O error, Mooncake master unreachable) turned it off."),
     "kvpool_tier_capacity_bytes": ("capacity_bytes", False, "Most bytes of blocks the tier "
-                                   "keeps (disk_size)."),
+                                   "keeps (disk_size; remote: remote_segment_size, this host's "
+                                   "share of the store)."),
     "kvpool_tier_used_bytes": ("used_bytes", False, "Bytes of blocks the tier holds or is "
-                               "writing."),
+                               "writing (remote: that this host knows the store holds)."),
     "kvpool_tier_blocks": ("blocks", False, "Blocks the tier holds (loadable)."),
     "kvpool_tier_hit_blocks": ("hit_blocks", True, "Lookup hits answered from the tier (each "
                                "promotes its block into the pool)."),
@@ -84,11 +85,16 @@ _TIER_FIELDS = {
     "kvpool_tier_promoted_bytes": ("promoted_bytes", True, "Bytes read back into the pool."),
     "kvpool_tier_verify_failures": ("verify_failures", True, "Blocks that failed their checksum "
                                     "on the way up (dropped, recomputed by the engine)."),
-    "kvpool_tier_io_errors": ("io_errors", True, "I/O faults; the first turns the tier off."),
+    "kvpool_tier_io_errors": ("io_errors", True, "I/O faults; the first turns the tier off "
+                              "(remote: failed calls, and each outage of the master)."),
     "kvpool_tier_evicted_blocks": ("evicted_blocks", True, "Blocks the tier's own LRU dropped "
                                    "to stay within its capacity."),
     "kvpool_tier_missed_blocks": ("missed_blocks", True, "Blocks the pool evicted before they "
                                   "could be written down (the tier fell behind the stores)."),
+    "kvpool_tier_lost_blocks": ("lost_blocks", True, "Hits that could not be brought up (gone "
+                                "from the tier meanwhile, or the transfer failed); recomputed."),
+    "kvpool_tier_rejected_blocks": ("rejected_blocks", True, "Blocks the tier refused for want "
+                                    "of room (remote: every segment of the store full)."),
 }
 
 

@@ -6,7 +6,8 @@ Layout of the segment (all little-endian, offsets from byte 0):
 
 The data area is cut into equal *extents*. An extent is handed to one slot size at a time
 (``assign_extent``) and holds only slots, packed, so an extent of a power-of-two size wastes
-nothing on the usual power-of-two block sizes; a slot holds every TP rank's shard of one block.
+nothing on the usual power-of-two block sizes; a slot holds one whole block: every KV head
+(head-split layouts, any TP size) or every TP rank's shard (``kvpool.shared.layout``).
 The record table keeps a fixed number of records per extent, enough for slots of 16 KiB; smaller
 slots fill only part of an extent. The records (key, state, generation) and the layout table live in the
 segment itself, so a daemon started after a crash or an upgrade re-reads them and adopts every
@@ -39,7 +40,12 @@ from kvpool.shared.layout import Layout
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVPOOL\x00\x01"
-FORMAT_VERSION = 1
+# 2: layouts may be head-split (a slot holds every KV head, whatever the TP size of the engine
+# that wrote it; ``kvpool.shared.layout``). A format-1 pool holds only rank-sharded layouts,
+# whose slots format 2 keeps byte for byte, so it is migrated in place (``Pool.open``). Daemons
+# before format 2 replace a format-2 pool rather than misread its layout table.
+FORMAT_VERSION = 2
+MIGRATES_FROM = (1,)
 HEADER_BYTES = 4096
 LAYOUT_TABLE_BYTES = 1 << 20
 PAGE = 4096
@@ -62,8 +68,31 @@ RECORD_DTYPE = np.dtype([("key", "V32"), ("generation", "<u4"), ("state", "u1"),
 assert RECORD_DTYPE.itemsize == 48
 
 
+GENERATION_MASK = 0x7FFF_FFFF   # slot ref generations: 31 bits, so refs stay positive int64
+
+
 class PoolBusy(KvpoolError):
     """Another live daemon owns this pool name."""
+
+
+def _reserve(fd: int, nbytes: int, name: str) -> None:
+    """Back every byte of the segment with /dev/shm pages now.
+
+    A tmpfs file is sparse: its pages are taken on first touch, and a touch that finds tmpfs
+    full is a SIGBUS that kills the daemon. Reserving at start turns a full /dev/shm into a
+    clear start-up error instead. Costs one pass over the pool once (a pool adopted whole,
+    as the previous daemon reserved it, is not touched again).
+    """
+    st = os.fstat(fd)
+    if st.st_blocks * 512 >= nbytes:
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        free = os.statvfs("/dev/shm")
+        raise ConfigError(f"cannot reserve {nbytes} bytes in /dev/shm for pool {name}: "
+                          f"{e.strerror} ({free.f_bavail * free.f_frsize} bytes free); lower "
+                          f"pool_size or make room") from None
 
 
 def _align(n: int, a: int) -> int:
@@ -173,32 +202,66 @@ class Pool:
             os.close(fd)
             raise PoolBusy(f"pool {config.pool_name!r} is owned by another running kvpoold; "
                            f"stop it or choose another --pool-name") from None
-        if not created:
-            old = cls._read_geometry(fd, shm.size)
-            if old == want:
-                log.info("adopting pool %s left by an earlier daemon (%d bytes)", name, shm.size)
-                return cls._map(name, shm, fd, want, adopted=True)
-            reason = "unreadable header" if old is None else (
-                f"size/extent changed ({old.pool_bytes}/{old.extent_bytes} -> "
-                f"{want.pool_bytes}/{want.extent_bytes})")
-            log.warning("replacing stale pool %s (%s): its cached blocks are dropped", name, reason)
-            os.ftruncate(fd, 0)   # drop the old pages before growing to the new size
-            os.ftruncate(fd, want.pool_bytes)
+        try:
+            if not created:
+                old, version = cls._read_geometry(fd, shm.size)
+                if old == want:
+                    log.info("adopting pool %s left by an earlier daemon (%d bytes)", name,
+                             shm.size)
+                    _reserve(fd, want.pool_bytes, name)
+                    pool = cls._map(name, shm, fd, want, adopted=True)
+                    if version != FORMAT_VERSION:
+                        pool._migrate(version)
+                    return pool
+                if old is None:
+                    reason = "unreadable header" if version is None else (
+                        f"pool format {version}, this kvpoold reads formats "
+                        f"{', '.join(map(str, MIGRATES_FROM + (FORMAT_VERSION,)))}")
+                else:
+                    reason = (f"size/extent changed ({old.pool_bytes}/{old.extent_bytes} -> "
+                              f"{want.pool_bytes}/{want.extent_bytes})")
+                log.warning("replacing stale pool %s (%s): its cached blocks are dropped", name,
+                            reason)
+                os.ftruncate(fd, 0)   # drop the old pages before growing to the new size
+                os.ftruncate(fd, want.pool_bytes)
+            _reserve(fd, want.pool_bytes, name)
+        except BaseException:
+            os.close(fd)
+            if created:
+                shm.unlink()
+            raise
         pool = cls._map(name, shm, fd, want, adopted=False)
         pool._format()
         return pool
 
     @staticmethod
-    def _read_geometry(fd: int, size: int) -> Geometry | None:
+    def _read_geometry(fd: int, size: int) -> tuple[Geometry | None, int | None]:
+        """The geometry of a pool this daemon can adopt (its format is current or migrates),
+        else None; and the header's format version (None: no kvpool header at all)."""
         if size < HEADER_BYTES:
-            return None
+            return None, None
         raw = os.pread(fd, HEADER_DTYPE.itemsize, 0)
         h = np.frombuffer(raw, HEADER_DTYPE)[0]
-        if bytes(h["magic"]) != MAGIC or int(h["format_version"]) != FORMAT_VERSION:
-            return None
+        if bytes(h["magic"]) != MAGIC:
+            return None, None
+        version = int(h["format_version"])
+        if version != FORMAT_VERSION and version not in MIGRATES_FROM:
+            return None, version
         return Geometry(int(h["pool_bytes"]), int(h["extent_bytes"]), int(h["num_extents"]),
                         int(h["data_offset"]), int(h["layout_table_offset"]),
-                        int(h["record_table_offset"]), int(h["records_per_extent"]))
+                        int(h["record_table_offset"]), int(h["records_per_extent"])), version
+
+    def _migrate(self, version: int) -> None:
+        """Bring an adopted pool of an older format to this one, in place, before the index
+        reads it. Format 1 -> 2: nothing moves (its layouts are all rank-sharded, a format 2
+        slot kind), only the version changes, so a daemon before format 2 no longer adopts it."""
+        layouts = self.load_layouts()
+        self.header[0]["format_version"] = FORMAT_VERSION
+        log.warning("pool %s was format %d: migrated in place to format %d, keeping its %d "
+                    "layouts (all rank-sharded) and their committed blocks. vLLM engines now "
+                    "name their blocks independently of TP, so blocks they stored before this "
+                    "upgrade are not looked up again and age out of the LRU", self.name,
+                    version, FORMAT_VERSION, len(layouts))
 
     @classmethod
     def _map(cls, name, shm, fd, geometry, adopted) -> "Pool":
@@ -219,6 +282,12 @@ class Pool:
         h["layout_blob_bytes"] = 0
         h["record_table_offset"] = g.record_table_offset
         h["records_per_extent"] = g.records_per_extent
+        # Slot refs carry a slot's generation. Those of a replaced pool's daemon may still be
+        # held by clients, so a new pool's generations start at a random point rather than 0.
+        table = np.ndarray(g.num_extents * g.records_per_extent, RECORD_DTYPE, self.buffer,
+                           g.record_table_offset)
+        table["generation"] = int.from_bytes(os.urandom(4), "little") & GENERATION_MASK
+        del table
         # Magic last: a crash mid-format leaves a header that the next start replaces.
         h["magic"] = np.void(MAGIC)
 
@@ -246,17 +315,30 @@ class Pool:
         return min(self.geometry.extent_bytes // slot_bytes, self.geometry.records_per_extent)
 
     def assign_extent(self, extent: int, slot_bytes: int) -> int:
-        """Dedicate a free extent to ``slot_bytes`` slots; returns how many it holds."""
+        """Dedicate a free extent to ``slot_bytes`` slots; returns how many it holds.
+
+        Crash order: ``slot_bytes`` is written last, so until then the extent reads as free to
+        a daemon that adopts the pool; never as slots of one size counted with another's."""
         n = self.slots_per_extent(slot_bytes)
+        e = self.extents[extent]
+        e["slot_bytes"] = 0
         self._records.pop(extent, None)
         self.records(extent, n)["state"] = FREE
-        e = self.extents[extent]
-        e["num_slots"], e["records_bytes"], e["slot_bytes"] = n, 0, slot_bytes
+        e["num_slots"], e["records_bytes"] = n, 0
+        e["slot_bytes"] = slot_bytes
         return n
 
     def release_extent(self, extent: int) -> None:
         self.extents[extent]["slot_bytes"] = 0
         self._records.pop(extent, None)
+
+    def extent_is_sane(self, extent: int) -> bool:
+        """Whether an adopted extent's entry describes slots that fit it (a torn or foreign
+        entry could otherwise lay slots over the next extent)."""
+        e = self.extents[extent]
+        slot_bytes, n = int(e["slot_bytes"]), int(e["num_slots"])
+        return (slot_bytes > 0 and 0 < n <= self.geometry.records_per_extent
+                and n * slot_bytes <= self.geometry.extent_bytes)
 
     def records(self, extent: int, n: int | None = None) -> np.ndarray:
         """The record array of an assigned extent (a live view into the segment)."""
@@ -273,9 +355,21 @@ class Pool:
     def slot_offset(self, extent: int, index: int) -> int:
         return self.extent_offset(extent) + index * int(self.extents[extent]["slot_bytes"])
 
-    def write_state(self, extent: int, index: int, state: int) -> None:
-        """Mark one slot FREE or WRITING (COMMITTED goes through ``commit_records``)."""
-        self.records(extent)[index]["state"] = state
+    def write_state(self, extent: int, index: int, state: int, generation: int | None = None
+                    ) -> None:
+        """Mark one slot FREE or WRITING (COMMITTED goes through ``commit_records``). A slot
+        handed out for writing records its new ``generation`` first, so a daemon that adopts
+        the pool never hands out a generation (and so a slot ref) it handed out before."""
+        rec = self.records(extent)[index]
+        if generation is not None:
+            rec["generation"] = generation
+        rec["state"] = state
+
+    def generations(self, extent: int, n: int) -> np.ndarray:
+        """The recorded generation of the first ``n`` slots of ``extent``."""
+        g = self.geometry
+        off = g.record_table_offset + extent * g.records_per_extent * RECORD_DTYPE.itemsize
+        return np.ndarray(n, RECORD_DTYPE, self.buffer, off)["generation"].copy()
 
     def commit_records(self, entries: list[tuple[int, int, bytes, int]]) -> None:
         """Mark many slots COMMITTED: (extent, index, key, generation) each. Key and generation

@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from kvpool.daemon.copy_engine import CopyEngine, Mapped
+from kvpool.daemon.peer import Peer
 from kvpool.shared.errors import UnknownId
 from kvpool.shared.layout import Layout
 from kvpool.shared.protocol import Hello, Role
@@ -28,6 +29,7 @@ class Owner:
     last_seen: float
     registrations: set[int] = field(default_factory=set)
     jobs_in_flight: int = 0
+    peer: "Peer | None" = None   # kernel credentials of its connection (None: unknown)
 
 
 @dataclass(eq=False)
@@ -42,6 +44,11 @@ class Registration:
     mapped: Mapped
     jobs_in_flight: int = 0
     closing: bool = False    # no new jobs; detach when the last one finishes
+
+    @property
+    def mask(self) -> int:
+        """The slot units this rank's stores land (0: a head replica that only loads)."""
+        return self.layout.rank_mask(self.tp_rank)
 
 
 class Registry:
@@ -82,10 +89,6 @@ class Registry:
             if reg.namespace == namespace and reg.tp_rank == tp_rank:
                 return reg
         return None
-
-    def has_namespace(self, namespace: bytes) -> bool:
-        """Whether any live registration serves ``namespace``."""
-        return any(r.namespace == namespace for r in self.registrations.values())
 
     def registration(self, owner: Owner, registration_id: int) -> Registration:
         reg = self.registrations.get(registration_id)

@@ -1,5 +1,5 @@
-"""Wiring: open the pool, the disk tier under it, the copy engines the host supports; run the
-server.
+"""Wiring: open the pool, the tiers under it (disk, then remote), the copy engines the host
+supports; run the server.
 
 Kept apart from the CLI so tests and embedders can start a daemon from a ``DaemonConfig``.
 """
@@ -7,6 +7,7 @@ Kept apart from the CLI so tests and embedders can start a daemon from a ``Daemo
 from __future__ import annotations
 
 import logging
+import resource
 
 from kvpool.daemon.copy_engine import CopyEngine
 from kvpool.daemon.host_copy import HostCopyEngine
@@ -43,21 +44,44 @@ def build_engines(config: DaemonConfig, pool: Pool) -> dict[type, CopyEngine]:
     return engines
 
 
-def open_lower_tier(config: DaemonConfig, pool: Pool) -> LowerTier | None:
-    """The disk tier when ``disk_path`` is set (its startup scan runs here, before serving)."""
-    if not config.disk_path:
-        return None
-    from kvpool.daemon.disk_tier import DiskTier
-    return DiskTier.open(config.disk_path, config.disk_size, pool.buffer, pool.nbytes)
+def raise_open_file_limit() -> None:
+    """Every client connection is a file descriptor (two per engine process with heartbeats):
+    a soft limit of 1024, what a login shell or a container often gives, would turn client
+    number ~500 away. Raise it to the hard limit, which needs no privilege."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-file limit from %d: %s", soft, e)
+
+
+def open_lower_tiers(config: DaemonConfig, pool: Pool) -> list[LowerTier]:
+    """The tiers under the pool, in the order lookups ask them: the disk tier when
+    ``disk_path`` is set (its startup scan runs here, before serving), then the remote tier
+    when ``remote_store`` is set (its URL is checked here; it connects once serving)."""
+    lowers: list[LowerTier] = []
+    remote = None
+    if config.remote_store:      # first: it holds nothing yet if the disk tier fails to open
+        from kvpool.daemon.remote_tier import RemoteTier
+        remote = RemoteTier.open(config, pool.buffer)
+    if config.disk_path:
+        from kvpool.daemon.disk_tier import DiskTier
+        lowers.append(DiskTier.open(config.disk_path, config.disk_size, pool.buffer,
+                                    pool.nbytes))
+    if remote is not None:
+        lowers.append(remote)
+    return lowers
 
 
 def run_daemon(config: DaemonConfig) -> int:
     from kvpool.daemon.server import run
+    raise_open_file_limit()
     pool = Pool.open(config)
     try:
         engines = build_engines(config, pool)
-        lower = open_lower_tier(config, pool)
+        lowers = open_lower_tiers(config, pool)
     except BaseException:
         pool.close(unlink=not config.keep_pool)
         raise
-    return run(config, pool, engines, lower)
+    return run(config, pool, engines, lowers)

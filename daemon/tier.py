@@ -1,38 +1,58 @@
 """The interface of a tier under the pool: where blocks go when the pool lets them go.
 
 The pool (``daemon/index.py``) is the top tier: engines only ever copy to and from it. A lower
-tier keeps copies of pool blocks somewhere bigger and slower (``daemon/disk_tier.py``: files in
-a directory; a cross-host store would be another), and brings them back into pool slots when a
-lookup asks for a key the pool no longer holds. ``daemon/tiering.py`` is the only caller: it
-decides which blocks go down and when, pins the pool slots a tier reads or writes, and turns a
-lower-tier hit into a pool slot the engine loads from.
+tier keeps copies of pool blocks somewhere bigger or farther (``daemon/disk_tier.py``: files in
+a directory; ``daemon/remote_tier.py``: a Mooncake Store shared by many hosts), and brings them
+back into pool slots when a lookup asks for a key the pool no longer holds. Tiers are asked in
+order (pool, disk, remote). ``daemon/tiering.py`` is the only caller: it decides which blocks go
+down and when, pins the pool slots a tier reads or writes, and turns a lower-tier hit into a
+pool slot the engine loads from.
 
 Contract for every tier (all methods are called on the daemon's event loop and return at once;
 the I/O runs on the tier's own threads):
 
 - Blocks are named by their 32-byte pool key (namespace + block hash) and have a fixed size
   per namespace (the layout's ``slot_bytes``), passed with every call.
-- ``leading`` and ``wants`` answer from memory: no I/O, never blocking.
+- ``leading`` and ``wants`` answer from memory: no I/O, never blocking. A tier whose index
+  lives elsewhere (a store shared with other hosts) learns through ``probe``: the caller asks
+  it about a lookup's keys first and answers the lookup once the returned future resolves; the
+  tier resolves it by its own deadline, whatever the other side does.
 - ``demote``/``promote`` take pool byte offsets. The caller keeps those pool bytes stable
   (pinned) until the returned future resolves. ``demote`` reads them; ``promote`` writes them
   and resolves to one bool per block: True only when the bytes in the pool are exactly those
   that were demoted (checksummed on the way down, verified on the way up). A block that fails
   is dropped by the tier and never reported loadable again.
-- A fault the tier cannot serve through (disk full, I/O error) turns it off: ``is_enabled``
-  goes False, futures in flight resolve (failed blocks as False), and from then on ``leading``
-  answers 0 and ``wants`` False. The pool keeps serving.
+- A fault the tier cannot serve through (disk full, I/O error, store unreachable) turns it
+  off: ``is_enabled`` goes False, futures in flight resolve (failed blocks as False), and from
+  then on ``leading`` answers 0 and ``wants`` False. The pool keeps serving. A tier that can
+  recover by itself (the store answers again) turns back on and calls ``on_restored``: what it
+  held may be gone, so the caller offers it the pool's blocks again.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+from typing import Callable
 
 from kvpool.shared.protocol import TierInfo
 
 
 class LowerTier(abc.ABC):
     name: str
+    # Set by the caller; called on the event loop when the tier serves again after a fault.
+    on_restored: Callable[[], None] | None = None
+
+    def start(self) -> None:
+        """Called once on the event loop before the daemon serves (background work starts)."""
+
+    def probe(self, ns: bytes, tails: list[list[bytes]], slot_bytes: int
+              ) -> asyncio.Future[None] | None:
+        """Learn whether the tier holds the blocks ``tails`` name (block hashes of ``ns``,
+        each list in prompt order), so that ``leading`` can answer for them. None when there is
+        nothing to wait for (the default: the tier's index is in memory); else a future that
+        resolves, never fails, within the tier's own deadline."""
+        return None
 
     @property
     @abc.abstractmethod

@@ -109,7 +109,8 @@ def _tiers(cur: PoolInfo, prev: PoolInfo | None, dt: float) -> list[str]:
                          f"   hits {(t.hit_blocks - old.hit_blocks) / dt:7.0f}/s")
         lines.append(f"  demoted {t.demoted_blocks:,}   promoted {t.promoted_blocks:,}   "
                      f"verify failures {t.verify_failures:,}   I/O errors {t.io_errors:,}   "
-                     f"evicted {t.evicted_blocks:,}   missed {t.missed_blocks:,}")
+                     f"evicted {t.evicted_blocks:,}   missed {t.missed_blocks:,}   "
+                     f"lost {t.lost_blocks:,}   rejected {t.rejected_blocks:,}")
     return lines
 
 

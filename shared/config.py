@@ -79,11 +79,17 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                                        gt=0, le=3600)] = 30.0
     write_timeout_s: Annotated[float, _doc("prepared blocks not written by every rank by then are "
                                            "dropped", gt=0, le=3600)] = 120.0
-    peer_timeout_ms: Annotated[int, _doc("a client silent this long is released (its leases, "
-                                         "registrations, half-written blocks)",
-                                         ge=100, le=600_000)] = 600
+    # A process that exits is released at once (the daemon watches each peer's pid), so this
+    # only covers processes that are alive but silent: stopped, stalled, or in a PID namespace
+    # the daemon cannot see. Long enough to ride out a compile or a paused container.
+    peer_timeout_ms: Annotated[int, _doc("a live client silent this long is released (its "
+                                         "leases, registrations, half-written blocks); one that "
+                                         "exits is released at once",
+                                         ge=100, le=600_000)] = 10_000
+    # A tenth of the peer timeout leaves room for many late beats; 1000 clients then cost the
+    # daemon 1000 small messages a second.
     heartbeat_interval_ms: Annotated[int, _doc("how often clients send heartbeats",
-                                               ge=10, le=60_000)] = 100
+                                               ge=10, le=60_000)] = 1000
     max_request_bytes: Annotated[int, _doc("frames larger than this get a TOO_LARGE error",
                                            ge=4096, le=1 << 30)] = 16 << 20
     copy_threads: Annotated[int, _doc("threads per host-path copy", ge=1, le=64)] = 2
@@ -130,6 +136,33 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "most bytes of blocks the disk tier keeps (its own LRU evicts beyond it); auto: what it "
         "holds already plus half of the free space of disk_path's filesystem",
         pattern=_SIZE_PATTERN)] = "auto"
+    # ---- who may connect (appended) ----
+    # Checked against the kernel's SO_PEERCRED of each connection (ZeroMQ passes it on), not
+    # anything the client says. The socket's file mode must also let these users open it.
+    allow_uid: Annotated[str, _doc(
+        "users (uids or names, comma-separated) that may connect besides the daemon's own user "
+        "and root; empty with allow_gid empty: whoever the socket mode lets in",
+        pattern=r"^[A-Za-z0-9_.,-]*$")] = ""
+    allow_gid: Annotated[str, _doc(
+        "groups (gids or names, comma-separated) whose members may connect",
+        pattern=r"^[A-Za-z0-9_.,-]*$")] = ""
+    # ---- remote tier (appended; the README's "Remote tier" section plans its capacity) ----
+    # The URL is checked in full by kvpool.daemon.remote_url at start (a bad one is exit 2).
+    remote_store: Annotated[str, _doc(
+        "cross-host tier under the pool and the disk tier, on a Mooncake Store: "
+        "mooncake://MASTER_HOST:RPC_PORT[?metadata=URL&protocol=tcp|rdma&device=NAME"
+        "&local=ADDR]; metadata defaults to http://MASTER_HOST:8080/metadata; empty: no "
+        "remote tier", max_length=2048)] = ""
+    # Mooncake places each value in the memory some host lent; 0 makes this host a pure client.
+    remote_segment_size: Annotated[str, _doc(
+        "DRAM this host lends to the Mooncake Store (the store's capacity is the sum over "
+        "hosts); 0: lend none, use only what others lend", pattern=_SIZE_ONLY)] = "4GiB"
+    # A lookup waits for the store's existence check (the scheduler polls, it never waits);
+    # on a LAN the check takes well under a millisecond, so this bounds a sick master only.
+    remote_timeout_ms: Annotated[int, _doc(
+        "longest a lookup waits for the Mooncake master; past it the lookup answers from this "
+        "host alone and the remote tier is off until the master answers again",
+        ge=1, le=60_000)] = 200
     # ---- stores without a round trip (appended) ----
     # Schedulers ask for slots a few steps ahead; one they never name is back after this long.
     # Their clients drop a reservation at half of it, so a store never races the expiry.

@@ -27,6 +27,7 @@ class ErrorCode(IntEnum):
     ABORTED = 11          # job dropped: its worker went away or the daemon is shutting down
     BLOCK_LOST = 12       # a block could not be brought back from a lower tier (failed its
                           # checksum, or the tier failed): the engine recomputes it
+    PERMISSION = 13       # peer not allowed (allow_uid/allow_gid), or asked for what it may not
     INTERNAL = 99         # a bug in the daemon; logged with its traceback there
 
 
@@ -88,6 +89,10 @@ class BlockLost(KvpoolError):
     code = ErrorCode.BLOCK_LOST
 
 
+class PermissionDenied(KvpoolError):
+    code = ErrorCode.PERMISSION
+
+
 class InternalError(KvpoolError):
     code = ErrorCode.INTERNAL
 
@@ -104,6 +109,7 @@ _BY_CODE: dict[int, type[KvpoolError]] = {
     cls.code: cls
     for cls in (ProtocolError, VersionMismatch, UnknownId, OutOfRange, TooLarge, PoolFull,
                 LeaseExpired, LayoutMismatch, ConfigError, HelloRequired, Aborted, BlockLost,
+                PermissionDenied,
                 InternalError)
 }
 

@@ -33,7 +33,7 @@ Conversation:
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
@@ -71,6 +71,14 @@ class Role(IntEnum):
 
 _WIRE = dict(array_like=True, gc=False)
 
+# Namespaces and block hashes are exactly 16 bytes: the daemon keeps a slot's key as the two
+# concatenated (32 bytes in the pool's records), so a key of another length would shift every
+# record written next to it. Checked when the frame is decoded.
+Key = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+# Free text a client sends about itself: shown, never parsed; bounded so a thousand clients
+# cannot make the daemon hold gigabytes of names.
+Label = Annotated[str, msgspec.Meta(max_length=256)]
+
 
 # ---- regions a worker registers (where its KV tensors live) ------------------------------------
 
@@ -106,9 +114,9 @@ class Hello(msgspec.Struct, tag=1, **_WIRE):
     req_id: int
     protocol_version: int
     role: Role
-    name: str = ""          # free text shown by `kvpool info` (e.g. "vllm worker tp0")
+    name: Label = ""        # free text shown by `kvpool info` (e.g. "vllm worker tp0")
     pid: int = 0
-    engine_id: str = ""     # vLLM engine id; groups a scheduler with its workers
+    engine_id: Label = ""   # vLLM engine id; groups a scheduler with its workers
 
 
 class Heartbeat(msgspec.Struct, tag=2, **_WIRE):
@@ -125,7 +133,7 @@ class RegisterRequest(msgspec.Struct, tag=4, **_WIRE):
     rank): registering again replaces the earlier registration."""
 
     req_id: int
-    namespace: bytes
+    namespace: Key
     layout: Layout
     tp_rank: int
     num_blocks: int
@@ -135,8 +143,8 @@ class RegisterRequest(msgspec.Struct, tag=4, **_WIRE):
     # A byte cap for the namespace (0: none). Eviction under it takes only this namespace's
     # blocks; the daemon's namespace_quota caps it further.
     quota_bytes: int = 0
-    # P/D: names the model and layout *without* the TP split (empty: not a P/D engine).
-    # Registrations that share it must agree on tp_size, or the later one is refused.
+    # Ignored: P/D engines once declared a hand-off family so that the daemon could refuse a
+    # TP mismatch; head-split slots serve every TP size. Kept so later fields keep positions.
     handoff: bytes = b""
 
 
@@ -149,15 +157,15 @@ class LookupRequest(msgspec.Struct, tag=6, **_WIRE):
     """Many requests' key lists in one round trip; each answer is its run of leading hits."""
 
     req_id: int
-    namespace: bytes
-    key_lists: list[list[bytes]]
+    namespace: Key
+    key_lists: list[list[Key]]
     pin: bool = False       # pin each hit run under a lease until released or expired
 
 
 class PrepareStoreRequest(msgspec.Struct, tag=7, **_WIRE):
     req_id: int
-    namespace: bytes
-    keys: list[bytes]
+    namespace: Key
+    keys: list[Key]
 
 
 class AbortStoreRequest(msgspec.Struct, tag=8, **_WIRE):
@@ -186,10 +194,10 @@ class StoreRequest(msgspec.Struct, tag=10, **_WIRE):
     # Appended last (array_like positional): older peers still decode the fields above.
     # Per slot, the block hash it stores (16 bytes): binds reserved slots to their keys, and is
     # checked against prepared ones. Empty: every slot was bound by PrepareStoreRequest.
-    keys: list[bytes] = []
+    keys: list[Key] = []
     # The daemon_id whose ReserveReply granted the slots (empty: not checked). A store whose
     # slots another daemon life granted is refused (UNKNOWN_ID) instead of touching this pool.
-    grant: str = ""
+    grant: Label = ""
 
 
 class LoadRequest(msgspec.Struct, tag=11, **_WIRE):
@@ -210,22 +218,30 @@ class ResetRequest(msgspec.Struct, tag=13, **_WIRE):
     """Forget every block of ``namespace``: committed ones now, in-flight ones when they land."""
 
     req_id: int
-    namespace: bytes
+    namespace: Key
 
 
-class ReserveRequest(msgspec.Struct, tag=14, **_WIRE):
+class ByeRequest(msgspec.Struct, tag=14, **_WIRE):
+    """The client is closing this connection: release what it holds now, not at the peer
+    timeout (a process that exits is released at once anyway; this is for one that lives on).
+    Appended as a new tag: a daemon that does not know it answers PROTOCOL, which is harmless."""
+
+    req_id: int
+
+
+class ReserveRequest(msgspec.Struct, tag=15, **_WIRE):
     """Writable slots of ``namespace`` for stores to come, bound to no key yet (see the module
     docstring). The daemon may grant fewer than ``count`` (none when the pool or the
     namespace's quota has no room, or this client already holds its share)."""
 
     req_id: int
-    namespace: bytes
+    namespace: Key
     count: int
 
 
 Request = Union[Hello, Heartbeat, Ping, RegisterRequest, UnregisterRequest, LookupRequest,
                 PrepareStoreRequest, AbortStoreRequest, ReleaseRequest, StoreRequest,
-                LoadRequest, InfoRequest, ResetRequest, ReserveRequest]
+                LoadRequest, InfoRequest, ResetRequest, ByeRequest, ReserveRequest]
 
 
 # ---- replies -------------------------------------------------------------------------------
@@ -298,7 +314,7 @@ class NamespaceInfo(msgspec.Struct, **_WIRE):
 
     namespace: bytes
     description: str         # what its engines said the layout is (model group, heads, ...)
-    tp_size: int
+    tp_size: int             # 0: any (head-split slots, shared by every TP size)
     blocks: int              # committed
     used_bytes: int          # committed and being written
     quota_bytes: int         # 0: no cap
@@ -308,7 +324,7 @@ class TierInfo(msgspec.Struct, **_WIRE):
     """One tier under the pool (the disk tier; later ones the same way). Counters only grow
     over one daemon's life; rates are differences between snapshots."""
 
-    name: str                # "disk"
+    name: str                # "disk", "remote"
     is_enabled: bool         # False once a fault turned it off (the pool keeps serving)
     location: str            # where it keeps blocks (the disk tier's directory)
     capacity_bytes: int
@@ -325,6 +341,10 @@ class TierInfo(msgspec.Struct, **_WIRE):
     missed_blocks: int       # left the pool before they could be written down
     adopted_blocks: int      # found on disk at start
     status: str = ""         # "ok", or why the tier is off
+    # Appended with the remote tier (defaults keep older replies decodable):
+    lost_blocks: int = 0     # hits that could not be brought up (gone from the tier meanwhile,
+                             # or the transfer failed): misses, the engine recomputes them
+    rejected_blocks: int = 0  # blocks the tier refused for want of room
 
 
 class PoolInfo(msgspec.Struct, **_WIRE):
@@ -399,13 +419,21 @@ def decode_reply(frame: bytes | memoryview) -> Reply:
     return _reply_decoder.decode(frame)
 
 
-def peek_req_id(frame: bytes) -> int:
-    """Best effort: the ``req_id`` of a frame that failed to decode, so the error reply can
-    still be matched by the client; 0 if even that cannot be read."""
+class _Head(msgspec.Struct, array_like=True):
+    """The first two items every request starts with; the rest of the frame is skipped."""
+
+    tag: object
+    req_id: int
+
+
+_head_decoder = msgspec.msgpack.Decoder(_Head)
+
+
+def peek_req_id(frame: bytes | memoryview) -> int:
+    """Best effort: the ``req_id`` of a frame that failed to decode or was refused unread (too
+    large), so the error reply can still be matched by the client; 0 if even that cannot be
+    read. Costs a scan of the frame, no Python objects for the rest of it."""
     try:
-        raw = msgspec.msgpack.decode(frame)
+        return _head_decoder.decode(frame).req_id
     except Exception:
         return 0
-    if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], int):
-        return raw[1]
-    return 0

@@ -7,27 +7,15 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
+from bench.soak.common import wait_for  # noqa: F401  (tests import it from here)
 from kvpool.shared.config import ClientConfig
 
 STARTUP_TIMEOUT_S = 30.0
-
-
-def wait_for(cond: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.01):
-    """Poll ``cond`` until truthy; fail with ``what`` after ``timeout_s``. Returns its value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(every_s)
 
 
 def unless_unavailable(fn: Callable[[], object]):
@@ -64,11 +52,28 @@ class DaemonProcess:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args() + list(extra or []), stdout=log, stderr=log)
         log.close()
-        wait_for(lambda: os.path.exists(self.socket) or self.proc.poll() is not None,
-                 STARTUP_TIMEOUT_S, "kvpoold to create its socket")
+        wait_for(lambda: self._answers() or self.proc.poll() is not None,
+                 STARTUP_TIMEOUT_S, "kvpoold to answer a ping")
         if self.proc.poll() is not None:
             raise AssertionError(f"kvpoold exited with {self.proc.returncode}:\n{self.log()}")
         return self
+
+    def _answers(self) -> bool:
+        """Whether the daemon serves yet. (Its socket file appears a moment before it listens,
+        and clients fail fast on a socket nobody listens on.)"""
+        from kvpool.client.scheduler import SchedulerClient
+        from kvpool.shared.errors import DaemonUnavailable
+        if not os.path.exists(self.socket):
+            return False
+        probe = SchedulerClient(self.client_config(timeout_ms=2000, reconnect_backoff_ms=0),
+                                "test-probe", heartbeat=False)
+        try:
+            probe.ping()
+            return True
+        except DaemonUnavailable:
+            return False
+        finally:
+            probe.close()
 
     def client_config(self, **kw) -> ClientConfig:
         kw.setdefault("timeout_ms", 3000)

@@ -25,3 +25,16 @@ def test_python_example_runs_against_a_daemon(daemon, tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "example ok" in r.stdout, r.stderr
     assert len([line for line in code.strip().splitlines() if line.strip()]) <= 17
+
+
+def test_every_connector_key_is_documented():
+    from kvpool.client.vllm import CONNECTOR_KEYS
+    from kvpool.shared.config import ClientConfig
+
+    section = README[README.index("**`kv_connector_extra_config` keys**"):]
+    section = section[:section.index("\n\n", section.index("| key |"))]
+    documented = set(re.findall(r"^\| `(\w+)`(?: / `(\w+)`)?", section, re.M))
+    documented = {k for pair in documented for k in pair if k}
+    want = set(CONNECTOR_KEYS) | set(ClientConfig.__struct_fields__)
+    assert documented == want, (f"undocumented: {sorted(want - documented)}, "
+                                f"documented but unknown: {sorted(documented - want)}")

@@ -41,12 +41,14 @@ def test_memory_is_named_locked_and_unlinked_on_close():
 
 
 def test_too_big_for_dev_shm_says_how_big_it_must_be():
+    before = {n for n in os.listdir("/dev/shm") if n.startswith(ENGINE_SHM_PREFIX)}
     want = shm_free_bytes() + (8 << 30)
     with pytest.raises(ShmSpaceError) as e:
         SharedHostMemory(want)
     msg = str(e.value)
     assert "/dev/shm" in msg and "GiB" in msg and "--shm-size" in msg
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"{ENGINE_SHM_PREFIX}{os.getpid()}-")]
+    left = {n for n in os.listdir("/dev/shm") if n.startswith(f"{ENGINE_SHM_PREFIX}{os.getpid()}-")}
+    assert not left - before, "a refused allocation left its segment behind"
 
 
 def test_killed_process_segment_is_reaped_and_live_ones_are_not():

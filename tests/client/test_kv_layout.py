@@ -56,3 +56,45 @@ def test_tensors_outside_regions_or_disagreeing_are_refused():
         plan_kv_memory([a], [1], [(b.data_ptr(), b.nbytes)])
     with pytest.raises(ValueError, match="disagree"):
         plan_kv_memory([a, b], [1, 1], [(a.data_ptr(), a.nbytes), (b.data_ptr(), b.nbytes)])
+
+
+# ---- KV-head cells (head-split layouts, shared across TP sizes) ----------------------------
+
+def _layer_views(order: str, heads: int = H, blocks: int = N) -> list[torch.Tensor]:
+    """vLLM 0.33's per-layer ``[B, H, N, C]`` views (C: a token's K and V of a head)."""
+    from tests.kvtest import STRIDE_ORDERS
+    so = STRIDE_ORDERS[order]
+    shape = (L, blocks, heads, T, 2 * D)
+    whole = torch.empty([shape[d] for d in so], dtype=torch.float16)
+    logical = whole.permute(*[so.index(d) for d in range(5)])
+    return [logical[i] for i in range(L)]
+
+
+@pytest.mark.parametrize("order,cell", [
+    ("LBNHC", 2 * D), ("BLNHC", 2 * D),                         # a token's K and V
+    ("LBHNC", T * 2 * D), ("BLHNC", T * 2 * D), ("LHBNC", T * 2 * D),   # all tokens of a head
+    ("BHLNC", T * 2 * D)])
+def test_tp_cross_head_cells_of_every_vllm_layout(order, cell):
+    from kvpool.client.kv_layout import head_cell_bytes, head_split
+    tensors = _layer_views(order)
+    assert head_cell_bytes(tensors[0], 0, 1) == cell * E
+    shard = L * H * T * 2 * D * E
+    assert head_split(tensors, [0] * L, [1] * L, H, 1, shard) == cell * E
+    # a TP=2 rank holds half the heads; the same cell, so the same canonical slot
+    half = _layer_views(order, heads=H // 2)
+    assert head_split(half, [0] * L, [1] * L, H, 2, shard // 2) == cell * E
+
+
+def test_tp_cross_head_split_refuses_what_is_not_rows_of_head_cells():
+    from kvpool.client.kv_layout import head_cell_bytes, head_split
+    old = torch.empty(2, N, T, H, D, dtype=torch.float16)       # [2, B, N, H, D]: cells of D
+    assert head_cell_bytes(old, 1, 3) == D * E
+    # padding after each token's cell: a head's tokens are not one contiguous cell
+    padded = torch.empty(N, H, T, 2 * D + 8, dtype=torch.float16)[..., :2 * D]
+    assert head_cell_bytes(padded, 0, 1) is None
+    tensors = _layer_views("LBNHC")
+    shard = L * H * T * 2 * D * E
+    assert head_split(tensors, [0] * L, [1] * L, 2 * H, 1, shard) == 0     # heads disagree
+    assert head_split(tensors, [0] * L, [None] * L, H, 1, shard) == 0      # no head dim
+    assert head_split(tensors, [0] * L, [None] * L, 1, 4, shard) == shard  # MLA: one cell
+    assert head_split(tensors, [0] * L, [1] * L, 0, 1, shard) == 0         # not declared

@@ -13,6 +13,7 @@ pytest.importorskip("vllm")
 
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 from kvpool.client.vllm_meta import WorkerAcks  # noqa: E402
+from tests.conftest import wait_for  # noqa: E402
 
 from .vllm_harness import BS, Engine, fake_token  # noqa: E402
 
@@ -332,15 +333,25 @@ def test_daemon_killed_mid_run_every_request_finishes(make_engine, daemon, async
     e.run(timeout_s=90)
     assert sorted(e.stats.finished) == sorted(f"r{i}" for i in range(6))
     e.assert_clean()
-    # the daemon comes back: the connector reconnects by itself and pools again
+    # the daemon comes back: the connector reconnects by itself and pools again (once the
+    # scheduler's and the workers' backoffs after the failures have passed: before that they
+    # rightly skip the pool, so requests keep coming until one is stored)
     daemon.restart()
-    e.add("after", prompt(50, 9000), max_tokens=1)
-    e.run(timeout_s=60)
+    c = SchedulerClient(daemon.client_config())
+    k = 0
+
+    def stored_again() -> bool:
+        nonlocal k
+        k += 1
+        e.add(f"after{k}", prompt(50, 9000 + 100 * k), max_tokens=1)
+        e.run(timeout_s=60)
+        return c.info().stored_blocks >= 3
+
+    wait_for(stored_again, 30, "the reconnected connector to store a request's blocks")
     e.sched.reset_prefix_cache()
-    e.add("again", prompt(50, 9000) + [1], max_tokens=1)
+    e.add("again", prompt(50, 9000 + 100 * k) + [1], max_tokens=1)
     e.run(timeout_s=60)
     assert "again" in e.stats.loaded_reqs
-    c = SchedulerClient(daemon.client_config())
     try:
         e.assert_clean(c)
     finally:

@@ -104,27 +104,39 @@ def test_importing_the_connector_loads_no_daemon_and_no_cuda_code():
     assert out == "[]"
 
 
-def test_pd_handoff_family_ignores_the_tp_split_and_nothing_else():
-    """TP 1 and TP 2 of one model are different namespaces (their blocks hold different
-    heads) but one hand-off family, which is how the daemon spots a P/D TP mismatch."""
+def test_tp_cross_namespace_leaves_tp_out_and_nothing_else():
+    """TP 1, 2, 4 and 8 of one model are one namespace (their ranks share head-split slots);
+    the model, the head size and the total KV heads still tell namespaces apart. With fewer
+    KV heads than ranks (replicated) and for MLA the total is what the model has."""
     from types import SimpleNamespace
 
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     from kvpool.client.vllm_keys import build_groups
 
-    def groups(tp: int, model: str = "m", head: int = 64):
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=8 // tp, head_size=head,
-                                 dtype=torch.float16)
-        cfg = SimpleNamespace(model_config=SimpleNamespace(model=model, revision=None),
+    def groups(tp: int, model: str = "m", head: int = 64, heads: int = 8, mla: bool = False):
+        if mla:
+            spec = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576,
+                                    dtype=torch.float16)
+        else:
+            spec = FullAttentionSpec(block_size=BS, num_kv_heads=max(1, heads // tp),
+                                     head_size=head, dtype=torch.float16)
+        mc = SimpleNamespace(model=model, revision=None, get_total_num_kv_heads=lambda: heads)
+        cfg = SimpleNamespace(model_config=mc,
                               parallel_config=SimpleNamespace(tensor_parallel_size=tp),
                               cache_config=SimpleNamespace(kv_cache_layout=None))
-        kv = SimpleNamespace(kv_cache_layout="NHD", kv_cache_groups=[
+        kv = SimpleNamespace(kv_cache_layout="LBNHC", kv_cache_groups=[
             SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
         return build_groups(cfg, kv, {})[0]
 
-    one, two = groups(1), groups(2)
-    assert one.namespace != two.namespace and one.handoff == two.handoff
-    assert groups(1, model="other").handoff != one.handoff
-    assert groups(2, head=128).handoff != two.handoff
+    one = groups(1)
+    assert one.kv_heads == 8 and "tp=" not in one.identity
+    assert {groups(tp).namespace for tp in (1, 2, 4, 8)} == {one.namespace}
+    assert groups(1, model="other").namespace != one.namespace
+    assert groups(2, head=128).namespace != one.namespace
+    assert groups(2, heads=4).namespace != one.namespace
+    gqa = [groups(tp, heads=2) for tp in (1, 2, 4, 8)]       # 2 KV heads, replicated past TP=2
+    assert {g.kv_heads for g in gqa} == {2} and len({g.namespace for g in gqa}) == 1
+    mla = [groups(tp, heads=128, mla=True) for tp in (1, 2, 8)]
+    assert {g.kv_heads for g in mla} == {1} and len({g.namespace for g in mla}) == 1

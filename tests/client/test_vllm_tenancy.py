@@ -1,9 +1,8 @@
-"""Rules between engines that share one kvpoold: per-namespace quotas, and P/D engines whose
-TP sizes differ being refused at registration. Real vLLM schedulers, real daemon."""
+"""Rules between engines that share one kvpoold: per-namespace quotas, and engines of different
+TP sizes sharing blocks and handing prompts off to each other (each rank moves its own KV heads
+of one slot). Real vLLM schedulers, real daemon."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 
@@ -12,7 +11,7 @@ pytest.importorskip("vllm")
 from .test_vllm_connector import prompt  # noqa: E402
 # the same engines, one daemon, as the P/D tests
 from .test_vllm_pd import engines, model_root, observer  # noqa: E402,F401
-from .vllm_harness import BS  # noqa: E402
+from .vllm_harness import BS, run_together  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -59,43 +58,55 @@ def test_a_bad_quota_is_a_config_error(engines, daemon):
         engines(daemon, engine_id="bad", async_scheduling=False, extra={"pd_handoff": "maybe"})
 
 
-def test_decode_with_another_tp_size_is_refused_at_registration(engines, daemon, observer,
-                                                                 caplog):
-    pe = engines(daemon, engine_id="prefill", async_scheduling=False, kv_role="kv_producer")
-    tokens = prompt(4 * BS + 2, 3000)
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_tp_cross_pd_hand_off_between_tp_sizes(engines, daemon, observer, prefill_tp,
+                                               decode_tp):
+    """A prefill at one TP size hands a prompt to a decode at another: every decode rank loads
+    its own heads of every block the prefill's ranks stored, verified against the pattern."""
+    pe = engines(daemon, engine_id="prefill", async_scheduling=False, kv_role="kv_producer",
+                 tp=prefill_tp, slow_stores=1)
+    de = engines(daemon, engine_id="decode", async_scheduling=True, kv_role="kv_consumer",
+                 tp=decode_tp)
+    tokens = prompt(6 * BS + 2, 3000)
     pe.add("r1", tokens, max_tokens=1,
            kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
-    pe.run()
+    pe.run(until=lambda: "r1" in pe.stats.params)
     params = pe.stats.params["r1"]
-    with caplog.at_level(logging.ERROR, logger="kvpool.vllm"):
-        de = engines(daemon, engine_id="decode", async_scheduling=False, kv_role="kv_consumer",
-                     tp=2)
-    refusals = [r.getMessage() for r in caplog.records
-                if "P/D hand-off across TP sizes is not supported" in r.getMessage()]
-    assert len(refusals) == 2, caplog.text                    # one per decode rank
-    assert "tensor_parallel_size=2" in refusals[0] and "tensor_parallel_size=1" in refusals[0]
-    regs = {c.name: c.registrations for c in observer.info().clients
-            if c.engine_id == "decode" and c.role.name == "WORKER"}
-    assert regs and not any(regs.values()), regs
-    # the engine still serves: its P/D request is recomputed, nothing leaks
-    de.add("r1", tokens, max_tokens=2, kv_transfer_params=params)
-    de.run()
-    assert de.stats.finished == ["r1"] and de.stats.loaded_reqs == set()
+    assert params["kvpool_tokens"] == 6 * BS and params["kvpool_tp"] == prefill_tp
+    de.add("r1", tokens, max_tokens=3, kv_transfer_params=params)
+    run_together(pe, de)
+    assert de.stats.loaded_reqs == {"r1"} and de.stats.finished == ["r1"]
+    assert [w.verified_blocks for w in de.workers] == [6] * decode_tp
+    usage = observer.info().namespace_usage
+    assert len(usage) == 1 and usage[0].blocks == 6       # one copy, one namespace
     pe.assert_clean(observer)
     de.assert_clean(observer)
 
 
-def test_other_tp_sizes_may_share_a_host_when_not_doing_pd(engines, daemon, observer, caplog):
-    """Replicas of one model at TP 1 and TP 2 without P/D roles: each keeps its own namespace,
-    nobody is refused."""
-    one = engines(daemon, engine_id="tp1", async_scheduling=False, kv_role="kv_producer")
-    with caplog.at_level(logging.ERROR, logger="kvpool.vllm"):
-        two = engines(daemon, engine_id="tp2", async_scheduling=False, tp=2)
-    assert "refused" not in caplog.text
-    two.add("x", prompt(3 * BS + 1, 500), max_tokens=1)
+def test_tp_cross_engines_of_every_tp_size_share_prefixes(engines, daemon, observer):
+    """TP=1, TP=2 and TP=4 replicas of one model (2 KV heads: TP=4 replicates them) share one
+    namespace: each gets the others' prefixes from the pool, byte-exact on every rank."""
+    one = engines(daemon, engine_id="tp1", async_scheduling=False)
+    four = engines(daemon, engine_id="tp4", async_scheduling=True, tp=4)
+    two = engines(daemon, engine_id="tp2", async_scheduling=False, tp=2)
+    p = prompt(5 * BS + 3, 500)
+    one.add("a", p, max_tokens=1)
+    one.run()
+    four.add("b", p + [9], max_tokens=2)
+    four.run()
+    assert four.stats.loaded_reqs == {"b"}
+    assert [w.verified_blocks for w in four.workers] == [5] * 4
+    q = prompt(4 * BS + 1, 9000)
+    four.add("c", q, max_tokens=1)                 # stored by the TP=4 primaries only
+    four.run()
+    two.add("d", p + [7], max_tokens=1)
+    two.add("e", q + [7], max_tokens=1)
     two.run()
-    regs = [c.registrations for c in observer.info().clients
-            if c.engine_id == "tp2" and c.role.name == "WORKER"]
-    assert regs == [1, 1]
-    for e in (one, two):
+    assert two.stats.loaded_reqs == {"d", "e"}
+    assert [w.verified_blocks for w in two.workers] == [9, 9]
+    info = observer.info()
+    assert len(info.namespace_usage) == 1 and info.namespace_usage[0].blocks == 9
+    regs = [c.registrations for c in info.clients if c.role.name == "WORKER"]
+    assert regs == [1] * 7, regs                   # nobody refused
+    for e in (one, four, two):
         e.assert_clean(observer)

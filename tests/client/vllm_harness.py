@@ -4,7 +4,8 @@
 ``KVPoolConnector`` through ``kv_connector_module_path`` like the engine core does, and one
 ``FakeWorker`` per TP rank. A fake worker owns host KV tensors in POSIX shm, runs the
 connector's worker role exactly in the order vLLM's model runner does, "computes" KV by writing
-a deterministic pattern of (token, position, layer, rank) into the scheduled slots, and checks
+a deterministic pattern of (token, position, layer, KV head) into its heads of the scheduled
+slots (vLLM's split: ``KV_HEADS`` over the TP ranks, replicated past TP=2), and checks
 every block a load brings back against that pattern. ``AsyncScheduler`` is driven with a
 two-deep batch queue (step N+1 is scheduled before step N's output is applied), as the engine
 core does with async scheduling.
@@ -42,7 +43,7 @@ from kvpool.client.vllm import KVPoolConnector  # noqa: E402
 from kvpool.client.vllm_meta import StepMeta  # noqa: E402
 
 BS = 16
-HEADS, HEAD = 2, 16
+KV_HEADS, HEAD = 2, 16     # the model's KV heads (TINY_LLAMA), split over the TP ranks
 EOS = 50256
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
               "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -64,9 +65,16 @@ def fake_token(pos: int) -> int:
     return 1000 + pos % 997
 
 
-def _pattern(token: int, pos: int, layer: int, kv: int, rank: int) -> torch.Tensor:
-    base = (token * 7 + pos * 13 + layer * 3 + kv * 5 + rank * 11) % 997
-    return (torch.arange(HEADS * HEAD, dtype=torch.float16) + base).view(HEADS, HEAD)
+def local_heads(tp: int) -> int:
+    """KV heads per rank, as vLLM splits them (at least one: replicated past TP=KV_HEADS)."""
+    return max(1, KV_HEADS // tp)
+
+
+def _pattern(token: int, pos: int, layer: int, kv: int, heads: range) -> torch.Tensor:
+    """The KV of ``heads`` at (token, position, layer): the same whatever TP holds them."""
+    base = token * 7 + pos * 13 + layer * 3 + kv * 5
+    return torch.stack([(torch.arange(HEAD, dtype=torch.float16) + (base + h * 11) % 997)
+                        for h in heads])
 
 
 class SlowStores:
@@ -189,20 +197,24 @@ class FakeWorker:
     def __init__(self, cfg: VllmConfig, kv_cfg: KVCacheConfig, groups: list[Group], rank: int,
                  block_outermost: bool) -> None:
         self.rank = rank
+        tp = cfg.parallel_config.tensor_parallel_size
+        local = local_heads(tp)
+        first = rank * KV_HEADS // tp if tp > KV_HEADS else rank * local
+        self.heads = range(first, first + local)
         self.conn = KVPoolConnector(cfg, KVConnectorRole.WORKER, kv_cfg)
         assert self.conn.worker is not None
         self.conn.worker.tp_rank = rank
         self.groups = groups
         self.layers = [name for g in groups for name in g.layers]
         nb = kv_cfg.num_blocks
-        page = 2 * BS * HEADS * HEAD * 2
+        page = 2 * BS * local * HEAD * 2
         self.mem = SharedHostMemory(len(self.layers) * nb * page)
         flat = self.mem.tensor.view(torch.float16)
         if block_outermost:   # BL...: one block of every layer is contiguous
-            full = flat.view(nb, len(self.layers), 2, BS, HEADS, HEAD)
+            full = flat.view(nb, len(self.layers), 2, BS, local, HEAD)
             self.kv = {name: full[:, i] for i, name in enumerate(self.layers)}
         else:                 # LB...: each layer its own region, (num_blocks, 2, bs, H, D)
-            full = flat.view(len(self.layers), nb, 2, BS, HEADS, HEAD)
+            full = flat.view(len(self.layers), nb, 2, BS, local, HEAD)
             self.kv = {name: full[i] for i, name in enumerate(self.layers)}
         self.conn.register_kv_caches(self.kv)
         self.loads: dict[str, list[tuple[int, list[int]]]] = {}   # req → [(group, block ids)]
@@ -221,7 +233,7 @@ class FakeWorker:
                     layer = self.layers.index(name)
                     for kv in (0, 1):
                         self.kv[name][bid, kv, p % BS] = _pattern(tokens[p], p, layer, kv,
-                                                                  self.rank)
+                                                                  self.heads)
 
     def check_block(self, gi: int, bid: int, index: int, tokens: list[int]) -> None:
         for name in self.groups[gi].layers:
@@ -229,7 +241,7 @@ class FakeWorker:
             for kv in (0, 1):
                 for off in range(BS):
                     p = index * BS + off
-                    want = _pattern(tokens[p], p, layer, kv, self.rank)
+                    want = _pattern(tokens[p], p, layer, kv, self.heads)
                     got = self.kv[name][bid, kv, off]
                     assert torch.equal(got, want), (
                         f"rank {self.rank}: loaded block {bid} (request block {index}) layer "
@@ -291,12 +303,13 @@ class Engine:
             if kv_events else None)
         self.cfg.cache_config.num_gpu_blocks = num_blocks
         specs = []
+        heads = local_heads(tp)
         for g in self.groups:
             if g.sliding_window:
-                spec = SlidingWindowSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
+                spec = SlidingWindowSpec(block_size=BS, num_kv_heads=heads, head_size=HEAD,
                                          dtype=torch.float16, sliding_window=g.sliding_window)
             else:
-                spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
+                spec = FullAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=HEAD,
                                          dtype=torch.float16)
             specs.append(KVCacheGroupSpec(g.layers, spec))
         # What vLLM's engine core resolves and hands to both roles.

@@ -84,16 +84,21 @@ def test_cuda_modules_import_without_cuda():
             cuda.device_count()
 
 
-def _expand_pitched(gpu, gpitch, host, rows, width):
+def _expand_pitched(gpu, gpitch, glayer, host, hpitch, hlayer, width, rows, depth):
+    """Every (gpu, host, nbytes) row a ``pitched_table`` moves, by the driver's 3D addressing:
+    byte x of row y of layer z at ptr + (z * layer + y) * pitch + x."""
     out = []
-    for g, p, h, r, w in zip(*(x.astype(np.int64) for x in (gpu, gpitch, host, rows, width))):
-        out += [(g + k * p, h + k * w, w) for k in range(r)]
+    cols = (gpu, gpitch, glayer, host, hpitch, hlayer, width, rows, depth)
+    for g, gp, gl, h, hp, hl, w, r, d in zip(*(x.astype(np.int64) for x in cols)):
+        assert r <= gl and r <= hl and w <= gp and w <= hp
+        out += [(g + (z * gl + y) * gp, h + (z * hl + y) * hp, w)
+                for z in range(d) for y in range(r)]
     return out
 
 
 @pytest.mark.parametrize("case", ["per_layer", "mla", "mixed", "block_outer"])
 def test_pitched_table_moves_the_same_bytes_as_the_chunk_table(case):
-    from kvpool.daemon.cuda_copy import pitched_table, strided_runs
+    from kvpool.daemon.cuda_copy import pitched_plan, pitched_table, strided_runs
     nb = 9
     if case == "per_layer":     # [L, 2, NB, inner]: one run of 2L rows
         lead, inner = 8, 64
@@ -126,8 +131,8 @@ def test_pitched_table_moves_the_same_bytes_as_the_chunk_table(case):
         assert list(bounds) == [0, 3, 6]
     blocks = np.array([5, 0, 7, 2])
     shards = np.arange(4, dtype=np.int64) * int(seg_bytes.sum()) * 3
-    table = pitched_table(seg_dev, seg_stride, seg_bytes, seg_prefix, bounds, blocks, shards,
-                          1 << 30)
+    plan = pitched_plan(seg_dev, seg_stride, seg_bytes, seg_prefix, bounds)
+    table = pitched_table(plan, blocks, shards, 1 << 30)
     assert all(t.dtype == np.uint64 for t in table)
     assert len(table[0]) == len(blocks) * (len(bounds) - 1)
     naive = _naive(seg_dev, seg_stride, seg_bytes, seg_prefix, blocks, shards, 1 << 30)
@@ -156,3 +161,92 @@ def test_crosses_pieces():
     from kvpool.daemon.cuda_copy import crosses_pieces
     assert not crosses_pieces(np.array([0, 1 << 21]), 1 << 21, 1 << 30)
     assert crosses_pieces(np.array([(1 << 30) - 4096]), 1 << 21, 1 << 30)
+
+
+# ---- a rank's head range of a slot that holds every head (head-split layouts) ----------------
+
+def _run_ops(src: np.ndarray, dst: np.ndarray, rows: list[tuple[int, int, int]]) -> None:
+    for s, d, n in rows:
+        dst[d:d + n] = src[s:s + n]
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "LHBNC", "BHLNC"])
+@pytest.mark.parametrize("tp,rank,heads", [(2, 1, 4), (4, 2, 4), (1, 0, 4), (4, 3, 2)])
+def test_tp_cross_pitched_plan_moves_exactly_the_ranks_heads(order, tp, rank, heads):
+    """The GPU engine's copies of a rank's part, run on bytes by the driver's addressing rules:
+    pitched (2D and 3D, and 3D cut into 2D) and 1D chunks each move exactly the host path's
+    pieces, and nothing else of the slot."""
+    from kvpool.daemon.copy_engine import segment_address_table
+    from kvpool.daemon.cuda_copy import (flatten_plan, pitched_plan, pitched_table,
+                                         strided_runs)
+    from kvpool.shared.protocol import RegisterRequest
+    from tests.kvtest import HeadKv
+
+    kv = HeadKv(tp, rank, heads=heads, layers=3, blocks=6, block_tokens=4, cell=8, order=order)
+    try:
+        reg = RegisterRequest(1, kv.namespace, kv.layout, rank, kv.blocks, [kv.mem.region],
+                              kv.placement)
+        region, offset, stride, nbytes, prefix = segment_address_table(reg)
+        worker = np.random.default_rng(tp * 10 + rank).integers(
+            0, 255, kv.mem.nbytes, dtype=np.uint8)
+        slot = kv.layout.slot_bytes
+        blocks, slots = np.array([4, 0, 5]), np.array([2, 0, 1]) * slot
+        want = np.zeros(3 * slot, np.uint8)
+        _run_ops(worker, want, [(o + b * st, s + p, n) for b, s in zip(blocks, slots)
+                                for o, st, n, p in zip(offset, stride, nbytes, prefix)])
+        assert (want != 0).sum() > 0
+        g, h, sz = chunk_table(offset, stride, nbytes, prefix, blocks, slots, 0)
+        got = np.zeros_like(want)
+        _run_ops(worker, got, list(zip(g.astype(np.int64), h.astype(np.int64),
+                                       sz.astype(np.int64))))
+        assert np.array_equal(got, want), "1D chunks"
+        plan = pitched_plan(offset, stride, nbytes, prefix,
+                            strided_runs(region, offset, stride, nbytes, prefix))
+        for p in (plan, flatten_plan(plan)):
+            got = np.zeros_like(want)
+            _run_ops(worker, got, _expand_pitched(*pitched_table(p, blocks, slots, 0)))
+            assert np.array_equal(got, want), "pitched"
+        local = max(1, heads // tp)
+        if order in ("LBNHC", "BLNHC") and local < heads:
+            # token rows of a few heads: one 3D copy per block (per-layer) or one 2D copy
+            assert len(plan) == 1 and len(flatten_plan(plan)) == (3 if order == "LBNHC" else 1)
+        if order == "BLHNC":
+            assert len(plan) == 1          # layers of whole heads, one pitched copy per block
+    finally:
+        kv.close()
+
+
+def test_tp_cross_engine_tables_for_the_benchmark_layouts():
+    """Llama-3.1-8B blocks (8 KV heads, 16 tokens, 512-byte K+V cells, 32 layers) at TP=2: the
+    per-layer cache is one 3D copy of 64 layers of 16 rows of 2 KiB per block, block-outermost
+    NHD one 2D copy of 512 rows of 2 KiB, block-outermost HND one 2D copy of 32 rows of 32 KiB;
+    at TP=1 each is as before."""
+    from kvpool.daemon.copy_engine import segment_address_table
+    from kvpool.daemon.cuda_copy import (P_DEPTH, P_HEIGHT, P_WIDTH, pitched_plan,
+                                         strided_runs)
+    from kvpool.shared.layout import Layout, SegmentPlacement
+    from kvpool.shared.protocol import RegisterRequest
+
+    nb, cell, tokens, layers, heads = 100, 512, 16, 32, 8
+
+    def plan(tp, segs, inner, hb):
+        local = heads // tp
+        seg = inner * local // heads
+        lay = Layout(tokens, tp, "bfloat16", (seg,) * segs, "llama", heads, hb)
+        placement = [SegmentPlacement(0, i * nb * seg, seg) for i in range(segs)]
+        reg = RegisterRequest(1, b"n" * 16, lay, 1 % tp, nb, [], placement)
+        region, offset, stride, nbytes, prefix = segment_address_table(reg)
+        return pitched_plan(offset, stride, nbytes, prefix,
+                            strided_runs(region, offset, stride, nbytes, prefix))
+
+    # LBNHC: 32 layers, one segment per layer ([N, H, C]); a row is a token of all heads
+    p = plan(2, layers, tokens * heads * cell, cell)
+    assert p[:, [P_WIDTH, P_HEIGHT, P_DEPTH]].tolist() == [[4 * cell, tokens, layers]]
+    p = plan(1, layers, tokens * heads * cell, cell)
+    assert p[:, [P_WIDTH, P_HEIGHT, P_DEPTH]].tolist() == [[tokens * heads * cell, layers, 1]]
+    # BLNHC: one segment per block
+    p = plan(2, 1, layers * tokens * heads * cell, cell)
+    assert p[:, [P_WIDTH, P_HEIGHT, P_DEPTH]].tolist() == [[4 * cell, layers * tokens, 1]]
+    # BLHNC: one segment per block, a row is a layer of all heads
+    p = plan(2, 1, layers * tokens * heads * cell, tokens * cell)
+    assert p[:, [P_WIDTH, P_HEIGHT, P_DEPTH]].tolist() == [[4 * tokens * cell, layers, 1]]

@@ -16,76 +16,25 @@ import posix_ipc
 import pytest
 import torch
 
-from kvpool.client.scheduler import SchedulerClient
 from kvpool.daemon.disk_store import RECORD_DTYPE
 from kvpool.shared.errors import ErrorCode
 from tests.conftest import wait_for
-from tests.kvtest import HostKv
+from tests.kvtest import HostKv, PoolEngine
 
 # 128 KiB blocks: an 8 MiB pool holds about 48 of them, so a few hundred blocks are mostly on disk.
 KV = dict(layers=4, blocks=64, heads=8, head_dim=64)
 SLOT = 4 * 2 * 16 * 8 * 64 * 2
 
 
-class Engine:
-    """A worker and a scheduler client over one HostKv, and every block stored, by key.
-
-    Each daemon life gets a new Engine with a new HostKv (same layout, so same namespace):
-    re-registering an old shm name after a restart would need the name to still exist, and on
-    a shared test machine /dev/shm is not ours alone."""
+class Engine(PoolEngine):
+    """A ``PoolEngine`` with this file's block size; ``tier()`` is the disk tier."""
 
     def __init__(self, daemon, stored: dict[bytes, torch.Tensor] | None = None) -> None:
-        self.kv = HostKv(**KV)
-        self.worker, self.reg = self.kv.register(daemon.client_config(timeout_ms=10000))
-        self.sched = SchedulerClient(daemon.client_config(timeout_ms=10000))
-        self.stored: dict[bytes, torch.Tensor] = {} if stored is None else stored
-
-    def store(self, first: int, n: int, seed: int) -> list[bytes]:
-        """Store blocks of a new prompt (n full blocks, token ids from ``first``)."""
-        keys = self.kv.keys(list(range(first, first + 16 * n)))
-        for a in range(0, n, 32):
-            part = keys[a:a + 32]
-            ids = list(range(len(part)))
-            self.kv.fill_random(ids, seed=seed * 1000 + a)
-            refs = self.sched.prepare_store(self.kv.namespace, part)
-            todo = [(b, r) for b, r in zip(ids, refs) if r >= 0]
-            done = self.worker.wait([self.worker.submit_store(
-                self.reg, [b for b, _ in todo], [r for _, r in todo])], 20)[0]
-            assert done.ok, done
-            for b, k in zip(ids, part):
-                self.stored[k] = self.kv.blocks_of([b])
-        return keys
-
-    def load_and_check(self, keys: list[bytes]) -> int:
-        """Look up ``keys`` (one prompt) and load its hit run 32 blocks at a time; every
-        loaded block must equal what was stored. Returns the hit count."""
-        hit = self.sched.lookup(self.kv.namespace, [keys], pin=True)
-        n = hit.hits[0]
-        try:
-            for a in range(0, n, 32):
-                refs = hit.slots[0][a:a + 32]
-                ids = list(range(32, 32 + len(refs)))
-                self.kv.poison(ids)
-                done = self.worker.wait([self.worker.submit_load(self.reg, refs, ids)], 30)[0]
-                assert done.ok, done
-                for b, k in zip(ids, keys[a:a + 32]):
-                    assert torch.equal(self.kv.blocks_of([b]), self.stored[k]), \
-                        f"block {keys.index(k)} came back different from what was stored"
-        finally:
-            self.sched.release(hit.leases)
-        return n
-
-    def tier(self):
-        return self.sched.info().tiers[0]
+        super().__init__(daemon, stored, **KV)
 
     def wait_demoted(self, n: int) -> None:
         wait_for(lambda: self.tier().blocks >= n, 60,
                  f"{n} blocks on disk (tier: {self.tier()})")
-
-    def close(self) -> None:
-        self.worker.close()
-        self.sched.close()
-        self.kv.close()
 
 
 def disk_daemon(daemon_factory, disk: Path, size: str = "64MiB", pool: str = "8MiB",

@@ -1,5 +1,8 @@
 """The host copy engine on its own: exact bytes for several layouts, ordering, bad regions."""
 
+import os
+
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -7,7 +10,10 @@ import torch
 from kvpool.client.host_memory import SharedHostMemory
 from kvpool.client.kv_layout import plan_kv_memory
 from kvpool.daemon.host_copy import HostCopyEngine
-from kvpool.shared.errors import LayoutMismatch, OutOfRange, UnknownId
+from kvpool.daemon.peer import Peer
+from kvpool.daemon.pool import Pool
+from kvpool.shared.errors import (LayoutMismatch, OutOfRange, PermissionDenied, ProtocolError,
+                                  UnknownId)
 from kvpool.shared.layout import Layout, SegmentPlacement
 from kvpool.shared.protocol import HostRegion, RegisterRequest
 
@@ -86,7 +92,8 @@ def test_attach_refuses_bad_regions(pool):
     layout = Layout(16, 1, "f16", (64,))
     place = [SegmentPlacement(0, 0, 64)]
     with pytest.raises(UnknownId, match="does not exist"):
-        engine.attach(RegisterRequest(1, b"n" * 16, layout, 0, 4, [HostRegion("no-such", 256)], place))
+        engine.attach(RegisterRequest(1, b"n" * 16, layout, 0, 4,
+                                      [HostRegion("kvpool-engine-no-such", 256)], place))
     mem = SharedHostMemory(256)
     try:
         with pytest.raises(OutOfRange):
@@ -120,3 +127,70 @@ def test_both_copy_paths_are_bit_exact(pool, slot_order):
     finally:
         engine.detach(mapped)
         mem.close()
+
+
+def test_attach_opens_only_engine_segments_the_peer_could_open(pool_config):
+    """Regression (soak fuzz): a NUL byte in a name crashed the daemon inside the shm library,
+    and any name at all (another daemon's pool, its own) was opened for any client."""
+    own = msgspec.structs.replace(pool_config, pool_name="kvpool-engine-pool-" + pool_config.pool_name)
+    pool = Pool.open(own)
+    engine = HostCopyEngine(pool)
+    layout = Layout(16, 1, "f16", (64,))
+    place = [SegmentPlacement(0, 0, 64)]
+    mem = SharedHostMemory(256)
+    try:
+        for name in ("x\0y", "kvpool-kv-\0", "../" + mem.name, "kvpool-engine-a/b", own.pool_name,
+                     "/" + own.pool_name, "kvpool-kv-" + "a" * 300, "other-" + mem.name):
+            with pytest.raises(ProtocolError, match="refused"):
+                engine.attach(RegisterRequest(1, b"n" * 16, layout, 0, 4,
+                                              [HostRegion(name, 256)], place))
+        os.chmod("/dev/shm/" + mem.name, 0o600)
+        stranger = Peer(uid=os.geteuid() + 4242, gid=4242, pid=1)
+        with pytest.raises(PermissionDenied, match="could not open it itself"):
+            engine.attach(RegisterRequest(1, b"n" * 16, layout, 0, 4, [mem.region], place),
+                          stranger)
+        mapped = engine.attach(RegisterRequest(1, b"n" * 16, layout, 0, 4, [mem.region], place),
+                               Peer(os.geteuid(), os.getegid(), os.getpid()))
+        engine.detach(mapped)
+    finally:
+        mem.close()
+        pool.close(unlink=True)
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "BLHNC", "LHBNC"])
+@pytest.mark.parametrize("slot_order", ["adjacent runs", "scattered"])
+def test_tp_cross_rank_rows_paths_are_bit_exact(pool, order, slot_order):
+    """A TP=2 rank's head range: the strided one-pass path (adjacent slots; per-layer caches
+    load their rows a segment at a time) and the gather/scatter path move exactly its heads of
+    each slot, and leave the other rank's heads alone."""
+    from tests.kvtest import HeadKv
+    kv = HeadKv(2, 1, heads=4, layers=4, blocks=40, block_tokens=8, cell=32, order=order)
+    engine = HostCopyEngine(pool)
+    reg = RegisterRequest(1, kv.namespace, kv.layout, 1, kv.blocks, [kv.mem.region],
+                          kv.placement)
+    mapped = engine.attach(reg)
+    try:
+        if order != "LHBNC":     # one cell per segment there: no uniform rows, generic path
+            assert mapped.rows is not None
+        n = 12
+        idx = {"adjacent runs": np.arange(n), "scattered": np.random.permutation(n) * 3}
+        slots = (idx[slot_order].astype(np.int64) * kv.layout.slot_bytes
+                 + pool.geometry.data_offset)
+        a = pool.view()
+        for o in slots:
+            a[o:o + kv.layout.slot_bytes] = 0x77
+        src = np.random.permutation(kv.blocks)[:n]
+        kv.fill(src.tolist(), seed=3)
+        engine.submit_store(mapped, src.astype(np.int64), slots).result(10)
+        heads, cell = 4, kv.layout.head_bytes
+        for o in slots:         # the other rank's heads (0-1) untouched
+            rows = a[o:o + kv.layout.slot_bytes].reshape(kv.layout.rows, heads, cell)
+            assert (rows[:, :2] == 0x77).all() and not (rows[:, 2:] == 0x77).all()
+        dst = np.random.permutation(kv.blocks)[:n]
+        kv.poison(dst.tolist())
+        engine.submit_load(mapped, slots, dst.astype(np.int64)).result(10)
+        kv.check(dst.tolist(), 3, stored_as=src.tolist())
+    finally:
+        engine.detach(mapped)
+        engine.close()
+        kv.close()

@@ -130,6 +130,51 @@ def test_a_new_layout_takes_whole_extents_from_an_idle_one(index):
     assert hits[:per] == [0] * per and all(hits[per:])
 
 
+def test_a_new_layout_gets_room_from_a_busy_one(index):
+    """Regression (soak, worker kills with two block sizes): an extent went to another size
+    only when idle as a whole, so while one model kept a block in flight in each of its
+    extents, a second model got POOL_FULL for as long as that lasted. Now the least recently
+    used extent of the busy size is drained for it and handed over once its pins end."""
+    n = 0
+    while True:                                             # the pool is all BIG
+        try:
+            refs = index.prepare_store(NS_BIG, keys(1, b"b%d" % n), OWNER, 0)
+        except PoolFull:
+            break
+        index.end_store(index.begin_store(NS_BIG, refs, 0), 0, True)
+        n += 1
+        if index.slot_counts()[1] < n:                      # it evicts: the pool is full
+            break
+    per = index.pool.slots_per_extent(BIG.slot_bytes)
+
+    def busy_everywhere():
+        """One block pinned in each BIG extent (a load in flight, say): none is idle."""
+        leases = []
+        for e in list(index._classes[BIG.slot_bytes].extents):
+            s = next(s for s in index._extent_slots(e) if s.state == 2)
+            leases += index.lookup(NS_BIG, [[s.key[16:]]], True, OTHER, 0)[1]
+        return leases
+    pins = busy_everywhere()
+    index.release_owner(OWNER)
+    with pytest.raises(PoolFull):
+        index.prepare_store(NS_SMALL, keys(1, b"s"), OWNER, 1)    # starts a drain
+    # The busy model keeps being busy elsewhere: new pins, old ones released.
+    fresh = busy_everywhere()
+    # A lease taken before the drain still loads what it pinned.
+    drained = next(lid for lid in pins if index._leases[lid].slots[0].extent in index._draining)
+    held = index._leases[drained].slots
+    index.end_load(index.begin_load(NS_BIG, [x.ref for x in held]), True)
+    index.release_leases(pins, OTHER)
+    refs = index.prepare_store(NS_SMALL, keys(4, b"s"), OWNER, 2)
+    assert all(r >= 0 for r in refs), "the small model still starves"
+    index.end_store(index.begin_store(NS_SMALL, refs, 0), 0, True)
+    assert index.lookup(NS_SMALL, [keys(4, b"s")], False, OWNER, 2)[0] == [4]
+    # The busy model lost one extent's worth of blocks, nothing it had pinned.
+    writing, committed, _ = index.slot_counts()
+    assert committed >= n - per - 1
+    index.release_leases(fresh, OTHER)
+
+
 def test_lease_ttl_and_write_timeout_expire(index):
     ks = keys(3)
     store(index, NS_SMALL, ks)
@@ -201,6 +246,65 @@ def test_adoption_keeps_committed_blocks_and_drops_unfinished_ones(pool_config):
         assert ix2.lookup(NS_TP2, [keys(2)], False, OWNER, 0)[0] == [0]
         assert all(r >= 0 for r in ix2.prepare_store(NS_TP2, keys(2), OWNER, 0))
         assert ix2.slot_counts()[:2] == (2, 5)
+    finally:
+        pool2.close(unlink=True)
+
+
+def test_refs_handed_out_before_a_restart_are_never_handed_out_again(pool_config):
+    """Regression (soak, daemon kills): generations of slots that were only being written were
+    not kept, so the restarted daemon handed the very same slot ref to another key, and a store
+    the engine sent late with the old ref landed under that key."""
+    pool = Pool.open(pool_config)
+    ix = Index(pool, 10, 60)
+    ix.register_namespace(NS_SMALL, SMALL)
+    old = ix.prepare_store(NS_SMALL, keys(3, b"a"), OWNER, 0)     # prepared, never written
+    store(ix, NS_SMALL, keys(2, b"c"))
+    pool.close(unlink=False)
+    pool2 = Pool.open(pool_config)
+    try:
+        ix2 = Index(pool2, 10, 60)
+        ix2.adopt()
+        new = ix2.prepare_store(NS_SMALL, keys(3, b"b"), OWNER, 0)
+        assert not set(old) & set(new), "a ref of the previous daemon was handed out again"
+        with pytest.raises(UnknownId):
+            ix2.begin_store(NS_SMALL, old[:1], 0)
+    finally:
+        pool2.close(unlink=True)
+
+
+def test_a_new_pool_does_not_start_generations_at_zero(pool_config):
+    """Refs from a replaced pool's daemon must not match the new one's first refs either."""
+    pool = Pool.open(pool_config)
+    try:
+        ix = Index(pool, 10, 60)
+        ix.register_namespace(NS_SMALL, SMALL)
+        ref = ix.prepare_store(NS_SMALL, keys(1), OWNER, 0)[0]
+        from kvpool.shared.protocol import slot_ref_generation
+        assert slot_ref_generation(ref) != 1
+    finally:
+        pool.close(unlink=True)
+
+
+def test_adoption_ignores_an_extent_entry_torn_by_a_crash(pool_config):
+    """Regression: assign_extent wrote num_slots before slot_bytes; a crash between them left
+    an entry whose slots overran the extent, and adoption laid them over the next extent."""
+    pool = Pool.open(pool_config)
+    ix = Index(pool, 10, 60)
+    ix.register_namespace(NS_BIG, BIG)
+    store(ix, NS_BIG, keys(2))
+    extent = next(e for e in range(pool.geometry.num_extents)
+                  if int(pool.extents[e]["slot_bytes"]))
+    pool.extents[extent]["num_slots"] = pool.geometry.records_per_extent   # 64 x 256 KiB > 1 MiB
+    pool.close(unlink=False)
+    pool2 = Pool.open(pool_config)
+    try:
+        assert not pool2.extent_is_sane(extent)
+        ix2 = Index(pool2, 10, 60)
+        assert ix2.adopt() == 0
+        ends = sorted((s.offset, s.offset + s.size_class.slot_bytes) for s in ix2._slots.values())
+        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "slots overlap"
+        ix2.register_namespace(NS_SMALL, SMALL)
+        assert capacity(ix2, SMALL, NS_SMALL) > 0
     finally:
         pool2.close(unlink=True)
 
@@ -296,23 +400,68 @@ def test_quota_accounting_survives_reset_expiry_and_adoption(pool_config):
         pool2.close(unlink=True)
 
 
-# ---- P/D hand-off families ---------------------------------------------------------------
+# ---- head-split slots: one namespace for every TP size ------------------------------------
 
-def test_handoff_refuses_another_tp_size_while_the_other_is_registered(index):
-    family = b"F" * 16
-    live: set[bytes] = {NS_SMALL}
-    index.check_handoff(family, NS_SMALL, 1, live.__contains__)
-    index.check_handoff(family, NS_SMALL, 1, live.__contains__)    # the same again: fine
-    with pytest.raises(LayoutMismatch, match="tensor_parallel_size=2.*tensor_parallel_size=1"):
-        index.check_handoff(family, NS_TP2, 2, live.__contains__)
-    index.check_handoff(b"G" * 16, NS_TP2, 2, live.__contains__)   # another model: fine
-    index.check_handoff(b"", NS_TP2, 2, live.__contains__)         # not P/D: fine
-    store(index, NS_SMALL, keys(1))
-    live.clear()            # the TP=1 engines stopped: the fleet may move to TP=2, blocks or not
-    index.check_handoff(family, NS_TP2, 2, live.__contains__)
-    live.add(NS_TP2)
-    with pytest.raises(LayoutMismatch, match="tensor_parallel_size=1.*tensor_parallel_size=2"):
-        index.check_handoff(family, NS_SMALL, 1, live.__contains__)
+def _heads(tp: int, heads: int = 4, row: int = 256, rows: int = 16) -> Layout:
+    """A head-split layout of ``heads`` KV heads as one rank of ``tp`` holds it."""
+    local = max(1, heads // tp)
+    return Layout(16, tp, "f16", (rows * local * row // 2,) * 2, "heads", heads, row)
+
+
+def test_tp_cross_index_commits_once_every_head_range_landed_from_any_tp_size(index):
+    one, two, four = _heads(1), _heads(2), _heads(4)
+    assert one.canonical() == two.canonical() == four.canonical()
+    assert one.slot_bytes == two.slot_bytes == four.slot_bytes == 16 * 4 * 256
+    ns = b"H" * 16
+    index.register_namespace(ns, two)
+    index.register_namespace(ns, one)          # another TP size of the same model: same slots
+    index.register_namespace(ns, four)
+    ks = keys(3)
+    refs = index.prepare_store(ns, ks, OWNER, 0)
+    # TP=2: rank 0 holds heads 0-1, rank 1 heads 2-3; a block commits once both landed
+    index.end_store(index.begin_store(ns, refs, 0, two.rank_mask(0)), 0, True, two.rank_mask(0))
+    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [0]
+    with pytest.raises(ProtocolError, match="overlapping head ranges"):
+        index.begin_store(ns, refs, 1, four.rank_mask(1))       # heads 1: rank 0 stored them
+    got = index.begin_store(ns, refs[:2], 1, two.rank_mask(1))
+    assert index.end_store(got, 1, True, two.rank_mask(1)) == 2
+    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [2]
+    # the third block's other half from TP=4 ranks (heads 2 and 3), in either order
+    index.end_store(index.begin_store(ns, refs[2:], 3, four.rank_mask(3)), 3, True,
+                    four.rank_mask(3))
+    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [2]
+    index.end_store(index.begin_store(ns, refs[2:], 2, four.rank_mask(2)), 2, True,
+                    four.rank_mask(2))
+    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [3]
+
+
+def test_tp_cross_a_rank_that_dies_after_its_head_range_leaves_the_block_uncommitted(index):
+    """Rank 0 of a TP=2 engine lands its heads, rank 1 dies before storing: the block is never
+    visible, and the write timeout frees it."""
+    two = _heads(2)
+    ns = b"H" * 16
+    index.register_namespace(ns, two)
+    ks = keys(2)
+    refs = index.prepare_store(ns, ks, OWNER, now=0.0)
+    index.end_store(index.begin_store(ns, refs, 0, two.rank_mask(0)), 0, True, two.rank_mask(0))
+    assert index.lookup(ns, [ks], False, OWNER, 1.0)[0] == [0]
+    assert index.expire(now=61.0) == (0, 2, 0)
+    assert index.lookup(ns, [ks], False, OWNER, 62.0)[0] == [0]
+    assert index.slot_counts() == (0, 0, 0)
+    with pytest.raises(UnknownId):
+        index.begin_store(ns, refs, 1, two.rank_mask(1))      # the late rank finds it gone
+    assert index.prepare_store(ns, ks, OWNER, 62.0)[0] >= 0   # stored again from scratch
+
+
+def test_tp_cross_replicated_heads_and_mla_store_one_copy():
+    # 2 KV heads over TP=4: ranks 0 and 2 store heads 0 and 1; ranks 1 and 3 hold replicas
+    gqa = _heads(4, heads=2)
+    assert [gqa.head_range(r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [gqa.rank_mask(r) for r in range(4)] == [0b01, 0, 0b10, 0]
+    assert gqa.full_mask == 0b11 and gqa.canonical() == _heads(1, heads=2).canonical()
+    mla = _heads(8, heads=1)          # one latent copy for every rank: rank 0 stores it
+    assert [mla.rank_mask(r) for r in range(8)] == [1] + [0] * 7
+    assert mla.canonical() == _heads(1, heads=1).canonical() == _heads(2, heads=1).canonical()
 
 
 # ---- fills from a lower tier (daemon/tiering.py drives these) -------------------------------
@@ -361,15 +510,15 @@ def test_reserved_slots_are_bound_by_the_first_rank_and_visible_after_the_last(i
     assert index.slot_counts()[0] == 0      # reserved is not writing
     ks = keys(3, b"r")
     assert index.lookup(NS_TP2, [ks], False, OWNER, 0)[0] == [0]
-    r0 = index.begin_store(NS_TP2, refs, 0, ks, now=1)
+    r0 = index.begin_store(NS_TP2, refs, 0, keys=ks, now=1)
     assert index.reserved_count == 0 and index.slot_counts()[0] == 3
     # bound now: a prepare_store of those keys finds them in flight
     assert index.prepare_store(NS_TP2, ks, OTHER, 1) == [SLOT_PRESENT] * 3
     index.end_store(r0, 0, True)
     assert index.lookup(NS_TP2, [ks], False, OWNER, 0)[0] == [0]   # rank 1 not landed
     with pytest.raises(ProtocolError, match="another key"):
-        index.begin_store(NS_TP2, refs, 1, keys(3, b"x"), now=1)
-    index.end_store(index.begin_store(NS_TP2, refs, 1, ks, now=1), 1, True)
+        index.begin_store(NS_TP2, refs, 1, keys=keys(3, b"x"), now=1)
+    index.end_store(index.begin_store(NS_TP2, refs, 1, keys=ks, now=1), 1, True)
     hits, _, slots = index.lookup(NS_TP2, [ks], False, OWNER, 0)
     assert hits == [3] and slots[0] == refs
 
@@ -378,14 +527,14 @@ def test_a_key_already_held_binds_as_a_duplicate_never_written_nor_shown_twice(i
     ks = keys(2, b"d")
     first = index.reserve(NS_TP2, 2, OWNER, now=0)        # engine A
     second = index.reserve(NS_TP2, 3, OTHER, now=0)       # engine B, same keys, later
-    a0 = index.begin_store(NS_TP2, first, 0, ks, now=0)
-    b0 = index.begin_store(NS_TP2, second[:2], 0, ks, now=0)   # both keys in flight from A
+    a0 = index.begin_store(NS_TP2, first, 0, keys=ks, now=0)
+    b0 = index.begin_store(NS_TP2, second[:2], 0, keys=ks, now=0)   # both keys in flight from A
     assert [s.void for s in a0] == [False, False] and [s.void for s in b0] == [True, True]
     index.end_store(a0, 0, True)
     index.end_store(b0, 0, True)
-    index.end_store(index.begin_store(NS_TP2, first, 1, ks, now=0), 1, True)
+    index.end_store(index.begin_store(NS_TP2, first, 1, keys=ks, now=0), 1, True)
     assert index.slot_counts()[:2] == (2, 2)              # B's duplicates wait for rank 1
-    b1 = index.begin_store(NS_TP2, second[:2], 1, ks, now=0)
+    b1 = index.begin_store(NS_TP2, second[:2], 1, keys=ks, now=0)
     index.end_store(b1, 1, True)
     hits, _, slots = index.lookup(NS_TP2, [ks], False, OWNER, 0)
     assert hits == [2] and slots[0] == first              # A's blocks, once
@@ -393,11 +542,11 @@ def test_a_key_already_held_binds_as_a_duplicate_never_written_nor_shown_twice(i
     # a committed key is a duplicate too, and so is a key named twice in one job
     k = keys(1, b"e")
     r = index.begin_store(NS_TP2, second[2:] + index.reserve(NS_TP2, 1, OTHER, 0), 0,
-                          ks[:1] + k, now=0)
+                          keys=ks[:1] + k, now=0)
     assert [s.void for s in r] == [True, False]
     index.end_store(r, 0, True)
     twice = index.reserve(NS_SMALL, 2, OWNER, 0)
-    r = index.begin_store(NS_SMALL, twice, 0, k + k, now=0)
+    r = index.begin_store(NS_SMALL, twice, 0, keys=k + k, now=0)
     assert [s.void for s in r] == [False, True]
     index.end_store(r, 0, True)
     assert index.lookup(NS_SMALL, [k], False, OWNER, 0)[0] == [1]
@@ -405,8 +554,8 @@ def test_a_key_already_held_binds_as_a_duplicate_never_written_nor_shown_twice(i
 
 def test_a_failed_primary_leaves_its_duplicate_unwritten_and_the_key_absent(index):
     ks = keys(1, b"f")
-    a = index.begin_store(NS_SMALL, index.reserve(NS_SMALL, 1, OWNER, 0), 0, ks, now=0)
-    b = index.begin_store(NS_SMALL, index.reserve(NS_SMALL, 1, OTHER, 0), 0, ks, now=0)
+    a = index.begin_store(NS_SMALL, index.reserve(NS_SMALL, 1, OWNER, 0), 0, keys=ks, now=0)
+    b = index.begin_store(NS_SMALL, index.reserve(NS_SMALL, 1, OTHER, 0), 0, keys=ks, now=0)
     index.end_store(a, 0, ok=False)
     index.end_store(b, 0, ok=True)     # nothing was copied into it: it must not commit
     assert index.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [0]
@@ -416,16 +565,16 @@ def test_a_failed_primary_leaves_its_duplicate_unwritten_and_the_key_absent(inde
 def test_unused_reservations_expire_and_their_refs_are_refused_after(index):
     refs = index.reserve(NS_SMALL, 4, OWNER, now=100)
     assert index.expire(now=100 + index.reserve_ttl_s - 0.01) == (0, 0, 0)
-    used = index.begin_store(NS_SMALL, refs[:1], 0, keys(1, b"u"), now=101)
+    used = index.begin_store(NS_SMALL, refs[:1], 0, keys=keys(1, b"u"), now=101)
     assert index.expire(now=100 + index.reserve_ttl_s) == (0, 0, 3)
     assert index.reserved_count == 0 and index.slot_counts()[2] == SMALL.slot_bytes
     with pytest.raises(UnknownId, match="expired"):
-        index.begin_store(NS_SMALL, refs[1:2], 0, keys(1, b"v"), now=200)
+        index.begin_store(NS_SMALL, refs[1:2], 0, keys=keys(1, b"v"), now=200)
     # the slot is reused under a new generation: the old ref still names nothing writable
     again = index.reserve(NS_SMALL, 8, OTHER, now=200)
     assert {r & 0xFFFF_FFFF for r in refs[1:]} <= {r & 0xFFFF_FFFF for r in again}
     with pytest.raises(UnknownId):
-        index.begin_store(NS_SMALL, refs[1:2], 0, keys(1, b"v"), now=200)
+        index.begin_store(NS_SMALL, refs[1:2], 0, keys=keys(1, b"v"), now=200)
     index.end_store(used, 0, True)
     assert index.lookup(NS_SMALL, [keys(1, b"u")], False, OWNER, 0)[0] == [1]
 
@@ -439,8 +588,8 @@ def test_reservations_go_with_their_owner_or_an_abort_and_survive_a_reset(index)
     index.release_owner(OWNER)
     assert index.reserved_count == 2
     with pytest.raises(UnknownId):
-        index.begin_store(NS_SMALL, mine[1:], 0, keys(2), now=0)
-    index.end_store(index.begin_store(NS_SMALL, theirs, 0, keys(2), now=0), 0, True)
+        index.begin_store(NS_SMALL, mine[1:], 0, keys=keys(2), now=0)
+    index.end_store(index.begin_store(NS_SMALL, theirs, 0, keys=keys(2), now=0), 0, True)
     assert index.lookup(NS_SMALL, [keys(2)], False, OWNER, 0)[0] == [2]
 
 
@@ -455,7 +604,7 @@ def test_bad_reservations_and_keyless_stores_into_reserved_slots_are_refused(ind
     with pytest.raises(UnknownId, match="must name its key"):
         index.begin_store(NS_SMALL, refs, 0)
     with pytest.raises(UnknownId):                        # another namespace's slots
-        index.begin_store(NS_BIG, refs, 0, keys(2), now=0)
+        index.begin_store(NS_BIG, refs, 0, keys=keys(2), now=0)
     assert index.reserved_count == 2                      # nothing was bound by the failures
 
 
@@ -468,14 +617,14 @@ def test_quotas_apply_when_reserved_slots_are_bound_and_owners_have_a_share(pool
     refs = ix.reserve(NS_A, 5, OWNER, 0)
     assert len(refs) == 5 and ix.used_bytes_of(NS_A) == SMALL.slot_bytes   # stock: no quota
     ks = keys(3, b"q")
-    slots = ix.begin_store(NS_A, refs[:3], 0, ks, now=0)
+    slots = ix.begin_store(NS_A, refs[:3], 0, keys=ks, now=0)
     # one fits the quota; the others find nothing of A's own to evict: void, not written
     assert [s.void for s in slots] == [False, True, True]
     ix.end_store(slots, 0, True)
     assert ix.lookup(NS_A, [ks], False, OWNER, 0)[0] == [1]
     assert ix.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
     ix.release_leases([lease], OWNER)
-    slots = ix.begin_store(NS_A, refs[3:4], 0, keys(1, b"n"), now=0)  # evicts "old" now
+    slots = ix.begin_store(NS_A, refs[3:4], 0, keys=keys(1, b"n"), now=0)  # evicts "old" now
     assert [s.void for s in slots] == [False]
     ix.end_store(slots, 0, True)
     assert ix.lookup(NS_A, [old], False, OWNER, 0)[0] == [0]
@@ -496,7 +645,7 @@ def test_a_restart_drops_reservations_with_the_pool_records(pool_config):
     ix.register_namespace(NS_SMALL, SMALL)
     store(ix, NS_SMALL, keys(2))
     refs = ix.reserve(NS_SMALL, 3, OWNER, 0)
-    ix.begin_store(NS_SMALL, refs[:1], 0, keys(1, b"half"), now=0)   # bound, never landed
+    ix.begin_store(NS_SMALL, refs[:1], 0, keys=keys(1, b"half"), now=0)   # bound, never landed
     pool.close(unlink=False)   # as after kill -9
     pool2 = Pool.open(pool_config)
     try:
@@ -504,6 +653,60 @@ def test_a_restart_drops_reservations_with_the_pool_records(pool_config):
         assert ix2.adopt() == 2 and ix2.reserved_count == 0
         assert ix2.slot_counts()[:2] == (0, 2)
         with pytest.raises(UnknownId):
-            ix2.begin_store(NS_SMALL, refs[1:], 0, keys(2, b"late"), now=0)
+            ix2.begin_store(NS_SMALL, refs[1:], 0, keys=keys(2, b"late"), now=0)
     finally:
         pool2.close(unlink=True)
+
+
+def test_reserved_slots_bind_with_head_range_masks_of_any_tp_size(index):
+    """Reservations meet head-split slots: whichever rank's store comes first binds the slot
+    with its head range; the block commits once every head landed; another engine (another TP
+    size) naming the same keys gets duplicates, freed once all its ranks reported them."""
+    two, four = _heads(2), _heads(4)
+    ns = b"H" * 16
+    index.register_namespace(ns, two)
+    ks = keys(2, b"h")
+    refs = index.reserve(ns, 2, OWNER, now=0)
+    r1 = index.begin_store(ns, refs, 1, two.rank_mask(1), keys=ks, now=0)   # rank 1 first
+    assert not any(s.void for s in r1) and index.reserved_count == 0
+    index.end_store(r1, 1, True, two.rank_mask(1))
+    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [0]               # heads 0-1 missing
+    with pytest.raises(ProtocolError, match="overlapping head ranges"):
+        index.begin_store(ns, refs, 3, four.rank_mask(3), keys=ks, now=0)  # head 3 is in
+    r0 = index.begin_store(ns, refs, 0, two.rank_mask(0), keys=ks, now=0)
+    index.end_store(r0, 0, True, two.rank_mask(0))
+    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [2]
+    dup = index.reserve(ns, 2, OTHER, now=0)
+    for rank in range(4):
+        got = index.begin_store(ns, dup, rank, four.rank_mask(rank), keys=ks, now=0)
+        assert all(s.void for s in got)
+        index.end_store(got, rank, True, four.rank_mask(rank))
+        assert index.slot_counts()[0] == (0 if rank == 3 else 2)
+    assert index.stats.duplicate_blocks == 2
+    hits, _, slots = index.lookup(ns, [ks], False, OWNER, 0)
+    assert hits == [2] and slots[0] == refs
+
+
+def test_an_extent_drained_for_another_size_takes_its_reservations_back(index):
+    """A reserved slot in an extent being drained for another slot size is dropped like a
+    prepared one: the extent is not held for the reservation's TTL, the owner's share comes
+    back, and a later store naming the slot is refused."""
+    n = 0
+    while index.slot_counts()[1] == n:                      # the pool is all BIG, committed
+        index.end_store(index.begin_store(NS_BIG, index.prepare_store(
+            NS_BIG, keys(1, b"b%d" % n), OWNER, 0), 0), 0, True)
+        n += 1
+    reserved = index.reserve(NS_BIG, 1, OTHER, now=0)       # takes the oldest block's slot
+    assert len(reserved) == 1 and index.reserved_count == 1
+    drained = index._resolve(reserved[0]).extent
+    leases = []                                             # every other extent busy
+    for e in index._classes[BIG.slot_bytes].extents:
+        if e != drained:
+            s = next(s for s in index._extent_slots(e) if s.state == 2)
+            leases += index.lookup(NS_BIG, [[s.key[16:]]], True, OWNER, 0)[1]
+    refs = index.prepare_store(NS_SMALL, keys(1, b"s"), OWNER, 1)
+    assert refs[0] >= 0 and index._resolve(refs[0]).extent == drained
+    assert index.reserved_count == 0 and not index._reserved_bytes
+    with pytest.raises((UnknownId, OutOfRange)):
+        index.begin_store(NS_BIG, reserved, 0, keys=keys(1, b"late"), now=1)
+    index.release_leases(leases, OWNER)

@@ -168,3 +168,19 @@ def test_tier_gauges_and_counters_come_from_the_snapshot():
                  'kvpool_tier_verify_failures_total{tier="disk"} 1.0',
                  'kvpool_tier_missed_blocks_total{tier="disk"} 9.0'):
         assert line in text, line
+
+
+def test_remote_tier_next_to_the_disk_tier():
+    from kvpool.shared.protocol import TierInfo
+    m = Metrics()
+    disk = TierInfo("disk", True, "/d", 100, 40, 3, 5, 6, 600, 7, 700, 0, 0, 0, 0, 0, "ok")
+    remote = TierInfo("remote", True, "mooncake://m:50051", 64, 8, 2, 4, 3, 300, 2, 200, 1, 0,
+                      0, 0, 0, "ok", lost_blocks=5, rejected_blocks=6)
+    m.update_from_info(PoolInfo("d", 0.0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, [],
+                                tiers=[disk, remote]))
+    text = m.render().decode()
+    for line in ('kvpool_tier_enabled{tier="remote"} 1.0', 'kvpool_tier_enabled{tier="disk"} 1.0',
+                 'kvpool_tier_lost_blocks_total{tier="remote"} 5.0',
+                 'kvpool_tier_rejected_blocks_total{tier="remote"} 6.0',
+                 'kvpool_tier_hit_blocks_total{tier="remote"} 4.0'):
+        assert line in text, line

@@ -64,3 +64,48 @@ def test_sizes():
     for size, extent in (("4MiB", "4MiB"), ("2MiB", "1MiB"), ("1MiB", "256KiB")):
         with pytest.raises(ConfigError, match="too small"):
             resolve_sizes(DaemonConfig(pool_size=size, extent_size=extent))
+
+
+def test_tp_cross_format1_pool_is_migrated_on_adopt(pool_config, caplog):
+    """A pool written before head-split slots (format 1: rank-sharded layouts only, encoded
+    with five fields) is adopted with its blocks, and marked format 2 so an older daemon no
+    longer adopts it."""
+    import logging
+
+    import msgspec
+    p = Pool.open(pool_config)
+    old = Layout(16, 2, "f16", (4096,), "tp2 before heads")
+    blob = msgspec.msgpack.encode({b"n" * 16: [16, 2, "f16", [4096], "tp2 before heads"]})
+    off = p.geometry.layout_table_offset
+    p.buffer[off:off + len(blob)] = blob
+    p.header[0]["layout_blob_bytes"] = len(blob)
+    p.assign_extent(0, old.slot_bytes)
+    p.commit_records([(0, 1, b"n" * 16 + b"k" * 16, 3)])
+    p.header[0]["format_version"] = 1
+    p.close(unlink=False)
+    with caplog.at_level(logging.WARNING, logger="kvpool.daemon.pool"):
+        q = Pool.open(pool_config)
+    try:
+        assert q.adopted and q.load_layouts() == {b"n" * 16: old}
+        assert int(q.header[0]["format_version"]) == 2
+        assert int(q.records(0)[1]["state"]) == COMMITTED
+        assert "was format 1: migrated in place to format 2" in caplog.text
+    finally:
+        q.close(unlink=False)
+    r = Pool.open(pool_config)             # adopted again as format 2, nothing more to say
+    assert r.adopted
+    r.close(unlink=True)
+
+
+def test_tp_cross_pool_of_an_unknown_format_is_replaced_with_a_clear_log_line(pool_config,
+                                                                               caplog):
+    import logging
+    p = Pool.open(pool_config)
+    p.header[0]["format_version"] = 7       # a newer daemon's pool
+    p.close(unlink=False)
+    with caplog.at_level(logging.WARNING, logger="kvpool.daemon.pool"):
+        q = Pool.open(pool_config)
+    assert not q.adopted and int(q.header[0]["format_version"]) == 2
+    assert "pool format 7, this kvpoold reads formats 1, 2" in caplog.text
+    assert "its cached blocks are dropped" in caplog.text
+    q.close(unlink=True)

@@ -8,7 +8,7 @@ import zmq
 
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared import protocol as p
-from kvpool.shared.errors import ErrorCode, LayoutMismatch, PoolFull, VersionMismatch
+from kvpool.shared.errors import ErrorCode, PoolFull, TooLarge, VersionMismatch
 from tests.kvtest import HostKv
 
 
@@ -120,7 +120,7 @@ def test_oversized_frames_are_refused(daemon_factory):
     raw.hello()
     big = p.LookupRequest(9, b"n" * 16, [[b"k" * 16] * 8000])     # ~140 KiB
     r = raw.call(big)
-    assert (r.req_id, r.code) == (0, ErrorCode.TOO_LARGE) and "65536" in r.message
+    assert (r.req_id, r.code) == (9, ErrorCode.TOO_LARGE) and "65536" in r.message
     assert isinstance(raw.call(p.LookupRequest(10, b"n" * 16, [[b"k" * 16]])), p.LookupReply)
     raw.close()
 
@@ -208,23 +208,6 @@ def test_namespace_quota_over_the_wire(daemon_factory):
         cw.close(); ow.close(); sched.close(); capped.close(); other.close()
 
 
-def test_pd_registrations_must_agree_on_tp_size(daemon):
-    family = b"F" * 16
-    tp1, tp2 = HostKv(tp_size=1), HostKv(tp_size=2)
-    prefill = tp1.register(daemon.client_config())[0]
-    p_reg = prefill.register(tp1.namespace, tp1.layout, 0, tp1.blocks, [tp1.mem.region],
-                             tp1.placement, handoff=family)
-    decode, plain = tp2.register(daemon.client_config())     # not declared as P/D: allowed
-    try:
-        with pytest.raises(LayoutMismatch, match="P/D hand-off across TP sizes"):
-            decode.register(tp2.namespace, tp2.layout, 1, tp2.blocks, [tp2.mem.region],
-                            tp2.placement, handoff=family)
-        # the refusal cost nothing: both clients keep what they had
-        assert prefill.is_registered(p_reg) and decode.is_registered(plain)
-    finally:
-        prefill.close(); decode.close(); tp1.close(); tp2.close()
-
-
 def test_full_pool_with_everything_leased_is_pool_full(daemon_factory):
     d = daemon_factory(pool_size="8MiB")
     kv = HostKv(layers=4, blocks=64, heads=8, head_dim=64)       # 128 KiB slots
@@ -243,3 +226,103 @@ def test_full_pool_with_everything_leased_is_pool_full(daemon_factory):
     sched.release(leases)
     assert sched.prepare_store(kv.namespace, kv.keys(list(range(16))) + [b"x" * 16])[1] >= 0
     worker.close(); sched.close(); kv.close()
+
+
+# ---- regressions found by the soak campaign (bench/soak) ----------------------------------
+
+def test_crafted_shm_names_are_refused_and_the_daemon_serves_on(daemon, committed):
+    """A NUL byte in a host region's name used to crash the daemon (a segfault in the shm
+    library); only engine segments (kvpool-engine-*) are opened on a client's behalf now."""
+    kv, *_ = committed
+    raw = Raw(daemon)
+    raw.hello()
+    for name in ("kvpool-kv-\0", "x\0y", "../../etc/passwd", "..", "", "kvpool-engine-a/../b",
+                 daemon.pool_name, "kvpool-kv-" + "a" * 300):
+        r = raw.call(p.RegisterRequest(2, kv.namespace, kv.layout, 0, kv.blocks,
+                                       [p.HostRegion(name, kv.mem.nbytes)], kv.placement))
+        assert r.code == ErrorCode.PROTOCOL and "refused" in r.message, (name, r)
+    assert isinstance(raw.call(p.Ping(3)), p.Pong)
+    raw.close()
+
+
+def test_strings_that_are_not_utf8_are_protocol_errors(daemon, committed):
+    raw = Raw(daemon)
+    frame = msgspec.msgpack.encode([1, 5, 1, 2, "x"]).replace(b"\xa1x", b"\xa2\xc3\x28")
+    raw.send(frame)
+    r = raw.reply()
+    assert (r.req_id, r.code) == (5, ErrorCode.PROTOCOL), r       # was INTERNAL
+    raw.close()
+
+
+def test_layouts_and_block_ids_past_their_bounds_are_refused(daemon, committed):
+    kv, worker, reg, sched, keys = committed
+    raw = Raw(daemon)
+    raw.hello()
+    huge = msgspec.structs.replace(kv.layout, tp_size=1 << 40)      # a bit per rank: 128 GiB
+    r = raw.call(p.RegisterRequest(2, b"h" * 16, huge, (1 << 40) - 1, kv.blocks,
+                                   [kv.mem.region], kv.placement))
+    assert r.code == ErrorCode.LAYOUT_MISMATCH and "tp_size" in r.message, r
+    r = raw.call(p.RegisterRequest(3, kv.namespace, kv.layout, 0, kv.blocks, [kv.mem.region],
+                                   kv.placement))
+    r = raw.call(p.LoadRequest(4, r.registration_id, 9, [1], [2**63]))
+    assert isinstance(r, p.JobDone) and r.code == ErrorCode.OUT_OF_RANGE, r   # was INTERNAL
+    raw.close()
+
+
+def test_one_request_names_a_bounded_number_of_blocks(daemon, committed):
+    kv, worker, reg, sched, keys = committed
+    from kvpool.daemon.server import MAX_BLOCKS_PER_REQUEST as most
+    with pytest.raises(TooLarge, match="split it"):
+        sched.prepare_store(kv.namespace, [b"%016d" % i for i in range(most + 1)])
+    done = worker.wait([worker.submit_load(reg, [1] * (most + 1), [0] * (most + 1))], 10)[0]
+    assert done.code == ErrorCode.TOO_LARGE
+
+
+def test_registrations_per_client_are_bounded(daemon, committed):
+    kv, *_ = committed
+    from kvpool.daemon.server import MAX_REGISTRATIONS_PER_CLIENT as most
+    raw = Raw(daemon)
+    raw.hello()
+    for i in range(most + 1):
+        r = raw.call(p.RegisterRequest(i + 2, b"%016d" % i, kv.layout, 0, kv.blocks,
+                                       [kv.mem.region], kv.placement))
+        if i < most:
+            assert isinstance(r, p.RegisterReply), r
+    assert r.code == ErrorCode.TOO_LARGE and "registrations" in r.message
+    raw.close()
+
+
+def test_a_job_whose_registration_goes_still_gets_its_answer(daemon):
+    """A worker that unregistered (or re-registered) with a job in flight waited forever: the
+    daemon dropped the job's reply."""
+    kv = HostKv(blocks=64, layers=8, heads=8, head_dim=64)          # 256 KiB blocks
+    worker, reg = kv.register(daemon.client_config())
+    sched = SchedulerClient(daemon.client_config())
+    try:
+        refs = sched.prepare_store(kv.namespace, kv.keys(list(range(16 * 48))))
+        job = worker.submit_store(reg, list(range(48)), refs)
+        worker.unregister(reg)
+        done = worker.wait([job], 10)[0]           # TimeoutError before the fix
+        assert done.ok or done.code == ErrorCode.ABORTED, done
+    finally:
+        worker.close(); sched.close(); kv.close()
+
+
+def test_a_client_that_closes_is_released_at_once(daemon):
+    kv = HostKv()
+    worker, reg = kv.register(daemon.client_config())
+    sched = SchedulerClient(daemon.client_config())
+    watcher = SchedulerClient(daemon.client_config())
+    try:
+        ks = kv.keys(list(range(64)))
+        assert worker.wait([worker.submit_store(reg, [0, 1, 2, 3], sched.prepare_store(
+            kv.namespace, ks))], 10)[0].ok
+        sched.lookup(kv.namespace, [ks], pin=True)
+        assert watcher.info().leases == 1
+        sched.close()
+        worker.close()
+        # Said goodbye: released now, not after the peer timeout (2 s for test daemons).
+        info = watcher.info()
+        assert (info.leases, len(info.clients)) == (0, 1), info
+    finally:
+        watcher.close(); kv.close()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.daemon.metrics import Metrics
+from kvpool.daemon.remote_url import DEFAULT_METADATA_PORT, parse_remote_url
 from kvpool.shared.config import DaemonConfig, build_config, env_layer, parse_size, toml_layer
 from kvpool.shared.protocol import PoolInfo, TierInfo
 
@@ -154,6 +155,10 @@ def test_dockerfile():
     assert f"--gid {GID} kvpool" in daemon and f"USER {GID}:{GID}" in daemon
     assert re.search(r'^ENTRYPOINT \["kvpoold"\]', daemon, re.M)
     assert f"KVPOOL_SOCKET={SOCKET}" in daemon and "KVPOOL_SOCKET_MODE=0660" in daemon
+    # The remote tier: the Mooncake extra (which brings mooncake_master) and its libraries.
+    assert '"/src/kvpool[mooncake]"' in daemon
+    for lib in ("libibverbs1", "librdmacm1", "libnuma1"):
+        assert lib in daemon, f"{lib}: Mooncake's binaries load it even over TCP"
 
 
 # ---- compose ---------------------------------------------------------------------------------
@@ -234,10 +239,70 @@ def test_daemonset_and_its_engine():
         assert vols[mounts(c)["/run/kvpool"]]["hostPath"]["path"] == "/run/kvpool"
     (init,) = spec["initContainers"]
     assert f"chown {GID}:{GID} /run/kvpool" in " ".join(init["command"])
-    assert k8s_bytes(kv["resources"]["limits"]["memory"]) > parse_size(config.pool_size)
+    # The pool (tmpfs, charged to the daemon) and the memory it lends to the Mooncake Store.
+    assert k8s_bytes(kv["resources"]["limits"]["memory"]) > (
+        parse_size(config.pool_size) + parse_size(config.remote_segment_size))
     assert env_of(kv)["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert "nvidia.com/gpu" not in kv["resources"].get("limits", {})
     assert kv["securityContext"]["runAsNonRoot"] is True
+
+
+def _master_flags(args: list[str]) -> dict[str, str]:
+    return dict(a[2:].split("=", 1) for a in args if a.startswith("--"))
+
+
+def test_mooncake_master_deployment_service_and_daemonset_flag():
+    dep, svc = yaml.safe_load_all((DEPLOY / "kubernetes" / "mooncake-master.yaml").read_text())
+    assert dep["kind"] == "Deployment" and svc["kind"] == "Service"
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    pod = dep["spec"]["template"]
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (master,) = pod["spec"]["containers"]
+    assert master["command"] == ["mooncake_master"]
+    flags = _master_flags(master["args"])
+    assert flags["enable_http_metadata_server"] == "true"
+    named = {p["name"]: p["containerPort"] for p in master["ports"]}
+    assert named["rpc"] == int(flags["rpc_port"])
+    assert named["metadata"] == int(flags["http_metadata_server_port"]) == DEFAULT_METADATA_PORT
+    svc_ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert svc_ports["rpc"]["targetPort"] == "rpc" and svc_ports["metadata"]["targetPort"] == "metadata"
+    assert master["securityContext"]["runAsNonRoot"] is True
+
+    ds, _ = yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())
+    (kv,) = ds["spec"]["template"]["spec"]["containers"]
+    url = parse_remote_url(kvpool_config(env_of(kv)).remote_store)
+    name, ns = svc["metadata"]["name"], svc["metadata"]["namespace"]
+    assert url.master_host == f"{name}.{ns}.svc.cluster.local" and ns == ds["metadata"]["namespace"]
+    assert url.rpc_port == svc_ports["rpc"]["port"] and url.protocol == "tcp"
+    assert url.metadata == f"http://{url.master_host}:{svc_ports['metadata']['port']}/metadata"
+
+
+def test_compose_remote_tier_two_hosts_and_a_master():
+    doc = yaml.safe_load((DEPLOY / "compose" / "remote-tier.yml").read_text())
+    services = doc["services"]
+    master = services["mooncake-master"]
+    assert master["entrypoint"] == ["mooncake_master"]
+    flags = _master_flags(master["command"])
+    assert flags["enable_http_metadata_server"] == "true"
+    hosts = [services["kvpoold-a"], services["kvpoold-b"]]
+    run_dirs = set()
+    for kv in hosts:
+        config = kvpool_config(env_of(kv))
+        url = parse_remote_url(config.remote_store)
+        assert url.master_host == "mooncake-master" and url.rpc_port == int(flags["rpc_port"])
+        assert url.metadata == (f"http://mooncake-master:{flags['http_metadata_server_port']}"
+                                f"/metadata")
+        assert kv["depends_on"]["mooncake-master"]["condition"] == "service_healthy"
+        assert kv["ipc"] == "shareable", "each host its own /dev/shm"
+        assert parse_size(kv["shm_size"].upper().replace("GB", "GiB")) > parse_size(config.pool_size)
+        assert parse_size(kv["mem_limit"].upper().replace("G", "GiB")) > (
+            parse_size(config.pool_size) + parse_size(config.remote_segment_size))
+        assert config.cuda == "off" and parse_size(config.remote_segment_size) > 0
+        (run,) = [v for v in kv["volumes"] if v.endswith(":/run/kvpool")]
+        run_dirs.add(run)
+        assert all(p.startswith("127.0.0.1:") for p in kv["ports"])
+    assert len(run_dirs) == 2, "each host its own socket directory"
 
 
 # ---- Grafana ---------------------------------------------------------------------------------

@@ -15,14 +15,64 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 # name -> (lead segments, inner bytes) for a 16-token block of Llama-3.1-8B (8 KV heads,
-# head dim 128, bf16) or DeepSeek-style MLA (576 latent, bf16).
+# head dim 128, bf16) or DeepSeek-style MLA (576 latent, bf16), as one rank of TP=1 holds it.
 LAYOUTS = {
     "per_layer": (64, 16 * 8 * 128 * 2),        # LBNHC-style: 64 x 32 KiB per block
     "block_outer": (1, 64 * 16 * 8 * 128 * 2),  # BLNHC-style: one 2 MiB chunk per block
+    "block_heads": (1, 64 * 8 * 16 * 128 * 2),  # BLHNC-style: one 2 MiB chunk, heads outside tokens
     "per_head": (512, 16 * 128 * 2),            # LHBNC-style: 512 x 4 KiB per block
     "mla": (61, 16 * 576 * 2),                  # 61 layers x 18 KiB per block
 }
+# name -> (KV heads of the model, bytes of one head's cell, whether segments are per head): how
+# the bytes above split into heads for head-split layouts (a rank at TP=t holds kv_heads / t
+# heads: fewer bytes per segment, or fewer segments where each segment is one head).
+HEADS = {
+    "per_layer": (8, 128 * 2, False),           # cell: one token's K (or V) of a head
+    "block_outer": (8, 128 * 2, False),
+    "block_heads": (8, 16 * 128 * 2, False),    # cell: all 16 tokens of a head
+    "per_head": (8, 16 * 128 * 2, True),
+    "mla": (1, 16 * 576 * 2, False),            # one latent, the same on every rank
+}
+
+
+def local_shape(layout: str, tp_size: int) -> tuple[int, int]:
+    """(lead segments, inner bytes) of one rank's part at ``tp_size`` (replicated heads: one)."""
+    lead, inner = LAYOUTS[layout]
+    heads, _, per_head = HEADS[layout]
+    local = max(1, heads // tp_size)
+    return (lead * local // heads, inner) if per_head else (lead, inner * local // heads)
+
+
+def head_range(layout: str, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """The KV heads rank ``tp_rank`` of ``tp_size`` holds (vLLM's split)."""
+    heads = HEADS[layout][0]
+    if tp_size > heads:
+        h = tp_rank * heads // tp_size
+        return h, h + 1
+    n = heads // tp_size
+    return tp_rank * n, (tp_rank + 1) * n
+
+
+def rank_part(layout: str, full: np.ndarray, tp_size: int, tp_rank: int) -> np.ndarray:
+    """Rank ``tp_rank``'s shard bytes of blocks whose TP=1 shard bytes are ``full``
+    ([blocks, shard]): a block is rows of one cell per head, so the rank's part is its head
+    range of every row."""
+    heads, cell, _ = HEADS[layout]
+    h0, h1 = head_range(layout, tp_size, tp_rank)
+    rows = full.reshape(len(full), -1, heads, cell)
+    return np.ascontiguousarray(rows[:, :, h0:h1, :]).reshape(len(full), -1)
+
+
+def join_parts(layout: str, parts: list[np.ndarray]) -> np.ndarray:
+    """The TP=1 shard bytes of blocks from every rank's ``rank_part`` (rank order, TP =
+    ``len(parts)`` <= heads)."""
+    heads, cell, _ = HEADS[layout]
+    n = len(parts[0])
+    return np.concatenate([p.reshape(n, -1, heads // len(parts), cell) for p in parts],
+                          axis=2).reshape(n, -1)
 
 
 def gpu_count() -> int:
@@ -49,20 +99,43 @@ def placement_for(lead: int, inner: int, num_blocks: int) -> tuple[list, tuple]:
     return placement, (inner,) * lead
 
 
-def _serve(conn: Any, device: int, layout: str, num_blocks: int) -> None:
+def head_layout(layout: str, seg_bytes: tuple, tp_size: int, dtype: str = "uint8") -> Any:
+    """The head-split ``Layout`` of one rank of ``layout`` at ``tp_size`` (shared by every TP
+    size of it)."""
+    from kvpool.shared.layout import Layout
+    heads, cell, _ = HEADS[layout]
+    return Layout(block_tokens=16, tp_size=tp_size, dtype=dtype, segment_bytes=tuple(seg_bytes),
+                  description=f"gpu-test {layout}", kv_heads=heads,
+                  head_bytes=cell if heads > 1 else sum(seg_bytes))
+
+
+def _serve(conn: Any, device: int, layout: str, num_blocks: int, tp_size: int = 1) -> None:
     import torch
 
-    from kvpool.client.cuda_export import LoadEvents, StoreEvents, export_regions
-    torch.cuda.set_device(device)
-    lead, inner = LAYOUTS[layout]
-    kv = torch.empty(lead * num_blocks * inner, dtype=torch.uint8, device=f"cuda:{device}")
+    layout_name = layout
+    lead, inner = local_shape(layout, tp_size)
+    if device < 0:
+        # Host shared memory instead of a GPU: dry runs of the tests' and benchmark's flows on
+        # a machine without CUDA (bench/pd_handoff.py --dry-run-cpu); same commands.
+        from kvpool.client.host_memory import SharedHostMemory
+        mem = SharedHostMemory(lead * num_blocks * inner)
+        kv = mem.tensor.view(torch.uint8)[:lead * num_blocks * inner]
+        regions = [mem.region]
+        store_events = load_events = _NoEvents()
+        gen = torch.Generator()
+        sync = _no_sync
+    else:
+        from kvpool.client.cuda_export import LoadEvents, StoreEvents, export_regions
+        torch.cuda.set_device(device)
+        kv = torch.empty(lead * num_blocks * inner, dtype=torch.uint8, device=f"cuda:{device}")
+        regions, _ = export_regions([kv])
+        store_events = StoreEvents()
+        load_events = LoadEvents(torch.device(f"cuda:{device}"))
+        gen = torch.Generator(device=f"cuda:{device}")
+        sync = torch.cuda.synchronize
     view = kv.view(lead, num_blocks, inner)
-    regions, _ = export_regions([kv])
     placement, seg_bytes = placement_for(lead, inner, num_blocks)
-    store_events = StoreEvents()
-    load_events = LoadEvents(torch.device(f"cuda:{device}"))
     conn.send(Exported(regions, placement, seg_bytes, num_blocks, os.getpid()))
-    gen = torch.Generator(device=f"cuda:{device}")
     client: Any = None
     bench: Any = None
     reg_id = 0
@@ -75,11 +148,11 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int) -> None:
             gen.manual_seed(args[0])
             w = kv.view(torch.int64)
             w.random_(generator=gen)
-            torch.cuda.synchronize()
+            sync()
             conn.send(None)
         elif cmd == "poison":
             kv.fill_(args[0])
-            torch.cuda.synchronize()
+            sync()
             conn.send(None)
         elif cmd == "blocks":        # the shard bytes of these blocks, segment order
             idx = torch.as_tensor(args[0], device=kv.device)
@@ -91,7 +164,7 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int) -> None:
             conn.send(store_events.record())
         elif cmd == "wait_load":
             load_events.wait(args[0])
-            torch.cuda.current_stream().synchronize()
+            sync()
             conn.send(None)
         elif cmd == "gemm":          # (iterations) -> seconds for the loop, bf16 8192^3
             n = 8192
@@ -99,22 +172,26 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int) -> None:
             b = torch.randn(n, n, device=kv.device, dtype=torch.bfloat16)
             for _ in range(3):
                 a @ b
-            torch.cuda.synchronize()
+            sync()
             conn.send("ready")
             conn.recv()
             t0 = time.perf_counter()
             for _ in range(args[0]):
                 a @ b
-            torch.cuda.synchronize()
+            sync()
             conn.send(time.perf_counter() - t0)
-        elif cmd == "connect":       # (socket, namespace, tp_rank, tp_size) -> registration id
+        elif cmd == "connect":       # (socket, namespace, tp_rank, tp_size[, heads]) -> reg id
             from kvpool.client.worker import WorkerClient
             from kvpool.shared.config import ClientConfig
             from kvpool.shared.layout import Layout
-            sock, namespace, tp_rank, tp_size = args
-            client = WorkerClient(ClientConfig(socket=sock, timeout_ms=10000), name="gpu-test")
-            layout = Layout(block_tokens=16, tp_size=tp_size, dtype="uint8",
-                            segment_bytes=tuple(seg_bytes))
+            sock, namespace, tp_rank, tp_size, *heads = args
+            client = WorkerClient(ClientConfig(socket=sock, timeout_ms=10000),
+                                  name=f"gpu-test tp{tp_rank}/{tp_size}")
+            if heads and heads[0]:     # head-split: shared with every TP size of this layout
+                layout = head_layout(layout_name, seg_bytes, tp_size)
+            else:
+                layout = Layout(block_tokens=16, tp_size=tp_size, dtype="uint8",
+                                segment_bytes=tuple(seg_bytes))
             reg_id = client.register(namespace, layout, tp_rank, num_blocks, regions, placement)
             from kvpool.client.scheduler import SchedulerClient
             sched = SchedulerClient(ClientConfig(socket=sock, timeout_ms=10000), name="gpu-test")
@@ -167,12 +244,26 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int) -> None:
                     break
                 load_events.wait(d.done_event)
             else:
-                torch.cuda.current_stream().synchronize()
+                sync()
                 conn.send(time.monotonic_ns())
         elif cmd == "mem_free":
             conn.send(torch.cuda.mem_get_info()[0])
         else:
             conn.send(RuntimeError(f"unknown command {cmd}"))
+
+
+class _NoEvents:
+    """Store and load events of host memory: nothing to order (see TransferEvents)."""
+
+    def record(self) -> bytes:
+        return b""
+
+    def wait(self, handle: bytes) -> None:
+        return None
+
+
+def _no_sync() -> None:
+    return None
 
 
 def _some(client: Any, want: set[int]) -> list:
@@ -378,10 +469,12 @@ class _DaemonBench:
 class Worker:
     """Parent-side handle: ``Worker(device, layout, num_blocks)`` starts the process."""
 
-    def __init__(self, device: int, layout: str, num_blocks: int) -> None:
+    def __init__(self, device: int, layout: str, num_blocks: int, tp_size: int = 1) -> None:
         ctx = mp.get_context("spawn")
+        self.layout = layout
+        self.tp_size = tp_size
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, device, layout, num_blocks),
+        self.proc = ctx.Process(target=_serve, args=(child, device, layout, num_blocks, tp_size),
                                 daemon=True)
         self.proc.start()
         if not self.conn.poll(120):
@@ -398,12 +491,15 @@ class Worker:
         return out
 
     def register_request(self, namespace: bytes = b"ns", tp_rank: int = 0, tp_size: int = 1,
-                         dtype: str = "uint8") -> Any:
+                         dtype: str = "uint8", heads: bool = False) -> Any:
         from kvpool.shared.layout import Layout
         from kvpool.shared.protocol import RegisterRequest
         e = self.export
-        layout = Layout(block_tokens=16, tp_size=tp_size, dtype=dtype,
-                        segment_bytes=tuple(e.segment_bytes))
+        if heads:
+            layout = head_layout(self.layout, e.segment_bytes, tp_size, dtype)
+        else:
+            layout = Layout(block_tokens=16, tp_size=tp_size, dtype=dtype,
+                            segment_bytes=tuple(e.segment_bytes))
         return RegisterRequest(req_id=1, namespace=namespace, layout=layout, tp_rank=tp_rank,
                                num_blocks=e.num_blocks, regions=list(e.regions),
                                placement=list(e.placement))

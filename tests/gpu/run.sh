@@ -2,9 +2,10 @@
 # Runs the GPU tests and the GPU benchmark on a CUDA machine that has no kvpool install:
 # installs the carried wheels into /tmp/site, builds an import tree for kvpool from this
 # checkout, then writes logs and results under $OUT (default ./gpu-out).
-#   tests/gpu/run.sh [env|tests|bench|all|pd|pd+bench|tests+pd] [extra bench args...]
+#   tests/gpu/run.sh [env|tests|bench|all|pd|pd+bench|tests+pd|tp] [extra bench args...]
 # (pd: the two-GPU tests and bench/pd_handoff.py; pd+bench also runs bench/gpu_transfer.py;
-#  tests+pd: every GPU test, then bench/pd_handoff.py; PD_ARGS: extra pd_handoff.py args)
+#  tests+pd: every GPU test, then bench/pd_handoff.py; PD_ARGS: extra pd_handoff.py args;
+#  tp: the cross-TP GPU tests, then bench/pd_handoff.py --mode cross)
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -22,7 +23,7 @@ export PYTHONPATH=/tmp/pp:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 shm_kb=$(df -k --output=size /dev/shm | tail -1)
 if [ "$shm_kb" -lt $((32 * 1024 * 1024)) ]; then mount -o remount,size=48G /dev/shm 2>/dev/null || true; fi
 
-if [ "$what" = env ] || [ "$what" = all ] || [ "$what" = pd ] || [ "$what" = pd+bench ] || [ "$what" = tests+pd ]; then
+if [ "$what" = env ] || [ "$what" = all ] || [ "$what" = pd ] || [ "$what" = pd+bench ] || [ "$what" = tests+pd ] || [ "$what" = tp ]; then
   { nvidia-smi --query-gpu=name,uuid,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
     nvidia-smi topo -m 2>/dev/null | head -5
     df -h /dev/shm; ulimit -l; nproc; free -g | head -2
@@ -46,6 +47,12 @@ if [ "$what" = pd ] || [ "$what" = pd+bench ]; then
 fi
 if [ "$what" = pd ] || [ "$what" = pd+bench ] || [ "$what" = tests+pd ]; then
   timeout ${PD_TIMEOUT:-240} python3 "$REPO/bench/pd_handoff.py" --out "$OUT" ${PD_ARGS:-} 2>&1 | tee "$OUT/pd.log" || rc=1
+fi
+if [ "$what" = tp ]; then
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
+    -c "$REPO/pyproject.toml" --rootdir "$REPO" "$REPO/tests/daemon/test_cuda_tables.py" "$REPO/tests/gpu" \
+    -k "tp_cross or tp2 or pitched or round_trip" 2>&1 | tee "$OUT/tests-tp.log" || rc=1
+  timeout ${PD_TIMEOUT:-480} python3 "$REPO/bench/pd_handoff.py" --mode cross --out "$OUT" ${PD_ARGS:-} 2>&1 | tee "$OUT/pd-tp.log" || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = pd+bench ]; then
   timeout ${BENCH_TIMEOUT:-480} python3 "$REPO/bench/gpu_transfer.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" || rc=1

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.gpu.gpu_worker import LAYOUTS, ShmPool, Worker, gpu_count
+from tests.gpu.gpu_worker import HEADS, LAYOUTS, ShmPool, Worker, gpu_count, head_range
 
 GPUS = gpu_count()
 
@@ -37,9 +37,9 @@ def engine(pool):
     eng.close()
 
 
-def _shard_offsets(reg, slots, rank=0):
-    stride = reg.layout.slot_bytes
-    return np.asarray(slots, dtype=np.int64) * stride + rank * reg.layout.shard_stride_bytes
+def _shard_offsets(reg, slots):
+    """Pool offsets of ``slots`` (the engine finds a rank's part inside each slot itself)."""
+    return np.asarray(slots, dtype=np.int64) * reg.layout.slot_bytes
 
 
 def _pool_shards(pool, reg, offsets):
@@ -48,11 +48,33 @@ def _pool_shards(pool, reg, offsets):
     return np.stack([a[o:o + n] for o in offsets])
 
 
+def _load_back(engine, m, w, offs, dst, want, what: str) -> None:
+    """Load ``offs`` into blocks ``dst`` of a poisoned worker: exactly ``want`` lands there, and
+    nothing outside the loaded blocks is written."""
+    w.call("poison", POISON)
+    r = engine.submit_load(m, offs, dst).result(60)
+    assert len(r.done_event) == 64
+    w.call("wait_load", r.done_event)
+    assert np.array_equal(w.call("blocks", dst.tolist()), want), \
+        f"{what}: GPU blocks differ after load"
+    untouched = np.setdiff1d(np.arange(NUM_BLOCKS), dst)
+    assert (w.call("blocks", untouched.tolist()) == POISON).all()
+
+
 def test_pitched_copies_pass_their_check(engine):
     from kvpool.daemon import cuda
     if not cuda.has_memcpy_2d_batch():
         pytest.skip("driver has no cuMemcpy3DBatchAsync")
     assert engine.pitched_checked is True, cuda.check_memcpy_2d_batch(0)
+
+
+def test_tp_cross_3d_copies_pass_their_check(engine):
+    """A rank's head range of a per-layer cache is one 3D copy per block when the driver moves
+    3D batches right (else each is cut into 2D copies: right, but more driver work)."""
+    from kvpool.daemon import cuda
+    if not cuda.has_memcpy_2d_batch():
+        pytest.skip("driver has no cuMemcpy3DBatchAsync")
+    assert cuda.check_memcpy_3d_batch(0) == "" and engine.pitched_3d is True
 
 
 @pytest.mark.parametrize("backend", ["dma", "dma2d", "kernel"])
@@ -82,15 +104,7 @@ def test_round_trip_bit_exact(engine, pool, layout, backend):
         assert r.nbytes == len(src) * reg.layout.shard_bytes
         got = _pool_shards(pool, reg, offs)
         assert np.array_equal(got, want), f"{layout}/{backend}: pool differs after store"
-        w.call("poison", POISON)
-        r = engine.submit_load(m, offs, dst).result(60)
-        assert len(r.done_event) == 64
-        w.call("wait_load", r.done_event)
-        assert np.array_equal(w.call("blocks", dst.tolist()), want), \
-            f"{layout}/{backend}: GPU blocks differ after load"
-        # nothing outside the loaded blocks was written
-        untouched = np.setdiff1d(np.arange(NUM_BLOCKS), dst)
-        assert (w.call("blocks", untouched.tolist()) == POISON).all()
+        _load_back(engine, m, w, offs, dst, want, f"{layout}/{backend}")
         engine.detach(m, wait_s=10)
         assert m.released.is_set()
     finally:
@@ -172,13 +186,13 @@ def test_tp2_two_gpus_one_slot(engine, pool):
         for r, w in enumerate(ws):
             w.call("fill", 100 + r)
             wants.append(w.call("blocks", list(range(8))))
-        futs = [engine.submit_store(ms[r], np.arange(8), _shard_offsets(regs[r], range(8), r),
+        futs = [engine.submit_store(ms[r], np.arange(8), _shard_offsets(regs[r], range(8)),
                                     ws[r].call("event")) for r in range(2)]
         for f in futs:
             f.result(60)
         for r, w in enumerate(ws):
             w.call("poison", POISON)
-            res = engine.submit_load(ms[r], _shard_offsets(regs[r], range(8), r),
+            res = engine.submit_load(ms[r], _shard_offsets(regs[r], range(8)),
                                      np.arange(8, 16)).result(60)
             w.call("wait_load", res.done_event)
             assert np.array_equal(w.call("blocks", list(range(8, 16))), wants[r])
@@ -187,3 +201,55 @@ def test_tp2_two_gpus_one_slot(engine, pool):
     finally:
         for w in ws:
             w.close()
+
+
+@pytest.mark.parametrize("backend", ["dma", "dma2d", "dma3d", "kernel"])
+@pytest.mark.parametrize("layout", sorted(HEADS))
+def test_tp_cross_rank_part_round_trip(engine, pool, layout, backend):
+    """Rank 1 of TP=2 (heads 4-7 of 8; MLA: the whole latent) on one GPU, head-split layout:
+    a store writes exactly its head range of every row of slots that hold every head, and
+    nothing else of them; a load brings exactly that back. ``dma2d`` cuts 3D copies into 2D
+    ones, ``dma3d`` uses them (where the driver passed the check)."""
+    from kvpool.daemon import cuda
+    if backend.startswith("dma") and backend != "dma" and not cuda.has_memcpy_2d_batch():
+        pytest.skip("driver has no cuMemcpy3DBatchAsync")
+    w = Worker(0, layout, NUM_BLOCKS, tp_size=2)
+    saved = (engine.pitched, engine.pitched_3d)
+    try:
+        reg = w.register_request(tp_rank=1, tp_size=2, heads=True)
+        engine.backend = "kernel" if backend == "kernel" else "dma"
+        engine.pitched = backend in ("dma2d", "dma3d")
+        engine.pitched_3d = backend == "dma3d"
+        if backend == "dma3d" and not cuda.check_memcpy_3d_batch(0) == "":
+            pytest.skip(f"3D copies unusable here: {cuda.check_memcpy_3d_batch(0)}")
+        m = engine.attach(reg)
+        lay = reg.layout
+        heads, cell, _ = HEADS[layout]
+        rng = np.random.default_rng(hash((layout, backend, "tp")) & 0xFFFF)
+        src = rng.choice(NUM_BLOCKS, 24, replace=False)
+        dst = rng.choice(NUM_BLOCKS, 24, replace=False)
+        slots = rng.choice(min(120, pool.nbytes // lay.slot_bytes), 24, replace=False)
+        offs = _shard_offsets(reg, slots)
+        background = POISON ^ 0xFF
+        pool.array()[:] = background
+        w.call("fill", int(rng.integers(1 << 30)))
+        want = w.call("blocks", src.tolist())               # [blocks, rank's shard]
+        r = engine.submit_store(m, src, offs, w.call("event")).result(60)
+        assert r.nbytes == len(src) * lay.shard_bytes
+        a = pool.array()
+        h0, h1 = head_range(layout, 2, 1)
+        cell = cell if heads > 1 else lay.shard_bytes
+        for i, o in enumerate(offs):
+            rows = a[o:o + lay.slot_bytes][:lay.rows * heads * cell].reshape(lay.rows, heads, cell)
+            mine = rows[:, h0:h1, :]
+            assert np.array_equal(mine.reshape(-1), want[i]), \
+                f"{layout}/{backend}: slot {slots[i]} does not hold the rank's heads"
+            others = np.delete(rows, np.s_[h0:h1], axis=1)
+            assert (others == background).all(), f"{layout}/{backend}: other heads written"
+            assert (a[o + lay.rows * heads * cell:o + lay.slot_bytes] == background).all()
+        _load_back(engine, m, w, offs, dst, want, f"{layout}/{backend}")
+        engine.detach(m, wait_s=10)
+    finally:
+        engine.backend = "auto"
+        engine.pitched, engine.pitched_3d = saved
+        w.close()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from kvpool.client.scheduler import SchedulerClient
@@ -74,8 +75,12 @@ def test_eviction_under_pressure_never_takes_a_leased_block(daemon_factory):
     worker.close(); sched.close(); kv.close()
 
 
-def test_sigkilled_engine_is_released_within_a_second(daemon_factory):
-    daemon = daemon_factory(extra=["--peer-timeout-ms", "500"])
+@pytest.mark.parametrize("peer_timeout_ms", [500, 60_000])
+def test_sigkilled_engine_is_released_within_a_second(daemon_factory, peer_timeout_ms):
+    """The daemon watches each client's process (a pidfd from its SO_PEERCRED pid): one that
+    exits is released at once, whatever the peer timeout (which can then be long enough to
+    ride out stalls)."""
+    daemon = daemon_factory(extra=["--peer-timeout-ms", str(peer_timeout_ms)])
     assert result(engine(daemon, "store", blocks=8, heads=16))["prepared"] == 8
     holder = engine(daemon, "hold", blocks=48, first_token=50_000, heads=16)
     try:

@@ -39,3 +39,35 @@ def test_placement_must_fit_its_regions():
         check_placement(LAYOUT, [SegmentPlacement(0, -8, 1024)] * 2, [1 << 20], 10)
     with pytest.raises(OutOfRange, match="num_blocks"):
         check_placement(LAYOUT, ok, [1 << 20], 0)
+
+
+def test_tp_cross_head_split_layout_is_one_slot_for_every_tp_size():
+    def rank(tp):   # 8 KV heads, cells of 256 bytes, 32 rows (tokens x layers) per block
+        local = max(1, 8 // tp)
+        return Layout(16, tp, "bfloat16", (16 * local * 256,) * 2, "llama", 8, 256)
+
+    layouts = [rank(tp) for tp in (1, 2, 4, 8, 16)]
+    for lay in layouts:
+        lay.check()
+    assert len({lay.canonical() for lay in layouts}) == 1
+    assert len({lay.fingerprint() for lay in layouts}) == 1
+    assert {lay.slot_bytes for lay in layouts} == {32 * 8 * 256}
+    assert [rank(4).head_range(r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [rank(16).head_range(r) for r in range(3)] == [(0, 1), (0, 1), (1, 2)]
+    assert [rank(16).rank_mask(r) for r in range(3)] == [1, 0, 2]
+    assert rank(2).rank_mask(1) == 0xF0 and rank(2).full_mask == 0xFF
+    # a rank-sharded layout keeps TP in its fingerprint and a bit per rank
+    assert LAYOUT.canonical() is LAYOUT and LAYOUT.full_mask == 0b11 and LAYOUT.rank_mask(1) == 2
+
+
+@pytest.mark.parametrize("bad,why", [
+    (Layout(16, 3, "f", (4096,), "", 8, 256), "8 KV heads cannot be split over tp_size=3"),
+    (Layout(16, 16, "f", (4096,), "", 6, 256), "6 KV heads cannot be split"),
+    (Layout(16, 2, "f", (4000,), "", 8, 256), "not whole rows"),
+    (Layout(16, 2, "f", (4096,), "", 8, 0), "needs head_bytes > 0"),
+    (Layout(16, 2, "f", (4096,), "", 1 << 13, 1), "kv_heads must be in"),
+    (Layout(16, 2, "f", (1 << 30,), "", 8, 16), "rows of heads is more than"),
+])
+def test_tp_cross_bad_head_split_layouts_are_refused(bad, why):
+    with pytest.raises(LayoutMismatch, match=why):
+        bad.check()

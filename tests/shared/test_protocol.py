@@ -22,8 +22,9 @@ REQUESTS = [
     p.LoadRequest(11, 1, 3, [5, 6], [7, 8]),
     p.InfoRequest(12),
     p.ResetRequest(13, NS),
-    p.ReserveRequest(14, NS, 256),
-    p.StoreRequest(15, 1, 2, [0, 1], [5, 6], b"", [KEY, KEY], "d"),
+    p.ByeRequest(14),
+    p.ReserveRequest(15, NS, 256),
+    p.StoreRequest(16, 1, 2, [0, 1], [5, 6], b"", [KEY, KEY], "d"),
 ]
 REPLIES = [
     p.HelloReply(1, p.PROTOCOL_VERSION, "d", 3, 1 << 30, 100, 1 << 20),
@@ -65,7 +66,9 @@ GOLDEN = [
     (p.StoreRequest(10, 1, 2, [0], [5], b""), "990a0a010291009105c40090a0"),
     (p.StoreRequest(10, 1, 2, [0], [5], b"", [KEY], "d"),
      "990a0a010291009105c40091c4106b6b6b6b6b6b6b6b6b6b6b6b6b6b6b6ba164"),
-    (p.ReserveRequest(14, NS, 256), "940e0ec4106e6e6e6e6e6e6e6e6e6e6e6e6e6e6e6ecd0100"),
+    (p.ByeRequest(14), "920e0e"),
+    # ReserveRequest is tag 15: it was 14 on its branch, which ByeRequest took first.
+    (p.ReserveRequest(14, NS, 256), "940f0ec4106e6e6e6e6e6e6e6e6e6e6e6e6e6e6e6ecd0100"),
     (p.ReserveReply(14, [p.make_slot_ref(3, 9)], 10_000, "d"),
      "954a0e91cf0000000900000003cd2710a164"),
     (p.JobDone(10, 2, 6, "full", 0, b""), "97470a0206a466756c6c00c400"),
@@ -107,3 +110,19 @@ def test_garbage_is_a_decode_error_and_req_id_is_recovered_when_possible():
 def test_slot_ref_packs_index_and_generation():
     ref = p.make_slot_ref(123456, 789)
     assert (p.slot_ref_index(ref), p.slot_ref_generation(ref)) == (123456, 789)
+
+
+@pytest.mark.parametrize("msg", [
+    p.PrepareStoreRequest(7, NS, [KEY, b"k" * 15]),      # a short key would shift its record
+    p.PrepareStoreRequest(7, NS, [b"k" * 17]),
+    p.LookupRequest(6, b"n" * 17, [[KEY]]),
+    p.ResetRequest(13, b""),
+    p.RegisterRequest(4, b"n" * 8, LAYOUT, 0, 1, [p.HostRegion("shm", 4096)], []),
+    p.Hello(1, 1, p.Role.WORKER, "w" * 257),               # names are bounded
+    p.ReserveRequest(15, b"n" * 15, 4),
+    p.StoreRequest(10, 1, 2, [0], [5], b"", [b"k" * 15], "d"),   # a reserved slot's key too
+    p.StoreRequest(10, 1, 2, [0], [5], b"", [KEY], "d" * 257),
+], ids=lambda m: type(m).__name__)
+def test_keys_namespaces_and_names_are_checked_when_decoded(msg):
+    with pytest.raises(msgspec.ValidationError):
+        p.decode_request(p.encode(msg))
