@@ -1,11 +1,18 @@
 """Control-plane and host-path benchmark: ratios measured side by side in one run.
 
-    python bench/control_plane.py [--blocks 1024] [--out bench/results/...json]
+    python bench/control_plane.py [--blocks 1024] [--out DIR]
 
 Starts a real kvpoold (host path only) on a temporary socket and prints:
+- the connector's scheduler-side methods (``get_num_new_matched_tokens``,
+  ``update_state_after_alloc``, ``build_connector_meta``, ``update_connector_output``,
+  ``request_finished``) timed with ``KVPOOL_CONNECTOR_TIMING`` while vLLM 0.33's real
+  ``Scheduler`` and ``AsyncScheduler`` drive 256 running requests through them (the test
+  harness's fake workers, against the same daemon): per method p50/p99/max, and
+  ``connector_method_p99_us``, the worst p99 (target: <= 200 us on a 2-core CPU);
 - the empty-request round trip (Ping) p50/p99: the floor every request pays;
 - lookup of 256 committed keys p50/p99 with 1 client and with 8 concurrent client processes,
-  as multiples of the floor (targets: <= 1.5x with one client, <= 3x with eight);
+  as multiples of the floor (targets: <= 1.5x with one client, <= 3x with eight; 8 clients
+  p99 <= 1000 us);
 - prepare_store of 256 keys p50/p99;
 - host-path store and load of ``--blocks`` Llama-3.1-8B blocks (32 layers x K/V x 16 tokens x
   8 heads x 128 x bf16 = 2 MiB each, per-layer layout), request to completion, next to a plain
@@ -27,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +57,8 @@ def pct(xs: list[float], q: float) -> float:
 def start_daemon(sock: str, pool_name: str, pool_size: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "kvpool.daemon", "--socket", sock,
                              "--pool-name", pool_name, "--pool-size", pool_size, "--cuda", "off",
-                             "--log-level", "warning"])
+                             "--log-level", "warning", "--metrics-port", "0",
+                             "--peer-timeout-ms", "5000"])
     deadline = time.monotonic() + 60
     while not os.path.exists(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -91,11 +100,68 @@ def lookup_worker(sock: str, ns: bytes, keys: list[bytes], n: int, start, q) -> 
     client.close()
 
 
+CONNECTOR_REQUESTS = 256
+
+
+def connector_methods(sock: str, tmp: str, async_scheduling: bool,
+                      n: int = CONNECTOR_REQUESTS, decode: int = 256
+                      ) -> dict[str, Any]:
+    """Per connector method: calls and p50/p99/max us, with ``n`` requests running at once.
+
+    Phase 1 stores ``n`` prompts of 512 tokens, then empties vLLM's GPU prefix cache. Phase 2,
+    timed: ``n`` requests whose first 384 tokens are those prompts' (pool hits: lookups,
+    asynchronous loads) and 120 to 135 new ones (so that their blocks fill on different decode
+    steps, as in a server where requests come and go), each decoding ``decode`` tokens: stores
+    of every block that fills, during prefill and decode.
+    """
+    import gc
+    from pathlib import Path
+
+    os.environ["KVPOOL_CONNECTOR_TIMING"] = os.path.join(tmp, "timing")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.client.vllm_harness import Engine
+
+    e = Engine(Path(tmp), sock, async_scheduling=async_scheduling, num_blocks=16384,
+               max_num_seqs=n, max_num_batched_tokens=8192, write_kv=False, kv_events=False,
+               engine_id=f"bench-{'async' if async_scheduling else 'sync'}",
+               extra={"timeout_ms": 10_000})
+    try:
+        base = 100_000 if async_scheduling else 0
+        for i in range(n):
+            e.add(f"seed{i}", list(range(base + 1000 * i, base + 1000 * i + 512)), max_tokens=1)
+        e.run(timeout_s=600)
+        assert e.sched.reset_prefix_cache()
+        timer = e.connector._timer
+        assert timer is not None
+        for bucket in [*timer.samples.values(), *timer.cpu_samples.values()]:
+            bucket.clear()
+        gc.collect()
+        gc.freeze()      # as vLLM's engine core does after start-up
+        steps_before = e.stats.steps
+        for i in range(n):
+            start = base + 1000 * i
+            e.add(f"r{i}", list(range(start, start + 384)) +
+                  list(range(start + 600, start + 720 + i % 16)), max_tokens=decode)
+        e.run(timeout_s=600)
+        assert len(e.stats.loaded_reqs) >= n // 2, f"only {len(e.stats.loaded_reqs)} loads"
+        out = {k: v for k, v in timer.summary().items() if v["calls"]}
+        out["_steps"] = e.stats.steps - steps_before     # scheduler steps timed
+        return out
+    finally:
+        gc.unfreeze()
+        e.close()
+        if e.connector._timer is not None:
+            import atexit
+            atexit.unregister(e.connector._timer.dump)   # its directory goes with the run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=2000)
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default="", help="directory for the JSON (default bench/results)")
+    ap.add_argument("--skip-connector", action="store_true",
+                    help="leave out the connector methods (no vLLM needed)")
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="kvpool-bench-")
@@ -145,6 +211,46 @@ def main() -> None:
         })
         # prepare_store above includes an abort round trip; report the pair honestly.
         results["prepare_store256_note"] = "each sample is prepare_store(256) + abort_store(256)"
+        # The scheduler's own path instead: slots from a local stock, no round trip. Timed:
+        # take_slots(256) with the stock full enough (the refills, in the background, not).
+        sched.keep_stock(ns)
+        sched.abort_nowait(sched.take_slots(ns, LOOKUP_KEYS)[0])   # sets the stock's target
+        take = []
+        for _ in range(max(200, args.iters // 5)):
+            deadline = time.monotonic() + 10
+            while sched.stock(ns) < LOOKUP_KEYS:
+                assert time.monotonic() < deadline, "the stock did not refill"
+                sched.poll()
+                sched.take_slots(ns, 0)      # asks for more when below half the target
+                time.sleep(0.0002)
+            t0 = time.perf_counter()
+            got = sched.take_slots(ns, LOOKUP_KEYS)[0]
+            take.append((time.perf_counter() - t0) * 1e6)
+            assert len(got) == LOOKUP_KEYS
+            sched.abort_nowait(got)
+        results.update({"take_slots256_p50_us": pct(take, 50),
+                        "take_slots256_p99_us": pct(take, 99)})
+
+        # ---- connector methods under vLLM's scheduler -------------------------------------
+        if not args.skip_connector:
+            per: dict[str, dict] = {}
+            for is_async in (False, True):
+                name = "AsyncScheduler" if is_async else "Scheduler"
+                per[name] = connector_methods(sock, tmp, is_async)
+            def worst(field: str) -> tuple[float, str]:
+                return max((m[field], f"{sched_name}.{meth}")
+                           for sched_name, ms in per.items() for meth, m in ms.items()
+                           if not meth.startswith("_"))
+            results.update({"connector_requests": CONNECTOR_REQUESTS,
+                            "connector_method_p99_us": worst("p99_us")[0],
+                            "connector_method_p99_worst": worst("p99_us")[1],
+                            "connector_method_cpu_p99_us": worst("cpu_p99_us")[0],
+                            "connector_method_cpu_p99_worst": worst("cpu_p99_us")[1],
+                            "connector_methods": per,
+                            "connector_note": "wall time per call (the figure of record) and "
+                            "the scheduler thread's CPU time per call; the difference is time "
+                            "the thread did not run (other processes on a shared host)",
+                            "load_average": os.getloadavg()})
 
         # ---- host data path --------------------------------------------------------------
         mem, kv, layout, ns2, w2, reg2 = kv_setup(cfg, args.blocks, 32, 8, 128, 16, "bench-llama")
@@ -230,14 +336,28 @@ def main() -> None:
           f" (target <= 3x)")
     print(f"  prepare_store 256 (+abort) p50 {r['prepare_store256_p50_us']:5.0f} us  p99 "
           f"{r['prepare_store256_p99_us']:7.0f} us")
+    print(f"  take_slots 256 (stock)   p50 {r['take_slots256_p50_us']:7.0f} us  p99 "
+          f"{r['take_slots256_p99_us']:7.0f} us")
     print(f"  host path, {r['host_blocks']} x {r['host_block_bytes'] >> 20} MiB blocks:")
     print(f"    memcpy (limit)  {r['memcpy_GBps']:6.2f} GB/s")
     print(f"    kvpool store    {r['host_store_GBps']:6.2f} GB/s = {r['host_store_ratio']:.2f}x memcpy (target >= 0.8x)")
     print(f"    kvpool load     {r['host_load_GBps']:6.2f} GB/s = {r['host_load_ratio']:.2f}x memcpy")
     print(f"    naive per-block {r['naive_per_block_GBps']:6.2f} GB/s = {r['naive_ratio']:.2f}x memcpy")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"control-plane-cpu-{r['date']}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    if "connector_methods" in r:
+        print(f"  connector methods, {r['connector_requests']} running requests (us):")
+        for sched_name, ms in r["connector_methods"].items():
+            for meth, m in ms.items():
+                if not meth.startswith("_"):
+                    print(f"    {sched_name:15s} {meth:28s} calls {m['calls']:6d}  p50 "
+                          f"{m['p50_us']:7.1f}  p99 {m['p99_us']:7.1f}  max {m['max_us']:8.1f}"
+                          f"  cpu p50 {m['cpu_p50_us']:6.1f} p99 {m['cpu_p99_us']:7.1f}")
+        print(f"  connector_method_p99_us {r['connector_method_p99_us']:.1f} "
+              f"({r['connector_method_p99_worst']}; target <= 200); cpu p99 "
+              f"{r['connector_method_cpu_p99_us']:.1f} ({r['connector_method_cpu_p99_worst']})"
+              f"; load average {r['load_average'][0]:.1f}")
+    out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    out = os.path.join(out_dir, f"control-plane-cpu-{r['date']}.json")
     with open(out, "w") as f:
         json.dump(results, f, indent=2)
     print(f"  written to {out}")

@@ -2,8 +2,10 @@
 
 ``KVPOOL_CONNECTOR_TIMING=PATH`` in the engine's environment makes ``KVPoolConnector`` time
 every call vLLM's scheduler makes into it and write ``PATH.<pid>.json`` at shutdown (and at
-exit): per method, the call count and p50/p99/max in microseconds. Off by default: two
-``perf_counter_ns`` calls per method call are cheap, but not free on the scheduler's thread.
+exit): per method, the call count and p50/p99/max in microseconds of wall time, and the p50/p99
+of the thread's CPU time over the same calls (what the method itself costs; the difference is
+time the thread was not running: preemption on a busy host, waits for the GIL). Off by default:
+two clock reads of each kind per call are cheap, but not free on the scheduler's thread.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class CallTimer:
     def __init__(self, path: str) -> None:
         self.path = f"{path}.{os.getpid()}.json"
         self.samples: dict[str, list[int]] = {}
+        self.cpu_samples: dict[str, list[int]] = {}
         atexit.register(self.dump)
 
     def wrap(self, obj: Any, names: Iterable[str]) -> None:
@@ -35,14 +38,17 @@ class CallTimer:
         for name in names:
             fn = getattr(obj, name)
             bucket = self.samples.setdefault(name, [])
+            cpu = self.cpu_samples.setdefault(name, [])
 
             @functools.wraps(fn)
-            def timed(*args, __fn=fn, __bucket=bucket, **kwargs):
+            def timed(*args, __fn=fn, __bucket=bucket, __cpu=cpu, **kwargs):
+                c0 = time.thread_time_ns()
                 t0 = time.perf_counter_ns()
                 try:
                     return __fn(*args, **kwargs)
                 finally:
                     __bucket.append(time.perf_counter_ns() - t0)
+                    __cpu.append(time.thread_time_ns() - c0)
 
             setattr(obj, name, timed)
 
@@ -50,8 +56,11 @@ class CallTimer:
         out = {}
         for name, ns in self.samples.items():
             s = sorted(ns)
+            c = sorted(self.cpu_samples.get(name, ()))
             out[name] = {"calls": len(s), "p50_us": percentile(s, 0.50) / 1e3,
-                         "p99_us": percentile(s, 0.99) / 1e3, "max_us": (s[-1] if s else 0) / 1e3}
+                         "p99_us": percentile(s, 0.99) / 1e3, "max_us": (s[-1] if s else 0) / 1e3,
+                         "cpu_p50_us": percentile(c, 0.50) / 1e3,
+                         "cpu_p99_us": percentile(c, 0.99) / 1e3}
         return out
 
     def dump(self) -> None:

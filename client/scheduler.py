@@ -1,32 +1,74 @@
-"""``SchedulerClient``: what an engine's scheduler uses to find, pin and prepare blocks.
+"""``SchedulerClient``: what an engine's scheduler uses to find, pin and store blocks.
 
-Called from the scheduler's thread. Every method is one round trip bounded by ``timeout_ms``
-and raises ``DaemonUnavailable`` past it (callers degrade: zero hits, no stores).
-``lookup_start`` is the non-blocking form for schedulers that must never wait: it returns a
-``PendingCall`` to poll on later steps.
+Called from the scheduler's thread only. Two kinds of methods:
+
+- *Waiting* ones (``lookup``, ``prepare_store``, ``release``, ``abort_store``, ``reset``,
+  ``info``, ``ping``): one round trip each, bounded by ``timeout_ms``, raising
+  ``DaemonUnavailable`` past it. For tools, tests and benchmarks.
+- *Never-waiting* ones, for schedulers that must not block (vLLM's): ``ready`` (connects without
+  waiting), ``lookup_start`` (a ``PendingCall`` to poll on later steps), ``take_slots`` (writable
+  slots from a local stock of reservations), ``release_nowait``, ``abort_nowait`` and
+  ``reset_nowait`` (sent; their answers are folded into the next ``poll``). ``poll`` takes in
+  every answer that has arrived: lookup replies, reservation grants, acknowledgements.
+
+The stock: per namespace, slot refs the daemon reserved for this client ahead of need (bound to
+no key). ``take_slots`` hands them out and asks for more, without waiting, when the stock runs
+below half of its target; the target follows demand (twice the largest recent take). A
+reservation is used only within half of the daemon's TTL, so a store never races its expiry;
+older ones are given back. A new connection (a daemon restart, or a reconnect after a timeout)
+empties the stock: what the earlier connection held is released by the daemon with it, and
+stores that still name such slots are refused there (``StoreRequest.grant``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from kvpool.client.transport import Transport
 from kvpool.shared import protocol as p
 from kvpool.shared.config import ClientConfig
-from kvpool.shared.errors import DaemonUnavailable, error_from_code
+from kvpool.shared.errors import DaemonUnavailable, ErrorCode, error_from_code
+
+log = logging.getLogger(__name__)
+
+# Stock targets per namespace (slots): a floor so the first steps after start find slots, a
+# ceiling so one engine's burst never holds much of the pool unbound (the daemon caps it too).
+STOCK_MIN = 64
+STOCK_MAX = 8192
+# After a reservation came back empty or refused (pool full, namespace not registered yet),
+# wait this long before asking again, instead of asking every step.
+RESERVE_RETRY_S = 0.02
 
 
 class PendingCall:
     """A request in flight. ``result()`` returns its reply, None while waiting, or raises."""
 
-    def __init__(self, client: "SchedulerClient", req_id: int, deadline: float) -> None:
+    def __init__(self, client: "SchedulerClient", req_id: int, deadline: float,
+                 epoch: int) -> None:
         self._client = client
         self.req_id = req_id
         self._deadline = deadline
+        self._epoch = epoch
 
     def result(self) -> p.Reply | None:
         return self._client._collect(self)
+
+
+@dataclass
+class _Stock:
+    """Reserved slot refs of one namespace, oldest first, in batches of one grant."""
+
+    batches: deque[tuple[float, list[int]]] = field(default_factory=deque)  # (use-by, refs)
+    count: int = 0
+    target: int = STOCK_MIN
+    asked: int = 0             # req_id of the reservation in flight (0: none)
+    asked_until: float = 0.0   # its answer counts as lost after this
+    retry_at: float = 0.0
+    starved: bool = False      # the last answer granted nothing
 
 
 class SchedulerClient:
@@ -36,6 +78,13 @@ class SchedulerClient:
         self._timeout_s = config.timeout_ms / 1000
         self._replies: dict[int, p.Reply] = {}
         self._pending: set[int] = set()
+        self._stocks: dict[bytes, _Stock] = {}
+        self._reserving: dict[int, bytes] = {}    # req_id -> namespace
+        self._epoch = 0
+        self._grant = ""                          # daemon_id of the stock's grants
+        self._lost: DaemonUnavailable | None = None
+
+    # ---- waiting calls (tools, tests, benchmarks) ------------------------------------------
 
     def lookup(self, namespace: bytes, key_lists: Sequence[Sequence[bytes]],
                pin: bool = False) -> p.LookupReply:
@@ -44,19 +93,18 @@ class SchedulerClient:
         assert isinstance(reply, p.LookupReply)
         return reply
 
-    def lookup_start(self, namespace: bytes, key_lists: Sequence[Sequence[bytes]],
-                     pin: bool = False) -> PendingCall:
-        """Send a lookup and return at once; poll ``PendingCall.result()`` later."""
-        req_id = self._t.send(lambda rid: p.LookupRequest(rid, namespace, key_lists, pin))
-        self._pending.add(req_id)
-        return PendingCall(self, req_id, time.monotonic() + self._timeout_s)
-
     def prepare_store(self, namespace: bytes, keys: Sequence[bytes]) -> list[int]:
         """Per key: a slot ref to store into, ``SLOT_PRESENT`` (committed or already in flight),
         or ``SLOT_NO_SPACE``. Raises ``PoolFull`` when no key found room."""
         reply = self._t.call(lambda rid: p.PrepareStoreRequest(rid, namespace, list(keys)))
         assert isinstance(reply, p.PrepareStoreReply)
         return reply.slots
+
+    def reserve(self, namespace: bytes, count: int) -> p.ReserveReply:
+        """Up to ``count`` reserved slots of ``namespace`` (see ``take_slots``), waiting."""
+        reply = self._t.call(lambda rid: p.ReserveRequest(rid, namespace, count))
+        assert isinstance(reply, p.ReserveReply)
+        return reply
 
     def abort_store(self, slots: Sequence[int]) -> int:
         return self._ok(lambda rid: p.AbortStoreRequest(rid, list(slots)))
@@ -77,6 +125,133 @@ class SchedulerClient:
         assert isinstance(reply, p.Pong)
         return reply
 
+    # ---- never-waiting calls (the scheduler's step) ----------------------------------------
+
+    def connect(self) -> bool:
+        """Connect now, waiting up to ``timeout_ms`` (at start-up, before any step: the
+        heartbeat then keeps the connection while the engine idles). False if the daemon is
+        not there; ``ready`` tries again later without waiting."""
+        try:
+            self._t.ensure_connected()
+        except DaemonUnavailable:
+            return False
+        return True
+
+    def ready(self) -> bool:
+        """Connected (True), or connecting without waiting (False: ask again next step).
+        Raises ``DaemonUnavailable`` when the daemon is missing or did not answer in time."""
+        return self._t.connect_nowait()
+
+    def poll(self) -> None:
+        """Take in every answer that has arrived, without waiting: lookup replies (for their
+        ``PendingCall``), reservation grants (into the stock), acknowledgements of
+        ``*_nowait`` calls. Raises ``DaemonUnavailable`` (after dropping the connection) when
+        a reservation went unanswered for ``timeout_ms``."""
+        t = self._t
+        if t.is_stale or (t.is_connected and t.connection_lost()):
+            t.disconnect(backoff=False)     # restarted or gone: the next ``ready`` finds out
+        if t.is_connecting:
+            t.connect_nowait()
+        self._check_epoch()
+        for reply in t.drain():
+            rid = reply.req_id
+            if rid in self._pending:
+                self._pending.discard(rid)
+                self._replies[rid] = reply
+            elif rid in self._reserving:
+                self._granted(self._reserving.pop(rid), reply)
+            elif isinstance(reply, p.ErrorReply):
+                # An answer to a *_nowait call: nobody waits for it.
+                if reply.code == ErrorCode.HELLO_REQUIRED:
+                    t.disconnect(backoff=False)    # the daemon restarted: connect again
+                else:
+                    log.debug("kvpool: a request was refused: %s", reply.message)
+        now = time.monotonic()
+        for ns, st in self._stocks.items():
+            if st.asked and now > st.asked_until:
+                self._reserving.pop(st.asked, None)
+                st.asked = 0
+                t.disconnect()
+                raise DaemonUnavailable(f"kvpoold did not answer a reservation within "
+                                        f"{self._timeout_s * 1000:.0f} ms")
+            self._refill(ns, st, now)
+
+    def keep_stock(self, namespace: bytes) -> None:
+        """Keep a stock of reserved slots of ``namespace`` from now on (refilled by ``poll``
+        whenever connected), so the first stores find slots."""
+        self._stocks.setdefault(namespace, _Stock())
+
+    def lookup_start(self, namespace: bytes, key_lists: Sequence[Sequence[bytes]],
+                     pin: bool = False) -> PendingCall:
+        """Send a lookup and return at once; poll ``PendingCall.result()`` later. Raises
+        ``DaemonUnavailable`` when not connected (see ``ready``)."""
+        req_id = self._send(lambda rid: p.LookupRequest(rid, namespace, key_lists, pin))
+        self._pending.add(req_id)
+        return PendingCall(self, req_id, time.monotonic() + self._timeout_s, self._t.epoch)
+
+    def take_slots(self, namespace: bytes, n: int) -> tuple[list[int], str]:
+        """Up to ``n`` reserved slot refs of ``namespace`` from the stock, and the daemon id
+        that granted them (``StoreRequest.grant``); fewer (possibly none) while the stock is
+        short. Never waits: asks for more in the background. The caller binds each ref to a
+        key by naming it in a store, or gives it back with ``abort_nowait``."""
+        st = self._stocks.get(namespace)
+        if st is None:
+            st = self._stocks[namespace] = _Stock()
+        self._check_epoch()
+        if st.count < n and st.asked and self._t.is_connected:
+            try:
+                self.poll()     # the grant may be waiting in the socket
+            except DaemonUnavailable:
+                pass            # the caller's next poll finds out and says so
+        now = time.monotonic()
+        while st.batches and st.batches[0][0] <= now:
+            _, old = st.batches.popleft()
+            st.count -= len(old)
+            self._abort_quietly(old)
+        st.target = min(STOCK_MAX, max(st.target, 2 * n))
+        out: list[int] = []
+        while len(out) < n and st.batches:
+            use_by, refs = st.batches[0]
+            k = n - len(out)
+            out.extend(refs[:k])
+            if k >= len(refs):
+                st.batches.popleft()
+            else:
+                st.batches[0] = (use_by, refs[k:])
+        st.count -= len(out)
+        self._refill(namespace, st, now)
+        return out, self._grant
+
+    def stock(self, namespace: bytes) -> int:
+        st = self._stocks.get(namespace)
+        return st.count if st is not None else 0
+
+    def reserving(self, namespace: bytes) -> bool:
+        """A reservation for ``namespace`` is in flight, or will be asked for shortly: slots
+        are coming, unless the pool has no room (``starved``)."""
+        st = self._stocks.get(namespace)
+        return st is not None and (bool(st.asked) or not st.starved)
+
+    def starved(self, namespace: bytes) -> bool:
+        """The last reservation for ``namespace`` was refused or granted nothing."""
+        st = self._stocks.get(namespace)
+        return st is not None and st.starved and not st.count
+
+    def release_nowait(self, leases: Sequence[int]) -> None:
+        """Unpin leases without waiting (raises ``DaemonUnavailable`` if not connected: the
+        daemon releases a lost connection's leases itself)."""
+        self._send(lambda rid: p.ReleaseRequest(rid, [x for x in leases if x]))
+
+    def abort_nowait(self, slots: Sequence[int]) -> None:
+        """Give back prepared or reserved slots without waiting."""
+        self._send(lambda rid: p.AbortStoreRequest(rid, list(slots)))
+
+    def reset_nowait(self, namespace: bytes) -> None:
+        """Forget every block of ``namespace`` without waiting for the answer. Lookups sent
+        afterwards on this connection see the reset (the daemon handles one client's requests
+        in order)."""
+        self._send(lambda rid: p.ResetRequest(rid, namespace))
+
     @property
     def owner_id(self) -> int | None:
         return self._t.owner_id
@@ -91,17 +266,73 @@ class SchedulerClient:
         assert isinstance(reply, p.OkReply)
         return reply.count
 
+    def _send(self, make) -> int:
+        if not self._t.connect_nowait():
+            raise DaemonUnavailable("still connecting to kvpoold")
+        self._check_epoch()
+        return self._t.send(make)
+
+    def _check_epoch(self) -> None:
+        """A new connection: what the earlier one was granted is gone with it."""
+        if self._t.epoch == self._epoch:
+            return
+        self._epoch = self._t.epoch
+        self._grant = self._t.daemon_id or ""
+        self._reserving.clear()
+        for st in self._stocks.values():
+            st.batches.clear()
+            st.count, st.asked, st.starved, st.retry_at = 0, 0, False, 0.0
+
+    def _refill(self, namespace: bytes, st: _Stock, now: float) -> None:
+        if st.asked or st.count * 2 > st.target or now < st.retry_at \
+                or not self._t.is_connected:
+            return
+        count = st.target - st.count
+        try:
+            req_id = self._send(lambda rid: p.ReserveRequest(rid, namespace, count))
+        except DaemonUnavailable:
+            return    # the next lookup or poll finds out and says so
+        st.asked, st.asked_until = req_id, now + self._timeout_s
+        self._reserving[req_id] = namespace
+
+    def _granted(self, namespace: bytes, reply: p.Reply) -> None:
+        st = self._stocks.get(namespace)
+        if st is None:
+            return
+        st.asked = 0
+        now = time.monotonic()
+        if isinstance(reply, p.ReserveReply) and reply.slots:
+            if reply.daemon_id != self._grant:   # granted to another life: never use them
+                return
+            st.batches.append((now + reply.ttl_ms / 2000, list(reply.slots)))
+            st.count += len(reply.slots)
+            st.starved = False
+            return
+        # Nothing granted: the pool or quota is full, or no worker registered the namespace yet.
+        st.starved = True
+        st.retry_at = now + RESERVE_RETRY_S
+        if isinstance(reply, p.ErrorReply):
+            if reply.code == ErrorCode.HELLO_REQUIRED:
+                self._t.disconnect(backoff=False)
+            log.debug("kvpool: reservation refused: %s", reply.message)
+
+    def _abort_quietly(self, refs: list[int]) -> None:
+        try:
+            self._send(lambda rid: p.AbortStoreRequest(rid, refs))
+        except DaemonUnavailable:
+            pass    # the daemon takes them back at their TTL
+
     def _collect(self, call: PendingCall) -> p.Reply | None:
-        for reply in self._t.drain():
-            if reply.req_id in self._pending:
-                self._pending.discard(reply.req_id)
-                self._replies[reply.req_id] = reply
+        if call._epoch == self._t.epoch and self._t.is_connected:
+            self.poll()
         reply = self._replies.pop(call.req_id, None)
         if reply is None:
-            if (self._t.is_stale or self._t.connection_lost()
+            if (self._t.is_stale or call._epoch != self._t.epoch or not self._t.is_connected
+                    or self._t.connection_lost()
                     or time.monotonic() > call._deadline):
                 self._pending.discard(call.req_id)
-                self._t.disconnect()
+                if call._epoch == self._t.epoch:
+                    self._t.disconnect()
                 raise DaemonUnavailable("kvpoold did not answer the lookup in time")
             return None
         if isinstance(reply, p.ErrorReply):

@@ -9,9 +9,15 @@ thread):
   engine whose daemon is gone pays at most one timeout per backoff period.
 - ``send(make)`` sends without waiting; replies arrive through ``drain()``, never blocking.
 - The connection (Hello) is made lazily and remade after a timeout or a daemon restart; the
-  ``on_connect`` hook lets the owner replay its registrations then.
+  ``on_connect`` hook lets the owner replay its registrations then. ``ensure_connected`` waits
+  for the Hello's answer (bounded); ``connect_nowait`` never waits: it sends the Hello and
+  answers False until a later ``drain`` has seen the reply, for callers that must never block
+  (the scheduler). ``epoch`` counts connections, so owners can tell that what the daemon granted
+  to an earlier one (slots, leases) is gone.
 - A background thread with its own socket sends heartbeats so the daemon can release what a
   dead process held; it also notices a restarted or vanished daemon (``is_stale``).
+- ``send`` and ``drain`` go through ``zmq_calls.HeldSocket``: they never release the GIL, so a
+  caller on a scheduler thread never waits for another thread to hand it back.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Callable
 
 import zmq
 
+from kvpool.client.zmq_calls import HeldSocket
 from kvpool.shared import protocol as p
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.errors import (DaemonUnavailable, HelloRequired, KvpoolError,
@@ -56,16 +63,25 @@ class Transport:
         self.daemon_id: str | None = None
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._held: HeldSocket | None = None
         # ZeroMQ's events for our socket: DISCONNECTED (the daemon closed the connection: it
         # died or restarted, so nothing sent on it will be answered) or CONNECT_RETRIED (it is
         # not there).
         self._monitor: zmq.Socket | None = None
+        self._held_monitor: HeldSocket | None = None
+        self._lost = False
         self._poller = zmq.Poller()
         self._ids = itertools.count(1)
         self._retry_at = 0.0
         self._backoff_s = config.reconnect_backoff_ms / 1000
         self._unsolicited: list[p.Reply] = []
         self._heartbeat = _Heartbeat(self) if heartbeat else None
+        self.epoch = 0                       # successful connections so far
+        # A connection being made without waiting: the socket is open since _connect_deadline
+        # - timeout; the Hello is sent (_hello_id) once the socket is writable.
+        self._hello_id: int | None = None
+        self._connect_deadline = 0.0
+        self._hello_error: KvpoolError | None = None
 
     # ---- public ----------------------------------------------------------------------------
 
@@ -96,30 +112,103 @@ class Transport:
 
     def connection_lost(self) -> bool:
         """Whether the daemon closed our connection (died or restarted) since it was made:
-        replies to anything in flight on it will never come. Never blocks."""
-        mon = self._monitor
+        replies to anything in flight on it will never come. Never blocks, and keeps the GIL
+        (read through ``HeldSocket``: the scheduler asks every step)."""
+        mon = self._held_monitor
         if mon is None:
             return False
-        lost = False
-        while mon.poll(0):
-            mon.recv_multipart()
-            lost = True
-        if lost:
+        try:
+            while mon.recv() is not None:    # each part of each event; any event means lost
+                self._lost = True
+        except zmq.ZMQError:
             self._lost = True
         return self._lost
 
     def drain(self) -> list[p.Reply]:
-        """Every reply that has arrived, without waiting."""
+        """Every reply that has arrived, without waiting (the answer to a Hello sent by
+        ``connect_nowait`` is taken in here, not returned)."""
         out, self._unsolicited = self._unsolicited, []
-        sock = self._sock
-        if sock is None:
+        held = self._held
+        if held is None:
             return out
         while True:
             try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
+                frame = held.recv()
+            except zmq.ZMQError:
+                self.disconnect()
                 return out
-            out.append(p.decode_reply(frame))
+            if frame is None:
+                return out
+            reply = p.decode_reply(frame)
+            if self._hello_id is not None and reply.req_id == self._hello_id:
+                self._hello_answered(reply)
+                continue
+            out.append(reply)
+
+    def connect_nowait(self) -> bool:
+        """Make progress on connecting without waiting; True once connected.
+
+        Raises ``DaemonUnavailable`` inside the reconnect backoff, when no daemon listens, or
+        when the Hello went unanswered for ``timeout_ms`` (the socket is dropped then), and the
+        daemon's refusal of the Hello (``VersionMismatch``). Replies that arrive meanwhile stay
+        queued for ``drain``.
+        """
+        if self.is_stale or (self.is_connected and self.connection_lost()):
+            self.disconnect(backoff=False)
+        if self.is_connected:
+            return True
+        if self._hello_error is not None:
+            err, self._hello_error = self._hello_error, None
+            self.disconnect()
+            raise err
+        now = time.monotonic()
+        timeout_s = self.config.timeout_ms / 1000
+        if self._sock is None:
+            if now < self._retry_at:
+                raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} unavailable; "
+                                        f"next try in {(self._retry_at - now) * 1000:.0f} ms")
+            try:
+                # One look, no retry (retries sleep): a socket file nobody listens on fails now.
+                self._probe(tries=1)
+            except DaemonUnavailable:
+                self.disconnect()
+                raise
+            self._open_socket()
+            self._connect_deadline = now + timeout_s
+        elif self.connection_lost():
+            # The daemon refused the connection or closed it before answering the Hello.
+            self.disconnect()
+            raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} closed the "
+                                    f"connection while it was being made")
+        if self._hello_id is None:
+            assert self._sock is not None
+            if self._sock.poll(0, zmq.POLLOUT):
+                hello_id = self.next_id()
+                self._send(p.Hello(hello_id, p.PROTOCOL_VERSION, self.role, self.name,
+                                   os.getpid(), self.engine_id))
+                self._hello_id = hello_id
+                self._connect_deadline = now + timeout_s    # for the answer, from now
+                return False
+            if now > self._connect_deadline:
+                self.disconnect()
+                raise DaemonUnavailable(f"kvpoold not reachable at {self.config.socket_path} "
+                                        f"within {self.config.timeout_ms} ms")
+            return False
+        self._unsolicited.extend(self.drain())
+        if self.is_connected:
+            return True
+        if self._hello_error is not None or self._hello_id is None:   # refused, or read late
+            return self.connect_nowait()
+        if now > self._connect_deadline:
+            self.disconnect()
+            raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} did not answer the "
+                                    f"Hello within {self.config.timeout_ms} ms")
+        return False
+
+    @property
+    def is_connecting(self) -> bool:
+        """A connection is being made by ``connect_nowait`` (socket open, no answer yet)."""
+        return self._sock is not None and self.owner_id is None
 
     def wait_readable(self, timeout_s: float) -> bool:
         """Block until a reply is waiting or ``timeout_s`` passed (for callers with nothing
@@ -146,6 +235,8 @@ class Transport:
             self.disconnect(backoff=False)
         if self.is_connected:
             return
+        if self._sock is not None:   # a connect_nowait in progress: start over, waiting
+            self.disconnect(backoff=False)
         now = time.monotonic()
         if now < self._retry_at:
             raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} unavailable; next "
@@ -157,17 +248,39 @@ class Transport:
         except DaemonUnavailable:
             self.disconnect()
             raise
+        self._connected(reply)
+
+    def _connected(self, reply: p.HelloReply) -> None:
+        self._hello_id = None
         self.owner_id = reply.owner_id
         self.daemon_id = reply.daemon_id
+        self.epoch += 1
         self._backoff_s = self.config.reconnect_backoff_ms / 1000
         if self._heartbeat is not None:
             self._heartbeat.watch(reply.owner_id, reply.daemon_id, reply.heartbeat_interval_ms)
         if self.on_connect is not None:
             self.on_connect()
 
+    def _hello_answered(self, reply: p.Reply) -> None:
+        if isinstance(reply, p.HelloReply):
+            if time.monotonic() > self._connect_deadline:
+                # Read too late (nobody called for a while): no heartbeat ran meanwhile, so
+                # the daemon may have released this owner already. Say Hello again on this
+                # socket (the daemon replaces the owner of a connection that says Hello).
+                self._hello_id = None
+                return
+            self._connected(reply)
+        else:
+            self._hello_id = None
+            self._hello_error = (error_from_code(reply.code, reply.message)
+                                 if isinstance(reply, p.ErrorReply) else
+                                 DaemonUnavailable(f"unexpected answer to Hello: {reply!r}"))
+
     def disconnect(self, backoff: bool = True) -> None:
         """Drop the socket (and anything queued on it); the next call reconnects."""
         if self._sock is not None:
+            self._held = None
+            self._held_monitor = None
             self._poller.unregister(self._sock)
             self._poller.unregister(self._monitor)
             self._sock.disable_monitor()
@@ -176,6 +289,7 @@ class Transport:
             self._sock.close(linger=0)
             self._sock = None
         self.owner_id = None
+        self._hello_id = None
         if self._heartbeat is not None:
             self._heartbeat.watch(None, None, 0)
         if backoff:
@@ -201,12 +315,13 @@ class Transport:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _probe(self) -> None:
+    def _probe(self, tries: int = _PROBE_TRIES) -> None:
         """Fail at once when nobody listens on the socket, instead of after ``timeout_ms``: a
         killed daemon leaves its socket file behind, and ZeroMQ would keep knocking on it. Also
-        names a permission problem, which ZeroMQ only shows as silence."""
+        names a permission problem, which ZeroMQ only shows as silence. ``tries=1`` never
+        sleeps (a connect to a Unix socket does not wait for the listener to accept)."""
         path = self.config.socket_path
-        for attempt in range(_PROBE_TRIES):
+        for attempt in range(tries):
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             probe.settimeout(self.config.timeout_ms / 1000)
             try:
@@ -215,7 +330,7 @@ class Transport:
             except ConnectionRefusedError:
                 # Also what a daemon that has just created its socket but not yet listens on
                 # it answers: look again, briefly, before calling it gone.
-                if attempt + 1 < _PROBE_TRIES:
+                if attempt + 1 < tries:
                     time.sleep(_PROBE_RETRY_S)
                     continue
                 raise DaemonUnavailable(f"kvpoold not reachable at {path}: nothing listens "
@@ -247,6 +362,8 @@ class Transport:
         self._lost = False
         sock.connect(f"ipc://{self.config.socket_path}")
         self._sock = sock
+        self._held = HeldSocket(sock)
+        self._held_monitor = HeldSocket(self._monitor)
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
 
@@ -268,13 +385,15 @@ class Transport:
         return reply
 
     def _send(self, msg: p.Request) -> None:
-        assert self._sock is not None
+        assert self._held is not None
         try:
-            self._sock.send(p.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
+            sent = self._held.send(p.encode(msg))
+        except zmq.ZMQError:
+            sent = False
+        if not sent:
             self.disconnect()
             raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} is not "
-                                    f"accepting requests") from None
+                                    f"accepting requests")
 
     def _await(self, req_id: int, timeout_ms: int | None) -> p.Reply:
         assert self._sock is not None

@@ -150,7 +150,10 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
                 config.reconnect_backoff_max_ms / 1000,
                 kv_producer=self._kv_transfer_config.kv_role == "kv_producer",
                 engine_id=engine_id, tp_size=pc.tensor_parallel_size,
-                pd_wait_s=float(extra.get("pd_wait_s", 3.0)), pd_stream=pd_stream)
+                pd_wait_s=float(extra.get("pd_wait_s", 3.0)), pd_stream=pd_stream,
+                store_wait_s=config.timeout_ms / 1000,
+                events_enabled=bool(getattr(vllm_config.kv_events_config,
+                                            "enable_kv_cache_events", False)))
             from kvpool.client.call_timing import maybe_time
 
             self._timer = maybe_time(self, SCHEDULER_METHODS)

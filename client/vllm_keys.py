@@ -169,13 +169,24 @@ class RequestKeys:
         ``num_blocks`` must not exceed the request's full blocks."""
         have = self._keys[slot]
         if len(have) < num_blocks:
-            g = self._groups[slot]
-            bt = g.block_tokens
-            parent = have[-1] if have else chain_seed(g.namespace, self._salt)
-            tokens = request.all_token_ids[len(have) * bt:num_blocks * bt]
-            extras = _mm_block_extras(request, bt, len(have), num_blocks)
-            have.extend(chain_block_hashes(tokens, bt, parent, 0, extras))
+            self._extend(request, slot, num_blocks)
         return have[:num_blocks]
+
+    def _extend(self, request: "Request", slot: int, num_blocks: int) -> None:
+        have = self._keys[slot]
+        g = self._groups[slot]
+        bt = g.block_tokens
+        parent = have[-1] if have else chain_seed(g.namespace, self._salt)
+        tokens = request.all_token_ids[len(have) * bt:num_blocks * bt]
+        extras = _mm_block_extras(request, bt, len(have), num_blocks)
+        have.extend(chain_block_hashes(tokens, bt, parent, 0, extras))
+
+    def range(self, request: "Request", slot: int, start: int, stop: int) -> list[bytes]:
+        """Keys of blocks ``[start, stop)`` of group ``slot`` (hashing what is missing)."""
+        have = self._keys[slot]
+        if len(have) < stop:
+            self._extend(request, slot, stop)
+        return have[start:stop]
 
     def truncate(self, num_blocks: int) -> None:
         """Forget keys past ``num_blocks`` (tokens there changed: streaming input, resumes)."""

@@ -4,8 +4,9 @@ Owns the two per-step messages and nothing else: ``StepMeta`` (scheduler → eve
 by ``build_connector_meta``) and ``WorkerAcks`` (each worker → scheduler, summed over ranks by
 vLLM's output aggregator). Both are plain data: no daemon calls, no tensors.
 
-Stores are named by *tickets*: one per (request, group, step). A ticket is done when every
-rank has reported it; it is committed only if none of them failed.
+Stores are named by *tickets*: one per (group, step), covering every request's blocks the
+step stores (the workers copy them in one job anyway). A ticket is done when every rank has
+reported it; it is committed only if none of them failed.
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ class LoadSpec:
 
 @dataclass(slots=True)
 class StoreSpec:
-    """Copy GPU ``block_ids`` of one group into prepared pool ``slots``."""
+    """Copy GPU ``block_ids`` of one group into reserved pool ``slots``, binding each slot to
+    its block hash in ``keys`` (the daemon drops a duplicate of a key it already holds)."""
 
     ticket: int
     group: int
     slots: list[int]
     block_ids: list[int]
+    keys: list[bytes] = field(default_factory=list)
+    grant: str = ""     # the daemon life that reserved the slots (StoreRequest.grant)
 
 
 @dataclass

@@ -2,11 +2,22 @@
 
 Runs inside vLLM's scheduler (engine core) process, on its one thread. Owns per-request state
 (block keys, lookup results and their leases, store cursors, store tickets) and talks to the
-daemon only through ``SchedulerClient``: at most one batched lookup in flight per namespace,
-one ``prepare_store`` per namespace per step, one ``release`` per step. It never blocks the
-scheduler on the daemon: a lookup in flight answers ``None`` ("ask again next step"), and a
-daemon that is missing or slow turns into zero hits and skipped stores (``DaemonUnavailable``
-is caught here, never raised to vLLM).
+daemon only through ``SchedulerClient``, and never waits for it: no method vLLM calls here makes
+a round trip. The lookups a step queues go out together at its end (``build_connector_meta``),
+at most one batch in flight, and answers are taken in once at the start of the next step (a
+request whose lookup is out answers ``None``: "ask again next step"); stores take writable slots from the client's stock of
+reservations, which it refills in the background, and name each slot's key in the store itself
+(the daemon binds it, and drops duplicates, when the store arrives); releases, aborts and resets
+are sent without waiting, their answers taken in by the next poll. The connection itself is
+made without waiting. A daemon that is missing or slow turns into zero hits and skipped stores
+(``DaemonUnavailable`` is caught here, never raised to vLLM).
+
+Stores are planned for requests vLLM handed new blocks that step (a decode's block is stored
+the step after it filled, when vLLM allocates the next one), one ticket per group and step.
+Stores of keys this engine knows are in the pool (it stored them, and no lookup has missed them
+since) are not planned again; a request that finishes with full blocks not yet stored because
+the stock ran short keeps its blocks (vLLM's delayed free) until slots come, bounded by
+``timeout_ms`` and by the daemon being reachable.
 
 Lifecycle of a request, as vLLM drives it:
 ``get_num_new_matched_tokens`` (queue a lookup, answer ``None`` until it lands, then the hit)
@@ -30,12 +41,13 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from collections import deque
+from itertools import compress, repeat
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from kvpool.client.vllm_keys import GroupInfo, RequestKeys
 from kvpool.client.vllm_meta import LoadSpec, StepMeta, StoreSpec, WorkerAcks
-from kvpool.shared.errors import DaemonUnavailable, KvpoolError, PoolFull
-from kvpool.shared.protocol import SLOT_NO_SPACE, SLOT_PRESENT
+from kvpool.shared.errors import DaemonUnavailable, KvpoolError
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -45,18 +57,30 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvpool.vllm")
 
-# Keys remembered as committed, only to report BlockRemoved on reset; bounded so a long-lived
-# engine does not grow without limit (the daemon is the source of truth for presence).
+# Keys remembered as committed: to report BlockRemoved on reset, and to plan no store of a key
+# the pool holds (a GPU prefix hit, a recomputed preempted request). Bounded so a long-lived
+# engine does not grow without limit; the daemon is the source of truth for presence (it
+# dedups what this misses) and a lookup that misses a remembered key forgets it.
 _MAX_REMEMBERED_KEYS = 1 << 20
+_NOTHING: dict[bytes, None] = {}
+
+
+@dataclass(eq=False)
+class _Run:
+    """The blocks of one request in a ticket."""
+
+    req: "_Req"
+    indices: Sequence[int]     # block positions in the request (a range when contiguous)
+    keys: list[bytes]
 
 
 @dataclass(eq=False)
 class _Ticket:
-    """One store: blocks of one group of one request, prepared in one step."""
+    """One store: the blocks of one group planned in one step, for every request (the workers
+    copy them in one job per group and step anyway, so finer tickets would buy nothing)."""
 
-    req_id: str
     group: int
-    indices: list[int]         # block positions in the request
+    runs: list[_Run]
     keys: list[bytes]
     slots: list[int]
     block_ids: list[int]
@@ -82,6 +106,8 @@ class _Req:
     load_blocks: list[int] = field(default_factory=list)
     load_keys: list[bytes] = field(default_factory=list)
     cursor: list[int] = field(default_factory=list)     # per group: next block to store
+    lo: int = 0                # min(cursor): a request with no block past it has none to store
+    pooled: int = 0            # leading blocks this request loaded from the pool (held there)
     tickets: set[int] = field(default_factory=set)
     finishing: bool = False    # request_finished returned True: free via free_now
     finished: bool = False
@@ -96,6 +122,7 @@ class _Req:
     stream_next: int = 0
     stream_end: int = 0        # 0: not streaming
     stream_ids: list[list[int]] = field(default_factory=list)   # per group: GPU block ids
+    backlog_until: float = 0.0  # finished, blocks kept for stores waiting on slots until then
 
 
 class SchedulerRole:
@@ -105,8 +132,15 @@ class SchedulerRole:
     def __init__(self, groups: list[GroupInfo], world_size: int, client: Any,
                  backoff_s: float = 0.2, backoff_max_s: float = 5.0, *,
                  kv_producer: bool = False, engine_id: str = "", tp_size: int = 1,
-                 pd_wait_s: float = 3.0, pd_stream: bool = True) -> None:
+                 pd_wait_s: float = 3.0, pd_stream: bool = True,
+                 store_wait_s: float = 2.0, events_enabled: bool = True) -> None:
         self.groups = groups
+        # A finished request waits this long at most for slots to store its last blocks.
+        self.store_wait_s = store_wait_s
+        self._backlog: set[str] = set()   # finished requests keeping blocks for their stores
+        self._replan: set[str] = set()    # requests with blocks left unplanned (no slots yet)
+        self._steps = 0                   # build_connector_meta calls so far
+        self._polled = -1                 # the step whose answers were last taken in
         self.world_size = world_size
         self.kv_producer = kv_producer
         self.engine_id = engine_id
@@ -137,20 +171,39 @@ class SchedulerRole:
         self._batch_results: dict[str, list[tuple[int, int, list[int], int]]] = {}
         self._tickets: dict[int, _Ticket] = {}
         self._next_ticket = 1
-        self._inflight_keys: dict[tuple[int, bytes], int] = {}
-        self._block_tickets: dict[int, set[int]] = {}
+        # Per group: key -> ticket storing it. Per GPU block: the ticket that last read it
+        # (entries of resolved tickets stay, and are ignored: the map is bounded by the number
+        # of GPU blocks, and nothing is deleted per block on the hot path).
+        self._inflight: list[dict[bytes, int]] = [{} for _ in groups]
+        self._block_ticket: dict[int, int] = {}
         self._step_loads: list[LoadSpec] = []
         self._flush: set[int] = set()
         self._free_ready: list[str] = []
         self._release: list[int] = []
         self._abort_slots: list[int] = []
         self._events: list[Any] = []
-        self._loading_keys: dict[bytes, int] = {}   # group-0 keys of loads in flight
+        # KV events are built only if vLLM publishes them, and only when it asks for them
+        # (take_events), from the tickets that committed.
+        self.events_enabled = events_enabled
+        self._stored: list[_Ticket] = []
+        # Group-0 keys of loads in flight -> the request loading them. One loader per key (the
+        # others wait for it, see get_num_new_matched_tokens), so marks are set and cleared
+        # per request with C-level dict operations.
+        self._loading_keys: dict[bytes, str] = {}
         self._orphans: list[Any] = []    # lookups nobody waits for; their leases get released
         self._committed: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in groups]
         self._backoff_s, self._backoff_max_s = backoff_s, backoff_max_s
         self._retry_at = 0.0
         self._fail_backoff = backoff_s
+        if self.enabled:
+            # Connect and start stocking slots now (start-up, not a step: this may wait up to
+            # timeout_ms once), so the first steps find them.
+            for g in groups:
+                self.client.keep_stock(g.namespace)
+            connect = getattr(self.client, "connect", None)
+            if connect is not None and not connect():
+                self._daemon_failed(DaemonUnavailable("kvpoold not reachable at start"))
+            self._pump()
 
     # ---- daemon access with a circuit breaker ----------------------------------------------
 
@@ -167,24 +220,33 @@ class SchedulerRole:
     def _daemon_succeeded(self) -> None:
         self._fail_backoff = self._backoff_s
 
-    def _call(self, fn, *args, default=None):
-        """A daemon call that degrades: ``default`` when the daemon is missing or refuses."""
+    def _pump(self) -> bool:
+        """Connect (without waiting) and take in whatever the daemon has answered; False while
+        the daemon cannot be used (down, backing off, or the connection still being made)."""
         if not self._daemon_ok():
-            return default
+            return False
         try:
-            out = fn(*args)
+            if not self.client.ready():
+                return False
+            self.client.poll()
         except DaemonUnavailable as e:
             self._daemon_failed(e)
-            return default
-        except PoolFull as e:
-            # Every slot is pinned or being written: normal under load, the blocks stay unpooled.
-            logger.debug("kvpool: %s", e)
-            return default
-        except KvpoolError as e:
-            logger.warning("kvpool: %s failed: %s", getattr(fn, "__name__", fn), e)
-            return default
-        self._daemon_succeeded()
-        return out
+            return False
+        except KvpoolError as e:     # the daemon refused our Hello (another protocol version)
+            self._daemon_failed(e)
+            return False
+        return True
+
+    def _nowait(self, fn, *args) -> bool:
+        """Send a request nobody waits for; False if it could not be sent. Leases and slots
+        of a connection that is gone are released by the daemon with it, so losing these
+        is harmless."""
+        try:
+            fn(*args)
+        except DaemonUnavailable as e:
+            logger.debug("kvpool: %s not sent: %s", getattr(fn, "__name__", fn), e)
+            return False
+        return True
 
     # ---- lookups -------------------------------------------------------------------------
 
@@ -203,8 +265,16 @@ class SchedulerRole:
         return st
 
     def on_new_request(self, request: "Request") -> None:
-        if self.enabled:
-            self._state(request)
+        """A request entered the scheduler: hash its prompt's block keys now (as vLLM hashes
+        its own blocks when a request is created), not inside a scheduling step."""
+        if not self.enabled:
+            return
+        st = self._state(request)
+        if st.keys.cacheable:
+            n = (request.num_tokens - 1) // self.block_tokens
+            for gi, g in enumerate(self.groups):
+                if g.window_blocks is None:
+                    st.keys.keys(request, gi, n)
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -223,9 +293,12 @@ class SchedulerRole:
                     return 0, False
                 st.state, st.target, st.rounds = "queued", max_blocks, 0
                 self._queued.append(request.request_id)
-            self._poll_lookups()
-            if not self._inflight_calls:
-                self._send_lookups()
+            if self._polled != self._steps:
+                # Once per step: answers that came since the last step. The step's queued
+                # lookups go out together at its end (build_connector_meta).
+                self._polled = self._steps
+                self._pump()
+                self._poll_lookups()
             if st.hit is None:
                 return None, False
         end = max(st.hit, st.stream_to)
@@ -236,7 +309,7 @@ class SchedulerRole:
             # Another request is loading some of these blocks: wait for it and take them from
             # the GPU prefix cache then, instead of loading them twice.
             first = num_computed_tokens // self.block_tokens
-            if any(k in self._loading_keys for k in st.keys.keys(request, 0, end)[first:]):
+            if not self._loading_keys.keys().isdisjoint(st.keys.range(request, 0, first, end)):
                 return None, False
         return ext, True
 
@@ -246,12 +319,23 @@ class SchedulerRole:
 
     def _send_lookups(self) -> None:
         """One lookup per namespace for every queued request (the step's batch)."""
+        if not self._queued:
+            return
+        connected = False
+        if self._daemon_ok():
+            try:
+                connected = self.client.ready()
+            except KvpoolError as e:
+                self._daemon_failed(e)
+            else:
+                if not connected:
+                    return          # connecting: the queued requests ask again next step
         ids = [r for r in dict.fromkeys(self._queued)
                if r in self._reqs and self._reqs[r].state == "queued"]
         self._queued.clear()
         if not ids:
             return
-        if not self._daemon_ok():
+        if not connected:
             self._resolve_miss(ids)
             return
         calls = []
@@ -266,10 +350,11 @@ class SchedulerRole:
                         start, end = self._window_start(g, st.target), st.target
                     lists.append(st.keys.keys(st.request, gi, end)[start:])
                     spans.append((rid, start))
-                calls.append((self.client.lookup_start(g.namespace, lists, True), gi, spans))
+                calls.append((self.client.lookup_start(g.namespace, lists, True), gi, spans,
+                              lists))
         except DaemonUnavailable as e:
             self._daemon_failed(e)
-            self._orphans.extend(call for call, _, _ in calls)   # their leases get released
+            self._orphans.extend(call for call, _, _, _ in calls)   # their leases get released
             self._resolve_miss(ids)
             return
         for rid in ids:
@@ -309,7 +394,7 @@ class SchedulerRole:
         replies = self._inflight_replies
         failed_at = -1
         try:
-            for k, (call, _, _) in enumerate(calls):
+            for k, (call, _, _, _) in enumerate(calls):
                 failed_at = k
                 if replies[k] is None:
                     # A reply is handed out once: keep it until the whole batch is in.
@@ -319,7 +404,7 @@ class SchedulerRole:
                 self._daemon_failed(e)
             else:
                 logger.warning("kvpool: lookup refused: %s", e)
-            for k, (call, _, _) in enumerate(calls):
+            for k, (call, _, _, _) in enumerate(calls):
                 if replies[k] is not None:
                     self._release.extend(x for x in replies[k].leases if x)
                 elif k != failed_at:
@@ -333,10 +418,16 @@ class SchedulerRole:
         self._daemon_succeeded()
         self._inflight_calls, self._inflight_replies = [], []
         per_req: dict[str, list[tuple[int, int, list[int], int]]] = {}
-        for (call, gi, spans), reply in zip(calls, replies):
+        for (call, gi, spans, lists), reply in zip(calls, replies):
+            known = self._committed[gi]
             for k, (rid, start) in enumerate(spans):
+                hit = reply.hits[k]
                 per_req.setdefault(rid, []).append(
-                    (start, reply.hits[k], list(reply.slots[k]), reply.leases[k]))
+                    (start, hit, list(reply.slots[k]), reply.leases[k]))
+                if known and hit < len(lists[k]):
+                    # The first miss is news: a key we stored has been evicted since; it may
+                    # be stored again.
+                    known.pop(lists[k][hit], None)
         requeue = False
         for rid, answers in per_req.items():
             st = self._reqs.get(rid)
@@ -413,8 +504,9 @@ class SchedulerRole:
             return
         bt = self.block_tokens
         if num_external_tokens == 0 or st.hit is None:
-            # Blocks the pool already holds need no store; the GPU-cached ones past them do.
-            st.cursor = [0 if st.producer else st.hit or 0] * len(self.groups)
+            # Blocks the pool already holds need no store (those a load brought in, when vLLM
+            # schedules the request after it); the GPU-cached ones past them do.
+            self._set_cursor(st, 0 if st.producer else max(st.hit or 0, st.pooled))
             self._consume_lookup(st, keep_leases=False)
             return
         local_blocks = st.local_tokens // bt
@@ -445,10 +537,10 @@ class SchedulerRole:
                                                           for b in spec.block_ids],
                               failed=True)]
         st.loading = True
+        st.pooled = 0 if unloadable else hit
         st.load_blocks = [b for spec in loads for b in spec.block_ids]
-        st.load_keys = st.keys.keys(request, 0, end)[local_blocks:]
-        for k in st.load_keys:
-            self._loading_keys[k] = self._loading_keys.get(k, 0) + 1
+        st.load_keys = st.keys.range(request, 0, local_blocks, end)
+        self._loading_keys.update(dict.fromkeys(st.load_keys, request.request_id))
         self._step_loads.extend(loads)
         self._consume_lookup(st, keep_leases=True)
         first = max(hit, local_blocks)
@@ -469,7 +561,7 @@ class SchedulerRole:
             # Nothing to copy (all needed blocks were local); the workers still report the
             # request as received so vLLM leaves WAITING_FOR_REMOTE_KVS.
             self._step_loads.append(LoadSpec(request.request_id, 0, [], []))
-        st.cursor = [0 if st.producer else end] * len(self.groups)
+        self._set_cursor(st, 0 if st.producer else end)
 
     def _consume_lookup(self, st: _Req, keep_leases: bool) -> None:
         """The lookup result is used up; its leases go now unless a load holds them."""
@@ -523,11 +615,10 @@ class SchedulerRole:
     # ---- per step: stores, flushes, releases ---------------------------------------------
 
     def build_connector_meta(self, so: "SchedulerOutput") -> StepMeta:
-        from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
-
         meta = StepMeta()
         if not self.enabled:
             return meta
+        self._pump()
         self._poll_lookups()
         if self._streams:
             now = time.monotonic()
@@ -538,28 +629,30 @@ class SchedulerRole:
         # first (preempted requests' blocks; sliding-window blocks freed and reused).
         flush = self._flush
         self._flush = set()
-        if self._block_tickets:
-            for _rid, groups, _full in yield_req_data(so):
-                for ids in groups or ():
-                    for b in ids:
-                        ts = self._block_tickets.get(b)
-                        if ts:
-                            flush.update(ts)
+        if self._tickets:
+            handed = self._handed_blocks(so)
+            if handed:
+                tickets, last = self._tickets, self._block_ticket
+                for b in last.keys() & handed:
+                    if last[b] in tickets:
+                        flush.add(last[b])
         for rid in so.preempted_req_ids or ():
             st = self._reqs.get(rid)
             if st is not None:
                 flush.update(st.tickets)
                 self._consume_lookup(st, keep_leases=False)
-                st.cursor = [0] * len(self.groups)
+                self._set_cursor(st, 0)
         meta.flush_tickets = sorted(flush)
         meta.stores = self._plan_stores(so)
         meta.free_now, self._free_ready = self._free_ready, []
         if self._abort_slots:
             slots, self._abort_slots = self._abort_slots, []
-            self._call(self.client.abort_store, slots)
+            self._nowait(self.client.abort_nowait, slots)
         if self._release:
             leases, self._release = sorted(set(self._release)), []
-            self._call(self.client.release, leases)
+            self._nowait(self.client.release_nowait, leases)
+        if self._backlog:
+            self._end_backlog()
         if self._retry:
             self._queued.extend(self._retry)
             self._retry = []
@@ -567,71 +660,203 @@ class SchedulerRole:
             self._send_lookups()
         # Last: polling, deadlines and a failed send above may all have added load specs.
         meta.loads, self._step_loads = self._step_loads, []
+        self._steps += 1
         return meta
 
+    @staticmethod
+    def _handed_blocks(so: "SchedulerOutput") -> list[int]:
+        """GPU blocks given to requests this step (vLLM 0.32/0.33 ``SchedulerOutput``)."""
+        out: list[int] = []
+        for r in so.scheduled_new_reqs:
+            for ids in r.block_ids:
+                out += ids
+        for groups in so.scheduled_cached_reqs.new_block_ids:
+            if groups:
+                for ids in groups:
+                    if ids:
+                        out += ids
+        return out
+
+    @staticmethod
+    def _set_cursor(st: _Req, block: int) -> None:
+        st.cursor = [block] * len(st.cursor)
+        st.lo = block
+
     def _plan_stores(self, so: "SchedulerOutput") -> list[StoreSpec]:
-        """Newly full blocks of every scheduled request, minus keys in flight: one
-        ``prepare_store`` per namespace."""
+        """Newly full blocks of every scheduled request (and of finished ones waiting for
+        slots), minus keys in flight or known to be in the pool, each given a reserved slot
+        from the client's stock. Never waits: blocks the stock cannot cover yet are planned
+        again next step (or skipped when the pool has no room).
+
+        Only requests that vLLM handed new blocks this step are looked at (new and resumed
+        ones, prefill chunks, and a decode at the step after its block filled: vLLM allocates
+        the next block then, and the filled one's tokens are all known by then, also under
+        async scheduling); a request that finishes with a full block not yet stored is taken
+        in by the backlog (``request_finished``). So a step of decodes costs little per
+        running request, and the work per block is done by C-level list, set and dict
+        operations over each request's run of new blocks."""
         if self.kv_cache_manager is None or not self._daemon_ok():
             return []
+        cached = so.scheduled_cached_reqs
+        candidates = [r.req_id for r in so.scheduled_new_reqs]
+        candidates += compress(cached.req_ids, cached.new_block_ids)
+        if self._replan:
+            candidates += self._replan
+            self._replan = set()
+        if not any(self.client.stock(g.namespace) for g in self.groups) \
+                and any(self.client.reserving(g.namespace) for g in self.groups):
+            # No slot in hand, a refill on its way: look at these requests again next step,
+            # without doing the work per request now.
+            self._replan.update(candidates)
+            self.client.take_slots(self.groups[0].namespace, 0)     # (asks, if not yet)
+            return []
         bt = self.block_tokens
-        wanted: list[list[tuple[str, int, bytes, int]]] = [[] for _ in self.groups]
+        get = self._reqs.get
+        n_sched_of = so.num_scheduled_tokens
+        due: list[tuple[_Req, int]] = []
+        for rid in candidates:
+            st = get(rid)
+            if st is not None:
+                n_sched = n_sched_of.get(rid, 0)
+                if (st.request.num_computed_tokens + n_sched) // bt > st.lo:
+                    due.append((st, n_sched))
+        if self._backlog:
+            reqs = self._reqs
+            due += [(reqs[rid], 0) for rid in self._backlog
+                    if rid not in n_sched_of and rid in reqs]
+        if not due:
+            return []
+        spec_tokens = so.scheduled_spec_decode_tokens
+        tables = self._block_tables()
+        # per group: (request, block indices, keys, GPU block ids) runs to store
+        wanted: list[list[tuple[_Req, Sequence[int], list[bytes], list[int]]]] = \
+            [[] for _ in self.groups]
         seen: list[set[bytes]] = [set() for _ in self.groups]
-        spec_tokens = so.scheduled_spec_decode_tokens or {}
-        for rid, n_sched in so.num_scheduled_tokens.items():
-            st = self._reqs.get(rid)
-            if st is None or not st.keys.cacheable or st.loading:
+        for st, n_sched in due:
+            if not st.keys.cacheable or st.loading:
                 continue
             req = st.request
-            done = min(req.num_computed_tokens + n_sched - len(spec_tokens.get(rid, ())),
-                       req.num_tokens)
-            n_full = done // bt
-            if n_full <= min(st.cursor):
+            rid = req.request_id
+            done = req.num_computed_tokens + n_sched
+            if spec_tokens and rid in spec_tokens:
+                done -= len(spec_tokens[rid])
+            n_full = min(done, req.num_tokens) // bt
+            if n_full <= st.lo:
                 continue
-            table = self.kv_cache_manager.get_block_ids(rid)
             for gi, g in enumerate(self.groups):
                 lo = st.cursor[gi]
                 if n_full <= lo:
                     continue
-                ids = table[g.index]
-                keys = st.keys.keys(req, gi, n_full)
-                for i in range(lo, min(n_full, len(ids))):
-                    key = keys[i]
-                    if ids[i] == 0 or (gi, key) in self._inflight_keys or key in seen[gi]:
-                        continue
-                    seen[gi].add(key)
-                    wanted[gi].append((rid, i, key, ids[i]))
                 st.cursor[gi] = n_full
+                if tables is not None:
+                    blocks = tables[g.index].get(rid) or ()
+                    hi = min(n_full, len(blocks))
+                    bids = [b.block_id for b in blocks[lo:hi]]
+                else:
+                    ids = self.kv_cache_manager.get_block_ids(rid)[g.index]
+                    hi = min(n_full, len(ids))
+                    bids = ids[lo:hi]
+                if hi <= lo:
+                    continue
+                keys = st.keys.range(req, gi, lo, hi)
+                inflight, taken = self._inflight[gi], seen[gi]
+                # A P/D hand-off stores every block: the decode side must find each one.
+                known = self._committed[gi] if not st.producer else _NOTHING
+                if 0 in bids or not inflight.keys().isdisjoint(keys) \
+                        or not taken.isdisjoint(keys) or not known.keys().isdisjoint(keys):
+                    keep = [j for j, (k, b) in enumerate(zip(keys, bids))
+                            if b and k not in inflight and k not in taken and k not in known]
+                    if not keep:
+                        continue
+                    index: Sequence[int] = [lo + j for j in keep]
+                    keys = [keys[j] for j in keep]
+                    bids = [bids[j] for j in keep]
+                else:
+                    index = range(lo, hi)
+                taken.update(keys)
+                wanted[gi].append((st, index, keys, bids))
+            st.lo = min(st.cursor)
         specs: list[StoreSpec] = []
         for gi, g in enumerate(self.groups):
-            if not wanted[gi]:
+            runs = wanted[gi]
+            if not runs:
                 continue
-            refs = self._call(self.client.prepare_store, g.namespace,
-                              [key for _, _, key, _ in wanted[gi]])
-            if refs is None:
+            total = sum(len(keys) for _, _, keys, _ in runs)
+            refs, grant = self.client.take_slots(g.namespace, total)
+            if len(refs) < total:
+                runs = self._cut_runs(gi, g.namespace, runs, len(refs))
+            if not runs:
                 continue
-            by_req: dict[str, _Ticket] = {}
-            for (rid, i, key, bid), ref in zip(wanted[gi], refs):
-                if ref in (SLOT_PRESENT, SLOT_NO_SPACE) or ref < 0:
-                    continue
-                t = by_req.get(rid)
-                if t is None:
-                    t = by_req[rid] = _Ticket(rid, gi, [], [], [], [])
-                t.indices.append(i)
-                t.keys.append(key)
-                t.slots.append(ref)
-                t.block_ids.append(bid)
-            for rid, t in by_req.items():
-                tid = self._next_ticket
-                self._next_ticket += 1
-                self._tickets[tid] = t
-                self._reqs[rid].tickets.add(tid)
-                for key in t.keys:
-                    self._inflight_keys[(gi, key)] = tid
-                for b in t.block_ids:
-                    self._block_tickets.setdefault(b, set()).add(tid)
-                specs.append(StoreSpec(tid, gi, t.slots, t.block_ids))
+            tid = self._next_ticket
+            self._next_ticket += 1
+            all_keys: list[bytes] = []
+            all_bids: list[int] = []
+            parts = []
+            for st, index, keys, bids in runs:
+                all_keys += keys
+                all_bids += bids
+                parts.append(_Run(st, index, keys))
+                st.tickets.add(tid)
+            refs = refs[:len(all_keys)]
+            self._tickets[tid] = _Ticket(gi, parts, all_keys, refs, all_bids)
+            self._inflight[gi].update(dict.fromkeys(all_keys, tid))
+            self._block_ticket.update(dict.fromkeys(all_bids, tid))
+            specs.append(StoreSpec(tid, gi, refs, all_bids, all_keys, grant))
         return specs
+
+    def _block_tables(self) -> list[dict[str, list[Any]]] | None:
+        """Per vLLM KV-cache group, the request -> blocks map of its manager, so a run of new
+        blocks costs its length rather than the request's whole table
+        (``KVCacheManager.get_block_ids`` lists every block of every group); None where the
+        manager is shaped otherwise (then that public call is used)."""
+        try:
+            managers = self.kv_cache_manager.coordinator.single_type_managers
+            maps = [m.req_to_blocks for m in managers]
+        except AttributeError:
+            return None
+        return maps
+
+    def _cut_runs(self, gi: int, namespace: bytes, runs: list, n: int) -> list:
+        """The stock covers only ``n`` blocks: keep the runs' first ``n``; the others are
+        planned again next step while slots are coming, else (no room in the pool) skipped."""
+        coming = self.client.reserving(namespace)
+        out = []
+        for st, index, keys, bids in runs:
+            if n >= len(keys):
+                out.append((st, index, keys, bids))
+                n -= len(keys)
+                continue
+            if coming:
+                st.cursor[gi] = min(st.cursor[gi], index[n])
+                st.lo = min(st.cursor)
+                self._replan.add(st.request.request_id)
+            else:
+                logger.debug("kvpool: no room in the pool for %d blocks; not stored",
+                             len(keys) - n)
+            if n:
+                out.append((st, index[:n], keys[:n], bids[:n]))
+                n = 0
+        return out
+
+    def _has_unstored_blocks(self, st: _Req) -> bool:
+        req = st.request
+        return min(st.cursor) < min(req.num_computed_tokens, req.num_tokens) // self.block_tokens
+
+    def _end_backlog(self) -> None:
+        """Finished requests whose blocks are all planned (or that waited long enough, or
+        whose daemon is gone) let vLLM free their blocks once their stores have landed."""
+        now = time.monotonic()
+        give_up = not self._daemon_ok()
+        for rid in list(self._backlog):
+            st = self._reqs.get(rid)
+            if st is not None and not give_up and now < st.backlog_until \
+                    and self._has_unstored_blocks(st) \
+                    and any(self.client.reserving(g.namespace) for g in self.groups):
+                continue
+            self._backlog.discard(rid)
+            if st is not None and not st.tickets:
+                self._free_ready.append(rid)
+                self._forget(rid)
 
     # ---- completions ---------------------------------------------------------------------
 
@@ -653,15 +878,13 @@ class SchedulerRole:
             if st is None or not st.loading:
                 continue
             st.loading = False
-            for k in st.load_keys:
-                n = self._loading_keys.pop(k) - 1
-                if n:
-                    self._loading_keys[k] = n
+            deque(map(self._loading_keys.pop, st.load_keys, repeat(None)), maxlen=0)
             st.load_keys = []
             self._release.extend(st.leases)
             st.leases, st.hit = [], None
             if rid in failed or (invalid and not invalid.isdisjoint(st.load_blocks)):
-                st.cursor = [0] * len(self.groups)   # recomputed blocks get stored again
+                self._set_cursor(st, 0)   # recomputed blocks get stored again
+                st.pooled = 0
                 st.load_failed = True
             st.load_blocks = []
             if st.finished:
@@ -669,38 +892,40 @@ class SchedulerRole:
 
     def _resolve_ticket(self, tid: int, t: _Ticket) -> None:
         del self._tickets[tid]
-        for key in t.keys:
-            if self._inflight_keys.get((t.group, key)) == tid:
-                del self._inflight_keys[(t.group, key)]
-        for b in t.block_ids:
-            ts = self._block_tickets.get(b)
-            if ts is not None:
-                ts.discard(tid)
-                if not ts:
-                    del self._block_tickets[b]
+        if not t.stale:     # (a reset emptied the in-flight map; others may use it since)
+            deque(map(self._inflight[t.group].pop, t.keys, repeat(None)), maxlen=0)
         if t.failed:
             self._abort_slots.extend(t.slots)
         elif not t.stale:
-            self._committed_event(t)
-        st = self._reqs.get(t.req_id)
-        if st is not None:
+            remembered = self._committed[t.group]
+            remembered.update(dict.fromkeys(t.keys))
+            if len(remembered) > _MAX_REMEMBERED_KEYS:
+                for _ in range(len(remembered) - _MAX_REMEMBERED_KEYS):
+                    remembered.popitem(last=False)
+            if self.events_enabled:
+                self._stored.append(t)
+        for run in t.runs:
+            st = run.req
             st.tickets.discard(tid)
             if st.finishing and not st.tickets:
-                self._free_ready.append(t.req_id)
-                self._forget(t.req_id)
+                rid = st.request.request_id
+                if rid not in self._backlog and self._reqs.get(rid) is st:
+                    self._free_ready.append(rid)
+                    self._forget(rid)
 
-    def _committed_event(self, t: _Ticket) -> None:
+    def _committed_event(self, t: _Ticket, run: _Run) -> None:
         from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
 
-        st = self._reqs.get(t.req_id)
+        st = run.req
+        if not run.indices:
+            return
         g = self.groups[t.group]
-        remembered = self._committed[t.group]
         bt = self.block_tokens
-        for i, key in zip(t.indices, t.keys):
-            remembered[key] = None
-            if st is None:
-                continue
-            parent = st.keys.keys(st.request, t.group, i)[-1] if i else None
+        first = run.indices[0]
+        chain = st.keys.range(st.request, t.group, max(first - 1, 0), run.indices[-1] + 1)
+        base = max(first - 1, 0)
+        for i, key in zip(run.indices, run.keys):
+            parent = chain[i - 1 - base] if i else None
             lora = st.request.lora_request
             self._events.append(BlockStored(
                 block_hashes=[key], parent_block_hash=parent,
@@ -708,8 +933,6 @@ class SchedulerRole:
                 lora_id=None, medium=MEDIUM_CPU,
                 lora_name=getattr(lora, "lora_name", None) if lora else None,
                 group_idx=g.index))
-        while len(remembered) > _MAX_REMEMBERED_KEYS:
-            remembered.popitem(last=False)
 
     # ---- finish, reset, events ----------------------------------------------------------
 
@@ -727,6 +950,13 @@ class SchedulerRole:
             return False, params
         # A lookup reply that lands later finds the request gone and releases its leases.
         self._consume_lookup(st, keep_leases=False)
+        if self._has_unstored_blocks(st) and self._daemon_ok() and st.keys.cacheable \
+                and any(self.client.reserving(g.namespace) for g in self.groups):
+            # Full blocks wait for slots from the stock: keep them until they are stored.
+            st.backlog_until = time.monotonic() + self.store_wait_s
+            self._backlog.add(request.request_id)
+            st.finishing = True
+            return True, params
         if st.tickets:
             st.finishing = True
             return True, params
@@ -749,30 +979,35 @@ class SchedulerRole:
 
     def has_pending_push_work(self) -> bool:
         return bool(self._tickets or self._free_ready or self._release or self._abort_slots
-                    or self._retry or self._streams)
+                    or self._retry or self._streams or self._backlog)
 
     def reset_cache(self) -> bool:
-        """Forget every block of this engine's namespaces in the pool; False if the daemon
-        could not be reached (vLLM then reports the reset as failed)."""
+        """Forget every block of this engine's namespaces in the pool, without waiting for the
+        daemon's answer (later lookups on this connection see the reset); False if it could
+        not be sent (vLLM then reports the reset as failed).
+
+        Stores planned before the reset must never show up after it (a reset often follows a
+        weight update): their slots are given back first, on the same connection, so a store
+        that reaches the daemon later finds its slot gone and commits nothing.
+        """
         from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
 
-        ok = True
-        for g in self.groups:
-            try:
-                self.client.reset(g.namespace)
-            except DaemonUnavailable as e:
-                self._daemon_failed(e)
-                ok = False
-            except KvpoolError as e:
-                logger.warning("kvpool: reset failed: %s", e)
-                ok = False
+        ok = self._pump()
+        if ok:
+            stale = [ref for t in self._tickets.values() for ref in t.slots]
+            if stale:
+                ok = self._nowait(self.client.abort_nowait, stale)
+            for g in self.groups:
+                ok = ok and self._nowait(self.client.reset_nowait, g.namespace)
+        self._build_events()          # stored before the reset, reported before its removal
         for t in self._tickets.values():
             t.stale = True
-        self._inflight_keys.clear()
+        for inflight in self._inflight:
+            inflight.clear()
         for st in self._reqs.values():
             if not st.loading:
                 self._consume_lookup(st, keep_leases=False)
-            st.cursor = [0] * len(self.groups)
+            self._set_cursor(st, 0)
         for gi, remembered in enumerate(self._committed):
             if remembered:
                 self._events.append(BlockRemoved(block_hashes=list(remembered),
@@ -781,13 +1016,21 @@ class SchedulerRole:
                 remembered.clear()
         return ok
 
+    def _build_events(self) -> None:
+        stored, self._stored = self._stored, []
+        for t in stored:
+            for run in t.runs:
+                self._committed_event(t, run)
+
     def take_events(self) -> Iterable[Any]:
+        if self._stored:
+            self._build_events()
         events, self._events = self._events, []
         return events
 
     def shutdown(self) -> None:
         if self._release:
-            self._call(self.client.release, sorted(set(self._release)))
+            self._nowait(self.client.release_nowait, sorted(set(self._release)))
             self._release = []
         close = getattr(self.client, "close", None)
         if close is not None:

@@ -160,19 +160,23 @@ class WorkerRole:
     def wait_for_save(self, meta: StepMeta) -> None:
         if not meta.stores:
             return
-        by_group: dict[int, tuple[list[int], list[int], list[int]]] = {}
+        # One job per group (and per daemon life that granted the slots: two only around a
+        # daemon restart, when the older ones are refused).
+        by_group: dict[tuple[int, str], tuple[list[int], list[int], list[int], list[bytes]]] = {}
         for spec in meta.stores:
-            slots, bids, tickets = by_group.setdefault(spec.group, ([], [], []))
+            slots, bids, tickets, keys = by_group.setdefault((spec.group, spec.grant),
+                                                             ([], [], [], []))
             slots.extend(spec.slots)
             bids.extend(spec.block_ids)
             tickets.append(spec.ticket)
+            keys.extend(spec.keys)
         event = self._events.store_event()
-        for gi, (slots, bids, tickets) in by_group.items():
+        for (gi, grant), (slots, bids, tickets, keys) in by_group.items():
             reg = self._regs.get(gi)
             try:
                 if reg is None:
                     raise KeyError("group not registered")
-                job = self.client.submit_store(reg, bids, slots, event)
+                job = self.client.submit_store(reg, bids, slots, event, keys=keys, grant=grant)
             except (DaemonUnavailable, KeyError) as e:
                 logger.debug("kvpool: store not submitted (%s)", e)
                 self._ack(tickets, ok=False)

@@ -96,10 +96,13 @@ class WorkerClient:
             self._t.call(lambda rid: p.UnregisterRequest(rid, reg.daemon_id))
 
     def submit_store(self, registration_id: int, block_ids: Sequence[int], slots: Sequence[int],
-                     wait_event: bytes = b"") -> int:
-        """Copy ``block_ids`` into prepared ``slots``; returns the job id (see ``poll``)."""
+                     wait_event: bytes = b"", *, keys: Sequence[bytes] = (),
+                     grant: str = "") -> int:
+        """Copy ``block_ids`` into prepared or reserved ``slots``; returns the job id (see
+        ``poll``). ``keys`` (one block hash per slot) binds reserved slots to their keys;
+        ``grant`` is the daemon id that reserved them (see ``StoreRequest``)."""
         return self._submit(registration_id, lambda rid, job, reg: p.StoreRequest(
-            rid, reg, job, list(block_ids), list(slots), wait_event))
+            rid, reg, job, list(block_ids), list(slots), wait_event, list(keys), grant))
 
     def submit_load(self, registration_id: int, slots: Sequence[int],
                     block_ids: Sequence[int]) -> int:
@@ -112,6 +115,9 @@ class WorkerClient:
         if self._t.is_stale:
             self._fail_in_flight("kvpoold vanished or restarted during the transfer")
             self._t.disconnect(backoff=False)
+        elif self._in_flight and not self._t.is_connected:
+            # The socket was dropped (a send found the daemon gone): no answer can come.
+            self._fail_in_flight("kvpoold went away during the transfer")
         replies = self._t.drain()
         if self._t.connection_lost():
             # Replies already read still count; what is still in flight never will.

@@ -9,6 +9,8 @@ Slot lifecycle (Plasma's CREATED → SEALED, with TP):
                                └── abort / owner gone / write timeout / failed rank --> FREE
     FREE --reserve_fills--> FILLING --end_fill(ok)--> COMMITTED
                                └── end_fill(failed) / reset --> FREE
+    FREE --reserve--> RESERVED --first rank's keyed store--> WRITING (bound to its key)
+                         └── abort / owner gone / reservation TTL / extent drained --> FREE
 
 - A WRITING slot is invisible to lookups; it becomes COMMITTED only when every unit of its
   layout has landed (``Layout.full_mask``: every KV head of a head-split layout, whatever TP
@@ -17,6 +19,16 @@ Slot lifecycle (Plasma's CREATED → SEALED, with TP):
 - ``pins`` counts leases and in-flight jobs. Eviction takes only COMMITTED, unpinned slots.
   A slot dropped while pinned is *doomed*: unreachable at once, freed when the last pin goes.
 - Slot refs carry the slot's generation, so a stale ref never touches a reused slot.
+- RESERVED is a slot granted to a scheduler ahead of its stores (``reserve``), bound to no key,
+  invisible to lookups, taking pool space but not its namespace's quota (a stock must not
+  crowd out a small quota's blocks). The scheduler assigns it to a key without asking, and the
+  first rank's store (``begin_store`` with keys) binds it: to the key if nobody holds that key
+  (the quota applies now, as for ``prepare_store``), else *void* (``Slot.void``): a duplicate, or
+  over a quota with nothing of its own left to evict. A void slot is written by no rank (the
+  server skips its copy), never mapped, and freed once every rank has reported it. So dedup
+  happens at bind time, in one place, and a key is never visible twice nor torn. Unused
+  reservations expire after ``reserve_ttl_s``; a restarted daemon knows none of them (their
+  pool records say WRITING, which adoption frees).
 - FILLING is a slot a lower tier is bringing back (``daemon/tiering.py``): lookups count it
   as a hit and loads may name it, but the caller must not copy out of it before ``end_fill``.
   It is pinned by its fill, recorded as WRITING in the pool (a crash drops it), and becomes
@@ -45,10 +57,16 @@ from kvpool.daemon.pool import COMMITTED, FREE, GENERATION_MASK, WRITING, Pool
 from kvpool.shared.errors import (LayoutMismatch, LeaseExpired, OutOfRange, PoolFull,
                                   ProtocolError, UnknownId)
 from kvpool.shared.layout import Layout
-from kvpool.shared.protocol import SLOT_NO_SPACE, SLOT_PRESENT, NamespaceInfo, make_slot_ref
+from kvpool.shared.protocol import (MAX_RESERVE, SLOT_NO_SPACE, SLOT_PRESENT, NamespaceInfo,
+                                    make_slot_ref)
 
-# An index-only state (the pool record says WRITING): a lower tier is filling the slot.
+# Index-only states (the pool record says WRITING): a lower tier is filling the slot; the slot
+# is reserved for a scheduler's stores and bound to no key yet.
 FILLING = 3
+RESERVED = 4
+# One client may hold at most this share of the pool's bytes as unbound reservations: a stock
+# for a few steps of stores, never a way to take the pool from the others.
+RESERVE_SHARE = 8
 
 
 @dataclass(slots=True, eq=False)
@@ -70,6 +88,7 @@ class Slot:
     deadline: float = 0.0       # WRITING: dropped if not landed by then
     last_use: int = 0           # LRU tick of the last commit or hit
     doomed: bool = False
+    void: bool = False          # bound as a duplicate or over its quota: never written nor mapped
 
 
 @dataclass(slots=True, eq=False)
@@ -97,17 +116,21 @@ class IndexStats:
     adopted_blocks: int = 0
     hit_tokens: int = 0
     miss_tokens: int = 0
+    duplicate_blocks: int = 0   # reserved slots bound to a key already held (freed unwritten)
 
 
 class Index:
     """All slot state. Callers: the server's dispatch (event-loop thread only)."""
 
     def __init__(self, pool: Pool, lease_ttl_s: float, write_timeout_s: float,
-                 namespace_quota: int = 0) -> None:
+                 namespace_quota: int = 0, reserve_ttl_s: float = 10.0) -> None:
         self.pool = pool
         self.namespace_quota = namespace_quota
         self.lease_ttl_s = lease_ttl_s
         self.write_timeout_s = write_timeout_s
+        self.reserve_ttl_s = reserve_ttl_s
+        self._reserved: dict[int, Slot] = {}
+        self._reserved_bytes: dict[int, int] = {}   # owner -> bytes of its RESERVED slots
         self.stats = IndexStats()
         self._slots: dict[int, Slot] = {}
         # namespace -> block hash -> slot (WRITING or COMMITTED). Per-namespace tables keep a
@@ -368,24 +391,66 @@ class Index:
                            f"is being written or pinned by a lease or a transfer")
         return out
 
-    def _claim(self, ns: bytes, table: dict[bytes, Slot], k: bytes, slot_bytes: int,
+    def _claim(self, ns: bytes, table: dict[bytes, Slot] | None, k: bytes, slot_bytes: int,
                quota: int) -> Slot | None:
-        """A slot for key ``k`` of ``ns``, mapped and counted, its state for the caller to set;
-        None where nothing could be evicted, ``_OVER_QUOTA`` where the quota stops it."""
+        """A slot for key ``k`` of ``ns``, counted, and mapped unless ``table`` is None (a
+        reservation: no key yet), its state for the caller to set; None where nothing could be
+        evicted, ``_OVER_QUOTA`` where the quota stops it."""
         if quota and not self._fits_quota(ns, slot_bytes, quota):
             return _OVER_QUOTA
         s = self._allocate(slot_bytes)
         if s is None:
             return None
-        s.ns, s.key, s.owner = ns, ns + k, 0
+        s.ns, s.key, s.owner = ns, ns + k if k else b"", 0
         s.generation = (s.generation + 1) & GENERATION_MASK
         s.ref = make_slot_ref(s.id, s.generation)
         s.landed = s.writing = 0
-        s.doomed = False
+        s.doomed = s.void = False
         self.pool.write_state(s.extent, s.index, WRITING, s.generation)
-        table[k] = s
-        self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
+        if table is not None:   # a reservation counts for its namespace once bound
+            table[k] = s
+            self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
         return s
+
+    # ---- reservations (stores planned without a round trip) --------------------------------
+
+    def reserve(self, ns: bytes, count: int, owner: int, now: float) -> list[int]:
+        """Up to ``count`` RESERVED slot refs of ``ns`` for ``owner``, bound to no key, taken
+        back at ``now + reserve_ttl_s`` unless a store binds them first. Fewer (possibly none)
+        where the pool or the namespace's quota has no room (evicting LRU blocks as a store
+        would), or where ``owner`` already holds its share (1/RESERVE_SHARE of the pool). Quotas
+        apply when a store binds the slots, not here."""
+        if not 0 <= count <= MAX_RESERVE:
+            raise OutOfRange(f"a reservation asks for 0..{MAX_RESERVE} slots, not {count}")
+        layout = self.layout_of(ns)
+        slot_bytes = layout.slot_bytes
+        held = self._reserved_bytes.get(owner, 0)
+        count = min(count, max(0, self.pool.nbytes // RESERVE_SHARE - held) // slot_bytes)
+        out: list[int] = []
+        for _ in range(count):
+            s = self._claim(ns, None, b"", slot_bytes, 0)
+            if s is None:
+                break
+            s.state, s.owner = RESERVED, owner
+            s.deadline = now + self.reserve_ttl_s
+            self._reserved[s.id] = s
+            out.append(s.ref)
+        if out:
+            self._reserved_bytes[owner] = held + len(out) * slot_bytes
+        return out
+
+    @property
+    def reserved_count(self) -> int:
+        return len(self._reserved)
+
+    def _unreserve(self, s: Slot) -> None:
+        """``s`` stops being RESERVED (bound, aborted, expired or freed): its owner's share."""
+        del self._reserved[s.id]
+        left = self._reserved_bytes[s.owner] - s.size_class.slot_bytes
+        if left:
+            self._reserved_bytes[s.owner] = left
+        else:
+            del self._reserved_bytes[s.owner]
 
     def _fits_quota(self, ns: bytes, slot_bytes: int, quota: int) -> bool:
         """Make room for one more slot under ``ns``'s quota by evicting its own least recently
@@ -399,28 +464,44 @@ class Index:
         return True
 
     def abort_store(self, refs: list[int], owner: int) -> int:
-        """Drop prepared slots that will not be written. Unknown or stale refs are skipped."""
+        """Drop prepared or reserved slots that will not be written. Unknown or stale refs are
+        skipped (an abort may cross the slot's expiry)."""
         n = 0
         for ref in refs:
             s = self._resolve(ref)
-            if s is not None and s.state == WRITING and s.owner == owner:
+            if s is not None and (s.state == WRITING or s.state == RESERVED) \
+                    and s.owner == owner:
                 self._drop(s)
                 n += 1
         return n
 
-    def begin_store(self, ns: bytes, refs: list[int], rank: int, mask: int | None = None
-                    ) -> list[Slot]:
+    def begin_store(self, ns: bytes, refs: list[int], rank: int, mask: int | None = None, *,
+                    keys: list[bytes] | None = None, now: float = 0.0) -> list[Slot]:
         """Validate a store job's slots and pin them; all or nothing. ``mask`` is the units the
-        job lands (``Layout.rank_mask``; default: rank ``rank``'s shard, ``1 << rank``)."""
+        job lands (``Layout.rank_mask``; default: rank ``rank``'s shard, ``1 << rank``).
+
+        With ``keys`` (one block hash per ref), RESERVED slots are bound here: to their key, or
+        as duplicates (``Slot.void``: the caller copies nothing into them) where the key is
+        already committed, being written or filled, or named twice. Slots bound earlier (by
+        another rank's store, or by ``prepare_store``) must be bound to the same key.
+        """
         slots = []
         bit = 1 << rank if mask is None else mask
-        for ref in refs:
+        for i, ref in enumerate(refs):
             s = self._resolve(ref)
             if s is None:
                 raise OutOfRange(f"slot ref {ref:#x} names no slot of this pool")
-            if s.state != WRITING or s.doomed or s.key[:16] != ns:
-                raise UnknownId(f"slot ref {ref:#x} is not prepared for this namespace (aborted, "
-                                f"reset, timed out or never prepared)")
+            if s.state == RESERVED and not s.doomed and s.ns == ns:
+                if keys is None:
+                    raise UnknownId(f"slot ref {ref:#x} is reserved, not bound to a key: a store "
+                                    f"into a reserved slot must name its key")
+            elif s.state != WRITING or s.doomed or s.key[:16] != ns:
+                raise UnknownId(f"slot ref {ref:#x} is not prepared or reserved for this "
+                                f"namespace (aborted, reset, expired, timed out or never "
+                                f"granted)")
+            elif keys is not None and s.key[16:] != keys[i]:
+                raise ProtocolError(f"slot ref {ref:#x} is bound to another key than the one "
+                                    f"this store names")
             if (s.landed | s.writing) & bit:
                 raise ProtocolError(f"rank {rank} stores units {bit:#x} of slot ref {ref:#x}, "
                                     f"which overlap units already stored or being stored "
@@ -429,6 +510,25 @@ class Index:
             slots.append(s)
         if len({s.id for s in slots}) != len(slots):
             raise ProtocolError("a store job names the same slot twice")
+        if keys is not None:
+            table = self._tables.setdefault(ns, {})
+            deadline = now + self.write_timeout_s
+            quota = self._quota.get(ns, 0)
+            for s, k in zip(slots, keys):
+                if s.state != RESERVED:
+                    continue
+                self._unreserve(s)
+                s.state, s.key, s.deadline = WRITING, ns + k, deadline
+                self._writing[s.id] = s
+                slot_bytes = s.size_class.slot_bytes
+                if k in table:
+                    s.void = True
+                    self.stats.duplicate_blocks += 1
+                elif quota and not self._fits_quota(ns, slot_bytes, quota):
+                    s.void = True      # as SLOT_NO_SPACE: this block is not pooled
+                else:
+                    table[k] = s
+                    self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
         for s in slots:
             s.writing |= bit
             s.pins += 1
@@ -451,6 +551,12 @@ class Index:
                 if s.landed == full:
                     ready.append(s)
             if s.doomed:
+                self._drop(s)
+        if any(s.void for s in ready):
+            dups = [s for s in ready if s.void]
+            ready = [s for s in ready if not s.void]
+            # Every rank has reported a duplicate: nothing to show, its slot goes back.
+            for s in dups:
                 self._drop(s)
         if ready:
             self._commit(ready)
@@ -537,21 +643,28 @@ class Index:
 
     # ---- housekeeping ----------------------------------------------------------------------
 
-    def expire(self, now: float) -> tuple[int, int]:
-        """Drop leases past their TTL and prepared slots past their write timeout."""
+    def expire(self, now: float) -> tuple[int, int, int]:
+        """Drop leases past their TTL, prepared slots past their write timeout and reserved
+        slots past their reservation TTL; returns how many of each."""
         dead = [lid for lid, lease in self._leases.items() if lease.expires <= now]
         for lid in dead:
             self._unpin(self._leases.pop(lid).slots)
         late = [s for s in self._writing.values() if s.deadline <= now]
         for s in late:
             self._drop(s)
-        return len(dead), len(late)
+        unused = [s for s in self._reserved.values() if s.deadline <= now]
+        for s in unused:
+            self._drop(s)
+        return len(dead), len(late), len(unused)
 
     def release_owner(self, owner: int) -> None:
-        """Everything a vanished client held: its leases and the slots it prepared."""
+        """Everything a vanished client held: its leases and the slots it prepared or
+        reserved."""
         self.release_leases([lid for lid, lease in self._leases.items() if lease.owner == owner],
                             owner)
         for s in [s for s in self._writing.values() if s.owner == owner]:
+            self._drop(s)
+        for s in [s for s in self._reserved.values() if s.owner == owner]:
             self._drop(s)
 
     def reset(self, ns: bytes) -> int:
@@ -568,6 +681,7 @@ class Index:
         committed = sum(len(c.lru) for c in self._classes.values())
         used = sum(s.size_class.slot_bytes for s in self._writing.values())
         used += sum(s.size_class.slot_bytes for s in self._filling.values())
+        used += sum(s.size_class.slot_bytes for s in self._reserved.values())
         used += sum(len(c.lru) * c.slot_bytes for c in self._classes.values())
         return writing, committed, used
 
@@ -652,7 +766,7 @@ class Index:
                     continue
                 age = 0
                 for s in self._extent_slots(e):
-                    if s.state == WRITING or s.pins:
+                    if s.state == WRITING or s.state == RESERVED or s.pins:
                         break
                     age = max(age, s.last_use)
                 else:
@@ -703,8 +817,10 @@ class Index:
                     self._forget_committed(s)
                     if self.events is not None:
                         self.events.append(("removed", s.ns, s.key[16:]))
-            elif s.state == WRITING or s.state == FILLING:
-                self._drop(s)       # a store into it is refused, or lands unseen
+            elif s.state == WRITING or s.state == FILLING or s.state == RESERVED:
+                # A store into it is refused (a reserved one too: its scheduler's store of
+                # that block fails, the block is not pooled), or lands unseen.
+                self._drop(s)
         self._finish_drain(best)
 
     def _finish_drain(self, extent: int) -> None:
@@ -783,10 +899,12 @@ class Index:
                 self.events.append(("removed", s.ns, s.key[16:]))
         self._writing.pop(s.id, None)
         self._filling.pop(s.id, None)
-        if s.state != FREE:
+        if s.state == RESERVED:
+            self._unreserve(s)
+        elif s.state != FREE and not s.void:
             self._ns_bytes[s.ns] -= s.size_class.slot_bytes
         s.state = FREE
-        s.doomed = False
+        s.doomed = s.void = False
         s.landed = s.writing = 0
         self.pool.write_state(s.extent, s.index, FREE)
         if s.extent in self._draining:

@@ -151,6 +151,7 @@ class _SnapshotCollector(Collector):
         slots.add_metric(["writing"], info.slots_writing)
         slots.add_metric(["committed"], info.slots_committed)
         slots.add_metric(["pinned"], info.slots_pinned)
+        slots.add_metric(["reserved"], info.slots_reserved)
         namespaces.add_metric([], info.namespaces)
         leases.add_metric([], info.leases)
         by_role = dict.fromkeys(_ROLE_NAMES.values(), 0)

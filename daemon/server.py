@@ -47,7 +47,8 @@ from kvpool.shared import protocol as p
 from kvpool.shared.config import DaemonConfig, parse_size
 from kvpool.shared.errors import (Aborted, BlockLost, ErrorCode, HelloRequired, KvpoolError,
                                   OutOfRange, PermissionDenied, ProtocolError, TooLarge,
-                                  VersionMismatch)
+                                  UnknownId, VersionMismatch)
+from kvpool.shared.keys import KEY_BYTES
 
 log = logging.getLogger("kvpoold")
 
@@ -73,7 +74,7 @@ class Server:
         self.pool = pool
         self.engines = engines
         self.index = Index(pool, config.lease_ttl_s, config.write_timeout_s,
-                           parse_size(config.namespace_quota))
+                           parse_size(config.namespace_quota), config.reservation_ttl_s)
         self.registry = Registry()
         self.daemon_id = uuid.uuid4().hex[:16]
         self.started = time.monotonic()
@@ -314,6 +315,11 @@ class Server:
                 _check_count(len(msg.keys), "keys")
                 return p.PrepareStoreReply(msg.req_id,
                                            idx.prepare_store(msg.namespace, msg.keys, owner.id, now))
+            case p.ReserveRequest():
+                _check_count(msg.count, "slots")
+                return p.ReserveReply(msg.req_id, idx.reserve(msg.namespace, msg.count, owner.id,
+                                                              now),
+                                      int(self.config.reservation_ttl_s * 1000), self.daemon_id)
             case p.AbortStoreRequest():
                 return p.OkReply(msg.req_id, idx.abort_store(msg.slots, owner.id))
             case p.ReleaseRequest():
@@ -444,7 +450,8 @@ class Server:
                 # and the slot commits (or not) on that rank's store alone.
                 return p.JobDone(msg.req_id, msg.job_id, 0, "", 0)
             if is_store:
-                slots = self.index.begin_store(reg.namespace, msg.slots, reg.tp_rank, reg.mask)
+                slots = self.index.begin_store(reg.namespace, msg.slots, reg.tp_rank, reg.mask,
+                                               keys=self._store_keys(msg), now=started)
             else:
                 slots = self.index.begin_load(reg.namespace, msg.slots)
         except KvpoolError as e:
@@ -452,8 +459,16 @@ class Server:
             self.telemetry.error(e.code)
             return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
         offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
+        if is_store and msg.keys:
+            # Duplicates (keys someone else holds) are bound but written by nobody.
+            keep = np.fromiter((not s.void for s in slots), bool, len(slots))
+            if not keep.all():
+                blocks, offsets = blocks[keep], offsets[keep]
         try:
-            if is_store:
+            if is_store and not len(blocks):
+                fut: Future[JobResult] = Future()
+                fut.set_result(JobResult(0))
+            elif is_store:
                 fut = reg.engine.submit_store(reg.mapped, blocks, offsets, msg.wait_event)
             else:
                 fills = self.tiering.pending(slots) if self.tiering is not None else []
@@ -485,6 +500,19 @@ class Server:
                 pass
         fut.add_done_callback(resolved)
         return None
+
+    def _store_keys(self, msg: p.StoreRequest) -> list[bytes] | None:
+        """The store's keys, checked (None: every slot was bound by prepare_store)."""
+        if msg.grant and msg.grant != self.daemon_id:
+            raise UnknownId(f"these slot refs were granted by daemon {msg.grant}, this is daemon "
+                            f"{self.daemon_id} (it restarted): reserve again")
+        if not msg.keys:
+            return None
+        if len(msg.keys) != len(msg.slots):
+            raise ProtocolError(f"{len(msg.keys)} keys for {len(msg.slots)} slots")
+        if any(len(k) != KEY_BYTES for k in msg.keys):
+            raise ProtocolError(f"block keys are {KEY_BYTES} bytes each")
+        return msg.keys
 
     def _load_after_fills(self, fills: list[asyncio.Future], slots: list[Slot],
                           submit) -> Future[JobResult]:
@@ -663,7 +691,9 @@ class Server:
                           slots_pinned=self.index.pinned_count(), hit_tokens=st.hit_tokens,
                           miss_tokens=st.miss_tokens,
                           namespace_usage=self.index.namespace_usage(),
-                          tiers=self.tiering.info() if self.tiering is not None else [])
+                          tiers=self.tiering.info() if self.tiering is not None else [],
+                          slots_reserved=self.index.reserved_count,
+                          duplicate_blocks=st.duplicate_blocks)
 
 
 def _check_count(n: int, what: str) -> None:

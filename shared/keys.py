@@ -13,6 +13,7 @@ process and after restarts, so nothing here uses Python's ``hash`` (seeded per p
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from typing import NewType, Sequence
@@ -50,7 +51,7 @@ def chain_block_hashes(token_ids: Sequence[int], block_tokens: int, parent: byte
     """
     out: list[BlockHash] = []
     n_full = len(token_ids) // block_tokens
-    pack = struct.Struct(f"<{block_tokens}q").pack
+    pack = _packer(block_tokens)
     for i, b in enumerate(range(start_block, n_full)):
         h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"kvpool-block")
         h.update(pack(*token_ids[b * block_tokens:(b + 1) * block_tokens]))
@@ -60,6 +61,11 @@ def chain_block_hashes(token_ids: Sequence[int], block_tokens: int, parent: byte
         parent = h.digest()
         out.append(BlockHash(parent))
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _packer(block_tokens: int):
+    return struct.Struct(f"<{block_tokens}q").pack
 
 
 def request_block_hashes(namespace: bytes, token_ids: Sequence[int], block_tokens: int,

@@ -17,6 +17,17 @@ Conversation:
   requests are answered once, by ``JobDone``, when the copy has finished or failed.
 - Every failure is an ``ErrorReply`` (or a ``JobDone`` with a non-zero code) naming an
   ``ErrorCode``; the connection stays usable.
+- Stores without a round trip on the scheduler's path: ``ReserveRequest`` grants a stock of
+  writable slots of a namespace ahead of need (unbound to any key; they expire unused after the
+  reply's ``ttl_ms``); the scheduler assigns them to keys locally, and the worker's
+  ``StoreRequest`` names each slot's key (``keys``) and the daemon life that granted it
+  (``grant``). The daemon binds a reserved slot to its key when the first rank's store arrives;
+  a key already committed or being written by anyone is a *duplicate*: its slot is written by
+  nobody and freed once every rank reported it, so no key is ever visible twice. The older
+  ``PrepareStoreRequest`` (keys bound at once, one round trip) stays for tools.
+- Requests whose reply nobody waits for (``ReleaseRequest``, ``AbortStoreRequest``,
+  ``ResetRequest`` sent by a scheduler that must not block) are answered like any other; the
+  client folds those answers into its next poll.
 """
 
 from __future__ import annotations
@@ -29,6 +40,9 @@ import msgspec
 from kvpool.shared.layout import Layout, SegmentPlacement
 
 PROTOCOL_VERSION = 1
+
+# Most slots one ReserveRequest may ask for: a larger count is refused as malformed.
+MAX_RESERVE = 65536
 
 # prepare_store answers, per key, a slot ref to write or one of these.
 SLOT_PRESENT = -1   # committed already, or being written by an earlier prepare_store
@@ -155,7 +169,8 @@ class PrepareStoreRequest(msgspec.Struct, tag=7, **_WIRE):
 
 
 class AbortStoreRequest(msgspec.Struct, tag=8, **_WIRE):
-    """Give back prepared slots that will not be written (request aborted or preempted)."""
+    """Give back prepared or reserved slots that will not be written (request aborted or
+    preempted, a store that failed, a reservation the client will not use)."""
 
     req_id: int
     slots: list[int]
@@ -167,7 +182,8 @@ class ReleaseRequest(msgspec.Struct, tag=9, **_WIRE):
 
 
 class StoreRequest(msgspec.Struct, tag=10, **_WIRE):
-    """Copy ``block_ids`` of a registration into prepared ``slots`` (this rank's shard)."""
+    """Copy ``block_ids`` of a registration into prepared or reserved ``slots`` (this rank's
+    shard)."""
 
     req_id: int
     registration_id: int
@@ -175,6 +191,13 @@ class StoreRequest(msgspec.Struct, tag=10, **_WIRE):
     block_ids: list[int]
     slots: list[int]
     wait_event: bytes = b""  # CUDA IPC event the copy waits on (engine compute done)
+    # Appended last (array_like positional): older peers still decode the fields above.
+    # Per slot, the block hash it stores (16 bytes): binds reserved slots to their keys, and is
+    # checked against prepared ones. Empty: every slot was bound by PrepareStoreRequest.
+    keys: list[Key] = []
+    # The daemon_id whose ReserveReply granted the slots (empty: not checked). A store whose
+    # slots another daemon life granted is refused (UNKNOWN_ID) instead of touching this pool.
+    grant: Label = ""
 
 
 class LoadRequest(msgspec.Struct, tag=11, **_WIRE):
@@ -206,9 +229,19 @@ class ByeRequest(msgspec.Struct, tag=14, **_WIRE):
     req_id: int
 
 
+class ReserveRequest(msgspec.Struct, tag=15, **_WIRE):
+    """Writable slots of ``namespace`` for stores to come, bound to no key yet (see the module
+    docstring). The daemon may grant fewer than ``count`` (none when the pool or the
+    namespace's quota has no room, or this client already holds its share)."""
+
+    req_id: int
+    namespace: Key
+    count: int
+
+
 Request = Union[Hello, Heartbeat, Ping, RegisterRequest, UnregisterRequest, LookupRequest,
                 PrepareStoreRequest, AbortStoreRequest, ReleaseRequest, StoreRequest,
-                LoadRequest, InfoRequest, ResetRequest, ByeRequest]
+                LoadRequest, InfoRequest, ResetRequest, ByeRequest, ReserveRequest]
 
 
 # ---- replies -------------------------------------------------------------------------------
@@ -342,6 +375,8 @@ class PoolInfo(msgspec.Struct, **_WIRE):
     miss_tokens: int = 0
     namespace_usage: list[NamespaceInfo] = []
     tiers: list[TierInfo] = []   # tiers under the pool, top down (empty: the pool only)
+    slots_reserved: int = 0      # granted to schedulers ahead of their stores, not bound yet
+    duplicate_blocks: int = 0    # stores of keys already held: freed unwritten, never shown twice
 
 
 class InfoReply(msgspec.Struct, tag=72, **_WIRE):
@@ -355,8 +390,15 @@ class ErrorReply(msgspec.Struct, tag=73, **_WIRE):
     message: str
 
 
+class ReserveReply(msgspec.Struct, tag=74, **_WIRE):
+    req_id: int
+    slots: list[int]         # slot refs granted (possibly fewer than asked, possibly none)
+    ttl_ms: int              # a granted slot no store has named by then is taken back
+    daemon_id: str           # the life that granted them: StoreRequest.grant
+
+
 Reply = Union[HelloReply, HeartbeatReply, Pong, RegisterReply, LookupReply, PrepareStoreReply,
-              OkReply, JobDone, InfoReply, ErrorReply]
+              OkReply, JobDone, InfoReply, ErrorReply, ReserveReply]
 
 # Shared codec objects: building them is the expensive part, encoding/decoding is not.
 _encoder = msgspec.msgpack.Encoder()

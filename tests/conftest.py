@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -15,6 +16,16 @@ from bench.soak.common import wait_for  # noqa: F401  (tests import it from here
 from kvpool.shared.config import ClientConfig
 
 STARTUP_TIMEOUT_S = 30.0
+
+
+def unless_unavailable(fn: Callable[[], object]):
+    """``fn()``, or None when the daemon is unavailable (for ``wait_for`` across restarts)."""
+    from kvpool.shared.errors import DaemonUnavailable
+
+    try:
+        return fn()
+    except DaemonUnavailable:
+        return None
 
 
 class DaemonProcess:

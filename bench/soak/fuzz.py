@@ -3,8 +3,8 @@ daemon from several connections; it must answer every one (an error is an answer
 INTERNAL, stay up, and keep another client's blocks intact.
 
 Capture: a real worker and scheduler (``bench.soak.client.Engine``) run one session (hello,
-heartbeat, register, prepare, store, lookup, load, release, abort, info, ping, reset,
-unregister) while ``protocol.encode`` records every frame they send.
+heartbeat, register, prepare, store, lookup, load, release, abort, reserve, keyed store, info,
+ping, reset, unregister) while ``protocol.encode`` records every frame they send.
 
 Mutations, each from a captured frame: a value replaced by one of another type, a huge or
 negative integer, an out-of-range or stale slot ref, a crafted shm name (``../`` paths, NUL
@@ -58,6 +58,14 @@ def _capture(socket: str) -> list[bytes]:
         eng.sched.release(hit.leases)
         more = eng.sched.prepare_store(eng.ns, eng.keys(range(100, 104)))
         eng.sched.abort_store(more)
+        # Stores planned without a round trip: reserved slots, bound by a keyed store.
+        grant = eng.sched.reserve(eng.ns, 4)
+        if grant.slots:
+            kept = grant.slots[:2]
+            assert eng.worker.wait([eng.worker.submit_store(
+                eng.reg, [0, 1][:len(kept)], kept, keys=eng.keys(range(200, 202))[:len(kept)],
+                grant=grant.daemon_id)], 30)[0].ok
+            eng.sched.abort_store(grant.slots[2:])
         eng.sched.info()
         eng.sched.ping()
         time.sleep(1.2)                 # at least one heartbeat goes out

@@ -9,7 +9,7 @@ from kvpool.client.scheduler import SchedulerClient
 from kvpool.client.worker import WorkerClient
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.errors import DaemonUnavailable, ErrorCode
-from tests.conftest import wait_for
+from tests.conftest import unless_unavailable, wait_for
 from tests.kvtest import HostKv
 
 
@@ -69,7 +69,8 @@ def test_clients_recover_by_themselves_after_a_daemon_restart(daemon):
     assert time.monotonic() - t0 < 4
     daemon.restart()
     # The scheduler reconnects on its own; the worker replays its registration (same local id).
-    hit = wait_for(lambda: _try(lambda: sched.lookup(kv.namespace, [keys], pin=True)), 15,
+    hit = wait_for(lambda: unless_unavailable(
+        lambda: sched.lookup(kv.namespace, [keys], pin=True)), 15,
                    "the scheduler to reconnect")
     assert hit.hits == [2], "committed blocks must survive kill -9 and restart"
     kv.poison([5, 6])
@@ -103,6 +104,45 @@ def test_jobs_in_flight_when_the_daemon_dies_fail_instead_of_hanging(daemon):
     assert worker.jobs_in_flight == 0
     assert any(not c.ok and c.code == ErrorCode.ABORTED for c in done) or all(c.ok for c in done)
     sched.close(); worker.close(); kv.close()
+
+
+def test_jobs_in_flight_fail_once_their_connection_is_dropped(daemon):
+    # A send that finds the daemon gone drops the socket; jobs sent before on it can never be
+    # answered, and must not wait for a heartbeat verdict that a dropped socket never gets.
+    kv = HostKv()
+    worker, reg = kv.register(daemon.client_config())
+    sched = SchedulerClient(daemon.client_config())
+    job = worker.submit_store(reg, [0], sched.prepare_store(kv.namespace, kv.keys([0] * 16)))
+    worker._t.disconnect()            # what Transport._send does on zmq.Again
+    done = worker.poll()
+    assert [(c.job_id, c.ok) for c in done] == [(job, False)] and worker.jobs_in_flight == 0
+    sched.close(); worker.close(); kv.close()
+
+
+def test_connecting_without_waiting_and_after_a_long_idle(daemon_factory, tmp_path):
+    # No daemon: each attempt returns at once, and fails (at once here: no socket file).
+    cfg = ClientConfig(socket=str(tmp_path / "nobody.sock"), timeout_ms=200,
+                       reconnect_backoff_ms=50)
+    lone = SchedulerClient(cfg)
+    t0 = time.perf_counter()
+    with pytest.raises(DaemonUnavailable, match="not reachable"):
+        while time.perf_counter() - t0 < 5:
+            t1 = time.perf_counter()
+            assert lone.ready() is False
+            assert time.perf_counter() - t1 < 0.05
+            time.sleep(0.01)
+    lone.close()
+    # A Hello whose answer is read long after (an engine idle since start, no heartbeat yet)
+    # is said again rather than trusted: the daemon may have released that owner meanwhile.
+    d = daemon_factory(extra=["--peer-timeout-ms", "200"])
+    sched = SchedulerClient(d.client_config(timeout_ms=300))
+    wait_for(lambda: sched.ready() is False and sched._t._hello_id is not None, 5,
+             "the Hello to go out")
+    time.sleep(0.6)
+    wait_for(sched.ready, 5, "the client to connect")
+    call = sched.lookup_start(b"n" * 16, [[b"k" * 16]])
+    assert wait_for(call.result, 5, "the lookup answer").hits == [0]
+    sched.close()
 
 
 def _try(fn):

@@ -296,24 +296,28 @@ def test_tp2_a_failed_rank_commits_nothing(make_engine, info):
 # ---- dedup ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
-def test_in_flight_stores_are_not_prepared_twice(make_engine, info, async_scheduling):
+def test_in_flight_stores_are_not_planned_twice(make_engine, info, async_scheduling):
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=256)
     role = e.connector.scheduler
-    asked: list[bytes] = []
-    original = role.client.prepare_store
+    planned: list[bytes] = []
+    original = role.build_connector_meta
 
-    def spy(namespace, keys):
-        asked.extend(keys)
-        return original(namespace, keys)
+    def spy(so):
+        meta = original(so)
+        planned.extend(k for spec in meta.stores for k in spec.keys)
+        return meta
 
-    role.client.prepare_store = spy
+    role.build_connector_meta = spy
     shared = prompt(64)
     e.add("a", shared + [1] * 5, max_tokens=2)
-    e.run(until=lambda: role._inflight_keys)        # a's 4 blocks are prepared and in flight
+    e.run(until=lambda: any(role._inflight))         # a's 4 blocks are planned and in flight
     e.add("b", shared + [2] * 5, max_tokens=2)
     e.run()
-    assert len(asked) == len(set(asked)), "a key was prepared twice"
+    assert len(planned) == len(set(planned)), "a key was planned twice"
     assert info.info().stored_blocks == 4
+    # b computed the same 4 blocks again (vLLM shares them only once cached): the keys this
+    # engine stored are known, so nothing went to the daemon as a duplicate either
+    assert info.info().duplicate_blocks == 0
     e.assert_clean(info)
 
 
@@ -389,3 +393,68 @@ def test_daemon_frozen_mid_run_degrades_then_recovers(make_engine, daemon, async
         e.assert_clean(c)
     finally:
         c.close()
+
+
+# ---- the scheduler never waits for the daemon ------------------------------------------------
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_no_scheduler_call_waits_while_the_daemon_is_frozen(make_engine, daemon,
+                                                           async_scheduling):
+    import signal
+    import time
+
+    # timeout_ms 5 s: a call that waited for an answer would take that long.
+    e = make_engine(async_scheduling=async_scheduling, extra={"timeout_ms": 5000})
+    conn = e.connector
+    slowest: dict[str, float] = {}
+    for name in ("get_num_new_matched_tokens", "update_state_after_alloc",
+                 "build_connector_meta", "update_connector_output", "request_finished",
+                 "request_finished_all_groups", "reset_cache"):
+        fn = getattr(conn, name)
+
+        def timed(*a, __fn=fn, __name=name, **kw):
+            t0 = time.perf_counter()
+            try:
+                return __fn(*a, **kw)
+            finally:
+                slowest[__name] = max(slowest.get(__name, 0.0), time.perf_counter() - t0)
+
+        setattr(conn, name, timed)
+    seed(e, prompt(70))
+    for i in range(4):
+        e.add(f"r{i}", prompt(70) + prompt(40, 5000 + 100 * i), max_tokens=30)
+    e.run(until=lambda: e.stats.steps >= 4)
+    daemon.proc.send_signal(signal.SIGSTOP)          # alive, answering nothing
+    try:
+        t0 = time.monotonic()
+        e.run(until=lambda: e.stats.steps >= 40 or time.monotonic() - t0 > 3)
+        e.sched.reset_prefix_cache(reset_connector=True)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    e.run(timeout_s=60)
+    assert sorted(e.stats.finished) == sorted(["seed"] + [f"r{i}" for i in range(4)])
+    # Generous for a loaded 2-core host, and far below the 5 s a round trip would wait.
+    assert max(slowest.values()) < 0.5, slowest
+    e.assert_clean()
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_stores_planned_before_a_reset_never_show_up_after_it(make_engine, info,
+                                                               async_scheduling):
+    # A reset often follows a weight update: KV computed before it must not be served after.
+    e = make_engine(async_scheduling=async_scheduling, hold_stores=True)
+    p = prompt(70)
+    e.add("a", p, max_tokens=1)
+    e.run(until=lambda: "a" in e.stats.finished and e.held[0].held)
+    # vLLM's own reset waits for a's blocks (held for its stores): reset the pool's now.
+    assert e.connector.reset_cache()
+    e.release_stores()                  # the copies reach the daemon after the reset
+    for h in e.held:
+        h.steps = 0                     # from now on stores go out at once
+    e.run()
+    assert e.sched.reset_prefix_cache()
+    assert info.info().stored_blocks == 0
+    e.add("b", p + [1], max_tokens=1)
+    e.run()
+    assert e.stats.loaded_reqs == set()
+    e.assert_clean(info)

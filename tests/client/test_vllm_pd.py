@@ -350,3 +350,23 @@ def test_fail_policy_waits_for_the_whole_hand_off_unless_told_to_stream(engines,
     assert forced.connector.scheduler._can_stream and default.connector.scheduler._can_stream
     assert switched.connector.scheduler._can_stream
     assert switched.sched.recompute_kv_load_failures is True
+
+
+@BOTH_SCHEDULERS
+def test_engines_storing_one_prompt_at_once_store_each_block_once(engines, daemon, observer,
+                                                                   async_scheduling):
+    a = engines(daemon, engine_id="a", async_scheduling=async_scheduling, slow_stores=2)
+    b = engines(daemon, engine_id="b", async_scheduling=not async_scheduling, slow_stores=2)
+    p = prompt(100)
+    a.add("x", p, max_tokens=3)
+    b.add("y", p, max_tokens=3)
+    run_together(a, b)
+    info = observer.info()
+    # Both planned all 6 blocks with their own slots; the daemon kept one copy of each.
+    assert info.stored_blocks == 6 and info.slots_writing == 0
+    c = engines(daemon, engine_id="c", async_scheduling=False)
+    c.add("z", p + [9], max_tokens=1)
+    c.run()
+    assert c.stats.loaded_reqs == {"z"} and c.workers[0].verified_blocks == 6
+    for e in (a, b, c):
+        e.assert_clean(observer)

@@ -25,8 +25,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
-                         ParallelConfig, SchedulerConfig, VllmConfig)
+from vllm.config import (CacheConfig, DeviceConfig, KVEventsConfig,  # noqa: E402
+                         KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                         VllmConfig)
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
@@ -272,7 +273,8 @@ class Engine:
                  block_outermost: bool = False, max_num_batched_tokens: int = 64,
                  extra: dict | None = None, kv_role: str = "kv_both",
                  load_failure_policy: str = "recompute", slow_stores: int = 0,
-                 hold_stores: bool = False, late_stores: int = 0) -> None:
+                 hold_stores: bool = False, late_stores: int = 0, max_num_seqs: int = 16,
+                 write_kv: bool = True, kv_events: bool = True) -> None:
         model = ModelConfig(model=model_dir(root), dtype="float16", seed=42,
                             skip_tokenizer_init=True)
         self.groups = ([Group(["model.layers.0.self_attn"]),
@@ -284,7 +286,7 @@ class Engine:
                         **(extra or {})}
         self.cfg = VllmConfig(
             model_config=model,
-            scheduler_config=SchedulerConfig(max_num_seqs=16,
+            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              max_model_len=2048, enable_chunked_prefill=True,
                                              is_encoder_decoder=False,
@@ -295,7 +297,10 @@ class Engine:
                 kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.client.vllm",
                 kv_role=kv_role, engine_id=engine_id, kv_connector_extra_config=extra_config,
                 kv_load_failure_policy=load_failure_policy),
-            device_config=DeviceConfig("cpu"))
+            device_config=DeviceConfig("cpu"),
+            # vLLM's KV events on (published nowhere), so the connector reports its own.
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+            if kv_events else None)
         self.cfg.cache_config.num_gpu_blocks = num_blocks
         specs = []
         heads = local_heads(tp)
@@ -330,6 +335,7 @@ class Engine:
         self.connector.take_events = take_and_keep
         self.workers = [FakeWorker(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
                         for r in range(tp)]
+        self._prime()
         self.aggregator = KVOutputAggregator(expected_finished_count=tp)
         self.slow = [SlowStores(w.conn.worker, slow_stores) for w in self.workers] \
             if slow_stores else []
@@ -338,12 +344,29 @@ class Engine:
         self.held = [HeldStores(w.conn.worker, late_stores or None) for w in self.workers] \
             if hold_stores or late_stores else []
         self.stats = Stats()
+        # write_kv=False (benchmarks): the fake model writes no KV and loads are not checked;
+        # the connector and daemon do exactly the same work.
+        self.write_kv = write_kv
         self._queue: list[tuple[object, ModelRunnerOutput]] = []
         init_none_hash(sha256)
         self.fail_next_loads = 0   # test hook: make the loads of the next N steps fail
         self._bad_loads: set[str] = set()
         self.preemptions: set[str] = set()
         self.flushed_tickets = 0   # stores the workers had to finish before blocks were reused
+
+    def _prime(self, timeout_s: float = 5.0) -> None:
+        """Let the connector stock its first reserved slots, as the engine core's start-up
+        (workers register, then the scheduler is built, long before the first request) does.
+        Without a daemon this just gives up: the connector degrades by itself."""
+        role = self.connector.scheduler
+        if role is None or not role.enabled:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            role._pump()
+            if all(role.client.stock(g.namespace) for g in role.groups):
+                return
+            time.sleep(0.002)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -441,7 +464,7 @@ class Engine:
                     w.load_history.setdefault(spec.req_id, []).append(
                         (spec.group, list(spec.block_ids)))
             w.conn.start_load_kv(None)
-            for rid, n in so.num_scheduled_tokens.items():
+            for rid, n in so.num_scheduled_tokens.items() if self.write_kv else ():
                 req = self.sched.requests[rid]
                 start = req.num_computed_tokens - n
                 tokens = list(req.all_token_ids)
@@ -455,8 +478,9 @@ class Engine:
                 failed_recving=res.failed_recving,
                 invalid_block_ids=w.conn.get_block_ids_with_load_errors(),
                 kv_connector_worker_meta=w.conn.build_connector_worker_meta())
-            self._verify_loads(w, res.finished_recving, res.failed_recving,
-                               kv_out.invalid_block_ids)
+            if self.write_kv:
+                self._verify_loads(w, res.finished_recving, res.failed_recving,
+                                   kv_out.invalid_block_ids)
             w.conn.clear_connector_metadata()
             sampled = []
             for r in ids:
@@ -506,7 +530,10 @@ class Engine:
         return (f"requests={list(sc.requests)} running/waiting={counts} "
                 f"finished_ids={sc.finished_req_ids} tickets={list(role._tickets)} "
                 f"release={role._release} free_ready={role._free_ready} retry={role._retry} "
-                f"abort={role._abort_slots} reqs={list(role._reqs)} queue={len(self._queue)}")
+                f"abort={role._abort_slots} reqs={list(role._reqs)} queue={len(self._queue)} "
+                f"backlog={sorted(role._backlog)} worker store jobs="
+                f"{[dict(w.conn.worker._store_jobs) for w in self.workers]} in flight="
+                f"{[sorted(w.conn.worker.client._in_flight) for w in self.workers]}")
 
     # ---- checks --------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvpool.daemon.index import Index
+from kvpool.daemon.index import RESERVE_SHARE, Index
 from kvpool.daemon.pool import Pool
 from kvpool.shared.errors import (LayoutMismatch, LeaseExpired, OutOfRange, PoolFull,
                                   ProtocolError, UnknownId)
@@ -181,10 +181,10 @@ def test_lease_ttl_and_write_timeout_expire(index):
     lease = index.lookup(NS_SMALL, [ks], True, OWNER, now=0)[1][0]
     assert index.lease_count == 1
     pending = index.prepare_store(NS_SMALL, keys(2, b"p"), OWNER, now=0)
-    assert index.expire(now=5) == (0, 0)
-    assert index.expire(now=11) == (1, 0) and index.lease_count == 0
+    assert index.expire(now=5) == (0, 0, 0)
+    assert index.expire(now=11) == (1, 0, 0) and index.lease_count == 0
     assert index.release_leases([lease], OWNER) == 0        # already gone: harmless
-    assert index.expire(now=61) == (0, 2)
+    assert index.expire(now=61) == (0, 2, 0)
     with pytest.raises(UnknownId):
         index.begin_store(NS_SMALL, pending, 0)
 
@@ -445,7 +445,7 @@ def test_tp_cross_a_rank_that_dies_after_its_head_range_leaves_the_block_uncommi
     refs = index.prepare_store(ns, ks, OWNER, now=0.0)
     index.end_store(index.begin_store(ns, refs, 0, two.rank_mask(0)), 0, True, two.rank_mask(0))
     assert index.lookup(ns, [ks], False, OWNER, 1.0)[0] == [0]
-    assert index.expire(now=61.0) == (0, 2)
+    assert index.expire(now=61.0) == (0, 2, 0)
     assert index.lookup(ns, [ks], False, OWNER, 62.0)[0] == [0]
     assert index.slot_counts() == (0, 0, 0)
     with pytest.raises(UnknownId):
@@ -500,3 +500,213 @@ def test_fills_stop_where_the_pool_has_no_room(index):
     n = capacity(index, BIG, NS_BIG)                     # every BIG slot pinned
     assert index.reserve_fills(NS_BIG, keys(2, b"nofit"), now=0.0) == []
     assert n > 0
+
+
+# ---- reservations: stores planned without a round trip ----------------------------------------
+
+def test_reserved_slots_are_bound_by_the_first_rank_and_visible_after_the_last(index):
+    refs = index.reserve(NS_TP2, 3, OWNER, now=0)
+    assert len(refs) == 3 and index.reserved_count == 3
+    assert index.slot_counts()[0] == 0      # reserved is not writing
+    ks = keys(3, b"r")
+    assert index.lookup(NS_TP2, [ks], False, OWNER, 0)[0] == [0]
+    r0 = index.begin_store(NS_TP2, refs, 0, keys=ks, now=1)
+    assert index.reserved_count == 0 and index.slot_counts()[0] == 3
+    # bound now: a prepare_store of those keys finds them in flight
+    assert index.prepare_store(NS_TP2, ks, OTHER, 1) == [SLOT_PRESENT] * 3
+    index.end_store(r0, 0, True)
+    assert index.lookup(NS_TP2, [ks], False, OWNER, 0)[0] == [0]   # rank 1 not landed
+    with pytest.raises(ProtocolError, match="another key"):
+        index.begin_store(NS_TP2, refs, 1, keys=keys(3, b"x"), now=1)
+    index.end_store(index.begin_store(NS_TP2, refs, 1, keys=ks, now=1), 1, True)
+    hits, _, slots = index.lookup(NS_TP2, [ks], False, OWNER, 0)
+    assert hits == [3] and slots[0] == refs
+
+
+def test_a_key_already_held_binds_as_a_duplicate_never_written_nor_shown_twice(index):
+    ks = keys(2, b"d")
+    first = index.reserve(NS_TP2, 2, OWNER, now=0)        # engine A
+    second = index.reserve(NS_TP2, 3, OTHER, now=0)       # engine B, same keys, later
+    a0 = index.begin_store(NS_TP2, first, 0, keys=ks, now=0)
+    b0 = index.begin_store(NS_TP2, second[:2], 0, keys=ks, now=0)   # both keys in flight from A
+    assert [s.void for s in a0] == [False, False] and [s.void for s in b0] == [True, True]
+    index.end_store(a0, 0, True)
+    index.end_store(b0, 0, True)
+    index.end_store(index.begin_store(NS_TP2, first, 1, keys=ks, now=0), 1, True)
+    assert index.slot_counts()[:2] == (2, 2)              # B's duplicates wait for rank 1
+    b1 = index.begin_store(NS_TP2, second[:2], 1, keys=ks, now=0)
+    index.end_store(b1, 1, True)
+    hits, _, slots = index.lookup(NS_TP2, [ks], False, OWNER, 0)
+    assert hits == [2] and slots[0] == first              # A's blocks, once
+    assert index.slot_counts()[:2] == (0, 2) and index.stats.duplicate_blocks == 2
+    # a committed key is a duplicate too, and so is a key named twice in one job
+    k = keys(1, b"e")
+    r = index.begin_store(NS_TP2, second[2:] + index.reserve(NS_TP2, 1, OTHER, 0), 0,
+                          keys=ks[:1] + k, now=0)
+    assert [s.void for s in r] == [True, False]
+    index.end_store(r, 0, True)
+    twice = index.reserve(NS_SMALL, 2, OWNER, 0)
+    r = index.begin_store(NS_SMALL, twice, 0, keys=k + k, now=0)
+    assert [s.void for s in r] == [False, True]
+    index.end_store(r, 0, True)
+    assert index.lookup(NS_SMALL, [k], False, OWNER, 0)[0] == [1]
+
+
+def test_a_failed_primary_leaves_its_duplicate_unwritten_and_the_key_absent(index):
+    ks = keys(1, b"f")
+    a = index.begin_store(NS_SMALL, index.reserve(NS_SMALL, 1, OWNER, 0), 0, keys=ks, now=0)
+    b = index.begin_store(NS_SMALL, index.reserve(NS_SMALL, 1, OTHER, 0), 0, keys=ks, now=0)
+    index.end_store(a, 0, ok=False)
+    index.end_store(b, 0, ok=True)     # nothing was copied into it: it must not commit
+    assert index.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [0]
+    assert index.slot_counts() == (0, 0, 0)
+
+
+def test_unused_reservations_expire_and_their_refs_are_refused_after(index):
+    refs = index.reserve(NS_SMALL, 4, OWNER, now=100)
+    assert index.expire(now=100 + index.reserve_ttl_s - 0.01) == (0, 0, 0)
+    used = index.begin_store(NS_SMALL, refs[:1], 0, keys=keys(1, b"u"), now=101)
+    assert index.expire(now=100 + index.reserve_ttl_s) == (0, 0, 3)
+    assert index.reserved_count == 0 and index.slot_counts()[2] == SMALL.slot_bytes
+    with pytest.raises(UnknownId, match="expired"):
+        index.begin_store(NS_SMALL, refs[1:2], 0, keys=keys(1, b"v"), now=200)
+    # the slot is reused under a new generation: the old ref still names nothing writable
+    again = index.reserve(NS_SMALL, 8, OTHER, now=200)
+    assert {r & 0xFFFF_FFFF for r in refs[1:]} <= {r & 0xFFFF_FFFF for r in again}
+    with pytest.raises(UnknownId):
+        index.begin_store(NS_SMALL, refs[1:2], 0, keys=keys(1, b"v"), now=200)
+    index.end_store(used, 0, True)
+    assert index.lookup(NS_SMALL, [keys(1, b"u")], False, OWNER, 0)[0] == [1]
+
+
+def test_reservations_go_with_their_owner_or_an_abort_and_survive_a_reset(index):
+    mine = index.reserve(NS_SMALL, 3, OWNER, 0)
+    theirs = index.reserve(NS_SMALL, 2, OTHER, 0)
+    assert index.abort_store(mine[:1], OTHER) == 0          # not theirs to give back
+    assert index.abort_store(mine[:1], OWNER) == 1
+    assert index.reset(NS_SMALL) == 0 and index.reserved_count == 4
+    index.release_owner(OWNER)
+    assert index.reserved_count == 2
+    with pytest.raises(UnknownId):
+        index.begin_store(NS_SMALL, mine[1:], 0, keys=keys(2), now=0)
+    index.end_store(index.begin_store(NS_SMALL, theirs, 0, keys=keys(2), now=0), 0, True)
+    assert index.lookup(NS_SMALL, [keys(2)], False, OWNER, 0)[0] == [2]
+
+
+def test_bad_reservations_and_keyless_stores_into_reserved_slots_are_refused(index):
+    with pytest.raises(OutOfRange):
+        index.reserve(NS_SMALL, -1, OWNER, 0)
+    with pytest.raises(OutOfRange):
+        index.reserve(NS_SMALL, 1 << 20, OWNER, 0)
+    with pytest.raises(UnknownId, match="no registered layout"):
+        index.reserve(b"?" * 16, 1, OWNER, 0)
+    refs = index.reserve(NS_SMALL, 2, OWNER, 0)
+    with pytest.raises(UnknownId, match="must name its key"):
+        index.begin_store(NS_SMALL, refs, 0)
+    with pytest.raises(UnknownId):                        # another namespace's slots
+        index.begin_store(NS_BIG, refs, 0, keys=keys(2), now=0)
+    assert index.reserved_count == 2                      # nothing was bound by the failures
+
+
+def test_quotas_apply_when_reserved_slots_are_bound_and_owners_have_a_share(pool):
+    ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
+    ix.register_namespace(NS_A, SMALL, quota_bytes=2 * SMALL.slot_bytes)
+    old = keys(1, b"old")
+    store(ix, NS_A, old)
+    lease = ix.lookup(NS_A, [old], True, OWNER, 0)[1][0]           # pinned: not evictable
+    refs = ix.reserve(NS_A, 5, OWNER, 0)
+    assert len(refs) == 5 and ix.used_bytes_of(NS_A) == SMALL.slot_bytes   # stock: no quota
+    ks = keys(3, b"q")
+    slots = ix.begin_store(NS_A, refs[:3], 0, keys=ks, now=0)
+    # one fits the quota; the others find nothing of A's own to evict: void, not written
+    assert [s.void for s in slots] == [False, True, True]
+    ix.end_store(slots, 0, True)
+    assert ix.lookup(NS_A, [ks], False, OWNER, 0)[0] == [1]
+    assert ix.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
+    ix.release_leases([lease], OWNER)
+    slots = ix.begin_store(NS_A, refs[3:4], 0, keys=keys(1, b"n"), now=0)  # evicts "old" now
+    assert [s.void for s in slots] == [False]
+    ix.end_store(slots, 0, True)
+    assert ix.lookup(NS_A, [old], False, OWNER, 0)[0] == [0]
+    assert ix.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
+    ix.register_namespace(NS_B, SMALL)
+    share = pool.nbytes // RESERVE_SHARE // SMALL.slot_bytes - 1     # OWNER holds one already
+    assert len(ix.reserve(NS_B, share + 10, OWNER, 0)) == share
+    assert ix.reserve(NS_B, 1, OWNER, 0) == []            # its share is used up
+    assert len(ix.reserve(NS_B, 1, OTHER, 0)) == 1         # another client still gets some
+    ix.expire(1000)
+    assert ix.reserved_count == 0 and ix.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
+    assert len(ix.reserve(NS_B, 2, OWNER, 1000)) == 2      # the share is back
+
+
+def test_a_restart_drops_reservations_with_the_pool_records(pool_config):
+    pool = Pool.open(pool_config)
+    ix = Index(pool, 10, 60)
+    ix.register_namespace(NS_SMALL, SMALL)
+    store(ix, NS_SMALL, keys(2))
+    refs = ix.reserve(NS_SMALL, 3, OWNER, 0)
+    ix.begin_store(NS_SMALL, refs[:1], 0, keys=keys(1, b"half"), now=0)   # bound, never landed
+    pool.close(unlink=False)   # as after kill -9
+    pool2 = Pool.open(pool_config)
+    try:
+        ix2 = Index(pool2, 10, 60)
+        assert ix2.adopt() == 2 and ix2.reserved_count == 0
+        assert ix2.slot_counts()[:2] == (0, 2)
+        with pytest.raises(UnknownId):
+            ix2.begin_store(NS_SMALL, refs[1:], 0, keys=keys(2, b"late"), now=0)
+    finally:
+        pool2.close(unlink=True)
+
+
+def test_reserved_slots_bind_with_head_range_masks_of_any_tp_size(index):
+    """Reservations meet head-split slots: whichever rank's store comes first binds the slot
+    with its head range; the block commits once every head landed; another engine (another TP
+    size) naming the same keys gets duplicates, freed once all its ranks reported them."""
+    two, four = _heads(2), _heads(4)
+    ns = b"H" * 16
+    index.register_namespace(ns, two)
+    ks = keys(2, b"h")
+    refs = index.reserve(ns, 2, OWNER, now=0)
+    r1 = index.begin_store(ns, refs, 1, two.rank_mask(1), keys=ks, now=0)   # rank 1 first
+    assert not any(s.void for s in r1) and index.reserved_count == 0
+    index.end_store(r1, 1, True, two.rank_mask(1))
+    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [0]               # heads 0-1 missing
+    with pytest.raises(ProtocolError, match="overlapping head ranges"):
+        index.begin_store(ns, refs, 3, four.rank_mask(3), keys=ks, now=0)  # head 3 is in
+    r0 = index.begin_store(ns, refs, 0, two.rank_mask(0), keys=ks, now=0)
+    index.end_store(r0, 0, True, two.rank_mask(0))
+    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [2]
+    dup = index.reserve(ns, 2, OTHER, now=0)
+    for rank in range(4):
+        got = index.begin_store(ns, dup, rank, four.rank_mask(rank), keys=ks, now=0)
+        assert all(s.void for s in got)
+        index.end_store(got, rank, True, four.rank_mask(rank))
+        assert index.slot_counts()[0] == (0 if rank == 3 else 2)
+    assert index.stats.duplicate_blocks == 2
+    hits, _, slots = index.lookup(ns, [ks], False, OWNER, 0)
+    assert hits == [2] and slots[0] == refs
+
+
+def test_an_extent_drained_for_another_size_takes_its_reservations_back(index):
+    """A reserved slot in an extent being drained for another slot size is dropped like a
+    prepared one: the extent is not held for the reservation's TTL, the owner's share comes
+    back, and a later store naming the slot is refused."""
+    n = 0
+    while index.slot_counts()[1] == n:                      # the pool is all BIG, committed
+        index.end_store(index.begin_store(NS_BIG, index.prepare_store(
+            NS_BIG, keys(1, b"b%d" % n), OWNER, 0), 0), 0, True)
+        n += 1
+    reserved = index.reserve(NS_BIG, 1, OTHER, now=0)       # takes the oldest block's slot
+    assert len(reserved) == 1 and index.reserved_count == 1
+    drained = index._resolve(reserved[0]).extent
+    leases = []                                             # every other extent busy
+    for e in index._classes[BIG.slot_bytes].extents:
+        if e != drained:
+            s = next(s for s in index._extent_slots(e) if s.state == 2)
+            leases += index.lookup(NS_BIG, [[s.key[16:]]], True, OWNER, 0)[1]
+    refs = index.prepare_store(NS_SMALL, keys(1, b"s"), OWNER, 1)
+    assert refs[0] >= 0 and index._resolve(refs[0]).extent == drained
+    assert index.reserved_count == 0 and not index._reserved_bytes
+    with pytest.raises((UnknownId, OutOfRange)):
+        index.begin_store(NS_BIG, reserved, 0, keys=keys(1, b"late"), now=1)
+    index.release_leases(leases, OWNER)

@@ -23,6 +23,8 @@ REQUESTS = [
     p.InfoRequest(12),
     p.ResetRequest(13, NS),
     p.ByeRequest(14),
+    p.ReserveRequest(15, NS, 256),
+    p.StoreRequest(16, 1, 2, [0, 1], [5, 6], b"", [KEY, KEY], "d"),
 ]
 REPLIES = [
     p.HelloReply(1, p.PROTOCOL_VERSION, "d", 3, 1 << 30, 100, 1 << 20),
@@ -36,6 +38,7 @@ REPLIES = [
     p.InfoReply(12, p.PoolInfo("d", 1.0, 10, 4, 6, 1, 2, 1, 5, 6, 7, 8, 9, 10, 11, 12, 13, [
         p.ClientInfo(1, p.Role.SCHEDULER, "s", 5, "e", 0, 1, 0)], 3)),
     p.ErrorReply(99, 3, "unknown"),
+    p.ReserveReply(14, [p.make_slot_ref(3, 9)], 10_000, "d"),
 ]
 
 
@@ -51,6 +54,8 @@ def test_every_reply_round_trips(msg):
 
 def test_union_covers_every_message():
     assert set(type(m) for m in REQUESTS) == set(p.Request.__args__)
+    assert len({p.decode_request(p.encode(m)).__struct_config__.tag for m in REQUESTS}) == \
+        len(p.Request.__args__)
     assert set(type(m) for m in REPLIES) == set(p.Reply.__args__)
 
 
@@ -58,7 +63,14 @@ def test_union_covers_every_message():
 GOLDEN = [
     (p.Hello(1, 1, p.Role.WORKER, "w", 42, "eng"), "9701010102a1772aa3656e67"),
     (p.LookupRequest(6, NS, [[KEY]], True), "950606c4106e6e6e6e6e6e6e6e6e6e6e6e6e6e6e6e9191c4106b6b6b6b6b6b6b6b6b6b6b6b6b6b6b6bc3"),
-    (p.StoreRequest(10, 1, 2, [0], [5], b""), "970a0a010291009105c400"),
+    (p.StoreRequest(10, 1, 2, [0], [5], b""), "990a0a010291009105c40090a0"),
+    (p.StoreRequest(10, 1, 2, [0], [5], b"", [KEY], "d"),
+     "990a0a010291009105c40091c4106b6b6b6b6b6b6b6b6b6b6b6b6b6b6b6ba164"),
+    (p.ByeRequest(14), "920e0e"),
+    # ReserveRequest is tag 15: it was 14 on its branch, which ByeRequest took first.
+    (p.ReserveRequest(14, NS, 256), "940f0ec4106e6e6e6e6e6e6e6e6e6e6e6e6e6e6e6ecd0100"),
+    (p.ReserveReply(14, [p.make_slot_ref(3, 9)], 10_000, "d"),
+     "954a0e91cf0000000900000003cd2710a164"),
     (p.JobDone(10, 2, 6, "full", 0, b""), "97470a0206a466756c6c00c400"),
     (p.ErrorReply(9, 1, "x"), "94490901a178"),
 ]
@@ -67,6 +79,22 @@ GOLDEN = [
 @pytest.mark.parametrize("msg,golden", GOLDEN, ids=lambda m: type(m).__name__)
 def test_golden_bytes(msg, golden):
     assert p.encode(msg).hex() == golden
+
+
+def test_appended_fields_keep_older_frames_readable_both_ways():
+    # A store from a client before reservations (7 fields) still decodes, with no keys...
+    old = bytes.fromhex("970a0a010291009105c400")
+    assert p.decode_request(old) == p.StoreRequest(10, 1, 2, [0], [5], b"", [], "")
+    # ...and a newer frame's extra trailing fields are ignored by a struct that lacks them.
+    class OldStore(msgspec.Struct, tag=10, array_like=True):
+        req_id: int
+        registration_id: int
+        job_id: int
+        block_ids: list[int]
+        slots: list[int]
+        wait_event: bytes = b""
+    new = p.encode(p.StoreRequest(10, 1, 2, [0], [5], b"", [KEY], "d"))
+    assert msgspec.msgpack.decode(new, type=OldStore).slots == [5]
 
 
 def test_garbage_is_a_decode_error_and_req_id_is_recovered_when_possible():
@@ -91,6 +119,9 @@ def test_slot_ref_packs_index_and_generation():
     p.ResetRequest(13, b""),
     p.RegisterRequest(4, b"n" * 8, LAYOUT, 0, 1, [p.HostRegion("shm", 4096)], []),
     p.Hello(1, 1, p.Role.WORKER, "w" * 257),               # names are bounded
+    p.ReserveRequest(15, b"n" * 15, 4),
+    p.StoreRequest(10, 1, 2, [0], [5], b"", [b"k" * 15], "d"),   # a reserved slot's key too
+    p.StoreRequest(10, 1, 2, [0], [5], b"", [KEY], "d" * 257),
 ], ids=lambda m: type(m).__name__)
 def test_keys_namespaces_and_names_are_checked_when_decoded(msg):
     with pytest.raises(msgspec.ValidationError):

@@ -1,0 +1,199 @@
+"""Stores planned without a round trip, over a real daemon: reserved slots bound by the store
+that names their keys, duplicates from two engines, stale grants, expiry, and the client's
+stock across a daemon restart."""
+
+import time
+
+import torch
+
+from kvpool.client.scheduler import SchedulerClient
+from kvpool.shared.errors import DaemonUnavailable, ErrorCode
+from tests.conftest import unless_unavailable, wait_for
+from tests.kvtest import HostKv
+
+
+def _engine(config, name: str = "worker"):
+    """One engine's pieces: its KV memory, a registered worker, a scheduler client."""
+    kv = HostKv()
+    worker, reg = kv.register(config, name=name)
+    return kv, worker, reg, SchedulerClient(config)
+
+
+def _loads_back(worker, reg, kv: HostKv, slots: list[int], into: list[int], expected) -> bool:
+    kv.poison(into)
+    done = worker.wait([worker.submit_load(reg, slots, into)], 10)[0]
+    return done.ok and torch.equal(kv.blocks_of(into), expected)
+
+
+def _stocked(sched: SchedulerClient, ns: bytes, n: int) -> tuple[list[int], str]:
+    """Slots from the client's stock, polling (never waiting inside the client) until they
+    came."""
+    sched.keep_stock(ns)
+    got: list[int] = []
+    grant = ""
+
+    def more():
+        nonlocal grant
+        sched.ready() and sched.poll()
+        refs, grant = sched.take_slots(ns, n - len(got))
+        got.extend(refs)
+        return len(got) == n
+
+    wait_for(more, 10, f"{n} reserved slots")
+    return got, grant
+
+
+def test_a_store_into_reserved_slots_binds_them_and_is_byte_exact(daemon):
+    kv, worker, reg, sched = _engine(daemon.client_config())
+    keys = kv.keys(list(range(64)))
+    refs, grant = _stocked(sched, kv.namespace, 4)
+    assert grant == sched.ping().daemon_id
+    assert sched.info().slots_reserved >= 4
+    assert sched.lookup(kv.namespace, [keys]).hits == [0]     # reserved: invisible
+    kv.fill_random([0, 1, 2, 3], seed=7)
+    expected = kv.blocks_of([0, 1, 2, 3])
+    done = worker.wait([worker.submit_store(reg, [0, 1, 2, 3], refs, keys=keys, grant=grant)],
+                       10)[0]
+    assert done.ok, done.message
+    hit = sched.lookup(kv.namespace, [keys], pin=True)
+    assert hit.hits == [4] and hit.slots[0] == refs
+    assert _loads_back(worker, reg, kv, hit.slots[0], [8, 9, 10, 11], expected)
+    sched.release(hit.leases)
+    sched.close(); worker.close(); kv.close()
+
+
+def test_two_engines_storing_the_same_keys_show_each_block_once(daemon):
+    kv_a, wa, ra, sa = _engine(daemon.client_config(), "engine a")
+    kv_b, wb, rb, sb = _engine(daemon.client_config(), "engine b")
+    keys = kv_a.keys(list(range(48)))
+    kv_a.fill_random([0, 1, 2], seed=1)
+    kv_b.fill_random([0, 1, 2], seed=2)       # other bytes: a torn block would show them
+    refs_a, grant = _stocked(sa, kv_a.namespace, 3)
+    refs_b, _ = _stocked(sb, kv_b.namespace, 3)
+    ja = wa.submit_store(ra, [0, 1, 2], refs_a, keys=keys, grant=grant)
+    jb = wb.submit_store(rb, [0, 1, 2], refs_b, keys=keys, grant=grant)
+    assert wa.wait([ja], 10)[0].ok and wb.wait([jb], 10)[0].ok
+    info = sa.info()
+    assert info.duplicate_blocks == 3 and info.stored_blocks == 3
+    hit = sa.lookup(kv_a.namespace, [keys], pin=True)
+    assert hit.hits == [3]
+    first = refs_a if hit.slots[0] == refs_a else refs_b
+    assert hit.slots[0] == first
+    winner = kv_a if first is refs_a else kv_b
+    expected = winner.blocks_of([0, 1, 2])
+    assert _loads_back(wa, ra, kv_a, hit.slots[0], [5, 6, 7], expected), \
+        "a block mixes two engines' bytes"
+    sa.release(hit.leases)
+    wait_for(lambda: sa.info().slots_writing == 0, 10, "the duplicates to be freed")
+    for c in (sa, sb, wa, wb):
+        c.close()
+    kv_a.close(); kv_b.close()
+
+
+def test_stores_naming_a_stale_grant_or_bad_keys_are_refused(daemon):
+    kv, worker, reg, sched = _engine(daemon.client_config())
+    keys = kv.keys(list(range(32)))
+    refs, grant = _stocked(sched, kv.namespace, 2)
+    cases = [
+        (dict(keys=keys, grant="0123456789abcdef"), ErrorCode.UNKNOWN_ID, "another|restarted"),
+        (dict(keys=keys[:1], grant=grant), ErrorCode.PROTOCOL, "1 keys for 2 slots"),
+        (dict(keys=[b"short", b"keys"], grant=grant), ErrorCode.PROTOCOL, "16"),   # refused as it is decoded
+        (dict(grant=grant), ErrorCode.UNKNOWN_ID, "must name its key"),
+    ]
+    import re
+    for kw, code, why in cases:
+        done = worker.wait([worker.submit_store(reg, [0, 1], refs, **kw)], 10)[0]
+        assert not done.ok and done.code == code and re.search(why, done.message), done
+    # none of that bound or lost the slots: they still take a proper store
+    assert worker.wait([worker.submit_store(reg, [0, 1], refs, keys=keys, grant=grant)],
+                       10)[0].ok
+    assert sched.lookup(kv.namespace, [keys]).hits == [2]
+    sched.close(); worker.close(); kv.close()
+
+
+def test_unused_reservations_expire_in_the_daemon_and_in_the_client(daemon_factory):
+    d = daemon_factory(extra=["--reservation-ttl-s", "0.4"])
+    kv, worker, reg, sched = _engine(d.client_config())
+    held, grant = _stocked(sched, kv.namespace, 2)      # taken, never stored
+    assert sched.stock(kv.namespace) > 0                 # the rest of the grant
+    # The client uses a grant only within half of its TTL, then gives the rest back.
+    time.sleep(0.25)
+    assert sched.take_slots(kv.namespace, 0) == ([], grant)
+    assert sched.stock(kv.namespace) == 0
+    # The daemon takes back what nobody named; a store naming such a slot is refused.
+    time.sleep(0.2)
+
+    def taken_back() -> bool:
+        unless_unavailable(sched.poll)
+        return sched.info().slots_reserved <= sched.stock(kv.namespace)
+
+    wait_for(taken_back, 10, "the daemon to take back unused reservations")
+    done = worker.wait([worker.submit_store(reg, [0, 1], held, keys=kv.keys(list(range(32))),
+                                            grant=grant)], 10)[0]
+    assert not done.ok and done.code == ErrorCode.UNKNOWN_ID and "expired" in done.message
+    sched.close(); worker.close(); kv.close()
+
+
+def test_a_daemon_restart_empties_the_stock_and_new_grants_name_the_new_daemon(daemon):
+    kv, worker, reg, sched = _engine(daemon.client_config())
+    old, old_grant = _stocked(sched, kv.namespace, 2)
+    assert sched.stock(kv.namespace) > 0
+    daemon.kill()
+    daemon.restart()
+
+    def reconnected():
+        try:
+            sched.ready() and sched.poll()
+        except DaemonUnavailable:
+            return False
+        return sched._t.daemon_id not in (None, old_grant) and sched._t.is_connected
+
+    wait_for(reconnected, 15, "the scheduler client to reconnect")
+    new, grant = _stocked(sched, kv.namespace, 2)
+    assert grant != old_grant
+    # The worker re-registers by itself; the old grant is refused, the new one stores.
+    keys = kv.keys(list(range(32)))
+
+    def answered(refs, grant):
+        # A store sent on the connection the restart broke is aborted; try again until the
+        # restarted daemon answers it.
+        done = unless_unavailable(lambda: worker.wait([worker.submit_store(
+            reg, [0, 1], refs, keys=keys, grant=grant)], 10)[0])
+        return done if done is not None and done.code != ErrorCode.ABORTED else None
+
+    done = wait_for(lambda: answered(old, old_grant), 15, "the worker to reconnect")
+    assert not done.ok and done.code == ErrorCode.UNKNOWN_ID
+    assert worker.wait([worker.submit_store(reg, [0, 1], new, keys=keys, grant=grant)],
+                       10)[0].ok
+    assert sched.lookup(kv.namespace, [keys]).hits == [2]
+    sched.close(); worker.close(); kv.close()
+
+
+def test_nowait_calls_return_at_once_with_the_daemon_frozen(daemon):
+    import signal
+
+    kv, worker, reg, sched = _engine(daemon.client_config(timeout_ms=300))
+    keys = kv.keys(list(range(32)))
+    _stocked(sched, kv.namespace, 2)
+    lease = sched.lookup(kv.namespace, [keys], pin=True).leases
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(50):
+            sched.take_slots(kv.namespace, 8)
+            sched.release_nowait(lease)
+            sched.abort_nowait([1])
+            sched.reset_nowait(b"x" * 16)
+        assert time.perf_counter() - t0 < 0.5
+        # The missing answers are noticed by a poll, after timeout_ms, without waiting.
+        def gone():
+            try:
+                sched.poll()
+                sched.take_slots(kv.namespace, 4096)   # the stock is short: a reservation goes out
+            except DaemonUnavailable:
+                return True
+            return False
+        wait_for(gone, 10, "the client to notice the frozen daemon")
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    sched.close(); worker.close(); kv.close()
