@@ -11,7 +11,9 @@ All in one run, against real kvpoold processes (host copy path, no GPU needed):
 2. **Demote.** An engine stores ``--bytes`` of 2 MiB blocks (Llama-8B-sized) into a daemon
    without the tier, which keeps its pool; a daemon with the tier adopts that pool and writes
    it all down. The clock runs from that daemon's "serving" log line (when it starts) until
-   its ``demoted_bytes``, polled every 2 ms, reaches the total (pool -> disk).
+   its ``demoted_bytes``, polled every 2 ms, reaches the total (pool -> disk). The daemon
+   imports torch on a thread from that moment on (``HostCopyEngine.start``), which holds the
+   GIL for a while, so ``demote_from_spawn_s`` (from spawning the daemon) is given too.
 3. **Promote.** That daemon is SIGKILLed and its pool dropped (a reboot); a new one adopts the
    disk; the engine looks every block up and loads it. ``promote_gbps``: from the lookup until
    the tier's ``promoted_bytes`` reaches the total (disk -> pool, verified);
@@ -19,13 +21,15 @@ All in one run, against real kvpoold processes (host copy path, no GPU needed):
    (disk -> pool -> engine, checked byte for byte; the host copy into the engine is the
    slow part on a 2-core machine).
 4. **Ready.** 100k blocks of 4 KiB are written in the tier's own format (``DiskStore.write``);
-   the clock runs from spawning kvpoold to its first answered ping, beside the same with an
-   empty directory. A lookup then checks that the blocks are served.
+   the clock runs from spawning kvpoold to its first answered ping (``ready``), and on to the
+   tier listing every block (``indexed``: the same instant while the index is loaded before
+   serving), beside the same with an empty directory. A lookup then checks that the blocks
+   are served.
 5. **Torn.** ``--kill-rounds`` times: store 64 blocks of 1 MiB, SIGKILL kvpoold at a random
    moment of their demotion, drop the pool, restart; every block any later daemon serves is
    compared byte for byte with what was stored. ``torn_blocks_served`` counts differences.
 
-Writes ``<out>/disk-<date>.json``. Run: ``nice -n 10 .venv/bin/python bench/disk_tier.py
+Writes ``<out>/disk-<date><suffix>.json``. Run: ``nice -n 10 .venv/bin/python bench/disk_tier.py
 --dir /path/on/the/nvme --out bench/results`` (about 2 minutes; needs ~3x ``--bytes`` of disk
 and memory, and ~0.5 GB more disk for the 100k blocks).
 """
@@ -59,11 +63,12 @@ from tests.conftest import DaemonProcess, wait_for  # noqa: E402
 import tests.kvtest  # noqa: E402
 from kvpool.client.host_memory import SharedHostMemory  # noqa: E402
 from tests.kvtest import HostKv  # noqa: E402
+from kvpool.shared.protocol import ENGINE_SHM_PREFIX  # noqa: E402
 
-# The engine's KV memory under a name of its own: on a shared host, something may reap
-# /dev/shm/kvpool-kv-* objects (seen here), and a registration needs the name to exist.
+# The engine's KV memory under a name of its own (seen reaped on a shared host before the
+# liveness lock), still with the engine prefix: the daemon opens no other name.
 tests.kvtest.SharedHostMemory = lambda nbytes: SharedHostMemory(
-    nbytes, f"kvbench-{os.getpid()}-{os.urandom(4).hex()}")
+    nbytes, f"{ENGINE_SHM_PREFIX}bench-{os.getpid()}-{os.urandom(4).hex()}")
 
 GB = 1e9
 CHUNK = 8 << 20
@@ -149,9 +154,11 @@ def demote_promote(work: Path, nbytes: int) -> dict:
         kv.close()
         assert d.stop() == 0
         # ... adopted by one with the tier, which writes it all down: pool -> disk only.
+        spawned = time.time()
         d.restart(["--keep-pool", *disk])
         sched = SchedulerClient(cfg)
-        demote_s = _until(sched, "demoted_bytes", n * BIG_BYTES) - _serving_since(d)
+        demoted = _until(sched, "demoted_bytes", n * BIG_BYTES)
+        demote_s = demoted - _serving_since(d)
         sched.close()
         # A reboot: the pool is gone. Look everything up and load it: disk -> pool -> engine.
         d.kill()
@@ -175,6 +182,7 @@ def demote_promote(work: Path, nbytes: int) -> dict:
         d.stop()
         return {"blocks": n, "block_bytes": BIG_BYTES, "bytes": n * BIG_BYTES,
                 "demote_s": demote_s, "demote_gbps": n * BIG_BYTES / demote_s / GB,
+                "demote_from_spawn_s": demoted - spawned,
                 "promote_s": promote_s, "promote_gbps": n * BIG_BYTES / promote_s / GB,
                 "promote_to_engine_s": end_to_end_s,
                 "promote_to_engine_gbps": n * BIG_BYTES / end_to_end_s / GB,
@@ -201,7 +209,7 @@ def ready_time(work: Path, blocks: int) -> dict:
         store.write(slot, np.arange(a, a + len(part), dtype=np.int64), offsets[:len(part)], part,
                     np.arange(a + 1, a + 1 + len(part), dtype=np.uint64), np.zeros(0, np.int64))
     store.close()
-    out: dict = {"empty_all": [], "full_all": []}
+    out: dict = {"empty_all": [], "full_all": [], "full_indexed_all": []}
     for i, (label, path) in enumerate([("empty", work / "disk-empty"), ("full", disk)] * 3):
         (work / f"d-{label}-{i}").mkdir()
         d = DaemonProcess(work / f"d-{label}-{i}", "256MiB", ["--disk-path", str(path),
@@ -214,6 +222,8 @@ def ready_time(work: Path, blocks: int) -> dict:
             out[f"{label}_all"].append(time.perf_counter() - t0)
             t = tier(sched)
             if label == "full":
+                wait_for(lambda: tier(sched).blocks >= blocks, 60, "every block indexed", 0.002)
+                out["full_indexed_all"].append(time.perf_counter() - t0)
                 engine = HostKv()              # a new shm, just before it is registered
                 worker, reg = engine.register(d.client_config())
                 out["hits"] = sched.lookup(kv.namespace, [[k[16:] for k in keys[:64]]]).hits[0]
@@ -228,6 +238,7 @@ def ready_time(work: Path, blocks: int) -> dict:
             d.cleanup()
     out["empty"] = statistics.median(out["empty_all"])
     out["full"] = statistics.median(out["full_all"])
+    out["full_indexed"] = statistics.median(out["full_indexed_all"])
     return out
 
 
@@ -307,6 +318,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--suffix", default="", help="appended to the file name (a rerun the same "
+                    "day: -rerun)")
     args = ap.parse_args()
     base = Path(args.dir or ".").resolve()
     work = Path(tempfile.mkdtemp(prefix="kvpool-disk-bench-", dir=base))
@@ -323,7 +336,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(r[k] for r in reps) for k in (
-        "raw_write_gbps", "raw_read_gbps", "demote_gbps", "promote_gbps",
+        "raw_write_gbps", "raw_read_gbps", "demote_gbps", "demote_from_spawn_s", "promote_gbps",
         "promote_to_engine_gbps", "demote_ratio", "promote_ratio")}
     fs = os.statvfs(base)
     res = {
@@ -333,15 +346,17 @@ def main() -> None:
         "command": " ".join(["python"] + sys.argv),
         "demote_ratio": med["demote_ratio"], "promote_ratio": med["promote_ratio"],
         "ready_s_100k_blocks": ready["full"], "ready_s_empty_disk": ready["empty"],
+        "indexed_s_100k_blocks": ready["full_indexed"],
         "median": med, "block_bytes": BIG_BYTES, "bytes_per_rep": args.bytes,
         "promoted_byte_exact": all(r["promoted_byte_exact"] for r in reps),
         "reps": reps,
-        "ready_s_starts": {"empty": ready["empty_all"], "100k": ready["full_all"]},
+        "ready_s_starts": {"empty": ready["empty_all"], "100k": ready["full_all"],
+                           "100k_indexed": ready["full_indexed_all"]},
         "ready_blocks": args.ready_blocks, "ready_adopted": ready.get("adopted"),
         "ready_hits_of_64": ready.get("hits"), "ready_tier_log": ready.get("tier_log"),
         **kills,
     }
-    out = Path(args.out) / f"disk-{res['date']}.json"
+    out = Path(args.out) / f"disk-{res['date']}{args.suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))

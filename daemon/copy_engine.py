@@ -73,6 +73,11 @@ class CopyEngine(abc.ABC):
     def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray,
                     block_ids: np.ndarray) -> Future[JobResult]: ...
 
+    def start(self) -> None:
+        """Called once on the event loop as the daemon starts serving: warm-up that must stay
+        off the start path (a heavy import) begins here, on a thread of the engine's own. Jobs
+        submitted before it is done wait for it, so it is never required."""
+
     def close(self) -> None:
         """Stop accepting jobs and finish or abort the ones in flight."""
 

@@ -7,6 +7,10 @@ range in a slot that holds every head), each row one copy unit (the largest powe
 and moved with one vectorised gather/scatter pair per bounded batch of rows: no Python work per
 block or per layer. Copies run on a per-registration thread (torch releases the GIL), so the
 event loop never waits and each worker's jobs finish in the order they were sent.
+
+Never imports torch on the daemon's start path: that import is most of a CPU daemon's start
+time (0.8-1.3 s of ~1.5 s on a 2-core host), and a restarted daemon must answer at once. It
+runs on a thread once the daemon serves (``start``); a copy that comes first waits for it.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ import mmap
 import os
 import re
 import stat
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 import posix_ipc
-import torch
 
 from kvpool.daemon.copy_engine import CopyEngine, JobResult, Mapped, segment_address_table
 from kvpool.daemon.peer import Peer, check_may_open
@@ -28,6 +33,9 @@ from kvpool.daemon.pool import Pool
 from kvpool.shared.errors import Aborted, LayoutMismatch, ProtocolError, TooLarge, UnknownId
 from kvpool.shared.layout import check_placement
 from kvpool.shared.protocol import ENGINE_SHM_PREFIX, HostRegion, RegisterRequest
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +77,14 @@ class HostCopyEngine(CopyEngine):
         self._pool_u8 = pool.view()
         self._pool_name = pool.name.lstrip("/")
         self._closed = False
-        # Torch's own intra-op threads spin at barriers; beside busy engine processes on the
-        # same cores that collapses a 2-thread index_select from ~4.6 to ~1 GB/s (measured on
-        # a loaded 2-core host). So each torch call runs on one thread, and a job is cut into
-        # ``threads`` parts run by our own pool, which only blocks, never spins.
-        torch.set_num_threads(1)
+        # A job is cut into ``threads`` parts run by our own pool (see ``_load_torch``).
         self._threads = threads
         self._fanout = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvpool-copy")
+
+    def start(self) -> None:
+        # Not a daemon thread: interpreter exit waits for it rather than freeze it inside the
+        # import (a daemon stopped within a second of its start).
+        threading.Thread(target=_warm_up, name="kvpool-torch-import").start()
 
     def attach(self, registration: RegisterRequest, peer: Peer | None = None) -> HostMapped:
         regions = registration.regions
@@ -159,6 +168,7 @@ class HostCopyEngine(CopyEngine):
 
     def _copy(self, mapped: HostMapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
               to_pool: bool) -> JobResult:
+        _load_torch()
         region, offset, stride, nbytes, prefix = mapped.table
         # The pairs can be copied in any order: in pool order, slots that sit together in memory
         # (whatever order eviction handed them out in) form runs for the one-pass path.
@@ -268,6 +278,34 @@ class HostCopyEngine(CopyEngine):
                     parts.append(lambda i=i, v=view: _scatter_strided(wide, i, v, run))
         self._parallel(parts)
         return True
+
+
+_torch_lock = threading.Lock()
+
+
+def _load_torch() -> None:
+    """Import torch into this module's globals (once; a second caller waits for the first).
+    Called by every copy before it touches torch, and by ``start``'s warm-up thread."""
+    global torch
+    if "torch" in globals():
+        return
+    with _torch_lock:
+        if "torch" in globals():
+            return
+        import torch as module
+        # Torch's own intra-op threads spin at barriers; beside busy engine processes on the
+        # same cores that collapses a 2-thread index_select from ~4.6 to ~1 GB/s (measured on
+        # a loaded 2-core host). So each torch call runs on one thread, and a job is cut into
+        # parts run by our own pool, which only blocks, never spins.
+        module.set_num_threads(1)
+        torch = module
+
+
+def _warm_up() -> None:
+    try:
+        _load_torch()
+    except Exception:   # every copy will raise the same: say why once, loudly
+        log.exception("cannot import torch: host copies will fail")
 
 
 def check_shm_name(name: str, pool_name: str) -> str:

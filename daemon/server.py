@@ -150,6 +150,8 @@ class Server:
         if self.tiering is not None:
             self.tiering.start()
         self.is_serving = True
+        for engine in self.engines.values():
+            engine.start()
         self.telemetry.serving(self.info())
         log.info("kvpoold %s serving ipc://%s, pool %s: %d bytes in %d extents%s", self.daemon_id,
                  path, self.pool.name, self.pool.nbytes, self.pool.geometry.num_extents,

@@ -23,9 +23,14 @@ def build_engines(config: DaemonConfig, pool: Pool) -> dict[type, CopyEngine]:
     engines: dict[type, CopyEngine] = {HostRegion: HostCopyEngine(pool, config.copy_threads)}
     if config.cuda == "off":
         return engines
+    from kvpool.daemon import cuda
     try:
-        import torch
-        has_cuda = torch.cuda.is_available()
+        # The driver first (ctypes, milliseconds): a host without CUDA never imports torch,
+        # the bulk of a CPU daemon's start time. Where there is a GPU, torch must see it too.
+        has_cuda = cuda.is_available()
+        if has_cuda:
+            import torch
+            has_cuda = torch.cuda.is_available()
     except Exception:   # a broken CUDA install must not keep the host path from serving
         has_cuda = False
     if not has_cuda:

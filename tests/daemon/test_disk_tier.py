@@ -1,11 +1,13 @@
 """The disk tier over a real kvpoold: blocks the pool drops come back byte-exact from disk,
 survive SIGTERM, SIGKILL and a lost pool (a reboot), are never served torn or corrupt, respect
---disk-size, and a full disk turns the tier off while the pool keeps serving."""
+--disk-size, and a full disk or another I/O error turns the tier off while the pool keeps
+serving."""
 
 from __future__ import annotations
 
 import os
 import random
+import resource
 import signal
 import stat
 import subprocess
@@ -19,6 +21,7 @@ import torch
 from kvpool.daemon.disk_store import RECORD_DTYPE
 from kvpool.shared.errors import ErrorCode
 from tests.conftest import wait_for
+from tests.daemon.httptest import fetch, free_port
 from tests.kvtest import HostKv, PoolEngine
 
 # 128 KiB blocks: an 8 MiB pool holds about 48 of them, so a few hundred blocks are mostly on disk.
@@ -166,6 +169,16 @@ def test_a_corrupted_block_is_a_counted_miss_never_loaded(daemon_factory, tmp_pa
         assert "failed checksum verification" in d.log()
     finally:
         e2.close()
+    # Its record was zeroed, not just dropped from memory: the next daemon does not adopt it.
+    assert d.stop() == 0
+    drop_pool(d)
+    d.restart()
+    e3 = Engine(d, e.stored)
+    try:
+        assert e3.tier().adopted_blocks == 7 and e3.tier().verify_failures == 0
+        assert e3.load_and_check(keys) == 3
+    finally:
+        e3.close()
 
 
 def test_disk_size_is_respected_with_its_own_lru(daemon_factory, tmp_path):
@@ -225,6 +238,61 @@ def test_a_full_disk_turns_the_tier_off_and_the_pool_keeps_serving(daemon_factor
         assert e.tier().promoted_blocks == 0      # nothing came from the dead tier
     finally:
         e.close()
+
+
+def _metric(text: str, line_start: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.split()[1])
+    return None
+
+
+def test_an_io_error_turns_the_tier_off_loudly_and_the_pool_keeps_serving(daemon_factory,
+                                                                         tmp_path):
+    """Not a full disk: EFBIG, from a file-size limit put on the running daemon (prlimit needs
+    no privilege on one's own child, and binds root too), so the fault hits mid-stream, after
+    blocks landed. The blocks written before it come back after a restart."""
+    disk = tmp_path / "disk"
+    port = free_port()
+    d = disk_daemon(daemon_factory, disk, pool="16MiB",
+                    extra=["--log-level", "info", "--metrics-port", str(port)])
+    e = Engine(d)
+    try:
+        before = e.store(0, 16, seed=5)
+        e.wait_demoted(16)
+        limit = (disk / f"blocks-{SLOT}.dat").stat().st_size      # the next block is past it
+        assert d.log_path.stat().st_size < limit // 2, "the limit would also cut the log"
+        _, hard = resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (limit, hard))
+        after = e.store(20_000, 8, seed=6)
+        wait_for(lambda: not e.tier().is_enabled, 30, f"the tier to turn off:\n{d.log()}")
+        t = e.tier()
+        assert t.io_errors >= 1 and "File too large" in t.status, t
+        assert d.log().count("DISK TIER OFF") == 1, d.log()
+        assert "File too large" in d.log().split("DISK TIER OFF", 1)[1].splitlines()[0]
+
+        def scraped():
+            text = fetch(f"http://127.0.0.1:{port}/metrics")[1]
+            return (_metric(text, 'kvpool_tier_enabled{tier="disk"}') == 0
+                    and (_metric(text, 'kvpool_tier_io_errors_total{tier="disk"}') or 0) >= 1)
+        wait_for(scraped, 30, "/metrics to show the disk tier off with its I/O error")
+        # The pool still serves: what it holds loads, new stores land, nothing comes from disk.
+        assert e.load_and_check(before) == 16 and e.load_and_check(after) == 8
+        more = e.store(40_000, 8, seed=7)
+        assert e.load_and_check(more) == 8
+        assert e.tier().promoted_blocks == 0 and e.tier().blocks == 16
+    finally:
+        e.close()
+    assert d.stop() == 0
+    drop_pool(d)
+    d.restart()                                  # a new process: no file-size limit
+    e2 = Engine(d, e.stored)
+    try:
+        assert e2.tier().is_enabled and e2.tier().adopted_blocks == 16
+        assert e2.load_and_check(before) == 16
+        assert e2.sched.lookup(e2.kv.namespace, [after]).hits == [0]
+    finally:
+        e2.close()
 
 
 def test_disk_settings_are_checked_and_one_daemon_owns_a_directory(daemon_factory, tmp_path):
