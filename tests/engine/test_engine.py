@@ -105,12 +105,14 @@ def test_engine_runs_normally_without_the_daemon(tmp_path, engines, baseline_out
     assert not segments_of(e.pids)
 
 
+AFTER_RESTART_RUNS = 4
+
+
 def test_daemon_sigkilled_mid_run_then_back(daemon, engines, observer, baseline_outputs):
     ps = prompts(16, seed=3)
     want = baseline_outputs(ps, 32)
     e = engines(daemon.socket, [wait("go"), gen(ps, max_tokens=32), wait("restarted"),
-                                {"op": "reset"}, gen(ps, max_tokens=32),
-                                {"op": "reset"}, gen(ps, max_tokens=32)],
+                                *[{"op": "reset"}, gen(ps, max_tokens=32)] * AFTER_RESTART_RUNS],
                 max_num_batched_tokens=512)
     e.wait_ready()
     assert e.next()["waiting"] == "go"
@@ -122,12 +124,12 @@ def test_daemon_sigkilled_mid_run_then_back(daemon, engines, observer, baseline_
     daemon.restart()
     assert e.next()["waiting"] == "restarted"
     e.go()
-    assert e.next()["ok"]
-    assert_same_outputs(e.next(), want, "after the daemon came back")
-    # The scheduler reconnects without waiting, so requests admitted in the steps before the
-    # connection is back miss: the run after that one must hit.
-    assert e.next()["ok"]
-    assert_same_outputs(e.next(), want, "after the daemon came back, second run")
+    # An idle engine reconnects at its next step and the scheduler never waits for it, so
+    # the first runs after the restart may miss and store late: every run must be right, and
+    # one of them must hit.
+    for run in range(AFTER_RESTART_RUNS):
+        assert e.next()["ok"]
+        assert_same_outputs(e.next(), want, f"after the daemon came back, run {run + 1}")
     assert observer.info().loaded_blocks > 0, "no hit after the daemon restarted"
     e.finish()
 
