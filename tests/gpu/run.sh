@@ -2,10 +2,11 @@
 # Runs the GPU tests and the GPU benchmark on a CUDA machine that has no kvpool install:
 # installs the carried wheels into /tmp/site, builds an import tree for kvpool from this
 # checkout, then writes logs and results under $OUT (default ./gpu-out).
-#   tests/gpu/run.sh [env|tests|bench|all|pd|pd+bench|tests+pd|tp] [extra bench args...]
+#   tests/gpu/run.sh [env|tests|bench|all|pd|pd+bench|tests+pd|tp|probe] [extra bench args...]
 # (pd: the two-GPU tests and bench/pd_handoff.py; pd+bench also runs bench/gpu_transfer.py;
 #  tests+pd: every GPU test, then bench/pd_handoff.py; PD_ARGS: extra pd_handoff.py args;
-#  tp: the cross-TP GPU tests, then bench/pd_handoff.py --mode cross)
+#  tp: the cross-TP GPU tests, then bench/pd_handoff.py --mode cross;
+#  probe: bench/gemm_probe.py, also run last by all; PROBE_ARGS: its extra args)
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -56,5 +57,8 @@ if [ "$what" = tp ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = pd+bench ]; then
   timeout ${BENCH_TIMEOUT:-480} python3 "$REPO/bench/gpu_transfer.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" || rc=1
+fi
+if [ "$what" = probe ] || [ "$what" = all ]; then
+  timeout ${PROBE_TIMEOUT:-240} python3 "$REPO/bench/gemm_probe.py" --out "$OUT" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" || rc=1
 fi
 exit $rc
