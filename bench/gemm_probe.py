@@ -4,8 +4,8 @@
 
 A bf16 8192^3 GEMM loop runs in one process (the engine); a second process (the daemon's
 place) does one thing at a time while it runs, and the GEMM's time is divided by its time
-alone, measured just before (median of ``--reps``). Each step adds one ingredient of what
-kvpoold does, so the step where the slowdown appears names the cause:
+alone, measured just before and just after (their mean; median of ``--reps``). Each step adds
+one ingredient of what kvpoold does, so the step where the slowdown appears names the cause:
 
 - ``idle_context``: the second process only holds a CUDA context (time-slicing between
   contexts costs nothing while the other context has no work);
@@ -15,6 +15,10 @@ kvpoold does, so the step where the slowdown appears names the cause:
   daemon copies);
 - ``copy_ipc_event_sync``: and an event recorded and waited for on the host after every
   chunk (the completion polling of a job per block);
+- ``batch_ipc``: the chunks in one ``cuMemcpyBatchAsync`` per 16 (kvpool's 1D path, with
+  its attributes);
+- ``batch2d_ipc``: per-layer blocks (64 strided 32 KiB segments each) in one
+  ``cuMemcpy3DBatchAsync`` per 16 blocks (kvpool's pitched path);
 - ``copy_ipc_kernel``: a gather kernel (``index_select``) over each chunk before its copy:
   SMs of another context beside the GEMM;
 - ``copy_same_process``: the engine process itself copies on a side stream (vLLM's
@@ -37,8 +41,9 @@ import torch
 import torch.multiprocessing as mp
 
 GB = 1e9
-MODES = ("idle_context", "copy_own", "copy_ipc", "copy_ipc_event_sync", "copy_ipc_kernel",
-         "copy_same_process")
+MODES = ("idle_context", "copy_own", "copy_ipc", "copy_ipc_event_sync", "batch_ipc",
+         "batch2d_ipc", "copy_ipc_kernel", "copy_same_process")
+SEGMENT = 32 << 10      # batch2d_ipc: a per-layer layout's K or V of one layer of one block
 
 
 class CopyLoop:
@@ -57,6 +62,8 @@ class CopyLoop:
             self.rows = torch.arange(self.src.shape[0], device=src.device)
 
     def run(self) -> None:
+        if self.mode.startswith("batch"):
+            return self._run_batched()
         n, chunk = self.src.shape
         t0 = time.perf_counter()
         i = 0
@@ -79,9 +86,50 @@ class CopyLoop:
         self.seconds = time.perf_counter() - t0
 
 
+    def _run_batched(self) -> None:
+        """kvpool's own driver calls (``kvpool.daemon.cuda``), 16 blocks a call."""
+        import numpy as np
+
+        from kvpool.daemon import cuda as kc
+
+        n, chunk = self.src.shape
+        src, dst = self.src.data_ptr(), self.dst.data_ptr()
+        stream = self.stream.cuda_stream
+        ops_of = []
+        for first in range(0, n, 16):
+            blocks = np.arange(first, min(n, first + 16), dtype=np.uint64)
+            if self.mode == "batch_ipc":
+                ops_of.append((src + blocks * chunk, dst + blocks * chunk,
+                               np.full(len(blocks), chunk, dtype=np.uint64)))
+            else:
+                # The engine's KV as [rows = layers x K/V][blocks][SEGMENT]: a block is a
+                # column of rows, one pitched op.
+                rows = chunk // SEGMENT
+                one = np.ones(len(blocks), dtype=np.uint64)
+                ops_of.append(kc.pitched_ops(dst + blocks * chunk, one * SEGMENT,
+                                             src + blocks * SEGMENT, one * (n * SEGMENT),
+                                             one * SEGMENT, one * rows))
+        t0 = time.perf_counter()
+        i = 0
+        while not self.stop.is_set():
+            ops = ops_of[i % len(ops_of)]
+            if self.mode == "batch_ipc":
+                kc.memcpy_batch_async(*ops, stream)
+                i += len(ops[2])
+            else:
+                kc.memcpy_2d_batch_async(ops, stream)
+                i += len(ops)
+            self.stream.synchronize()
+        self.bytes = i * chunk
+        self.seconds = time.perf_counter() - t0
+
+
 def gemm_seconds(a: torch.Tensor, b: torch.Tensor, iters: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
+    # The same pause before every timed loop, alone or not: a GEMM right after another runs
+    # at lower clocks than one after a pause, which biased a first version of this probe.
+    time.sleep(0.3)
     start.record()
     for _ in range(iters):
         torch.mm(a, b)
@@ -107,8 +155,7 @@ def engine(conn, to_copier, kv_bytes: int, chunk: int) -> None:
         if what == "with_own_copies":
             loop = CopyLoop(kv, chunk, "copy_same_process")
             th = threading.Thread(target=loop.run)
-            th.start()
-            time.sleep(0.2)             # the copies reach full speed first
+            th.start()                  # (at full speed by the end of gemm_seconds' pause)
         t = gemm_seconds(a, b, iters)
         rate = 0.0
         if loop is not None:
@@ -185,7 +232,9 @@ def main() -> None:
                     t, _ = e_conn.recv()
                     c_conn.send("stop")
                     rate = c_conn.recv()
-                slow.append(t / alone)
+                e_conn.send(("alone", args.iters))
+                after, _ = e_conn.recv()
+                slow.append(t / ((alone + after) / 2))     # alone before and after: no drift
                 rates.append(rate)
             results["modes"][mode] = {"gemm_slowdown": statistics.median(slow),
                                       "gemm_slowdown_reps": slow,
