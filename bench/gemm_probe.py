@@ -58,12 +58,24 @@ class CopyLoop:
         self.stop = threading.Event()
         self.bytes = 0
         self.seconds = 0.0
+        self.error = ""
         if mode == "copy_ipc_kernel":
             self.rows = torch.arange(self.src.shape[0], device=src.device)
 
     def run(self) -> None:
-        if self.mode.startswith("batch"):
-            return self._run_batched()
+        try:
+            # A new thread has no current context until a runtime call binds the primary
+            # one; kvpool's driver calls below need it.
+            torch.cuda.synchronize()
+            if self.mode.startswith("batch"):
+                self._run_batched()
+            else:
+                self._run_copies()
+        except Exception as e:      # reported with the mode, never a hung probe
+            self.error = f"{type(e).__name__}: {e}"
+            self.seconds = self.seconds or 1.0
+
+    def _run_copies(self) -> None:
         n, chunk = self.src.shape
         t0 = time.perf_counter()
         i = 0
@@ -84,7 +96,6 @@ class CopyLoop:
                 self.stream.synchronize()
         self.bytes = i * chunk
         self.seconds = time.perf_counter() - t0
-
 
     def _run_batched(self) -> None:
         """kvpool's own driver calls (``kvpool.daemon.cuda``), 16 blocks a call."""
@@ -162,7 +173,7 @@ def engine(conn, to_copier, kv_bytes: int, chunk: int) -> None:
             loop.stop.set()
             th.join()
             rate = loop.bytes / loop.seconds / GB
-        conn.send((t, rate))
+        conn.send((t, rate, loop.error if loop is not None else ""))
 
 
 def copier(conn, from_engine, chunk: int) -> None:
@@ -176,19 +187,19 @@ def copier(conn, from_engine, chunk: int) -> None:
         if mode is None:
             return
         loop = None
-        if mode.startswith("copy_"):
+        if mode != "idle_context":
             loop = CopyLoop(own if mode == "copy_own" else kv, chunk, mode)
             th = threading.Thread(target=loop.run)
             th.start()
             time.sleep(0.2)
         conn.send("running")
         assert conn.recv() == "stop"
-        rate = 0.0
+        rate, error = 0.0, ""
         if loop is not None:
             loop.stop.set()
             th.join()
-            rate = loop.bytes / loop.seconds / GB
-        conn.send(rate)
+            rate, error = loop.bytes / loop.seconds / GB, loop.error
+        conn.send((rate, error))
 
 
 def main() -> None:
@@ -198,6 +209,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk-mib", type=int, default=2)
     ap.add_argument("--kv-mib", type=int, default=1024)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     chunk = args.chunk_mib << 20
@@ -217,31 +229,34 @@ def main() -> None:
                      "gemm": "bf16 8192x8192 @ 8192x8192", "iters": args.iters,
                      "chunk_bytes": chunk, "modes": {}}
     try:
-        for mode in MODES:
-            slow, rates = [], []
+        for mode in args.modes.split(","):
+            slow, rates, errors = [], [], []
             for _ in range(args.reps):
                 e_conn.send(("alone", args.iters))
-                alone, _ = e_conn.recv()
+                alone = e_conn.recv()[0]
                 if mode == "copy_same_process":
                     e_conn.send(("with_own_copies", args.iters))
-                    t, rate = e_conn.recv()
+                    t, rate, error = e_conn.recv()
                 else:
                     c_conn.send(mode)
                     assert c_conn.recv() == "running"
                     e_conn.send(("alone", args.iters))
-                    t, _ = e_conn.recv()
+                    t = e_conn.recv()[0]
                     c_conn.send("stop")
-                    rate = c_conn.recv()
+                    rate, error = c_conn.recv()
+                if error:
+                    errors.append(error)
                 e_conn.send(("alone", args.iters))
-                after, _ = e_conn.recv()
+                after = e_conn.recv()[0]
                 slow.append(t / ((alone + after) / 2))     # alone before and after: no drift
                 rates.append(rate)
             results["modes"][mode] = {"gemm_slowdown": statistics.median(slow),
                                       "gemm_slowdown_reps": slow,
-                                      "copy_GBps_during_gemm": statistics.median(rates)}
+                                      "copy_GBps_during_gemm": statistics.median(rates),
+                                      "errors": sorted(set(errors))}
             print(f"{mode:22s} GEMM x{statistics.median(slow):.3f}  copies "
-                  f"{statistics.median(rates):6.2f} GB/s  (reps {[round(s, 3) for s in slow]})",
-                  flush=True)
+                  f"{statistics.median(rates):6.2f} GB/s  (reps {[round(s, 3) for s in slow]})"
+                  f"{'  ERROR ' + errors[0] if errors else ''}", flush=True)
     finally:
         e_conn.send(None)
         c_conn.send(None)
