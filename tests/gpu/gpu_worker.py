@@ -173,6 +173,9 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int, tp_size: int = 
             for _ in range(3):
                 a @ b
             sync()
+            # The same pause before every timed loop: a GEMM loop right after other GPU work
+            # runs at lower clocks than one after a pause (bench/gemm_probe.py, run 10).
+            time.sleep(0.3)
             conn.send("ready")
             conn.recv()
             t0 = time.perf_counter()
@@ -395,7 +398,8 @@ class _DaemonBench:
                      load_blocks: list[int]) -> tuple[float, float, float]:
         """The GEMM in this worker's own process (as in vLLM: the offloading worker is the
         engine): seconds of ``iters`` bf16 8192^3 GEMMs alone, then while another thread of
-        this process offloads at full speed; returns (alone, with, blocks/s moved). The
+        this process offloads at full speed, then alone again; returns (alone: the mean of
+        both, with, blocks/s moved). The
         offload thread records its store events and waits its loads on a side stream, as a
         connector does for blocks computed earlier, so it never waits for the GEMM queue."""
         import threading
@@ -410,6 +414,7 @@ class _DaemonBench:
             for _ in range(3):
                 a @ b
             torch.cuda.synchronize()
+            time.sleep(0.3)         # the same pause before each timed loop (see "gemm")
             t0 = time.perf_counter()
             for _ in range(iters):
                 a @ b
@@ -428,12 +433,12 @@ class _DaemonBench:
                 out["error"] = e
         th = threading.Thread(target=offload)
         th.start()
-        time.sleep(0.3)
-        with_offload = loop()
+        with_offload = loop()       # (the offload reaches full speed during loop's pause)
         th.join()
         if "error" in out:
             raise out["error"]
-        return alone, with_offload, out["rate"]
+        # Alone again after: the mean of before and after cancels a drift in clocks.
+        return (alone + loop()) / 2, with_offload, out["rate"]
 
     def offload_for(self, seconds: float, blocks_per_job: int, store_blocks: list[int],
                     load_blocks: list[int]) -> float:
