@@ -6,8 +6,14 @@ threads. The bytes, the file format and the crash rules are ``daemon/disk_store.
 
 - **Down (demote).** A batch of pool blocks of one size gets block indices (a free one, else the
   file's next, else the disk LRU's oldest unread block: the same size reuses its index, another
-  size's is punched out and freed) and goes to one I/O thread as one ``DiskStore.write``. The
-  blocks become visible (``leading``) only once their data and records have landed.
+  size's is punched out and freed) and goes to one I/O thread as one ``DiskStore.write_data``;
+  up to ``MAX_DEMOTES`` batches are written at once. When its data is on the device the pool
+  slots are let go and the batch joins the next group commit (``DiskStore.commit``: one flush
+  of the data, the records, one flush of the records, for every batch that landed while the
+  previous commit ran), on a thread of its own. The blocks become visible (``leading``) only
+  once their data and records are durable. A flush per batch, as before, left the device idle
+  behind each flush: 3 batches in flight converged and waited on their flushes together
+  (pwritev in flight 84% of a 1 GiB demotion, 0.56 s of 4.4 s flushing with nothing written).
 - **Up (promote).** Blocks being read are pinned (``readers``), so the LRU cannot hand their
   index to a write. A read is cut into parts of ``BATCH_BYTES`` that run on all I/O threads at
   once; each block is verified; one that fails is counted, logged and dropped.
@@ -50,8 +56,12 @@ IO_THREADS = 4
 # One write batch or read part: big enough that a system call moves many MiB, small enough
 # that a batch pins little of the pool while it is written.
 BATCH_BYTES = 32 << 20
-# Demote batches in flight at once (each on its own thread).
+# Demote batches being written at once (each on its own I/O thread); batches waiting for
+# their group commit do not count, their pool slots are already free.
 MAX_DEMOTES = 3
+# Batches written or being written but not yet committed. Their blocks hold disk space the
+# LRU cannot take back until they commit, so a small tier must not fill with them.
+MAX_UNCOMMITTED = 2 * MAX_DEMOTES
 
 WRITING, VALID = 1, 2
 
@@ -87,8 +97,14 @@ class DiskTier(LowerTier):
         self._lru: OrderedDict[DiskBlock, None] = OrderedDict()
         self._sizes: dict[int, _Size] = {}
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-disk")
+        # Group commits run one at a time on their own thread, beside the writes.
+        self._commit_io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-disk-commit")
         self._inflight: set[Future] = set()
-        self._demotes = 0
+        self._demotes = 0                      # batches being written
+        self._uncommitted = 0                  # batches being written or committed
+        self._landed: dict[_Size, list[tuple[list[DiskBlock], np.ndarray, np.ndarray]]] = {}
+        self._committing = False
+        self._closing = False
         self._to_free: dict[_Size, list[int]] = {}
         self._free_scheduled = False
         self._seq = 1
@@ -193,7 +209,8 @@ class DiskTier(LowerTier):
         return table is None or key[16:] not in table
 
     def can_demote(self) -> bool:
-        return self._enabled and self._demotes < MAX_DEMOTES
+        return (self._enabled and self._demotes < MAX_DEMOTES
+                and self._uncommitted < MAX_UNCOMMITTED)
 
     def batch_blocks(self, slot_bytes: int) -> int:
         return max(1, self._batch_bytes // slot_bytes)
@@ -225,39 +242,92 @@ class DiskTier(LowerTier):
             return done
         n = len(blocks)
         self._demotes += 1
-        f = self._submit(self.store.write, slot_bytes,
-                         np.fromiter((b.index for b in blocks), np.int64, n),
+        self._uncommitted += 1
+        indices = np.fromiter((b.index for b in blocks), np.int64, n)
+        f = self._submit(self._io, self.store.write_data, slot_bytes, indices,
                          np.asarray(offsets[:n], np.int64), keys[:n],
-                         np.fromiter((b.seq for b in blocks), np.uint64, n),
                          np.asarray(replaced, np.int64))
-        f.add_done_callback(lambda f: loop.call_soon_threadsafe(self._demoted, f, blocks, done))
+        f.add_done_callback(lambda f: loop.call_soon_threadsafe(
+            self._written, f, blocks, indices, done))
         return done
 
-    def _demoted(self, f: Future, blocks: list[DiskBlock], done: asyncio.Future) -> None:
+    def _written(self, f: Future, blocks: list[DiskBlock], indices: np.ndarray,
+                 done: asyncio.Future) -> None:
+        """A batch's data is on the device: the pool bytes are free again (``done``), and the
+        batch waits for the next group commit to become durable and visible."""
         self._demotes -= 1
         exc = f.exception()
         if exc is not None:
             self._fault("writing blocks", exc)
-            for b in blocks:
-                b.doomed = True
-                self._unmap(b)
-            self.used_bytes -= sum(b.size.slot_bytes for b in blocks)
+            self._uncommitted -= 1
+            self._lost(blocks)
             done.set_result(0)
             return
-        kept = 0
-        for b, checksum in zip(blocks, f.result().tolist()):
-            b.checksum = checksum
-            b.state = VALID
-            if b.doomed:              # forgotten (reset) while it was written
-                self._release(b)
-                continue
-            self._lru[b] = None
-            kept += 1
-        self.blocks += kept
-        self.demoted_blocks += len(blocks)
-        self.demoted_bytes += len(blocks) * blocks[0].size.slot_bytes
+        batch = (blocks, indices, f.result())
+        if self._enabled or self._closing:
+            self._landed.setdefault(blocks[0].size, []).append(batch)
+            self._commit_next()
+        else:                      # the tier went off while it was written
+            self._uncommitted -= 1
+            self._lost(blocks)
+        done.set_result(len(blocks))
+
+    def _commit_next(self) -> None:
+        """Start one group commit of everything landed, unless one is running (its end
+        starts the next, so every flush covers all the batches that landed meanwhile)."""
+        if self._committing or not self._landed:
+            return
+        size = next(iter(self._landed))
+        group = self._landed.pop(size)
+        self._committing = True
+        loop = asyncio.get_running_loop()
+        f = self._submit(self._commit_io, self.store.commit, size.slot_bytes,
+                         [(indices, [b.key for b in blocks],
+                           sums, np.fromiter((b.seq for b in blocks), np.uint64, len(blocks)))
+                          for blocks, indices, sums in group])
+        f.add_done_callback(lambda f: loop.call_soon_threadsafe(self._committed, f, group))
+
+    def _committed(self, f: Future, group: list[tuple[list[DiskBlock], np.ndarray,
+                                                      np.ndarray]]) -> None:
+        self._committing = False
+        self._uncommitted -= len(group)
+        exc = f.exception()
+        if exc is not None:
+            self._fault("writing blocks", exc)
+            for blocks, _, _ in group:
+                self._lost(blocks)
+        else:
+            for blocks, _, sums in group:
+                kept = 0
+                for b, checksum in zip(blocks, sums.tolist()):
+                    b.checksum = checksum
+                    b.state = VALID
+                    if b.doomed:              # forgotten (reset) while it was written
+                        self._release(b)
+                        continue
+                    self._lru[b] = None
+                    kept += 1
+                self.blocks += kept
+                self.demoted_blocks += len(blocks)
+                self.demoted_bytes += len(blocks) * blocks[0].size.slot_bytes
+        if not self._enabled and not self._closing:
+            for waiting in self._landed.values():
+                self._uncommitted -= len(waiting)
+                for blocks, _, _ in waiting:
+                    self._lost(blocks)
+            self._landed.clear()
+        self._commit_next()
         self._schedule_free()
-        done.set_result(kept)
+        if self.can_demote() and self.on_ready is not None:   # MAX_UNCOMMITTED may have held it
+            self.on_ready()
+
+    def _lost(self, blocks: list[DiskBlock]) -> None:
+        """Blocks whose write failed or will not be committed: unreachable, never freed
+        (the tier is off; their records were never written)."""
+        for b in blocks:
+            b.doomed = True
+            self._unmap(b)
+        self.used_bytes -= sum(b.size.slot_bytes for b in blocks)
 
     def _place(self, size: _Size) -> tuple[int, bool] | None:
         """(block index, whether it overwrites a block evicted for it) for one new block of
@@ -310,7 +380,7 @@ class DiskTier(LowerTier):
         for part in parts:
             sel = [blocks[i] for i in part]
             results.append(self._submit(
-                self.store.read, slot_bytes,
+                self._io, self.store.read, slot_bytes,
                 np.fromiter((b.index for b in sel), np.int64, len(sel)),
                 np.asarray([offsets[i] for i in part], np.int64), [b.key for b in sel],
                 np.fromiter((b.checksum for b in sel), np.uint64, len(sel))))
@@ -378,18 +448,32 @@ class DiskTier(LowerTier):
     async def close(self, timeout_s: float) -> None:
         self._flush_free()        # forgotten blocks must not come back at the next start
         self._enabled = False
-        if self._inflight:
-            await asyncio.wait([asyncio.wrap_future(f) for f in set(self._inflight)],
-                               timeout=timeout_s)
-        if self._inflight:
+        self._closing = True      # what is being written is still committed
+        deadline = time.monotonic() + timeout_s
+        # A write's end starts a commit (on the loop), so wait until neither is left.
+        while self._busy():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if self._inflight:
+                await asyncio.wait([asyncio.wrap_future(f) for f in set(self._inflight)],
+                                   timeout=left)
+            await asyncio.sleep(0)        # let the callbacks of what finished run
+        if self._busy():
             log.warning("disk tier: %d I/O operations still running at exit; blocks they write "
                         "are not recorded and will not be served", len(self._inflight))
-            self._io.shutdown(wait=False, cancel_futures=True)
+            for pool in (self._io, self._commit_io):
+                pool.shutdown(wait=False, cancel_futures=True)
             return
         self._io.shutdown(wait=True)
+        self._commit_io.shutdown(wait=True)
         self.store.close()
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _busy(self) -> bool:
+        """Whether I/O is running or a written batch still waits for its commit."""
+        return bool(self._inflight or self._uncommitted)
 
     def _size(self, slot_bytes: int) -> _Size:
         size = self._sizes.get(slot_bytes)
@@ -397,8 +481,8 @@ class DiskTier(LowerTier):
             size = self._sizes[slot_bytes] = _Size(slot_bytes)
         return size
 
-    def _submit(self, fn, *args) -> Future:
-        f = self._io.submit(fn, *args)
+    def _submit(self, pool: ThreadPoolExecutor, fn, *args) -> Future:
+        f = pool.submit(fn, *args)
         self._inflight.add(f)
         f.add_done_callback(self._inflight.discard)
         return f
@@ -431,7 +515,7 @@ class DiskTier(LowerTier):
             return
         loop = asyncio.get_running_loop()
         for size, idx in todo.items():
-            f = self._submit(self.store.free, size.slot_bytes, np.asarray(idx, np.int64))
+            f = self._submit(self._io, self.store.free, size.slot_bytes, np.asarray(idx, np.int64))
 
             def freed(f: Future, size=size, idx=idx) -> None:
                 if f.exception() is not None:

@@ -8,6 +8,9 @@ and moved with one vectorised gather/scatter pair per bounded batch of rows: no 
 block or per layer. Copies run on a per-registration thread (torch releases the GIL), so the
 event loop never waits and each worker's jobs finish in the order they were sent.
 
+The pool's pages are mapped into the daemon in the background once it serves (``_populate``):
+a first touch per page would otherwise slow the first copies into a fresh pool 3-4x.
+
 Never imports torch on the daemon's start path: that import is most of a CPU daemon's start
 time (0.8-1.3 s of ~1.5 s on a 2-core host), and a restarted daemon must answer at once. It
 runs on a thread once the daemon serves (``start``); a copy that comes first waits for it.
@@ -15,14 +18,16 @@ runs on a thread once the daemon serves (``start``); a copy that comes first wai
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
 import re
 import stat
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import posix_ipc
@@ -85,6 +90,8 @@ class HostCopyEngine(CopyEngine):
         # Not a daemon thread: interpreter exit waits for it rather than freeze it inside the
         # import (a daemon stopped within a second of its start).
         threading.Thread(target=_warm_up, name="kvpool-torch-import").start()
+        threading.Thread(target=_populate, args=(self._pool_u8, lambda: self._closed),
+                         name="kvpool-pool-populate", daemon=True).start()
 
     def attach(self, registration: RegisterRequest, peer: Peer | None = None) -> HostMapped:
         regions = registration.regions
@@ -306,6 +313,40 @@ def _warm_up() -> None:
         _load_torch()
     except Exception:   # every copy will raise the same: say why once, loudly
         log.exception("cannot import torch: host copies will fail")
+
+
+# Linux 5.14+: fault a range in now, writable (the kernel's batch path, no copy).
+_MADV_POPULATE_WRITE = 23
+_POPULATE_CHUNK = 64 << 20
+try:
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise
+    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+except (OSError, AttributeError):
+    _madvise = None
+
+
+def _populate(u8: np.ndarray, stop: Callable[[], bool]) -> None:
+    """Map every page of the pool into this process now, in the background.
+
+    ``Pool`` reserves the pages at start, but the first touch of each one in our mapping
+    still faults and clears it: a copy into a fresh pool ran at 1.5 GB/s against 5.8 GB/s
+    once mapped (1 GiB, one thread, 2-core host), and the disk tier's O_DIRECT writes fault
+    the same pages in. ``MADV_POPULATE_WRITE`` does it in 0.37 s per GiB of one core, in
+    64 MiB steps (ctypes drops the GIL for each), stopping at close. A pure speed-up: where
+    the kernel lacks it, pages fault in on first use as before. (A CUDA pool is pinned by
+    ``cudaHostRegister`` at start; this then finds every page mapped already.)"""
+    if _madvise is None or not len(u8):
+        return
+    t0 = time.monotonic()
+    base, n = u8.ctypes.data, len(u8)
+    start = base - base % mmap.PAGESIZE
+    for at in range(start, base + n, _POPULATE_CHUNK):
+        if stop():
+            return
+        if _madvise(at, min(_POPULATE_CHUNK, base + n - at), _MADV_POPULATE_WRITE) != 0:
+            log.debug("pool pages not mapped ahead: %s", os.strerror(ctypes.get_errno()))
+            return
+    log.debug("pool pages mapped in %.2f s", time.monotonic() - t0)
 
 
 def check_shm_name(name: str, pool_name: str) -> str:

@@ -42,6 +42,9 @@ class LowerTier(abc.ABC):
     name: str
     # Set by the caller; called on the event loop when the tier serves again after a fault.
     on_restored: Callable[[], None] | None = None
+    # Set by the caller; called on the event loop when ``can_demote`` turned True other than
+    # by a ``demote`` future resolving (a tier that makes blocks durable after that).
+    on_ready: Callable[[], None] | None = None
 
     def start(self) -> None:
         """Called once on the event loop before the daemon serves (background work starts)."""
@@ -78,8 +81,9 @@ class LowerTier(abc.ABC):
     @abc.abstractmethod
     def demote(self, keys: list[bytes], offsets: list[int], slot_bytes: int
                ) -> asyncio.Future[int]:
-        """Copy pool blocks (key i at pool byte offset i) down; resolves to how many the tier
-        now holds (some may find no room)."""
+        """Copy pool blocks (key i at pool byte offset i) down; resolves, once the tier no
+        longer reads those pool bytes, to how many it took (some may find no room). A tier may
+        make them durable later; they count in ``leading`` only once it could serve them."""
 
     @abc.abstractmethod
     def promote(self, keys: list[bytes], offsets: list[int], slot_bytes: int

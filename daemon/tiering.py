@@ -60,6 +60,7 @@ class Tiering:
         index.on_commit = self._committed
         for lane in self._lanes:
             lane.tier.on_restored = lambda lane=lane: self._offer_pool(lane)
+            lane.tier.on_ready = lambda lane=lane: self._schedule_pump(lane)
 
     def start(self) -> None:
         """Start the tiers and queue the pool's committed blocks (an adopted pool) for them;
@@ -85,6 +86,9 @@ class Tiering:
         for s in slots:
             if lower.wants(s.key, s.size_class.slot_bytes):
                 lane.queue.append((s, s.generation))
+        self._schedule_pump(lane)
+
+    def _schedule_pump(self, lane: _Lane) -> None:
         if lane.queue and not lane.pump_scheduled:
             lane.pump_scheduled = True
             asyncio.get_running_loop().call_soon(self._pump, lane)

@@ -99,3 +99,36 @@ def test_the_directory_is_private_locked_and_ours(tmp_path, pool):
     os.chown(other, 12345, 12345)
     with pytest.raises(ConfigError, match="belongs to uid 12345"):
         DiskStore.open(str(other), pool)
+
+
+def test_written_data_has_no_record_until_a_group_commit_makes_it_durable(tmp_path, pool,
+                                                                         monkeypatch):
+    """``write_data`` leaves no record; one ``commit`` of several batches flushes the data once,
+    then writes their records, then flushes those once: a record never precedes its data."""
+    import kvpool.daemon.disk_store as disk_store
+    store = DiskStore.open(str(tmp_path / "d"), pool)
+    a, b = keys(3, b"a"), keys(2, b"b")
+    sums_a = store.write_data(S, np.arange(3), np.arange(3) * S, a, np.zeros(0, np.int64))
+    sums_b = store.write_data(S, np.arange(3, 5), np.arange(10, 12) * S, b,
+                              np.zeros(0, np.int64))
+    assert not store.scan()[0].indices.size           # data written, nothing recorded
+    files = store._open(S)
+    steps: list[str] = []
+    real_sync, real_put = disk_store.os.fdatasync, DiskStore._put_records
+    monkeypatch.setattr(disk_store.os, "fdatasync", lambda fd: (
+        steps.append({files.data_fd: "sync data", files.idx_fd: "sync records"}[fd]),
+        real_sync(fd))[1])
+    monkeypatch.setattr(DiskStore, "_put_records", lambda self, f, idx, rec: (
+        steps.append(f"records {idx.tolist()}"), real_put(self, f, idx, rec))[1])
+    store.commit(S, [(np.arange(3), a, sums_a, np.arange(1, 4, dtype=np.uint64)),
+                     (np.arange(3, 5), b, sums_b, np.arange(4, 6, dtype=np.uint64))])
+    assert steps == ["sync data", "records [0, 1, 2, 3, 4]", "sync records"]
+    monkeypatch.undo()
+    store.close()
+    store = DiskStore.open(str(tmp_path / "d"), pool)
+    [found] = store.scan()
+    assert [bytes(k) for k in found.records["key"]] == a + b
+    assert found.records["checksum"].tolist() == sums_a.tolist() + sums_b.tolist()
+    ok = store.read(S, np.arange(5), np.arange(40, 45) * S, a + b, found.records["checksum"])
+    assert ok.all()
+    store.close()

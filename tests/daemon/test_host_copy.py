@@ -194,3 +194,42 @@ def test_tp_cross_rank_rows_paths_are_bit_exact(pool, order, slot_order):
         engine.detach(mapped)
         engine.close()
         kv.close()
+
+
+def _rss_kib(address: int) -> int:
+    """Resident KiB of this process's mapping that starts at ``address`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        span = line.split(" ", 1)[0]
+        if "-" in span and not span.endswith(":") and int(span.split("-")[0], 16) == address:
+            return next(int(x.split()[1]) for x in lines[i + 1:] if x.startswith("Rss:"))
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_the_pool_pages_are_mapped_ahead_and_a_close_stops_it():
+    """``_populate`` maps every page of a (reserved, never touched) shm segment into the
+    process, so the first copies do not fault page by page; it stops when told to."""
+    import mmap
+
+    import posix_ipc
+
+    from kvpool.daemon import host_copy
+    nbytes = 3 * host_copy._POPULATE_CHUNK // 2
+    shm = posix_ipc.SharedMemory(f"/kvpool-test-populate-{os.getpid()}", posix_ipc.O_CREX,
+                                 size=nbytes)
+    try:
+        os.posix_fallocate(shm.fd, 0, nbytes)
+        maps = [mmap.mmap(shm.fd, nbytes) for _ in range(2)]
+        views = [np.frombuffer(m, np.uint8) for m in maps]
+        host_copy._populate(views[0], lambda: True)            # closed before it began
+        assert _rss_kib(views[0].ctypes.data) == 0
+        host_copy._populate(views[0], lambda: False)
+        assert _rss_kib(views[0].ctypes.data) == nbytes // 1024
+        assert _rss_kib(views[1].ctypes.data) == 0               # per mapping, as faults are
+        del views
+        for m in maps:
+            m.close()
+    finally:
+        shm.close_fd()
+        shm.unlink()
