@@ -15,6 +15,10 @@ one ingredient of what kvpoold does, so the step where the slowdown appears name
   daemon copies);
 - ``copy_ipc_event_sync``: and an event recorded and waited for on the host after every
   chunk (the completion polling of a job per block);
+- ``copy_ipc_wait_ipc_event``: before every chunk the copy stream waits on an interprocess
+  event recorded on another stream (a store waiting on the worker's IPC event);
+- ``bidir_ipc``: chunks out of and into the engine's memory at once, on two streams (stores
+  and loads together);
 - ``batch_ipc``: the chunks in one ``cuMemcpyBatchAsync`` per 16 (kvpool's 1D path, with
   its attributes);
 - ``batch2d_ipc``: per-layer blocks (64 strided 32 KiB segments each) in one
@@ -41,8 +45,8 @@ import torch
 import torch.multiprocessing as mp
 
 GB = 1e9
-MODES = ("idle_context", "copy_own", "copy_ipc", "copy_ipc_event_sync", "batch_ipc",
-         "batch2d_ipc", "copy_ipc_kernel", "copy_same_process")
+MODES = ("idle_context", "copy_own", "copy_ipc", "copy_ipc_event_sync", "copy_ipc_wait_ipc_event",
+         "bidir_ipc", "batch_ipc", "batch2d_ipc", "copy_ipc_kernel", "copy_same_process")
 SEGMENT = 32 << 10      # batch2d_ipc: a per-layer layout's K or V of one layer of one block
 
 
@@ -59,6 +63,11 @@ class CopyLoop:
         self.bytes = 0
         self.seconds = 0.0
         self.error = ""
+        self.other = torch.cuda.Stream()
+        if mode == "copy_ipc_wait_ipc_event":
+            self.ipc_event = torch.cuda.Event(interprocess=True)
+        if mode == "bidir_ipc":
+            self.back = torch.full(self.src.shape, 3, dtype=torch.uint8, pin_memory=True)
         if mode == "copy_ipc_kernel":
             self.rows = torch.arange(self.src.shape[0], device=src.device)
 
@@ -87,14 +96,22 @@ class CopyLoop:
                         self.dst[j:j + 1].copy_(self.src.index_select(0, self.rows[j:j + 1]),
                                                 non_blocking=True)
                     else:
+                        if self.mode == "copy_ipc_wait_ipc_event":
+                            self.ipc_event.record(self.other)
+                            self.stream.wait_event(self.ipc_event)
                         self.dst[j].copy_(self.src[j], non_blocking=True)
+                        if self.mode == "bidir_ipc":
+                            with torch.cuda.stream(self.other):
+                                self.src[(j + n // 2) % n].copy_(self.back[j],
+                                                                 non_blocking=True)
                     if self.mode == "copy_ipc_event_sync":
                         ev = torch.cuda.Event()
                         ev.record(self.stream)
                         ev.synchronize()
                     i += 1
                 self.stream.synchronize()
-        self.bytes = i * chunk
+                self.other.synchronize()
+        self.bytes = i * chunk * (2 if self.mode == "bidir_ipc" else 1)
         self.seconds = time.perf_counter() - t0
 
     def _run_batched(self) -> None:
