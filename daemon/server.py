@@ -506,6 +506,11 @@ class Server:
         reg.jobs_in_flight += 1
         owner.jobs_in_flight += 1
         t_sub = time.monotonic_ns() if self._trace else 0
+        if fut.done():
+            # Done already (a small host copy run inline, an empty store, a refusal): the
+            # JobDone goes out now, in this dispatch, with no loop turn and no wake-up.
+            self._job_done(None, owner, reg, slots, is_store, msg, fut, started, t_recv, t_sub)
+            return None
         # The engine's future resolves on its thread; one call_soon_threadsafe brings the
         # completion to the loop (asyncio.wrap_future would take two loop turns).
         loop = asyncio.get_running_loop()
@@ -563,13 +568,16 @@ class Server:
         asyncio.gather(*fills, return_exceptions=True).add_done_callback(go)
         return out
 
-    def _job_done(self, job: asyncio.Future, owner: Owner, reg: Registration, slots: list[Slot],
-                  is_store: bool, msg: p.StoreRequest | p.LoadRequest, fut, started: float,
-                  t_recv: int = 0, t_sub: int = 0) -> None:
+    def _job_done(self, job: asyncio.Future | None, owner: Owner, reg: Registration,
+                  slots: list[Slot], is_store: bool, msg: p.StoreRequest | p.LoadRequest, fut,
+                  started: float, t_recv: int = 0, t_sub: int = 0) -> None:
+        """A job's end, on the loop: index, counters, its JobDone. ``job`` is what shutdown
+        waits on (None for a job that was done when submitted)."""
         t_cb = time.monotonic_ns() if self._trace else 0
-        if not job.done():
-            job.set_result(None)
-        self._jobs.discard(job)
+        if job is not None:
+            if not job.done():
+                job.set_result(None)
+            self._jobs.discard(job)
         reg.jobs_in_flight -= 1
         owner.jobs_in_flight -= 1
         exc = fut.exception() if not fut.cancelled() else Aborted("job cancelled")
