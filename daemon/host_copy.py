@@ -5,8 +5,11 @@ A job is turned into two row-index vectors over the pool and the worker's region
 rank's pieces of each slot, ``segment_address_table``: whole segments, or the rows of its head
 range in a slot that holds every head), each row one copy unit (the largest power-of-two-free unit that divides every offset and size of the job),
 and moved with one vectorised gather/scatter pair per bounded batch of rows: no Python work per
-block or per layer. Copies run on a per-registration thread (torch releases the GIL), so the
-event loop never waits and each worker's jobs finish in the order they were sent.
+block or per layer. Copies run on a per-registration thread (torch and numpy release the GIL),
+so the event loop never waits on a large job, and each worker's jobs finish in the order they
+were sent. A small job (``INLINE_BYTES``, one 2 MiB block) whose registration has nothing
+queued is copied on the caller's thread instead: its future is done when ``submit_*`` returns,
+and the server answers it in the same dispatch, with no thread hand-off either way.
 
 The pool's pages are mapped into the daemon in the background once it serves (``_populate``):
 a first touch per page would otherwise slow the first copies into a fresh pool 3-4x.
@@ -47,6 +50,11 @@ log = logging.getLogger(__name__)
 # Rows gathered into one temporary before they are scattered: small enough to stay in cache,
 # large enough that the two calls per batch cost little next to moving the bytes.
 BATCH_BYTES = 4 << 20
+# A job of at most this many bytes is copied on the caller's thread (the event loop) when its
+# registration has nothing queued: one 2 MiB block costs about as much loop time as the two
+# thread hand-offs it saves (bench/single_block.py). KVPOOL_HOST_INLINE_BYTES overrides it;
+# 0 sends every job to the registration's thread.
+INLINE_BYTES = 2 << 20
 # Above this many runs of adjacent shards a job takes the gather/scatter path instead.
 MAX_RUNS = 16
 _SHM_NAME_MAX = 200
@@ -71,20 +79,45 @@ class HostMapped(Mapped):
         self.contiguous_at: int | None = (
             int(slot[0]) if np.array_equal(slot[1:] - slot[0], ends[:-1]) else None)
         self.rows = _uniform_rows(registration.layout.slot_bytes, self.table)
+        self.one_region = len(np.unique(self.table[0])) == 1
+        self.shard_bytes = int(nbytes.sum())
+        # unit -> (segment of each unit row of a block, its row within the segment): what
+        # ``_unit_rows`` recomputed for every job.
+        self.row_plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # One thread per registration keeps its jobs in submission order.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-host-copy")
+        # The job last handed to that thread: a small job may run inline only once it is done,
+        # so inline jobs never overtake queued ones.
+        self.last: Future[JobResult] | None = None
+
+    def unit_rows(self, starts: np.ndarray, unit: int) -> np.ndarray:
+        """``_unit_rows(starts, nbytes, unit)`` for every piece of the table, as numpy, with
+        the per-registration part computed once per unit."""
+        plan = self.row_plans.get(unit)
+        if plan is None:
+            reps = self.table[3] // unit
+            seg = np.repeat(np.arange(len(reps)), reps)
+            within = np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
+            plan = self.row_plans[unit] = (seg, within)
+        seg, within = plan
+        return ((starts // unit)[:, seg] + within).ravel()
 
 
 class HostCopyEngine(CopyEngine):
     name = "host"
 
-    def __init__(self, pool: Pool, threads: int = 2) -> None:
+    def __init__(self, pool: Pool, threads: int = 2, inline_bytes: int = INLINE_BYTES) -> None:
         self._pool_u8 = pool.view()
+        self._pool_rows: dict[int, np.ndarray] = {}
         self._pool_name = pool.name.lstrip("/")
         self._closed = False
         # A job is cut into ``threads`` parts run by our own pool (see ``_load_torch``).
         self._threads = threads
         self._fanout = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvpool-copy")
+        # KVPOOL_TRACE (any value): jobs carry monotonic ns stamps (submitted, copy started,
+        # copy done, done) as ``Future.kvpool_trace``, as the CUDA engine's do.
+        self.trace = bool(os.environ.get("KVPOOL_TRACE"))
+        self.inline_bytes = int(os.environ.get("KVPOOL_HOST_INLINE_BYTES", inline_bytes))
 
     def start(self) -> None:
         # Not a daemon thread: interpreter exit waits for it rather than freeze it inside the
@@ -154,10 +187,13 @@ class HostCopyEngine(CopyEngine):
         self._closed = True
         self._fanout.shutdown(wait=False)
 
-    def _parallel(self, parts: list) -> None:
-        """Run the copy thunks in ``parts`` on the fan-out pool and wait for all of them."""
-        if len(parts) == 1:
-            parts[0]()
+    def _parallel(self, parts: list, fan_out: bool = True) -> None:
+        """Run the copy thunks in ``parts`` on the fan-out pool and wait for all of them (one
+        after the other on this thread without ``fan_out``: an inline job never waits on
+        other threads)."""
+        if len(parts) == 1 or not fan_out:
+            for part in parts:
+                part()
             return
         for f in [self._fanout.submit(part) for part in parts]:
             f.result()
@@ -171,16 +207,51 @@ class HostCopyEngine(CopyEngine):
             f: Future[JobResult] = Future()
             f.set_exception(Aborted("daemon is shutting down"))
             return f
-        return mapped.executor.submit(self._copy, mapped, block_ids, shard_offsets, to_pool)
+        stamps = [time.monotonic_ns()] if self.trace else None
+        if (len(block_ids) * mapped.shard_bytes <= self.inline_bytes and "torch" in globals()
+                and (mapped.last is None or mapped.last.done())):
+            return self._inline(stamps, mapped, block_ids, shard_offsets, to_pool)
+        if stamps is None:
+            fut = mapped.executor.submit(self._copy, mapped, block_ids, shard_offsets, to_pool)
+        else:
+            fut = mapped.executor.submit(self._traced, stamps, mapped, block_ids, shard_offsets,
+                                         to_pool)
+            fut.kvpool_trace = stamps  # type: ignore[attr-defined]
+        mapped.last = fut
+        return fut
+
+    def _inline(self, stamps: list[int] | None, mapped: HostMapped, block_ids: np.ndarray,
+                shard_offsets: np.ndarray, to_pool: bool) -> Future[JobResult]:
+        """A small job copied now, on the caller's thread; returns its future, done."""
+        fut: Future[JobResult] = Future()
+        try:
+            if stamps is None:
+                fut.set_result(self._copy(mapped, block_ids, shard_offsets, to_pool, False))
+            else:
+                fut.kvpool_trace = stamps  # type: ignore[attr-defined]
+                fut.set_result(self._traced(stamps, mapped, block_ids, shard_offsets, to_pool,
+                                            False))
+        except Exception as e:  # noqa: BLE001 - as the thread path: failures go in the future
+            fut.set_exception(e)
+        return fut
+
+    def _traced(self, stamps: list[int], *args) -> JobResult:
+        stamps.append(time.monotonic_ns())
+        try:
+            return self._copy(*args)
+        finally:
+            stamps.append(time.monotonic_ns())
+            stamps.append(stamps[-1])
 
     def _copy(self, mapped: HostMapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
-              to_pool: bool) -> JobResult:
+              to_pool: bool, fan_out: bool = True) -> JobResult:
         _load_torch()
         region, offset, stride, nbytes, prefix = mapped.table
         # The pairs can be copied in any order: in pool order, slots that sit together in memory
         # (whatever order eviction handed them out in) form runs for the one-pass path.
-        order = np.argsort(shard_offsets, kind="stable")
-        block_ids, shard_offsets = block_ids[order], shard_offsets[order]
+        if len(shard_offsets) > 1:
+            order = np.argsort(shard_offsets, kind="stable")
+            block_ids, shard_offsets = block_ids[order], shard_offsets[order]
         # [blocks, segments] byte offsets on both sides and the unit that divides all of them.
         src = offset[None, :] + block_ids[:, None] * stride[None, :]
         dst = shard_offsets[:, None] + prefix[None, :]
@@ -188,9 +259,9 @@ class HostCopyEngine(CopyEngine):
         unit = unit & -unit if unit else 1   # largest power of two dividing everything
         unit = min(unit, 1 << 20)
         total = int(nbytes.sum()) * len(block_ids)
-        if self._copy_runs(mapped, src, shard_offsets, unit, to_pool):
+        if self._copy_runs(mapped, src, shard_offsets, unit, to_pool, fan_out):
             return JobResult(total)
-        if self._copy_rows(mapped, src, shard_offsets, to_pool):
+        if self._copy_rows(mapped, src, shard_offsets, to_pool, fan_out):
             return JobResult(total)
         for r in np.unique(region):
             cols = np.flatnonzero(region == r)
@@ -204,11 +275,11 @@ class HostCopyEngine(CopyEngine):
             cuts = np.linspace(0, len(rows_w), k + 1).astype(np.int64)
             self._parallel([
                 lambda a=a, b=b: _gather_scatter(worker, rows_w[a:b], pool, rows_p[a:b], unit)
-                for a, b in zip(cuts[:-1], cuts[1:])])
+                for a, b in zip(cuts[:-1], cuts[1:])], fan_out)
         return JobResult(total)
 
     def _copy_runs(self, mapped: HostMapped, src: np.ndarray, shard_offsets: np.ndarray,
-                   unit: int, to_pool: bool) -> bool:
+                   unit: int, to_pool: bool, fan_out: bool = True) -> bool:
         """One pass when the pool side is a few contiguous runs of parts; False otherwise.
 
         Slots of one size are handed out in address order and LRU eviction frees them in
@@ -217,37 +288,54 @@ class HostCopyEngine(CopyEngine):
         no bytes go through a temporary. Needs one region, a rank's part that is contiguous in
         the slot, and parts that touch from slot to slot (TP=1 with page-sized blocks).
         """
-        region, _, _, nbytes, _ = mapped.table
-        shard = int(nbytes.sum())
-        if len(np.unique(region)) != 1 or shard % unit or mapped.contiguous_at is None:
+        shard = mapped.shard_bytes
+        if not mapped.one_region or shard % unit or mapped.contiguous_at is None:
             return False
         shard_offsets = shard_offsets + mapped.contiguous_at   # a multiple of unit (see _copy)
-        breaks = np.flatnonzero(np.diff(shard_offsets) != shard) + 1
+        n = len(shard_offsets)
+        breaks = (np.flatnonzero(np.diff(shard_offsets) != shard) + 1).tolist() if n > 1 else []
         if len(breaks) >= MAX_RUNS:
             return False
-        rows_w = _unit_rows(src, nbytes, unit)
-        worker = _rows(mapped.views[int(region[0])], unit)
-        pool = _rows(self._pool_u8, unit)
+        rows_w = mapped.unit_rows(src, unit)
+        view = mapped.views[int(mapped.table[0][0])]
         rows_per_shard = shard // unit
         parts = []
-        for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, len(shard_offsets)]):
+        if to_pool:
+            # A gather into the pool run: torch's index_select (numpy's take was 2.8x slower).
+            worker, pool = _rows(view, unit), self._pool_tensor(unit)
+            rows_t = torch.from_numpy(rows_w)
+        else:
+            # A scatter from the pool run: numpy's row assignment runs at memcpy speed and
+            # releases the GIL; torch's index_copy_ costs ~300 us more per call (32 KiB rows).
+            worker, pool = _rows_np(view, unit), self._pool_array(unit)
+        bounds = [0, *breaks, n]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
             # Cut long runs so every fan-out thread gets a share.
             step = max(1, -(-(hi - lo) // self._threads))
-            for a in range(int(lo), int(hi), step):
-                b = min(int(hi), a + step)
+            for a in range(lo, hi, step):
+                b = min(hi, a + step)
                 first = int(shard_offsets[a]) // unit
                 pool_run = pool[first:first + (b - a) * rows_per_shard]
-                idx = rows_w[a * rows_per_shard:b * rows_per_shard]
                 if to_pool:
+                    idx = rows_t[a * rows_per_shard:b * rows_per_shard]
                     parts.append(lambda i=idx, o=pool_run: torch.index_select(worker, 0, i, out=o))
                 else:
-                    parts.append(lambda i=idx, o=pool_run: worker.index_copy_(0, i, o))
-        self._parallel(parts)
+                    idx = rows_w[a * rows_per_shard:b * rows_per_shard]
+                    parts.append(lambda i=idx, o=pool_run: worker.__setitem__(i, o))
+        self._parallel(parts, fan_out)
         return True
 
+    def _pool_array(self, unit: int) -> np.ndarray:
+        rows = self._pool_rows.get(unit)
+        if rows is None:
+            rows = self._pool_rows[unit] = _rows_np(self._pool_u8, unit)
+        return rows
+
+    def _pool_tensor(self, unit: int) -> "torch.Tensor":
+        return torch.from_numpy(self._pool_array(unit))
 
     def _copy_rows(self, mapped: HostMapped, src: np.ndarray, shard_offsets: np.ndarray,
-                   to_pool: bool) -> bool:
+                   to_pool: bool, fan_out: bool = True) -> bool:
         """A rank's head range (``HostMapped.rows``) without building a pool row index: over a
         run of adjacent slots its rows are one strided view of the pool, filled by one gather
         straight from the worker's rows (store), or scattered into them through a cache-sized
@@ -283,7 +371,7 @@ class HostCopyEngine(CopyEngine):
                 else:
                     i = runs[a * nrows // run:b * nrows // run]
                     parts.append(lambda i=i, v=view: _scatter_strided(wide, i, v, run))
-        self._parallel(parts)
+        self._parallel(parts, fan_out)
         return True
 
 
@@ -418,6 +506,15 @@ def _rows(u8: np.ndarray, unit: int) -> torch.Tensor:
     if unit % 8 == 0 and u8.ctypes.data % 8 == 0:
         return t.view(torch.int64).view(n, unit // 8)
     return t.view(n, unit)
+
+
+def _rows_np(u8: np.ndarray, unit: int) -> np.ndarray:
+    """``u8`` as a [n, unit] array (int64 elements when the unit allows), as ``_rows``."""
+    n = len(u8) // unit
+    a = u8[: n * unit]
+    if unit % 8 == 0 and u8.ctypes.data % 8 == 0:
+        return a.view(np.int64).reshape(n, unit // 8)
+    return a.reshape(n, unit)
 
 
 def _scatter_strided(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,

@@ -283,26 +283,32 @@ class Index:
         tick = next(self._tick)
         hits, leases, refs = [], [], []
         n_hit = n_keys = 0
+        # One pass per key list, in the order a prefix is read: the per-key Python here is
+        # most of a lookup's cost in the daemon (256 keys: 27 -> 22 us as three passes became
+        # one). Hits run until the first key that is absent or neither COMMITTED nor FILLING.
+        committed, filling = COMMITTED, FILLING
         for keys in key_lists:
-            run: list[Slot] = []
+            run: list = []            # slot refs of the hit run; with ``pin``, its slots
+            add = run.append
             for k in keys:
                 s = get(k)
-                if s is None or (s.state != COMMITTED and s.state != FILLING):
+                if s is None or (s.state != committed and s.state != filling):
                     break
-                run.append(s)
-            hits.append(len(run))
-            n_hit += len(run)
-            n_keys += len(keys)
-            for s in run:
                 s.last_use = tick     # the LRU promotes stamped slots when it next scans
-            refs.append([s.ref for s in run])
-            if pin and run:
+                add(s if pin else s.ref)
+            n = len(run)
+            hits.append(n)
+            n_hit += n
+            n_keys += len(keys)
+            if pin and n:
+                refs.append([s.ref for s in run])
                 lease_id = next(self._lease_ids)
                 for s in run:
                     s.pins += 1
                 self._leases[lease_id] = Lease(owner, run, now + self.lease_ttl_s)
                 leases.append(lease_id)
             else:
+                refs.append(run)
                 leases.append(0)
         self.stats.hit_blocks += n_hit
         self.stats.miss_blocks += n_keys - n_hit
