@@ -63,13 +63,12 @@ logger = logging.getLogger("kvpool.vllm")
 # dedups what this misses) and a lookup that misses a remembered key forgets it.
 _MAX_REMEMBERED_KEYS = 1 << 20
 _NOTHING: dict[bytes, None] = {}
-# Work per step is bounded so that no connector call stalls vLLM's scheduler when hundreds of
-# requests arrive or fill blocks at once: a step sends lookups for about this many blocks and
-# plans stores of about this many; the rest wait a step (a step cannot prefill more than
-# max_num_batched_tokens anyway, and unplanned blocks stay allocated to their running or
-# backlogged requests). A single request larger than the bound still goes whole.
+# Lookups sent per step are bounded so that build_connector_meta does not stall vLLM's
+# scheduler when hundreds of requests arrive at once: a step asks for about this many blocks,
+# the other requests wait a step (a step cannot prefill more than max_num_batched_tokens
+# anyway). A single request larger than the bound still goes whole. Stores are not bounded:
+# a block not planned in the step it fills may never be stored if the engine stops right after.
 LOOKUP_BLOCKS_PER_STEP = 1024
-STORE_BLOCKS_PER_STEP = 128
 
 
 @dataclass(eq=False)
@@ -730,28 +729,16 @@ class SchedulerRole:
         get = self._reqs.get
         n_sched_of = so.num_scheduled_tokens
         due: list[tuple[_Req, int]] = []
-        budget = STORE_BLOCKS_PER_STEP
-        if self._backlog:
-            # Finished requests first: they hold GPU blocks only for these stores.
-            reqs = self._reqs
-            for rid in self._backlog:
-                st = reqs.get(rid)
-                if st is not None and rid not in n_sched_of and budget > 0:
-                    n = min(st.request.num_computed_tokens, st.request.num_tokens) // bt - st.lo
-                    if n > 0:
-                        due.append((st, 0))
-                        budget -= n
         for rid in candidates:
             st = get(rid)
             if st is not None:
                 n_sched = n_sched_of.get(rid, 0)
-                n = (st.request.num_computed_tokens + n_sched) // bt - st.lo
-                if n > 0:
-                    if budget <= 0:
-                        self._replan.add(rid)      # planned at a later step
-                        continue
+                if (st.request.num_computed_tokens + n_sched) // bt > st.lo:
                     due.append((st, n_sched))
-                    budget -= n
+        if self._backlog:
+            reqs = self._reqs
+            due += [(reqs[rid], 0) for rid in self._backlog
+                    if rid not in n_sched_of and rid in reqs]
         if not due:
             return []
         spec_tokens = so.scheduled_spec_decode_tokens

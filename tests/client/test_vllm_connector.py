@@ -461,24 +461,14 @@ def test_stores_planned_before_a_reset_never_show_up_after_it(make_engine, info,
 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
-def test_a_burst_of_requests_is_looked_up_and_stored_over_several_steps(
+def test_a_burst_of_requests_is_looked_up_over_several_steps(
         make_engine, info, monkeypatch, async_scheduling):
     from kvpool.client import vllm_scheduler
 
-    # Bounds far below the burst: 8 requests of 4 full blocks each arrive at once.
+    # A bound far below the burst: 8 requests of 4 full blocks each arrive at once.
     monkeypatch.setattr(vllm_scheduler, "LOOKUP_BLOCKS_PER_STEP", 6)
-    monkeypatch.setattr(vllm_scheduler, "STORE_BLOCKS_PER_STEP", 6)
     e = make_engine(async_scheduling=async_scheduling)
     role = e.connector.scheduler
-    stored_per_step: list[int] = []
-    build = role.build_connector_meta
-
-    def spy_build(so):
-        meta = build(so)
-        stored_per_step.append(sum(len(s.keys) for s in meta.stores))
-        return meta
-
-    role.build_connector_meta = spy_build
     looked_up: list[int] = []
     lookup_start = role.client.lookup_start
 
@@ -491,9 +481,6 @@ def test_a_burst_of_requests_is_looked_up_and_stored_over_several_steps(
     for rid, p in prompts.items():
         e.add(rid, p, max_tokens=1)
     e.run()
-    # Each step plans at most the bound plus one request's blocks (a request goes whole).
-    assert max(stored_per_step) <= 6 + 4 - 1, stored_per_step
-    assert sum(stored_per_step) == 32, stored_per_step
     wait_for(lambda: info.info().stored_blocks == 32, 10, "all 32 blocks committed")
     assert e.sched.reset_prefix_cache()
     looked_up.clear()
@@ -501,5 +488,6 @@ def test_a_burst_of_requests_is_looked_up_and_stored_over_several_steps(
         e.add(f"again-{rid}", p + [1], max_tokens=1)
     e.run()
     assert e.stats.loaded_reqs == {f"again-{rid}" for rid in prompts}
+    # Each lookup asks for at most the bound plus one request's blocks (a request goes whole).
     assert len(looked_up) >= 3 and max(looked_up) <= 6 + 4 - 1, looked_up
     e.assert_clean(info)
