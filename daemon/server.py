@@ -188,21 +188,14 @@ class Server:
                     body = recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     return
-                if body.more:
-                    extra = 0
-                    while recv(zmq.NOBLOCK, copy=False).more:
-                        extra += 1
-                    self._refuse_frames(identity, extra + 2, body)
-                    continue
-                self._dispatch(identity, body)
+                frames = 2
+                more = body.more
+                while more:          # a multi-frame message: taken in whole, then refused
+                    more = recv(zmq.NOBLOCK, copy=False).more
+                    frames += 1
+                self._dispatch(identity, body, frames)
         finally:
             self._in_drain = False
-
-    def _refuse_frames(self, identity: bytes, parts: int, body: zmq.Frame) -> None:
-        self.errors += 1
-        self.telemetry.error(ErrorCode.PROTOCOL)
-        self._send(identity, p.ErrorReply(p.peek_req_id(body.buffer), int(ErrorCode.PROTOCOL),
-                                          f"expected one frame per message, got {parts}"))
 
     async def _housekeeping(self) -> None:
         period = min(0.1, self.config.peer_timeout_ms / 4000)
@@ -259,10 +252,13 @@ class Server:
 
     # ---- dispatch --------------------------------------------------------------------------
 
-    def _dispatch(self, identity: bytes, frame: zmq.Frame) -> None:
+    def _dispatch(self, identity: bytes, frame: zmq.Frame, frames: int = 2) -> None:
         req_id = 0
         try:
             data = frame.buffer
+            if frames != 2:
+                req_id = p.peek_req_id(data)
+                raise ProtocolError(f"expected one frame per message, got {frames - 1}")
             if len(data) > self.config.max_request_bytes:
                 req_id = p.peek_req_id(data)
                 raise TooLarge(f"frame of {len(data)} bytes exceeds max_request_bytes="
