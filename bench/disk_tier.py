@@ -28,6 +28,9 @@ All in one run, against real kvpoold processes (host copy path, no GPU needed):
 5. **Torn.** ``--kill-rounds`` times: store 64 blocks of 1 MiB, SIGKILL kvpoold at a random
    moment of their demotion, drop the pool, restart; every block any later daemon serves is
    compared byte for byte with what was stored. ``torn_blocks_served`` counts differences.
+   The first round times a whole demotion (``demote_64_s``) and the others draw their kill
+   moment from 0 to 1.5x that, so on any disk some kills land mid-demotion and some after a
+   commit (a fixed window missed every commit on a slow disk).
 
 Writes ``<out>/disk-<date><suffix>.json``. Run: ``nice -n 10 .venv/bin/python bench/disk_tier.py
 --dir /path/on/the/nvme --out bench/results`` (about 2 minutes; needs ~3x ``--bytes`` of disk
@@ -240,6 +243,7 @@ def kill_loop(work: Path, rounds: int, seed: int) -> dict:
     stored: dict[bytes, torch.Tensor] = {}
     prompts: list[list[bytes]] = []
     served = torn = kills_mid_demotion = 0
+    demote_s = 0.0
 
     def check_all(kv, sched, worker, reg) -> tuple[int, int]:
         s = t = 0
@@ -281,7 +285,11 @@ def kill_loop(work: Path, rounds: int, seed: int) -> dict:
             prompts.append(keys)
             refs = sched.prepare_store(kv.namespace, keys)
             assert worker.wait([worker.submit_store(reg, list(range(64)), refs)], 60)[0].ok
-            time.sleep(rng.random() * 0.05)       # somewhere inside the demotion
+            if r == 0:                                # calibrate: one whole demotion
+                t0 = time.time()
+                demote_s = _until(sched, "demoted_blocks", 64) - t0
+            else:
+                time.sleep(rng.random() * 1.5 * demote_s)
             kills_mid_demotion += tier(sched).demoted_blocks < 64
             worker.close()
             sched.close()
@@ -292,7 +300,8 @@ def kill_loop(work: Path, rounds: int, seed: int) -> dict:
         d.stop()
     finally:
         d.cleanup()
-    return {"rounds": rounds, "kills_before_demotion_done": kills_mid_demotion,
+    return {"rounds": rounds, "demote_64_s": demote_s,
+            "kills_before_demotion_done": kills_mid_demotion,
             "blocks_served": served, "torn_blocks_served": torn,
             "verify_failures_last_daemon": failures}
 

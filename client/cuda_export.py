@@ -3,8 +3,8 @@
 Owns: finding each KV tensor's backing allocation (one ``cudaMalloc`` per KV-cache tensor in
 vLLM 0.33; every per-layer tensor is a strided view into one of them), exporting one
 ``CudaRegion`` per allocation (device UUID, IPC handle, offset), the placement of every segment
-(through ``kvpool.client.kv_layout.plan_kv_memory``), the ring of interprocess events a store
-waits on, and waiting on a load's done event.
+(through ``kvpool.client.kv_layout.plan_kv_memory``) and the ring of interprocess events the
+daemon polls before a store copies.
 
 Layouts: any strided view works (LBNHC, LBHNC, LHBNC, BLHNC, BLNHC, BHLNC, MLA's one latent per
 token): the planner cuts each tensor into its maximal per-block contiguous chunks.
@@ -13,8 +13,8 @@ Memory made by ``cuMemCreate`` (PyTorch's ``expandable_segments:True``, vLLM's s
 allocator) cannot be shared with a legacy IPC handle: registration then fails with a
 ``ConfigError`` that says what to change, before anything is sent.
 
-Must never: import ``kvpool.daemon``, block the engine's compute stream (events are recorded
-and waited on the GPU), or do work at import time (torch is imported by the caller already).
+Must never: import ``kvpool.daemon``, block or stall the engine's compute stream (it only
+records events; nothing waits on one on the GPU), or do work at import time (torch is imported by the caller already).
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ def export_kv_caches(tensors: Sequence[Any], block_dims: Sequence[int]) -> CudaE
 class StoreEvents:
     """Interprocess events a worker records on its compute stream so the daemon's store waits
     for the KV it copies. A ring: the daemon opens each handle once and keeps it; a re-recorded
-    event only makes a later wait cover more work, never less."""
+    event only makes a later wait cover more work, never less (the daemon polls an event when
+    it takes the job, so a re-record after the send can only delay that store)."""
 
     def __init__(self, size: int = _STORE_EVENTS) -> None:
         import torch
@@ -167,22 +168,3 @@ class StoreEvents:
         if k >= len(self._handles):
             self._handles.append(bytes(ev.ipc_handle()))
         return self._handles[k]
-
-
-class LoadEvents:
-    """Opens the daemon's "load done" events (once per handle) and makes a stream wait on
-    them, so the engine's next kernel reads loaded KV without a host sync."""
-
-    def __init__(self, device: Any) -> None:
-        self._device = device
-        self._opened: dict[bytes, Any] = {}
-
-    def wait(self, done_event: bytes, stream: Any = None) -> None:
-        import torch
-        if not done_event:
-            return
-        ev = self._opened.get(done_event)
-        if ev is None:
-            ev = self._opened[done_event] = torch.cuda.Event.from_ipc_handle(self._device,
-                                                                             done_event)
-        (stream or torch.cuda.current_stream(self._device)).wait_event(ev)

@@ -102,27 +102,20 @@ def regions_for(tensors: Sequence[torch.Tensor]) -> tuple[list[Region], list[tup
 
 
 class TransferEvents:
-    """GPU ordering for one worker's transfers; nothing at all for host memory.
+    """GPU ordering for one worker's stores; nothing at all for host memory or for loads.
 
     A store must not copy before this step's kernels have written the KV: the worker records an
-    interprocess event on its compute stream and the daemon's copy waits on it. A load's done
-    event makes the compute stream wait before it reads loaded blocks. Host memory needs
-    neither: the forward has returned when the store is submitted, and the daemon's host copy
-    has finished when the load is reported.
+    interprocess event on its compute stream and the daemon polls it before copying. Loads need
+    nothing: the daemon reports a load only once its copy has finished. Host memory needs
+    neither: the forward has returned when the store is submitted.
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.is_cuda = bool(tensors) and tensors[0].is_cuda
-        self._store = self._load = None
-        if self.is_cuda:
+        self._store = None
+        if tensors and tensors[0].is_cuda:
             from kvpool.client import cuda_export  # noqa: PLC0415  (lazy: CUDA only)
 
             self._store = cuda_export.StoreEvents()
-            self._load = cuda_export.LoadEvents(tensors[0].device)
 
     def store_event(self) -> bytes:
         return self._store.record() if self._store is not None else b""
-
-    def loaded(self, done_event: bytes) -> None:
-        if self._load is not None and done_event:
-            self._load.wait(done_event)

@@ -212,9 +212,7 @@ class WorkerRole:
         for c in completions:
             parts = self._load_jobs.pop(c.job_id, None)
             if parts is not None:
-                if c.ok:
-                    self._events.loaded(c.done_event)
-                else:
+                if not c.ok:
                     logger.debug("kvpool: load job failed (%s); recomputing", c.message)
                     for rid, blocks in parts:
                         self._load_errors.setdefault(rid, []).extend(blocks)

@@ -36,7 +36,6 @@ class JobCompletion:
     code: int = 0
     message: str = ""
     nbytes: int = 0
-    done_event: bytes = b""
 
 
 @dataclass
@@ -135,7 +134,7 @@ class WorkerClient:
                 self._job_of_req.pop(reply.req_id, None)
                 self._in_flight.discard(reply.job_id)
                 self._done.append(JobCompletion(reply.job_id, reply.code == 0, reply.code,
-                                                reply.message, reply.nbytes, reply.done_event))
+                                                reply.message, reply.nbytes))
             elif isinstance(reply, p.ErrorReply) and reply.req_id in self._job_of_req:
                 # The request was refused before it became a job (say, HELLO_REQUIRED: the
                 # daemon restarted or released us). Its job fails now, not at some timeout.

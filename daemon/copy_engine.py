@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class JobResult:
     nbytes: int
-    done_event: bytes = b""   # CUDA IPC event handle the engine's stream can wait on
 
 
 class Mapped(abc.ABC):

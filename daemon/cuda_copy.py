@@ -27,11 +27,16 @@ did not lower the single-block p50 (bench/results/gpu-notes.md, runs 4-5), as th
 (40-150 us of Python and driver calls) then delays the loop. ``KVPOOL_TRACE`` (any value) makes every
 job carry monotonic timestamps of its hops (``Future.kvpool_trace``) for latency breakdowns.
 
-Ordering: a store first makes its stream wait on the worker's IPC event (engine compute done);
-a load ends by recording one of the registration's interprocess events, whose handle goes back
-in ``JobResult.done_event`` for the worker's stream to wait on. Jobs of one lane run in
-submission order; stores and loads run concurrently (the index never loads into a block that is
-being stored, nor loads a slot that is not committed).
+Ordering: a store must not copy before the worker's step has written the KV: the worker sends
+the handle of an interprocess event it recorded on its compute stream, and the lane's thread
+polls that event on the host (``cuEventQuery``) before it enqueues the copy. It never makes the
+lane's stream wait on it on the GPU: such a wait slows the engine's kernels in the other process
+as much as a kernel would (bench/gemm_probe.py: a GEMM 1.16x slower beside copies that each wait
+on one, 1.00x beside the same copies without). A load is reported done (``JobDone``) only after
+the lane's thread saw its copy finish, so the engine reads loaded blocks without waiting on
+anything either. Jobs of one lane run in submission order; stores and loads run concurrently
+(the index never loads into a block that is being stored, nor loads a slot that is not
+committed).
 
 Must never: block the event loop (``submit_*`` only enqueue; completion resolves a
 ``concurrent.futures.Future`` from the waiting thread), unmap a worker's memory while a copy
@@ -66,7 +71,6 @@ Backend = Literal["auto", "dma", "kernel"]
 
 # Kernel vector alignment: every chunk address and size must be a multiple of this.
 _KERNEL_ALIGN = 16
-_LOAD_EVENTS = 32          # interprocess "load done" events per registration, used round robin
 _OPENED_EVENTS_MAX = 256   # a worker's store events we keep open (it should reuse a ring)
 
 
@@ -282,9 +286,6 @@ class CudaMapped(Mapped):
         self.plan_2d = flatten_plan(self.plan)
         self.pitched_ok = len(self.plan_2d) <= len(s) // 2
         self.seg_table_gpu: Any = None      # torch int64 [4, S] on the device, for the kernel
-        self.load_events: list[int] = []
-        self.load_event_handles: list[bytes] = []
-        self.next_load_event = 0
         self.opened_events: dict[bytes, int] = {}
         self.lock = threading.Lock()
         self.pending = 0
@@ -314,8 +315,6 @@ class _Job:
     future: Future
     nbytes: int = 0
     event: int = 0               # completion event (recorded after the copy)
-    done_handle: bytes = b""     # interprocess handle of ``event`` for loads
-    recycle_event: bool = False
     staging: Any = None
     backend: str = ""
     trace: list[int] | None = None   # monotonic ns: submitted, launch start, launched, done
@@ -458,13 +457,10 @@ class _Lane:
             job.trace.append(time.monotonic_ns())
         if job.wait_event:
             ev = eng._open_event(m, job.wait_event)
-            # A GPU-side wait on an interprocess event slows the engine's kernels in another
-            # process (bench/gemm_probe.py: a GEMM 1.16x slower beside copies that each wait
-            # on one, 1.00x beside the same copies without): when the worker's event has
-            # already completed, as it has for blocks computed steps ago, there is nothing
-            # to wait for.
             if not cuda.event_query(ev):
-                cuda.stream_wait_event(self.stream, ev)
+                if inline:
+                    return False
+                self._await_worker(m, ev)
         job.backend = backend
         if backend == "kernel":
             self._launch_kernel(job)
@@ -503,15 +499,22 @@ class _Lane:
                 self._spread(len(size), eng.dma_batch_copies,
                              lambda a, b, st: cuda.memcpy_batch_async(dst[a:b], src[a:b],
                                                                       size[a:b], st))
-        if job.to_pool:
-            job.event = self._event()
-            job.recycle_event = True
-        else:
-            job.event, job.done_handle = eng._load_event(m)
+        job.event = self._event()
         cuda.event_record(job.event, self.stream)
         if job.trace is not None:
             job.trace.append(time.monotonic_ns())
         return True
+
+    def _await_worker(self, m: CudaMapped, ev: int) -> None:
+        """Poll the worker's store event from this thread until its step's kernels are done
+        (a GPU-side wait would slow the engine: see the module's docstring). The event of a
+        worker that died mid-step may never complete: its registration closing ends the wait."""
+        delay = 20e-6
+        while not cuda.event_query(ev):
+            if m.closing:
+                raise Aborted("the worker unregistered before its step's KV was written")
+            time.sleep(delay)
+            delay = min(2 * delay, 500e-6)
 
     def _spread(self, n: int, per: int, call) -> None:
         """A job's batched DMA: ``call(lo, hi, stream)`` for batches of at most ``per``
@@ -605,8 +608,7 @@ class _Lane:
                 err = e
             if job.trace is not None:
                 job.trace.append(time.monotonic_ns())
-            if job.recycle_event:
-                self.recycled.put(job.event)
+            self.recycled.put(job.event)
             self.engine._finish(job, err)
 
 
@@ -816,13 +818,12 @@ class CudaCopyEngine(CopyEngine):
     def _release(self, m: CudaMapped) -> None:
         cuda.use_device(m.ordinal)
         self._close_ipc(m.handles)
-        for ev in list(m.opened_events.values()) + m.load_events:
+        for ev in m.opened_events.values():
             try:
                 cuda.event_destroy(ev)
             except cuda.CudaError:
                 pass
         m.opened_events.clear()
-        m.load_events.clear()
         m.seg_table_gpu = None
         m.released.set()
 
@@ -892,25 +893,13 @@ class CudaCopyEngine(CopyEngine):
             ev = m.opened_events[handle] = cuda.event_open_ipc(handle)
         return ev
 
-    def _load_event(self, m: CudaMapped) -> tuple[int, bytes]:
-        # A ring: reusing an event the worker has not yet waited on only makes that wait
-        # cover a later load as well (never too little), and the handle stays valid until
-        # detach, so the worker can import it whenever JobDone reaches it.
-        if len(m.load_events) < _LOAD_EVENTS:
-            ev = cuda.event_create(interprocess=True)
-            m.load_events.append(ev)
-            m.load_event_handles.append(cuda.event_ipc_handle(ev))
-        k = m.next_load_event % len(m.load_events)
-        m.next_load_event += 1
-        return m.load_events[k], m.load_event_handles[k]
-
     def _finish(self, job: _Job, err: BaseException | None) -> None:
         m = job.mapped
         if job.trace is not None:
             job.future.kvpool_trace = job.trace  # type: ignore[attr-defined]
         try:
             if err is None:
-                job.future.set_result(JobResult(job.nbytes, job.done_handle))
+                job.future.set_result(JobResult(job.nbytes))
             elif isinstance(err, KvpoolError):
                 job.future.set_exception(err)
             else:

@@ -590,7 +590,7 @@ class Server:
             else:
                 self.loaded_bytes += result.nbytes
             self.telemetry.job_done(is_store, result.nbytes, started, len(slots), ok=True)
-            reply = p.JobDone(msg.req_id, msg.job_id, 0, "", result.nbytes, result.done_event)
+            reply = p.JobDone(msg.req_id, msg.job_id, 0, "", result.nbytes)
         else:
             self.errors += 1
             if not isinstance(exc, KvpoolError):

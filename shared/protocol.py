@@ -295,7 +295,9 @@ class JobDone(msgspec.Struct, tag=71, **_WIRE):
     code: int = 0            # 0: done; else an ErrorCode and nothing was committed or loaded
     message: str = ""
     nbytes: int = 0
-    done_event: bytes = b""  # CUDA IPC event the engine's stream waits on (GPU loads)
+    # Always empty: a load is reported only once its copy has finished, so the engine waits on
+    # nothing. Kept so that peers of this protocol version still decode JobDone positionally.
+    done_event: bytes = b""
 
 
 class ClientInfo(msgspec.Struct, **_WIRE):

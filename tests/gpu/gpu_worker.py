@@ -121,16 +121,15 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int, tp_size: int = 
         mem = SharedHostMemory(lead * num_blocks * inner)
         kv = mem.tensor.view(torch.uint8)[:lead * num_blocks * inner]
         regions = [mem.region]
-        store_events = load_events = _NoEvents()
+        store_events = _NoEvents()
         gen = torch.Generator()
         sync = _no_sync
     else:
-        from kvpool.client.cuda_export import LoadEvents, StoreEvents, export_regions
+        from kvpool.client.cuda_export import StoreEvents, export_regions
         torch.cuda.set_device(device)
         kv = torch.empty(lead * num_blocks * inner, dtype=torch.uint8, device=f"cuda:{device}")
         regions, _ = export_regions([kv])
         store_events = StoreEvents()
-        load_events = LoadEvents(torch.device(f"cuda:{device}"))
         gen = torch.Generator(device=f"cuda:{device}")
         sync = torch.cuda.synchronize
     view = kv.view(lead, num_blocks, inner)
@@ -162,10 +161,15 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int, tp_size: int = 
         elif cmd == "event":         # a store's wait event, recorded after some GPU work
             kv[:16].add_(0)
             conn.send(store_events.record())
-        elif cmd == "wait_load":
-            load_events.wait(args[0])
-            sync()
-            conn.send(None)
+        elif cmd == "late_fill":     # (seed, gpu ms) -> a store event recorded after a GPU
+            # spin of about ``ms`` and then the fill, returned at once (the event still pending)
+            torch.cuda._sleep(int(args[1] * 1.0e6))      # cycles: ~1-2 GHz
+            gen.manual_seed(args[0])
+            kv.view(torch.int64).random_(generator=gen)
+            conn.send(store_events.record())
+        elif cmd == "event_done":    # () -> whether the last recorded store event completed
+            ring = store_events._events
+            conn.send(bool(ring[(store_events._next - 1) % len(ring)].query()))
         elif cmd == "gemm":          # (iterations) -> seconds for the loop, bf16 8192^3
             n = 8192
             a = torch.randn(n, n, device=kv.device, dtype=torch.bfloat16)
@@ -198,7 +202,7 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int, tp_size: int = 
             reg_id = client.register(namespace, layout, tp_rank, num_blocks, regions, placement)
             from kvpool.client.scheduler import SchedulerClient
             sched = SchedulerClient(ClientConfig(socket=sock, timeout_ms=10000), name="gpu-test")
-            bench = _DaemonBench(client, sched, reg_id, namespace, store_events, load_events)
+            bench = _DaemonBench(client, sched, reg_id, namespace, store_events)
             conn.send(reg_id)
         elif cmd == "bench":         # (method, *args) -> its result; see _DaemonBench
             conn.send(getattr(bench, args[0])(*args[1:]))
@@ -212,8 +216,6 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int, tp_size: int = 
             t0 = time.perf_counter()
             job = client.submit_load(reg_id, args[0], args[1])
             done = client.wait([job], 60)[0]
-            if done.ok:
-                load_events.wait(done.done_event)
             dt = time.perf_counter() - t0
             conn.send((dt, done.ok, done.message))
         elif cmd == "stream":        # (kind, n_jobs, [(blocks, slots)...]) pipelined, -> seconds
@@ -245,9 +247,7 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int, tp_size: int = 
                 if not d.ok:
                     conn.send(RuntimeError(f"load failed: {d.message}"))
                     break
-                load_events.wait(d.done_event)
             else:
-                sync()
                 conn.send(time.monotonic_ns())
         elif cmd == "mem_free":
             conn.send(torch.cuda.mem_get_info()[0])
@@ -256,13 +256,10 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int, tp_size: int = 
 
 
 class _NoEvents:
-    """Store and load events of host memory: nothing to order (see TransferEvents)."""
+    """Store events of host memory: nothing to order (see TransferEvents)."""
 
     def record(self) -> bytes:
         return b""
-
-    def wait(self, handle: bytes) -> None:
-        return None
 
 
 def _no_sync() -> None:
@@ -280,11 +277,11 @@ def _some(client: Any, want: set[int]) -> list:
 
 class _DaemonBench:
     """Timed transfers through kvpoold, measured where an engine would see them: from the
-    request being sent to the completion being seen (and, for loads, the done event waited)."""
+    request being sent to the completion being seen (the KV is usable then)."""
 
-    def __init__(self, client, sched, reg_id, namespace, store_events, load_events) -> None:
+    def __init__(self, client, sched, reg_id, namespace, store_events) -> None:
         self.client, self.sched, self.reg_id, self.ns = client, sched, reg_id, namespace
-        self.store_events, self.load_events = store_events, load_events
+        self.store_events = store_events
         self.counter = 0
         self.committed: list[int] = []   # slot refs of the last stored batch (for loads)
         self.prepared_keys: list[bytes] = []
@@ -312,15 +309,10 @@ class _DaemonBench:
         self.lease = list(reply.leases)
         self.committed = list(reply.slots[0])
 
-    def _wait(self, ids: list[int], load: bool) -> None:
+    def _wait(self, ids: list[int]) -> None:
         for d in self.client.wait(ids, 120):
             if not d.ok:
                 raise RuntimeError(f"job failed: {d.message}")
-            if load:
-                self.load_events.wait(d.done_event)
-        if load:
-            import torch
-            torch.cuda.current_stream().synchronize()
 
     def store(self, blocks: list[int], jobs: int = 1) -> float:
         """Store ``blocks`` in ``jobs`` equal jobs submitted back to back; seconds."""
@@ -330,7 +322,7 @@ class _DaemonBench:
         ids = [self.client.submit_store(self.reg_id, blocks[i:i + per], slots[i:i + per],
                                         self.store_events.record())
                for i in range(0, len(blocks), per)]
-        self._wait(ids, False)
+        self._wait(ids)
         dt = time.perf_counter() - t0
         self._commit(slots)
         return dt
@@ -342,7 +334,7 @@ class _DaemonBench:
         t0 = time.perf_counter()
         ids = [self.client.submit_load(self.reg_id, slots[i:i + per], blocks[i:i + per])
                for i in range(0, len(blocks), per)]
-        self._wait(ids, True)
+        self._wait(ids)
         return time.perf_counter() - t0
 
     def bidir(self, store_blocks: list[int], load_blocks: list[int], jobs: int = 1) -> float:
@@ -357,8 +349,8 @@ class _DaemonBench:
                                                  slots[i:i + per], self.store_events.record()))
             lids.append(self.client.submit_load(self.reg_id, load_slots[i:i + per],
                                                 load_blocks[i:i + per]))
-        self._wait(sids, False)
-        self._wait(lids, True)
+        self._wait(sids)
+        self._wait(lids)
         dt = time.perf_counter() - t0
         self._commit(slots)
         return dt
@@ -367,7 +359,6 @@ class _DaemonBench:
         """Seconds of ``reps`` one-block stores and of ``reps`` one-block loads, and the
         client's side of each job's hop timestamps (owner id, job id, monotonic ns of: before
         submit, completion seen, KV usable) for joining with the daemon's ``KVPOOL_TRACE``."""
-        import torch
         slots = self.prepare(reps)
         st, ld, stamps = [], [], []
         mono = time.monotonic_ns
@@ -375,7 +366,7 @@ class _DaemonBench:
             t0 = time.perf_counter()
             n0 = mono()
             jid = self.client.submit_store(self.reg_id, [block], [s], self.store_events.record())
-            self._wait([jid], False)
+            self._wait([jid])
             n1 = mono()
             st.append(time.perf_counter() - t0)
             stamps.append((jid, n0, n1, n1))
@@ -388,8 +379,6 @@ class _DaemonBench:
             n1 = mono()
             if not done.ok:
                 raise RuntimeError(f"job failed: {done.message}")
-            self.load_events.wait(done.done_event)
-            torch.cuda.current_stream().synchronize()
             ld.append(time.perf_counter() - t0)
             stamps.append((jid, n0, n1, mono()))
         return st, ld, {"owner": self.client._t.owner_id, "jobs": stamps}
@@ -400,8 +389,8 @@ class _DaemonBench:
         engine): seconds of ``iters`` bf16 8192^3 GEMMs alone, then while another thread of
         this process offloads at full speed, then alone again; returns (alone: the mean of
         both, with, blocks/s moved). The
-        offload thread records its store events and waits its loads on a side stream, as a
-        connector does for blocks computed earlier, so it never waits for the GEMM queue."""
+        offload thread records its store events on a side stream, as a connector does for
+        blocks computed earlier, so they never wait for the GEMM queue."""
         import threading
 
         import torch
@@ -466,7 +455,7 @@ class _DaemonBench:
                     inflight.append((jid, True, len(blocks)))
                 k += 1
             jid, is_load, n = inflight.pop(0)
-            self._wait([jid], is_load)
+            self._wait([jid])
             moved += n
         return moved / (time.perf_counter() - t0)
 

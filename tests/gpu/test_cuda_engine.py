@@ -52,9 +52,8 @@ def _load_back(engine, m, w, offs, dst, want, what: str) -> None:
     """Load ``offs`` into blocks ``dst`` of a poisoned worker: exactly ``want`` lands there, and
     nothing outside the loaded blocks is written."""
     w.call("poison", POISON)
-    r = engine.submit_load(m, offs, dst).result(60)
-    assert len(r.done_event) == 64
-    w.call("wait_load", r.done_event)
+    engine.submit_load(m, offs, dst).result(60)
+    # the worker reads at once, waiting on nothing: a load is done when its future resolves
     assert np.array_equal(w.call("blocks", dst.tolist()), want), \
         f"{what}: GPU blocks differ after load"
     untouched = np.setdiff1d(np.arange(NUM_BLOCKS), dst)
@@ -166,8 +165,7 @@ def test_killed_worker_releases_gpu_memory(engine, pool):
             offs = _shard_offsets(reg3, [5, 6])
             engine.submit_store(m3, np.array([1, 2]), offs).result(60)
             w3.call("poison", POISON)
-            r = engine.submit_load(m3, offs, np.array([3, 4])).result(60)
-            w3.call("wait_load", r.done_event)
+            engine.submit_load(m3, offs, np.array([3, 4])).result(60)
             assert np.array_equal(w3.call("blocks", [3, 4]), want)
             engine.detach(m3, wait_s=10)
         finally:
@@ -175,6 +173,67 @@ def test_killed_worker_releases_gpu_memory(engine, pool):
         assert cuda.driver() is not None
     finally:
         probe.close()
+
+
+@pytest.mark.parametrize("nblocks,inline", [(1, True), (1, False), (48, False)])
+def test_a_store_copies_only_after_the_workers_pending_kernels(engine, pool, nblocks, inline):
+    """The daemon polls the worker's event on the host rather than waiting on it on the GPU: a
+    store sent while the step's kernels still run copies what they wrote, not what was there
+    before (and a job small enough to launch on the caller's thread leaves the wait to the
+    lane's thread)."""
+    w = Worker(0, "per_layer", NUM_BLOCKS)
+    inline_before = engine.inline_max_ops
+    try:
+        reg = w.register_request()
+        m = engine.attach(reg)
+        engine.inline_max_ops = 1 << 20 if inline else 0
+        w.call("fill", 1)
+        blocks = np.arange(nblocks)
+        offs = _shard_offsets(reg, np.arange(nblocks) + 3)
+        fut = engine.submit_store(m, blocks, offs, w.call("late_fill", 2, 300))
+        assert not w.call("event_done"), \
+            "the worker's kernels finished before the store was sent: nothing was waited for"
+        want = w.call("blocks", blocks.tolist())     # after the late fill, on its stream
+        fut.result(60)
+        assert np.array_equal(_pool_shards(pool, reg, offs), want), \
+            "the store copied the KV before the worker's kernels had written it"
+        engine.detach(m, wait_s=10)
+    finally:
+        engine.inline_max_ops = inline_before
+        w.close()
+
+
+def test_a_store_waiting_on_a_killed_workers_kernels_ends(engine, pool):
+    """A worker killed while its step's kernels run: its store, waiting on its event, ends
+    (failed or done) once the registration is detached, as the daemon does for a dead peer,
+    and the lane goes on serving others."""
+    w = Worker(0, "block_outer", 16)
+    try:
+        reg = w.register_request()
+        m = engine.attach(reg)
+        fut = engine.submit_store(m, np.arange(8), _shard_offsets(reg, range(8)),
+                                  w.call("late_fill", 3, 5000))
+        w.kill()
+        engine.detach(m)
+        try:
+            fut.result(30)
+        except Exception as e:  # noqa: BLE001 - failing is fine, hanging is not
+            assert not isinstance(e, TimeoutError), "the store hung on a dead worker's event"
+        assert m.released.wait(30), "the dead worker's IPC mappings were not released"
+    finally:
+        w.close()
+    w2 = Worker(0, "block_outer", 16)
+    try:
+        reg2 = w2.register_request()
+        m2 = engine.attach(reg2)
+        w2.call("fill", 4)
+        want = w2.call("blocks", [1, 2])
+        offs = _shard_offsets(reg2, [9, 10])
+        engine.submit_store(m2, np.array([1, 2]), offs, w2.call("event")).result(60)
+        assert np.array_equal(_pool_shards(pool, reg2, offs), want)
+        engine.detach(m2, wait_s=10)
+    finally:
+        w2.close()
 
 
 @pytest.mark.skipif(GPUS < 2, reason="TP=2 needs two GPUs")
@@ -194,9 +253,8 @@ def test_tp2_two_gpus_one_slot(engine, pool):
             f.result(60)
         for r, w in enumerate(ws):
             w.call("poison", POISON)
-            res = engine.submit_load(ms[r], _shard_offsets(regs[r], range(8)),
-                                     np.arange(8, 16)).result(60)
-            w.call("wait_load", res.done_event)
+            engine.submit_load(ms[r], _shard_offsets(regs[r], range(8)),
+                               np.arange(8, 16)).result(60)
             assert np.array_equal(w.call("blocks", list(range(8, 16))), wants[r])
         for m in ms:
             engine.detach(m, wait_s=10)
