@@ -17,6 +17,8 @@ one ingredient of what kvpoold does, so the step where the slowdown appears name
   chunk (the completion polling of a job per block);
 - ``copy_ipc_wait_ipc_event``: before every chunk the copy stream waits on an interprocess
   event recorded on another stream (a store waiting on the worker's IPC event);
+- ``copy_ipc_record_ipc_event``: an interprocess event recorded after every chunk and never
+  waited on the GPU (a worker recording its store events, the daemon its load-done events);
 - ``bidir_ipc``: chunks out of and into the engine's memory at once, on two streams (stores
   and loads together);
 - ``batch_ipc``: the chunks in one ``cuMemcpyBatchAsync`` per 16 (kvpool's 1D path, with
@@ -46,6 +48,7 @@ import torch.multiprocessing as mp
 
 GB = 1e9
 MODES = ("idle_context", "copy_own", "copy_ipc", "copy_ipc_event_sync", "copy_ipc_wait_ipc_event",
+         "copy_ipc_record_ipc_event",
          "bidir_ipc", "batch_ipc", "batch2d_ipc", "copy_ipc_kernel", "copy_same_process")
 SEGMENT = 32 << 10      # batch2d_ipc: a per-layer layout's K or V of one layer of one block
 
@@ -64,7 +67,7 @@ class CopyLoop:
         self.seconds = 0.0
         self.error = ""
         self.other = torch.cuda.Stream()
-        if mode == "copy_ipc_wait_ipc_event":
+        if mode in ("copy_ipc_wait_ipc_event", "copy_ipc_record_ipc_event"):
             self.ipc_event = torch.cuda.Event(interprocess=True)
         if mode == "bidir_ipc":
             self.back = torch.full(self.src.shape, 3, dtype=torch.uint8, pin_memory=True)
@@ -100,6 +103,8 @@ class CopyLoop:
                             self.ipc_event.record(self.other)
                             self.stream.wait_event(self.ipc_event)
                         self.dst[j].copy_(self.src[j], non_blocking=True)
+                        if self.mode == "copy_ipc_record_ipc_event":
+                            self.ipc_event.record(self.stream)
                         if self.mode == "bidir_ipc":
                             with torch.cuda.stream(self.other):
                                 self.src[(j + n // 2) % n].copy_(self.back[j],

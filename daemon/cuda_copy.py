@@ -458,9 +458,12 @@ class _Lane:
         if job.wait_event:
             ev = eng._open_event(m, job.wait_event)
             if not cuda.event_query(ev):
-                if inline:
+                if eng.store_wait == "gpu":
+                    cuda.stream_wait_event(self.stream, ev)
+                elif inline:
                     return False
-                self._await_worker(m, ev)
+                else:
+                    self._await_worker(m, ev)
         job.backend = backend
         if backend == "kernel":
             self._launch_kernel(job)
@@ -508,7 +511,13 @@ class _Lane:
     def _await_worker(self, m: CudaMapped, ev: int) -> None:
         """Poll the worker's store event from this thread until its step's kernels are done
         (a GPU-side wait would slow the engine: see the module's docstring). The event of a
-        worker that died mid-step may never complete: its registration closing ends the wait."""
+        worker that died mid-step may never complete: its registration closing ends the wait.
+        The first ~50 us spin: an event recorded just before the request is often that close
+        to done, and a sleep costs ~70 us however short it is asked to be."""
+        spin_end = time.perf_counter() + 50e-6
+        while time.perf_counter() < spin_end:
+            if cuda.event_query(ev):
+                return
         delay = 20e-6
         while not cuda.event_query(ev):
             if m.closing:
@@ -681,6 +690,11 @@ class CudaCopyEngine(CopyEngine):
         self.dma_2d_batch_ops = dma_2d_batch_ops
         self.inline_max_ops = int(env.get("KVPOOL_CUDA_INLINE_OPS", inline_max_ops))
         self.trace = bool(env.get("KVPOOL_TRACE"))
+        # "gpu": the old wait (cuStreamWaitEvent on the worker's event) for A/B runs
+        self.store_wait = env.get("KVPOOL_CUDA_STORE_WAIT", "host")
+        if self.store_wait not in ("host", "gpu"):
+            raise ValueError(f"KVPOOL_CUDA_STORE_WAIT must be host or gpu, not "
+                             f"{self.store_wait!r}")
         self._pitched_lock = threading.Lock()
         self.registration: cuda.HostRegistration | None = None
         self.kernel_broken = False

@@ -258,7 +258,7 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int, tp_size: int = 
 class _NoEvents:
     """Store events of host memory: nothing to order (see TransferEvents)."""
 
-    def record(self) -> bytes:
+    def record(self, stream: Any = None) -> bytes:
         return b""
 
 
@@ -430,9 +430,17 @@ class _DaemonBench:
         return (alone + loop()) / 2, with_offload, out["rate"]
 
     def offload_for(self, seconds: float, blocks_per_job: int, store_blocks: list[int],
-                    load_blocks: list[int]) -> float:
+                    load_blocks: list[int], kinds: str = "both",
+                    events: bool | str = True) -> float:
         """Store and load back to back, two jobs in flight each way, for ``seconds``; returns
-        GB/s moved (both directions together)."""
+        blocks/s moved (both directions together). ``kinds`` "stores" or "loads" keeps four
+        jobs of one direction in flight; ``events=False`` sends stores without an event,
+        ``"side"`` records them on a stream of their own (bench/gemm_breakdown.py: which
+        ingredient slows a GEMM elsewhere)."""
+        side = None
+        if events == "side":
+            import torch
+            side = torch.cuda.Stream()
         moved = 0
         t_end = time.perf_counter() + seconds
         t0 = time.perf_counter()
@@ -442,11 +450,12 @@ class _DaemonBench:
         while time.perf_counter() < t_end or inflight:
             while time.perf_counter() < t_end and len(inflight) < 4:
                 i = (k * blocks_per_job) % max(1, len(load_slots) - blocks_per_job)
-                if k % 2 == 0:
+                if kinds == "stores" or (kinds == "both" and k % 2 == 0):
                     blocks = store_blocks[i:i + blocks_per_job]
                     slots = self.prepare(len(blocks))
                     jid = self.client.submit_store(self.reg_id, blocks, slots,
-                                                   self.store_events.record())
+                                                   self.store_events.record(side)
+                                                   if events else b"")
                     inflight.append((jid, False, len(blocks)))
                 else:
                     blocks = load_blocks[i:i + blocks_per_job]

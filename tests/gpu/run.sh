@@ -6,7 +6,8 @@
 # (pd: the two-GPU tests and bench/pd_handoff.py; pd+bench also runs bench/gpu_transfer.py;
 #  tests+pd: every GPU test, then bench/pd_handoff.py; PD_ARGS: extra pd_handoff.py args;
 #  tp: the cross-TP GPU tests, then bench/pd_handoff.py --mode cross;
-#  probe: bench/gemm_probe.py, also run last by all; PROBE_ARGS: its extra args)
+#  probe: bench/gemm_probe.py, also run last by all; PROBE_ARGS: its extra args;
+#  breakdown: bench/gemm_breakdown.py; BREAKDOWN_ARGS: its extra args)
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -60,5 +61,8 @@ if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = pd+bench ]; then
 fi
 if [ "$what" = probe ] || [ "$what" = all ]; then
   timeout ${PROBE_TIMEOUT:-240} python3 "$REPO/bench/gemm_probe.py" --out "$OUT" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" || rc=1
+fi
+if [ "$what" = breakdown ]; then
+  timeout ${BREAKDOWN_TIMEOUT:-300} python3 "$REPO/bench/gemm_breakdown.py" --out "$OUT" ${BREAKDOWN_ARGS:-} 2>&1 | tee "$OUT/breakdown.log" || rc=1
 fi
 exit $rc
