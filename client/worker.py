@@ -23,7 +23,7 @@ import msgspec
 from kvpool.client.transport import Transport
 from kvpool.shared import protocol as p
 from kvpool.shared.config import ClientConfig
-from kvpool.shared.errors import DaemonUnavailable, ErrorCode
+from kvpool.shared.errors import DaemonUnavailable, ErrorCode, KvpoolError
 from kvpool.shared.layout import Layout, SegmentPlacement
 
 log = logging.getLogger(__name__)
@@ -125,8 +125,22 @@ class WorkerClient:
             self._t.disconnect(backoff=False)
             replies = []
         self._collect(replies)
+        self._reconnect_nowait()
         out, self._done = self._done, []
         return out
+
+    def _reconnect_nowait(self) -> None:
+        """Register again once the connection was dropped (the daemon restarted, or released
+        this worker), without waiting for the next submit: until a worker of the namespace is
+        registered the daemon refuses the scheduler's reservations, so no submit would come.
+        Never waits for an absent daemon (``connect_nowait``; the transport's backoff paces the
+        tries); the registrations are replayed the moment the Hello is answered."""
+        if not self._registrations or self._t.is_connected:
+            return
+        try:
+            self._t.connect_nowait()
+        except KvpoolError as e:     # absent, backing off, or refusing us: the next poll again
+            log.debug("kvpool: worker not reconnected yet: %s", e)
 
     def _collect(self, replies: list[p.Reply]) -> None:
         for reply in replies:

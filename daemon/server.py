@@ -62,6 +62,8 @@ MAX_BLOCKS_PER_REQUEST = 65536
 _SEND_MORE = zmq.NOBLOCK | zmq.SNDMORE
 # How often abandoned engine KV segments are looked for besides start and client release.
 REAP_PERIOD_S = 10.0
+# A housekeeping tick this late means the daemon itself was stopped (see _housekeeping).
+STALL_S = 0.5
 
 
 class SocketBusy(KvpoolError):
@@ -200,9 +202,20 @@ class Server:
     async def _housekeeping(self) -> None:
         period = min(0.1, self.config.peer_timeout_ms / 4000)
         next_reap = time.monotonic() + REAP_PERIOD_S
+        last = time.monotonic()
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            stalled = now - last - period
+            if stalled > STALL_S:
+                # This daemon did not run (SIGSTOP, a paused VM, swapped out): its clients'
+                # heartbeats wait unread in the socket, so that part of their silence is
+                # ours and does not count (an exited client still goes at once, by pidfd).
+                log.warning("kvpoold did not run for %.1f s: not counted as its clients' "
+                            "silence", stalled)
+                for owner in self.registry.owners.values():
+                    owner.last_seen += stalled
+            last = now
             if now >= next_reap:
                 # Engines that died while no client of theirs was connected (or before the
                 # daemon started) have their KV segments removed here.

@@ -90,6 +90,61 @@ def test_clients_recover_by_themselves_after_a_daemon_restart(daemon):
     sched.close(); worker.close(); kv.close()
 
 
+def test_a_released_worker_registers_again_by_polling_alone(daemon):
+    """After a daemon restart a worker that only polls (its engine stores nothing: the
+    scheduler's reservations are refused while no worker of the namespace is registered)
+    registers again by itself, so the scheduler gets slots again."""
+    kv = HostKv()
+    worker, reg = kv.register(daemon.client_config())
+    sched = SchedulerClient(daemon.client_config())
+    try:
+        assert sched.reserve(kv.namespace, 4).slots
+        daemon.kill()
+        daemon.restart()
+
+        def registered() -> bool:
+            worker.poll()
+            return worker.is_registered(reg)
+        wait_for(registered, 15, "the polling worker to register with the new daemon")
+        reply = wait_for(lambda: unless_unavailable(lambda: sched.reserve(kv.namespace, 4)),
+                         15, "the scheduler to reconnect")
+        assert reply.slots, "the new daemon refused reservations: no worker registered"
+    finally:
+        sched.close()
+        worker.close()
+        kv.close()
+
+
+def test_a_stopped_daemon_keeps_its_clients(daemon):
+    """A daemon that did not run for longer than the peer timeout (SIGSTOP, a paused VM)
+    finds its clients' heartbeats unread in the socket: it keeps them, registrations and
+    all, instead of releasing them as silent."""
+    import signal
+    kv = HostKv()
+    worker, reg = kv.register(daemon.client_config())
+    sched = SchedulerClient(daemon.client_config())
+    try:
+        before = {c.owner_id: c.registrations for c in sched.info().clients}
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(3.0)        # the stimulus: stopped longer than --peer-timeout-ms 2000
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: "did not run for" in daemon.log(), 15,
+                 "the daemon to notice that it had been stopped")
+        sched.close()
+        sched = SchedulerClient(daemon.client_config())
+        after = {c.owner_id: c.registrations for c in sched.info().clients}
+        kept = {o: n for o, n in before.items() if n}
+        assert kept and all(after.get(o) == n for o, n in kept.items()), \
+            f"the worker was released while the daemon was stopped: {before} -> {after}"
+        assert "went silent" not in daemon.log()
+    finally:
+        sched.close()
+        worker.close()
+        kv.close()
+
+
 def test_jobs_in_flight_when_the_daemon_dies_fail_instead_of_hanging(daemon):
     kv = HostKv(blocks=256, layers=8, heads=8, head_dim=64)      # 256 KiB per block
     worker, reg = kv.register(daemon.client_config(timeout_ms=500))
