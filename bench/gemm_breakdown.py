@@ -82,8 +82,8 @@ def main() -> None:
                 blocks = list(range(args.blocks))
                 w.call("bench", "store", blocks, timeout_s=300)   # slots for the loads
                 for name in args.variants.split(","):
-                    res["variants"][f"{wait}/{name}"] = _variant(args, gemm, w, blocks, name)
-                    r = res["variants"][f"{wait}/{name}"]
+                    r = res["variants"][f"{wait}/{name}"] = _variant(args, gemm, w, blocks,
+                                                                     name)
                     print(f"store wait {wait:4s} {name:16s} GEMM x{r['gemm_slowdown']:.3f}  "
                           f"offload {r['offload_GBps']:6.2f} GB/s  reps {r['reps']}",
                           flush=True)

@@ -14,7 +14,8 @@ allocator) cannot be shared with a legacy IPC handle: registration then fails wi
 ``ConfigError`` that says what to change, before anything is sent.
 
 Must never: import ``kvpool.daemon``, block or stall the engine's compute stream (it only
-records events; nothing waits on one on the GPU), or do work at import time (torch is imported by the caller already).
+records events; nothing waits on one on the GPU), or do work at import time (torch is
+imported by the caller already).
 """
 
 from __future__ import annotations

@@ -515,15 +515,13 @@ class _Lane:
         The first ~50 us spin: an event recorded just before the request is often that close
         to done, and a sleep costs ~70 us however short it is asked to be."""
         spin_end = time.perf_counter() + 50e-6
-        while time.perf_counter() < spin_end:
-            if cuda.event_query(ev):
-                return
         delay = 20e-6
         while not cuda.event_query(ev):
             if m.closing:
                 raise Aborted("the worker unregistered before its step's KV was written")
-            time.sleep(delay)
-            delay = min(2 * delay, 500e-6)
+            if time.perf_counter() >= spin_end:
+                time.sleep(delay)
+                delay = min(2 * delay, 500e-6)
 
     def _spread(self, n: int, per: int, call) -> None:
         """A job's batched DMA: ``call(lo, hi, stream)`` for batches of at most ``per``
