@@ -217,6 +217,19 @@ CRAFTED = ["../../../../etc/passwd", "..", ".", "", "/", "x\0y", "kvpool-kv-\0",
            "{file}", "../../..{file}", "kvpool-kv-{missing}/../{decoy}"]
 
 
+def _open_files(pid: int) -> list[str]:
+    """What ``pid``'s open descriptors point at; one closed between the listing and its
+    readlink (the daemon opens and closes pidfds and sockets as clients come and go) is
+    skipped."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            pass
+    return out
+
+
 def crafted_names(workdir: Path) -> dict:
     """Register each crafted name as a host region: every one is refused with a clear error, the
     daemon maps and unlinks nothing of the decoys, and serves on."""
@@ -241,8 +254,7 @@ def crafted_names(workdir: Path) -> dict:
             except Exception as e:           # noqa: BLE001 - every answer is recorded
                 answers[repr(name)[:60]] = f"{type(e).__name__}: {getattr(e, 'message', e)}"[:90]
         maps = Path(f"/proc/{d.proc.pid}/maps").read_text()
-        fds = [os.readlink(f"/proc/{d.proc.pid}/fd/{fd}")
-               for fd in os.listdir(f"/proc/{d.proc.pid}/fd")]
+        fds = _open_files(d.proc.pid)
         alive = d.alive
         eng.sched.ping()
     finally:
