@@ -69,6 +69,20 @@ _NOTHING: dict[bytes, None] = {}
 # anyway). A single request larger than the bound still goes whole. Stores are not bounded:
 # a block not planned in the step it fills may never be stored if the engine stops right after.
 LOOKUP_BLOCKS_PER_STEP = 1024
+# Store planning per step is bounded too: a burst of prefills fills hundreds of blocks in one
+# step, and planning them all at once would add a millisecond to that step. A step plans
+# requests, in the order their blocks filled, until it has spent this much time on them (at
+# least one request); the others wait for the next step, their blocks still allocated to them
+# (a request that finishes meanwhile keeps them, in the backlog, until they are planned). One
+# that has waited STORE_DEFER_MAX_S is planned whatever the budget, so a sustained overload
+# lags by that much instead of without end.
+STORE_PLAN_BUDGET_S = 100e-6
+STORE_DEFER_MAX_S = 0.5
+# A running request's new blocks are planned once they add up to this many tokens: a decode
+# fills one block every block_size steps, so with 16-token blocks a ticket takes 4 of them
+# instead of 1, which quarters the per-request work of decode steps. Finished requests (the
+# backlog) and P/D producers plan whatever they have.
+STORE_RUN_TOKENS = 64
 
 
 @dataclass(eq=False)
@@ -93,6 +107,17 @@ class _Ticket:
     done: int = 0              # ranks that reported it
     failed: int = 0            # ranks that reported a failure
     stale: bool = False        # a cache reset happened since: never counts as committed
+
+
+@dataclass(eq=False)
+class _StepPlan:
+    """What planning one step's stores reads and fills."""
+
+    n_sched: dict[str, int]            # SchedulerOutput.num_scheduled_tokens
+    spec_tokens: dict[str, list[int]]  # SchedulerOutput.scheduled_spec_decode_tokens
+    tables: list[dict[str, list[Any]]] | None   # see _block_tables
+    wanted: list[list[tuple["_Req", Sequence[int], list[bytes], list[int]]]]  # per group
+    seen: list[set[bytes]]             # per group: keys planned this step
 
 
 @dataclass(eq=False)
@@ -144,7 +169,9 @@ class SchedulerRole:
         # A finished request waits this long at most for slots to store its last blocks.
         self.store_wait_s = store_wait_s
         self._backlog: set[str] = set()   # finished requests keeping blocks for their stores
-        self._replan: set[str] = set()    # requests with blocks left unplanned (no slots yet)
+        # Requests with blocks to plan, oldest first (deferred by the step budget, or waiting
+        # for slots): request id -> when it first waited.
+        self._replan: OrderedDict[str, float] = OrderedDict()
         self._steps = 0                   # build_connector_meta calls so far
         self._polled = -1                 # the step whose answers were last taken in
         self.world_size = world_size
@@ -169,6 +196,8 @@ class SchedulerRole:
             logger.warning("kvpool: KV-cache groups %s cannot be pooled; connector idle",
                            [g.identity for g in groups])
         self.block_tokens = next(iter(sizes)) if sizes else 0
+        self._store_run = max(1, -(-STORE_RUN_TOKENS // self.block_tokens)) \
+            if self.block_tokens else 1
         self.kv_cache_manager: KVCacheManager | None = None
         self._reqs: dict[str, _Req] = {}
         self._queued: list[str] = []
@@ -707,99 +736,66 @@ class SchedulerRole:
         ones, prefill chunks, and a decode at the step after its block filled: vLLM allocates
         the next block then, and the filled one's tokens are all known by then, also under
         async scheduling); a request that finishes with a full block not yet stored is taken
-        in by the backlog (``request_finished``). So a step of decodes costs little per
-        running request, and the work per block is done by C-level list, set and dict
-        operations over each request's run of new blocks."""
+        in by the backlog (``request_finished``). They join a queue, which a step works
+        through up to ``STORE_UNITS_PER_STEP`` (see there); the backlog goes first and whole.
+        The work per block is done by C-level list, set and dict operations over each
+        request's run of new blocks."""
         if self.kv_cache_manager is None or not self._daemon_ok():
             return []
+        queue = self._replan
+        now = time.monotonic()
         cached = so.scheduled_cached_reqs
-        candidates = [r.req_id for r in so.scheduled_new_reqs]
-        candidates += compress(cached.req_ids, cached.new_block_ids)
-        if self._replan:
-            candidates += self._replan
-            self._replan = set()
+        for r in so.scheduled_new_reqs:
+            queue.setdefault(r.req_id, now)
+        for rid in compress(cached.req_ids, cached.new_block_ids):
+            queue.setdefault(rid, now)
+        if not queue and not self._backlog:
+            return []
         if not any(self.client.stock(g.namespace) for g in self.groups) \
                 and any(self.client.reserving(g.namespace) for g in self.groups):
-            # No slot in hand, a refill on its way: look at these requests again next step,
+            # No slot in hand, a refill on its way: the queue waits for the next step,
             # without doing the work per request now.
-            self._replan.update(candidates)
             self.client.take_slots(self.groups[0].namespace, 0)     # (asks, if not yet)
             return []
-        bt = self.block_tokens
-        get = self._reqs.get
-        n_sched_of = so.num_scheduled_tokens
-        due: list[tuple[_Req, int]] = []
-        for rid in candidates:
-            st = get(rid)
-            if st is not None:
-                n_sched = n_sched_of.get(rid, 0)
-                if (st.request.num_computed_tokens + n_sched) // bt > st.lo:
-                    due.append((st, n_sched))
-        if self._backlog:
-            reqs = self._reqs
-            due += [(reqs[rid], 0) for rid in self._backlog
-                    if rid not in n_sched_of and rid in reqs]
-        if not due:
-            return []
-        spec_tokens = so.scheduled_spec_decode_tokens
-        tables = self._block_tables()
         # per group: (request, block indices, keys, GPU block ids) runs to store
-        wanted: list[list[tuple[_Req, Sequence[int], list[bytes], list[int]]]] = \
-            [[] for _ in self.groups]
-        seen: list[set[bytes]] = [set() for _ in self.groups]
-        for st, n_sched in due:
-            if not st.keys.cacheable or st.loading:
-                continue
-            req = st.request
-            rid = req.request_id
-            done = req.num_computed_tokens + n_sched
-            if spec_tokens and rid in spec_tokens:
-                done -= len(spec_tokens[rid])
-            n_full = min(done, req.num_tokens) // bt
-            if n_full <= st.lo:
-                continue
-            for gi, g in enumerate(self.groups):
-                lo = st.cursor[gi]
-                if n_full <= lo:
-                    continue
-                st.cursor[gi] = n_full
-                if tables is not None:
-                    blocks = tables[g.index].get(rid) or ()
-                    hi = min(n_full, len(blocks))
-                    bids = [b.block_id for b in blocks[lo:hi]]
-                else:
-                    ids = self.kv_cache_manager.get_block_ids(rid)[g.index]
-                    hi = min(n_full, len(ids))
-                    bids = ids[lo:hi]
-                if hi <= lo:
-                    continue
-                keys = st.keys.range(req, gi, lo, hi)
-                inflight, taken = self._inflight[gi], seen[gi]
-                # A P/D hand-off stores every block: the decode side must find each one.
-                known = self._committed[gi] if not st.producer else _NOTHING
-                if 0 in bids or not inflight.keys().isdisjoint(keys) \
-                        or not taken.isdisjoint(keys) or not known.keys().isdisjoint(keys):
-                    keep = [j for j, (k, b) in enumerate(zip(keys, bids))
-                            if b and k not in inflight and k not in taken and k not in known]
-                    if not keep:
-                        continue
-                    index: Sequence[int] = [lo + j for j in keep]
-                    keys = [keys[j] for j in keep]
-                    bids = [bids[j] for j in keep]
-                else:
-                    index = range(lo, hi)
-                taken.update(keys)
-                wanted[gi].append((st, index, keys, bids))
-            st.lo = min(st.cursor)
+        step = _StepPlan(so.num_scheduled_tokens, so.scheduled_spec_decode_tokens,
+                         self._block_tables(), [[] for _ in self.groups],
+                         [set() for _ in self.groups])
+        reqs = self._reqs
+        if self._backlog:
+            # Finished requests hold GPU blocks for these stores: never deferred.
+            for rid in self._backlog:
+                st = reqs.get(rid)
+                if st is not None and rid not in step.n_sched:
+                    self._plan_request(st, step, final=True)
+                    queue.pop(rid, None)
+        stop_at = time.perf_counter() + STORE_PLAN_BUDGET_S
+        overdue = now - STORE_DEFER_MAX_S
+        while queue:
+            rid, _ = queue.popitem(last=False)
+            st = reqs.get(rid)
+            if st is not None:
+                self._plan_request(st, step)
+            if queue and time.perf_counter() > stop_at:
+                # The rest wait for the next step, in order, but for those waiting too long.
+                while queue:
+                    rid = next(iter(queue))
+                    if queue[rid] > overdue:
+                        break
+                    del queue[rid]
+                    st = reqs.get(rid)
+                    if st is not None:
+                        self._plan_request(st, step)
+                break
         specs: list[StoreSpec] = []
         for gi, g in enumerate(self.groups):
-            runs = wanted[gi]
+            runs = step.wanted[gi]
             if not runs:
                 continue
             total = sum(len(keys) for _, _, keys, _ in runs)
             refs, grant = self.client.take_slots(g.namespace, total)
             if len(refs) < total:
-                runs = self._cut_runs(gi, g.namespace, runs, len(refs))
+                runs = self._cut_runs(gi, g.namespace, runs, len(refs), now)
             if not runs:
                 continue
             tid = self._next_ticket
@@ -819,6 +815,56 @@ class SchedulerRole:
             specs.append(StoreSpec(tid, gi, refs, all_bids, all_keys, grant))
         return specs
 
+    def _plan_request(self, st: _Req, step: "_StepPlan", final: bool = False) -> None:
+        """Add ``st``'s newly full blocks to ``step.wanted`` (if they make a run of
+        ``STORE_RUN_TOKENS``, unless ``final``: the request has finished)."""
+        if not st.keys.cacheable or st.loading:
+            return
+        req = st.request
+        rid = req.request_id
+        done = req.num_computed_tokens + step.n_sched.get(rid, 0)
+        spec_tokens = step.spec_tokens
+        if spec_tokens and rid in spec_tokens:
+            done -= len(spec_tokens[rid])
+        n_full = min(done, req.num_tokens) // self.block_tokens
+        if n_full <= st.lo or (n_full < st.lo + self._store_run and not final
+                               and not st.producer):
+            return
+        tables = step.tables
+        for gi, g in enumerate(self.groups):
+            lo = st.cursor[gi]
+            if n_full <= lo:
+                continue
+            st.cursor[gi] = n_full
+            if tables is not None:
+                blocks = tables[g.index].get(rid) or ()
+                hi = min(n_full, len(blocks))
+                bids = [b.block_id for b in blocks[lo:hi]]
+            else:
+                ids = self.kv_cache_manager.get_block_ids(rid)[g.index]
+                hi = min(n_full, len(ids))
+                bids = ids[lo:hi]
+            if hi <= lo:
+                continue
+            keys = st.keys.range(req, gi, lo, hi)
+            inflight, taken = self._inflight[gi], step.seen[gi]
+            # A P/D hand-off stores every block: the decode side must find each one.
+            known = self._committed[gi] if not st.producer else _NOTHING
+            if 0 in bids or not inflight.keys().isdisjoint(keys) \
+                    or not taken.isdisjoint(keys) or not known.keys().isdisjoint(keys):
+                keep = [j for j, (k, b) in enumerate(zip(keys, bids))
+                        if b and k not in inflight and k not in taken and k not in known]
+                if not keep:
+                    continue
+                index: Sequence[int] = [lo + j for j in keep]
+                keys = [keys[j] for j in keep]
+                bids = [bids[j] for j in keep]
+            else:
+                index = range(lo, hi)
+            taken.update(keys)
+            step.wanted[gi].append((st, index, keys, bids))
+        st.lo = min(st.cursor)
+
     def _block_tables(self) -> list[dict[str, list[Any]]] | None:
         """Per vLLM KV-cache group, the request -> blocks map of its manager, so a run of new
         blocks costs its length rather than the request's whole table
@@ -831,7 +877,7 @@ class SchedulerRole:
             return None
         return maps
 
-    def _cut_runs(self, gi: int, namespace: bytes, runs: list, n: int) -> list:
+    def _cut_runs(self, gi: int, namespace: bytes, runs: list, n: int, now: float) -> list:
         """The stock covers only ``n`` blocks: keep the runs' first ``n``; the others are
         planned again next step while slots are coming, else (no room in the pool) skipped."""
         coming = self.client.reserving(namespace)
@@ -844,7 +890,7 @@ class SchedulerRole:
             if coming:
                 st.cursor[gi] = min(st.cursor[gi], index[n])
                 st.lo = min(st.cursor)
-                self._replan.add(st.request.request_id)
+                self._replan.setdefault(st.request.request_id, now)
             else:
                 logger.debug("kvpool: no room in the pool for %d blocks; not stored",
                              len(keys) - n)

@@ -491,3 +491,97 @@ def test_a_burst_of_requests_is_looked_up_over_several_steps(
     # Each lookup asks for at most the bound plus one request's blocks (a request goes whole).
     assert len(looked_up) >= 3 and max(looked_up) <= 6 + 4 - 1, looked_up
     e.assert_clean(info)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+@pytest.mark.parametrize("max_tokens", [1, 8], ids=["finish-at-once", "keep-running"])
+def test_a_burst_of_stores_is_planned_over_several_steps(
+        make_engine, info, monkeypatch, async_scheduling, max_tokens):
+    from kvpool.client import vllm_scheduler
+
+    # No time for planning at all: one request per step. 8 requests of 4 full blocks each
+    # fill them in one step.
+    monkeypatch.setattr(vllm_scheduler, "STORE_PLAN_BUDGET_S", 0.0)
+    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
+    role = e.connector.scheduler
+    planned: list[int] = []
+    plan = role._plan_stores
+
+    def spy_plan(so):
+        specs = plan(so)
+        planned.append(sum(len(s.keys) for s in specs))
+        return specs
+
+    role._plan_stores = spy_plan
+    for i in range(8):
+        e.add(f"s{i}", prompt(70, 1000 * (i + 1)), max_tokens=max_tokens)
+    e.run()
+    # Nothing is lost: requests that finished before their turn kept their blocks meanwhile.
+    wait_for(lambda: info.info().stored_blocks == 32, 10, "all 32 blocks committed")
+    steps = [n for n in planned if n]
+    assert sum(steps) == 32, planned
+    if max_tokens == 1:
+        # Finished at their first step: the backlog plans them whole at the next one.
+        assert steps[0] == 4 and len(steps) >= 2, planned
+    else:
+        assert steps[:4] == [4, 4, 4, 4], planned
+    e.assert_clean(info)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_a_store_deferred_too_long_is_planned_whatever_the_budget(
+        make_engine, info, monkeypatch, async_scheduling):
+    from kvpool.client import vllm_scheduler
+
+    monkeypatch.setattr(vllm_scheduler, "STORE_PLAN_BUDGET_S", 0.0)
+    monkeypatch.setattr(vllm_scheduler, "STORE_DEFER_MAX_S", 0.0)   # every wait is too long
+    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
+    role = e.connector.scheduler
+    planned: list[int] = []
+    plan = role._plan_stores
+
+    def spy_plan(so):
+        specs = plan(so)
+        planned.append(sum(len(s.keys) for s in specs))
+        return specs
+
+    role._plan_stores = spy_plan
+    for i in range(8):
+        e.add(f"s{i}", prompt(70, 1000 * (i + 1)), max_tokens=8)
+    e.run()
+    wait_for(lambda: info.info().stored_blocks == 32, 10, "all 32 blocks committed")
+    assert [n for n in planned if n] == [32], planned
+    e.assert_clean(info)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_decode_blocks_are_stored_in_runs_and_the_rest_when_the_request_ends(
+        make_engine, info, async_scheduling):
+    e = make_engine(async_scheduling=async_scheduling)
+    role = e.connector.scheduler
+    assert role._store_run == 4          # STORE_RUN_TOKENS 64 / 16-token blocks
+    planned: list[int] = []
+    plan = role._plan_stores
+
+    def spy_plan(so):
+        specs = plan(so)
+        planned.append(sum(len(s.keys) for s in specs))
+        return specs
+
+    role._plan_stores = spy_plan
+    answers = []
+    finished = role.request_finished
+
+    def spy_finished(request):
+        answers.append(finished(request))
+        return answers[-1]
+
+    role.request_finished = spy_finished
+    # 70 + 60 tokens: the prompt's 4 full blocks, then decode fills blocks 4..7 (one run of
+    # 4), then block 8 fills before the end: kept by vLLM until the backlog stored it.
+    e.add("a", prompt(70), max_tokens=76)
+    e.run()
+    assert [n for n in planned if n] == [4, 4, 1], planned
+    assert answers == [(True, None)]
+    wait_for(lambda: info.info().stored_blocks == 9, 10, "all 9 blocks committed")
+    e.assert_clean(info)

@@ -50,3 +50,15 @@ def test_salt_model_layout_and_extras_isolate():
                                 TOKENS, 16) != base
     mm = chain_block_hashes(TOKENS, 16, chain_seed(NS), block_extras=[b"", b"image-hash"])
     assert mm[0] == base[0] and mm[1] != base[1]
+
+
+def test_keys_are_a_persistent_format():
+    # A pool outlives processes and kvpool versions (restarts adopt its blocks): the bytes a
+    # key is made of never change without a new namespace version.
+    ns = bytes(range(16))
+    assert [h.hex() for h in request_block_hashes(ns, list(range(1000, 1040)), 16, b"salt")] \
+        == ["95c880f53b3fe2d8c82ad1783192f23d", "226b16ab4641fc3de94544da0cb4ddcb"]
+    extras = [b"img@0;", b"", b"x"]
+    assert [h.hex() for h in chain_block_hashes(list(range(64)), 16, chain_seed(ns), 1, extras)] \
+        == ["6fc8f173421ddd501160a462c1f238c3", "3c215bed3b975030fd60e045a85c2596",
+            "d7ae008264fd29979e762a27136f0693"]
