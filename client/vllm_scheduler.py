@@ -42,7 +42,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from collections import deque
-from itertools import compress, repeat
+from itertools import compress, islice, repeat
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from kvpool.client.vllm_keys import GroupInfo, RequestKeys
@@ -199,6 +199,7 @@ class SchedulerRole:
         self._store_run = max(1, -(-STORE_RUN_TOKENS // self.block_tokens)) \
             if self.block_tokens else 1
         self.kv_cache_manager: KVCacheManager | None = None
+        self._namespaces = [g.namespace for g in groups]
         self._reqs: dict[str, _Req] = {}
         self._queued: list[str] = []
         self._inflight_calls: list[tuple[Any, int, list[tuple[str, int]]]] = []
@@ -226,7 +227,7 @@ class SchedulerRole:
         # per request with C-level dict operations.
         self._loading_keys: dict[bytes, str] = {}
         self._orphans: list[Any] = []    # lookups nobody waits for; their leases get released
-        self._committed: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in groups]
+        self._committed: list[dict[bytes, None]] = [{} for _ in groups]
         self._backoff_s, self._backoff_max_s = backoff_s, backoff_max_s
         self._retry_at = 0.0
         self._fail_backoff = backoff_s
@@ -714,11 +715,10 @@ class SchedulerRole:
         for r in so.scheduled_new_reqs:
             for ids in r.block_ids:
                 out += ids
-        for groups in so.scheduled_cached_reqs.new_block_ids:
-            if groups:
-                for ids in groups:
-                    if ids:
-                        out += ids
+        # (most running requests get no new block in a step: None, skipped at C level)
+        for groups in filter(None, so.scheduled_cached_reqs.new_block_ids):
+            for ids in groups:
+                out += ids
         return out
 
     @staticmethod
@@ -751,8 +751,8 @@ class SchedulerRole:
             queue.setdefault(rid, now)
         if not queue and not self._backlog:
             return []
-        if not any(self.client.stock(g.namespace) for g in self.groups) \
-                and any(self.client.reserving(g.namespace) for g in self.groups):
+        if not any(map(self.client.stock, self._namespaces)) \
+                and any(map(self.client.reserving, self._namespaces)):
             # No slot in hand, a refill on its way: the queue waits for the next step,
             # without doing the work per request now.
             self.client.take_slots(self.groups[0].namespace, 0)     # (asks, if not yet)
@@ -960,9 +960,10 @@ class SchedulerRole:
         elif not t.stale:
             remembered = self._committed[t.group]
             remembered.update(dict.fromkeys(t.keys))
-            if len(remembered) > _MAX_REMEMBERED_KEYS:
-                for _ in range(len(remembered) - _MAX_REMEMBERED_KEYS):
-                    remembered.popitem(last=False)
+            excess = len(remembered) - _MAX_REMEMBERED_KEYS
+            if excess > 0:      # the oldest first (a dict keeps insertion order)
+                for key in list(islice(remembered, excess)):
+                    del remembered[key]
             if self.events_enabled:
                 self._stored.append(t)
         for run in t.runs:

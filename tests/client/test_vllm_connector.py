@@ -585,3 +585,29 @@ def test_decode_blocks_are_stored_in_runs_and_the_rest_when_the_request_ends(
     assert answers == [(True, None)]
     wait_for(lambda: info.info().stored_blocks == 9, 10, "all 9 blocks committed")
     e.assert_clean(info)
+
+
+def test_remembered_keys_are_bounded_and_the_newest_kept(make_engine, info, monkeypatch):
+    from kvpool.client import vllm_scheduler
+
+    monkeypatch.setattr(vllm_scheduler, "_MAX_REMEMBERED_KEYS", 3)
+    e = make_engine(async_scheduling=False)
+    role = e.connector.scheduler
+    e.add("a", prompt(70), max_tokens=1)                 # 4 full blocks, one ticket
+    e.run()
+    wait_for(lambda: info.info().stored_blocks == 4, 10, "4 blocks committed")
+    e.add("b", prompt(40, 5000), max_tokens=1)           # 2 more
+    e.run()
+    wait_for(lambda: info.info().stored_blocks == 6, 10, "6 blocks committed")
+    from kvpool.client.vllm_keys import RequestKeys
+
+    class _Req:      # what RequestKeys reads of a request
+        def __init__(self, tokens):
+            self.all_token_ids, self.cache_salt, self.lora_request = tokens, None, None
+            self.mm_features, self.prompt_embeds = None, None
+
+    a = RequestKeys(_Req(prompt(70)), role.groups)
+    b = RequestKeys(_Req(prompt(40, 5000)), role.groups)
+    newest = a.keys(_Req(prompt(70)), 0, 4)[3:] + b.keys(_Req(prompt(40, 5000)), 0, 2)
+    assert list(role._committed[0]) == newest
+    e.assert_clean(info)
