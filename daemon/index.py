@@ -369,26 +369,32 @@ class Index:
         ``SLOT_NO_SPACE`` where nothing could be evicted. ``PoolFull`` if no key got room."""
         layout = self.layout_of(ns)
         out: list[int] = []
-        allocated = full = over_quota = 0
+        full = over_quota = 0
         table = self._tables.setdefault(ns, {})
         quota = self._quota.get(ns, 0)
         slot_bytes = layout.slot_bytes
-        for k in keys:
-            s = table.get(k)
-            if s is not None:
-                out.append(SLOT_PRESENT)
-                continue
-            s = self._claim(ns, table, k, slot_bytes, quota)
-            if s is None or s is _OVER_QUOTA:
-                out.append(SLOT_NO_SPACE)
-                full += 1
-                over_quota += s is _OVER_QUOTA
-                continue
-            s.state, s.owner = WRITING, owner
-            s.deadline = now + self.write_timeout_s
-            self._writing[s.id] = s
-            out.append(s.ref)
-            allocated += 1
+        deadline = now + self.write_timeout_s
+        writing = self._writing
+        claimed: list[Slot] = []
+        try:
+            for k in keys:
+                s = table.get(k)
+                if s is not None:
+                    out.append(SLOT_PRESENT)
+                    continue
+                s = self._claim(ns, table, k, slot_bytes, quota)
+                if s is None or s is _OVER_QUOTA:
+                    out.append(SLOT_NO_SPACE)
+                    full += 1
+                    over_quota += s is _OVER_QUOTA
+                    continue
+                s.state, s.owner, s.deadline = WRITING, owner, deadline
+                writing[s.id] = s
+                out.append(s.ref)
+                claimed.append(s)
+        finally:
+            self._record_claims(claimed)
+        allocated = len(claimed)
         if full and not allocated and not any(r == SLOT_PRESENT for r in out):
             if over_quota:
                 raise PoolFull(f"namespace {ns.hex()} is at its quota of {quota} bytes and every "
@@ -401,7 +407,8 @@ class Index:
                quota: int) -> Slot | None:
         """A slot for key ``k`` of ``ns``, counted, and mapped unless ``table`` is None (a
         reservation: no key yet), its state for the caller to set; None where nothing could be
-        evicted, ``_OVER_QUOTA`` where the quota stops it."""
+        evicted, ``_OVER_QUOTA`` where the quota stops it. Its pool record is the caller's to
+        write, with ``_record_claims``, before the slot's ref leaves the daemon."""
         if quota and not self._fits_quota(ns, slot_bytes, quota):
             return _OVER_QUOTA
         s = self._allocate(slot_bytes)
@@ -412,11 +419,20 @@ class Index:
         s.ref = make_slot_ref(s.id, s.generation)
         s.landed = s.writing = 0
         s.doomed = s.void = False
-        self.pool.write_state(s.extent, s.index, WRITING, s.generation)
         if table is not None:   # a reservation counts for its namespace once bound
             table[k] = s
             self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
         return s
+
+    def _record_claims(self, slots: list[Slot]) -> None:
+        """Write the WRITING records (new generations first) of slots ``_claim`` gave out, in
+        one write: per slot, record writes cost more than the rest of a claim. Safe to do after
+        the claims: until the reply leaves, no ref of theirs is out, and nothing in a claiming
+        call frees a slot it claimed (a victim's FREE record, written when it was evicted, is
+        overwritten here in the right order)."""
+        if slots:
+            self.pool.write_states([s.id for s in slots], WRITING,
+                                   [s.generation for s in slots])
 
     # ---- reservations (stores planned without a round trip) --------------------------------
 
@@ -433,14 +449,20 @@ class Index:
         held = self._reserved_bytes.get(owner, 0)
         count = min(count, max(0, self.pool.nbytes // RESERVE_SHARE - held) // slot_bytes)
         out: list[int] = []
-        for _ in range(count):
-            s = self._claim(ns, None, b"", slot_bytes, 0)
-            if s is None:
-                break
-            s.state, s.owner = RESERVED, owner
-            s.deadline = now + self.reserve_ttl_s
-            self._reserved[s.id] = s
-            out.append(s.ref)
+        claimed: list[Slot] = []
+        deadline = now + self.reserve_ttl_s
+        reserved = self._reserved
+        try:
+            for _ in range(count):
+                s = self._claim(ns, None, b"", slot_bytes, 0)
+                if s is None:
+                    break
+                s.state, s.owner, s.deadline = RESERVED, owner, deadline
+                reserved[s.id] = s
+                out.append(s.ref)
+                claimed.append(s)
+        finally:
+            self._record_claims(claimed)
         if out:
             self._reserved_bytes[owner] = held + len(out) * slot_bytes
         return out
@@ -605,17 +627,20 @@ class Index:
         table = self._tables.setdefault(ns, {})
         quota = self._quota.get(ns, 0)
         out: list[Slot] = []
-        for k in keys:
-            if k in table:
-                break
-            s = self._claim(ns, table, k, layout.slot_bytes, quota)
-            if s is None or s is _OVER_QUOTA:
-                break
-            s.state = FILLING
-            s.pins = 1
-            s.deadline = now
-            self._filling[s.id] = s
-            out.append(s)
+        try:
+            for k in keys:
+                if k in table:
+                    break
+                s = self._claim(ns, table, k, layout.slot_bytes, quota)
+                if s is None or s is _OVER_QUOTA:
+                    break
+                s.state = FILLING
+                s.pins = 1
+                s.deadline = now
+                self._filling[s.id] = s
+                out.append(s)
+        finally:
+            self._record_claims(out)
         return out
 
     def end_fill(self, slots: list[Slot], ok: list[bool]) -> None:
@@ -864,18 +889,30 @@ class Index:
     def _commit(self, slots: list[Slot]) -> None:
         """Make landed slots visible: records first (one vectorised write per extent), then
         the in-memory state lookups read."""
-        self.pool.commit_records([(s.extent, s.index, s.key, s.generation) for s in slots])
+        ids = [s.id for s in slots]
+        self.pool.commit_records(ids, [s.key for s in slots], [s.generation for s in slots])
         tick = next(self._tick)
-        writing = self._writing
+        pop_writing = self._writing.pop
         for s in slots:
-            writing.pop(s.id, None)
+            pop_writing(s.id, None)
             s.state = COMMITTED
             s.last_use = tick
-            s.size_class.lru.insert(s.id)
-            self._ns_blocks[s.ns] = self._ns_blocks.get(s.ns, 0) + 1
-            own = self._ns_lru.get(s.ns)
+        # The LRUs and counts take the batch whole: one size and one namespace nearly always
+        # (a store job's slots are of one namespace), so one call each instead of one per slot.
+        first = slots[0]
+        if all(s.ns == first.ns for s in slots):
+            groups = [(first.ns, first.size_class, ids)]
+        else:
+            by: dict[bytes, tuple[bytes, SizeClass, list[int]]] = {}
+            for s in slots:
+                by.setdefault(s.ns, (s.ns, s.size_class, []))[2].append(s.id)
+            groups = list(by.values())
+        for ns, cls, group in groups:
+            cls.lru.insert_many(group, tick)     # a namespace's slots are of one size
+            self._ns_blocks[ns] = self._ns_blocks.get(ns, 0) + len(group)
+            own = self._ns_lru.get(ns)
             if own is not None:
-                own.insert(s.id)
+                own.insert_many(group, tick)
         self.stats.stored_blocks += len(slots)
         if self.events is not None:
             self.events.extend(("stored", s.ns, s.key[16:]) for s in slots)
@@ -912,7 +949,7 @@ class Index:
         s.state = FREE
         s.doomed = s.void = False
         s.landed = s.writing = 0
-        self.pool.write_state(s.extent, s.index, FREE)
+        self.pool.write_state(s.id, FREE)
         if s.extent in self._draining:
             self._finish_drain(s.extent)
         else:
