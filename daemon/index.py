@@ -515,15 +515,20 @@ class Index:
         """
         slots = []
         bit = 1 << rank if mask is None else mask
+        get = self._slots.get
+        reserved = RESERVED
         for i, ref in enumerate(refs):
-            s = self._resolve(ref)
+            s = get(ref & 0xFFFF_FFFF)
             if s is None:
                 raise OutOfRange(f"slot ref {ref:#x} names no slot of this pool")
-            if s.state == RESERVED and not s.doomed and s.ns == ns:
+            if s.ref != ref:
+                s = _STALE
+            # (A WRITING slot's ``ns`` is its key's namespace: no slice of the key needed.)
+            if s.state == reserved and not s.doomed and s.ns == ns:
                 if keys is None:
                     raise UnknownId(f"slot ref {ref:#x} is reserved, not bound to a key: a store "
                                     f"into a reserved slot must name its key")
-            elif s.state != WRITING or s.doomed or s.key[:16] != ns:
+            elif s.state != WRITING or s.doomed or s.ns != ns:
                 raise UnknownId(f"slot ref {ref:#x} is not prepared or reserved for this "
                                 f"namespace (aborted, reset, expired, timed out or never "
                                 f"granted)")
@@ -539,28 +544,54 @@ class Index:
         if len({s.id for s in slots}) != len(slots):
             raise ProtocolError("a store job names the same slot twice")
         if keys is not None:
-            table = self._tables.setdefault(ns, {})
-            deadline = now + self.write_timeout_s
-            quota = self._quota.get(ns, 0)
-            for s, k in zip(slots, keys):
-                if s.state != RESERVED:
-                    continue
-                self._unreserve(s)
-                s.state, s.key, s.deadline = WRITING, ns + k, deadline
-                self._writing[s.id] = s
-                slot_bytes = s.size_class.slot_bytes
-                if k in table:
-                    s.void = True
-                    self.stats.duplicate_blocks += 1
-                elif quota and not self._fits_quota(ns, slot_bytes, quota):
-                    s.void = True      # as SLOT_NO_SPACE: this block is not pooled
-                else:
-                    table[k] = s
-                    self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
+            self._bind(ns, slots, keys, now)
         for s in slots:
             s.writing |= bit
             s.pins += 1
         return slots
+
+    def _bind(self, ns: bytes, slots: list[Slot], keys: list[bytes], now: float) -> None:
+        """Bind the RESERVED ones of a validated store's ``slots`` to their ``keys`` (see
+        ``begin_store``). Owners' reserved bytes and the namespace's bytes are counted once
+        per call, not per slot."""
+        table = self._tables.setdefault(ns, {})
+        deadline = now + self.write_timeout_s
+        quota = self._quota.get(ns, 0)
+        reserved, writing = self._reserved, self._writing
+        unreserved: dict[int, int] = {}       # owner -> its slots bound here
+        counted = 0                           # slots mapped to their key, quota-free ns
+        for s, k in zip(slots, keys):
+            if s.state != RESERVED:
+                continue
+            del reserved[s.id]
+            unreserved[s.owner] = unreserved.get(s.owner, 0) + 1
+            s.state, s.key, s.deadline = WRITING, ns + k, deadline
+            writing[s.id] = s
+            if k in table:
+                s.void = True
+                self.stats.duplicate_blocks += 1
+            elif quota:
+                # Counted one by one: each quota check reads the bytes counted before it.
+                slot_bytes = s.size_class.slot_bytes
+                if self._fits_quota(ns, slot_bytes, quota):
+                    table[k] = s
+                    self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
+                else:
+                    s.void = True      # as SLOT_NO_SPACE: this block is not pooled
+            else:
+                table[k] = s
+                counted += 1
+        if not unreserved:
+            return
+        slot_bytes = slots[0].size_class.slot_bytes     # a namespace's slots are of one size
+        if counted:
+            self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + counted * slot_bytes
+        for owner, n in unreserved.items():
+            left = self._reserved_bytes[owner] - n * slot_bytes
+            if left:
+                self._reserved_bytes[owner] = left
+            else:
+                del self._reserved_bytes[owner]
 
     def end_store(self, slots: list[Slot], rank: int, ok: bool, mask: int | None = None) -> int:
         """A store job finished (or failed): commit slots whose every unit has landed; drop

@@ -758,3 +758,28 @@ def test_batched_record_writes_mirror_the_index_through_every_store_path(pool_co
         _records_match_slots(ix2)
     finally:
         pool2.close(unlink=True)
+
+
+def test_one_store_binding_two_owners_reservations_gives_each_its_share_back(pool):
+    """Bind counts reserved bytes per owner once per store: a store naming slots that two
+    schedulers reserved hands each owner back exactly its own share, and counts the bound
+    blocks (not the duplicate) against the namespace."""
+    ix = Index(pool, 10, 60)
+    ix.register_namespace(NS_SMALL, SMALL)
+    mine, theirs = ix.reserve(NS_SMALL, 20, OWNER, 0), ix.reserve(NS_SMALL, 20, OTHER, 0)
+    assert len(mine) == len(theirs) == 20
+    ks = keys(5)
+    refs = mine[:3] + theirs[:2] + theirs[2:3]
+    slots = ix.begin_store(NS_SMALL, refs, 0, keys=ks + ks[:1])    # the last: a duplicate
+    assert [s.void for s in slots] == [False] * 5 + [True]
+    assert ix.used_bytes_of(NS_SMALL) == 5 * SMALL.slot_bytes
+    assert ix._reserved_bytes == {OWNER: 17 * SMALL.slot_bytes, OTHER: 17 * SMALL.slot_bytes}
+    assert ix.reserved_count == 34
+    assert ix.end_store(slots, 0, True) == 5
+    assert ix.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [5]
+    ix.abort_store(mine[3:], OWNER)
+    assert ix._reserved_bytes == {OTHER: 17 * SMALL.slot_bytes}
+    ix.release_owner(OWNER)
+    ix.release_owner(OTHER)
+    assert ix.reserved_count == 0 and ix.used_bytes_of(NS_SMALL) == 5 * SMALL.slot_bytes
+    assert ix._reserved_bytes == {}
