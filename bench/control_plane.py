@@ -92,11 +92,16 @@ def timed_calls(fn, n: int) -> list[float]:
     return out
 
 
-def lookup_worker(sock: str, ns: bytes, keys: list[bytes], n: int, start, q) -> None:
+def lookup_worker(sock: str, ns: bytes, keys: list[bytes], n: int, start, q, ready, done
+                  ) -> None:
     client = SchedulerClient(ClientConfig(socket=sock, timeout_ms=10_000), "bench")
     client.ping()
+    ready.put(os.getpid())
     start.wait()
     q.put(timed_calls(lambda: client.lookup(ns, [keys]), n))
+    # Stay idle until every client is done: an exiting process (interpreter and torch
+    # teardown, ~0.4 s of CPU) would take the CPU from those still timing.
+    done.wait()
     client.close()
 
 
@@ -190,14 +195,21 @@ def main() -> None:
         prep = timed_calls(lambda: sched.abort_store(sched.prepare_store(
             ns, [b"%016d" % next(fresh) for _ in range(LOOKUP_KEYS)])), max(200, args.iters // 5))
         ctx = mp.get_context("spawn")
-        start, q = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=lookup_worker, args=(sock, ns, keys, args.iters // 2, start, q))
+        start, done, q, ready = ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
+        procs = [ctx.Process(target=lookup_worker, args=(sock, ns, keys, args.iters // 2, start, q,
+                                                         ready, done))
                  for _ in range(8)]
         for p_ in procs:
             p_.start()
-        time.sleep(3)   # let all eight connect before the start signal
+        # Start once all eight have connected: spawned children import torch (~3 s of CPU
+        # each on 2 cores), and a fixed sleep let the first ones time their lookups while
+        # the others were still importing (the daemon then waited for CPU 2x longer than
+        # it ran: measured with /proc/<pid>/task/*/schedstat).
+        for _ in procs:
+            ready.get(timeout=600)
         start.set()
         look8 = [x for _ in procs for x in q.get(timeout=600)]
+        done.set()
         for p_ in procs:
             p_.join()
         f50 = pct(floor, 50)

@@ -37,6 +37,11 @@ class LruPolicy:
     def insert(self, slot: int) -> None:
         self._order[slot] = self._recency(slot)
 
+    def insert_many(self, slots: list[int], stamp: int) -> None:
+        """``insert`` of each of ``slots`` (not yet in the policy), all used at ``stamp`` (what
+        ``recency`` now answers for them), in one dict update."""
+        self._order.update(dict.fromkeys(slots, stamp))
+
     def touch(self, slot: int) -> None:
         if slot in self._order:
             self._order.move_to_end(slot)

@@ -369,26 +369,32 @@ class Index:
         ``SLOT_NO_SPACE`` where nothing could be evicted. ``PoolFull`` if no key got room."""
         layout = self.layout_of(ns)
         out: list[int] = []
-        allocated = full = over_quota = 0
+        full = over_quota = 0
         table = self._tables.setdefault(ns, {})
         quota = self._quota.get(ns, 0)
         slot_bytes = layout.slot_bytes
-        for k in keys:
-            s = table.get(k)
-            if s is not None:
-                out.append(SLOT_PRESENT)
-                continue
-            s = self._claim(ns, table, k, slot_bytes, quota)
-            if s is None or s is _OVER_QUOTA:
-                out.append(SLOT_NO_SPACE)
-                full += 1
-                over_quota += s is _OVER_QUOTA
-                continue
-            s.state, s.owner = WRITING, owner
-            s.deadline = now + self.write_timeout_s
-            self._writing[s.id] = s
-            out.append(s.ref)
-            allocated += 1
+        deadline = now + self.write_timeout_s
+        writing = self._writing
+        claimed: list[Slot] = []
+        try:
+            for k in keys:
+                s = table.get(k)
+                if s is not None:
+                    out.append(SLOT_PRESENT)
+                    continue
+                s = self._claim(ns, table, k, slot_bytes, quota)
+                if s is None or s is _OVER_QUOTA:
+                    out.append(SLOT_NO_SPACE)
+                    full += 1
+                    over_quota += s is _OVER_QUOTA
+                    continue
+                s.state, s.owner, s.deadline = WRITING, owner, deadline
+                writing[s.id] = s
+                out.append(s.ref)
+                claimed.append(s)
+        finally:
+            self._record_claims(claimed)
+        allocated = len(claimed)
         if full and not allocated and not any(r == SLOT_PRESENT for r in out):
             if over_quota:
                 raise PoolFull(f"namespace {ns.hex()} is at its quota of {quota} bytes and every "
@@ -401,7 +407,8 @@ class Index:
                quota: int) -> Slot | None:
         """A slot for key ``k`` of ``ns``, counted, and mapped unless ``table`` is None (a
         reservation: no key yet), its state for the caller to set; None where nothing could be
-        evicted, ``_OVER_QUOTA`` where the quota stops it."""
+        evicted, ``_OVER_QUOTA`` where the quota stops it. Its pool record is the caller's to
+        write, with ``_record_claims``, before the slot's ref leaves the daemon."""
         if quota and not self._fits_quota(ns, slot_bytes, quota):
             return _OVER_QUOTA
         s = self._allocate(slot_bytes)
@@ -412,11 +419,20 @@ class Index:
         s.ref = make_slot_ref(s.id, s.generation)
         s.landed = s.writing = 0
         s.doomed = s.void = False
-        self.pool.write_state(s.extent, s.index, WRITING, s.generation)
         if table is not None:   # a reservation counts for its namespace once bound
             table[k] = s
             self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
         return s
+
+    def _record_claims(self, slots: list[Slot]) -> None:
+        """Write the WRITING records (new generations first) of slots ``_claim`` gave out, in
+        one write: per slot, record writes cost more than the rest of a claim. Safe to do after
+        the claims: until the reply leaves, no ref of theirs is out, and nothing in a claiming
+        call frees a slot it claimed (a victim's FREE record, written when it was evicted, is
+        overwritten here in the right order)."""
+        if slots:
+            self.pool.write_states([s.id for s in slots], WRITING,
+                                   [s.generation for s in slots])
 
     # ---- reservations (stores planned without a round trip) --------------------------------
 
@@ -433,14 +449,20 @@ class Index:
         held = self._reserved_bytes.get(owner, 0)
         count = min(count, max(0, self.pool.nbytes // RESERVE_SHARE - held) // slot_bytes)
         out: list[int] = []
-        for _ in range(count):
-            s = self._claim(ns, None, b"", slot_bytes, 0)
-            if s is None:
-                break
-            s.state, s.owner = RESERVED, owner
-            s.deadline = now + self.reserve_ttl_s
-            self._reserved[s.id] = s
-            out.append(s.ref)
+        claimed: list[Slot] = []
+        deadline = now + self.reserve_ttl_s
+        reserved = self._reserved
+        try:
+            for _ in range(count):
+                s = self._claim(ns, None, b"", slot_bytes, 0)
+                if s is None:
+                    break
+                s.state, s.owner, s.deadline = RESERVED, owner, deadline
+                reserved[s.id] = s
+                out.append(s.ref)
+                claimed.append(s)
+        finally:
+            self._record_claims(claimed)
         if out:
             self._reserved_bytes[owner] = held + len(out) * slot_bytes
         return out
@@ -493,15 +515,20 @@ class Index:
         """
         slots = []
         bit = 1 << rank if mask is None else mask
+        get = self._slots.get
+        reserved = RESERVED
         for i, ref in enumerate(refs):
-            s = self._resolve(ref)
+            s = get(ref & 0xFFFF_FFFF)
             if s is None:
                 raise OutOfRange(f"slot ref {ref:#x} names no slot of this pool")
-            if s.state == RESERVED and not s.doomed and s.ns == ns:
+            if s.ref != ref:
+                s = _STALE
+            # (A WRITING slot's ``ns`` is its key's namespace: no slice of the key needed.)
+            if s.state == reserved and not s.doomed and s.ns == ns:
                 if keys is None:
                     raise UnknownId(f"slot ref {ref:#x} is reserved, not bound to a key: a store "
                                     f"into a reserved slot must name its key")
-            elif s.state != WRITING or s.doomed or s.key[:16] != ns:
+            elif s.state != WRITING or s.doomed or s.ns != ns:
                 raise UnknownId(f"slot ref {ref:#x} is not prepared or reserved for this "
                                 f"namespace (aborted, reset, expired, timed out or never "
                                 f"granted)")
@@ -517,28 +544,54 @@ class Index:
         if len({s.id for s in slots}) != len(slots):
             raise ProtocolError("a store job names the same slot twice")
         if keys is not None:
-            table = self._tables.setdefault(ns, {})
-            deadline = now + self.write_timeout_s
-            quota = self._quota.get(ns, 0)
-            for s, k in zip(slots, keys):
-                if s.state != RESERVED:
-                    continue
-                self._unreserve(s)
-                s.state, s.key, s.deadline = WRITING, ns + k, deadline
-                self._writing[s.id] = s
-                slot_bytes = s.size_class.slot_bytes
-                if k in table:
-                    s.void = True
-                    self.stats.duplicate_blocks += 1
-                elif quota and not self._fits_quota(ns, slot_bytes, quota):
-                    s.void = True      # as SLOT_NO_SPACE: this block is not pooled
-                else:
-                    table[k] = s
-                    self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
+            self._bind(ns, slots, keys, now)
         for s in slots:
             s.writing |= bit
             s.pins += 1
         return slots
+
+    def _bind(self, ns: bytes, slots: list[Slot], keys: list[bytes], now: float) -> None:
+        """Bind the RESERVED ones of a validated store's ``slots`` to their ``keys`` (see
+        ``begin_store``). Owners' reserved bytes and the namespace's bytes are counted once
+        per call, not per slot."""
+        table = self._tables.setdefault(ns, {})
+        deadline = now + self.write_timeout_s
+        quota = self._quota.get(ns, 0)
+        reserved, writing = self._reserved, self._writing
+        unreserved: dict[int, int] = {}       # owner -> its slots bound here
+        counted = 0                           # slots mapped to their key, quota-free ns
+        for s, k in zip(slots, keys):
+            if s.state != RESERVED:
+                continue
+            del reserved[s.id]
+            unreserved[s.owner] = unreserved.get(s.owner, 0) + 1
+            s.state, s.key, s.deadline = WRITING, ns + k, deadline
+            writing[s.id] = s
+            if k in table:
+                s.void = True
+                self.stats.duplicate_blocks += 1
+            elif quota:
+                # Counted one by one: each quota check reads the bytes counted before it.
+                slot_bytes = s.size_class.slot_bytes
+                if self._fits_quota(ns, slot_bytes, quota):
+                    table[k] = s
+                    self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
+                else:
+                    s.void = True      # as SLOT_NO_SPACE: this block is not pooled
+            else:
+                table[k] = s
+                counted += 1
+        if not unreserved:
+            return
+        slot_bytes = slots[0].size_class.slot_bytes     # a namespace's slots are of one size
+        if counted:
+            self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + counted * slot_bytes
+        for owner, n in unreserved.items():
+            left = self._reserved_bytes[owner] - n * slot_bytes
+            if left:
+                self._reserved_bytes[owner] = left
+            else:
+                del self._reserved_bytes[owner]
 
     def end_store(self, slots: list[Slot], rank: int, ok: bool, mask: int | None = None) -> int:
         """A store job finished (or failed): commit slots whose every unit has landed; drop
@@ -605,17 +658,20 @@ class Index:
         table = self._tables.setdefault(ns, {})
         quota = self._quota.get(ns, 0)
         out: list[Slot] = []
-        for k in keys:
-            if k in table:
-                break
-            s = self._claim(ns, table, k, layout.slot_bytes, quota)
-            if s is None or s is _OVER_QUOTA:
-                break
-            s.state = FILLING
-            s.pins = 1
-            s.deadline = now
-            self._filling[s.id] = s
-            out.append(s)
+        try:
+            for k in keys:
+                if k in table:
+                    break
+                s = self._claim(ns, table, k, layout.slot_bytes, quota)
+                if s is None or s is _OVER_QUOTA:
+                    break
+                s.state = FILLING
+                s.pins = 1
+                s.deadline = now
+                self._filling[s.id] = s
+                out.append(s)
+        finally:
+            self._record_claims(out)
         return out
 
     def end_fill(self, slots: list[Slot], ok: list[bool]) -> None:
@@ -864,18 +920,30 @@ class Index:
     def _commit(self, slots: list[Slot]) -> None:
         """Make landed slots visible: records first (one vectorised write per extent), then
         the in-memory state lookups read."""
-        self.pool.commit_records([(s.extent, s.index, s.key, s.generation) for s in slots])
+        ids = [s.id for s in slots]
+        self.pool.commit_records(ids, [s.key for s in slots], [s.generation for s in slots])
         tick = next(self._tick)
-        writing = self._writing
+        pop_writing = self._writing.pop
         for s in slots:
-            writing.pop(s.id, None)
+            pop_writing(s.id, None)
             s.state = COMMITTED
             s.last_use = tick
-            s.size_class.lru.insert(s.id)
-            self._ns_blocks[s.ns] = self._ns_blocks.get(s.ns, 0) + 1
-            own = self._ns_lru.get(s.ns)
+        # The LRUs and counts take the batch whole: one size and one namespace nearly always
+        # (a store job's slots are of one namespace), so one call each instead of one per slot.
+        first = slots[0]
+        if all(s.ns == first.ns for s in slots):
+            groups = [(first.ns, first.size_class, ids)]
+        else:
+            by: dict[bytes, tuple[bytes, SizeClass, list[int]]] = {}
+            for s in slots:
+                by.setdefault(s.ns, (s.ns, s.size_class, []))[2].append(s.id)
+            groups = list(by.values())
+        for ns, cls, group in groups:
+            cls.lru.insert_many(group, tick)     # a namespace's slots are of one size
+            self._ns_blocks[ns] = self._ns_blocks.get(ns, 0) + len(group)
+            own = self._ns_lru.get(ns)
             if own is not None:
-                own.insert(s.id)
+                own.insert_many(group, tick)
         self.stats.stored_blocks += len(slots)
         if self.events is not None:
             self.events.extend(("stored", s.ns, s.key[16:]) for s in slots)
@@ -912,7 +980,7 @@ class Index:
         s.state = FREE
         s.doomed = s.void = False
         s.landed = s.writing = 0
-        self.pool.write_state(s.extent, s.index, FREE)
+        self.pool.write_state(s.id, FREE)
         if s.extent in self._draining:
             self._finish_drain(s.extent)
         else:

@@ -177,6 +177,13 @@ class Pool:
         # Slot ids are extent * records_per_extent + index: dense, so they fit the 32 bits of
         # a slot ref for any pool of fewer than 2**32 records (1 PiB of 256 MiB extents).
         self.slot_id_stride = g.records_per_extent
+        # A slot id is also its record's position in the record table, so the index's writes
+        # address one array by id: no per-extent lookup, and a batch is one fancy-index write
+        # per field. Field views made once (making one costs about a microsecond).
+        table = np.ndarray(g.num_extents * g.records_per_extent, RECORD_DTYPE, buffer,
+                           g.record_table_offset)
+        self._rec_key, self._rec_generation, self._rec_state = (
+            table["key"], table["generation"], table["state"])
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -295,6 +302,7 @@ class Pool:
         """Unmap; unlink the segment unless the operator keeps it for the next daemon."""
         self._records.clear()
         del self.header, self.extents, self._u8
+        del self._rec_key, self._rec_generation, self._rec_state
         try:
             self.buffer.close()
         except BufferError:
@@ -355,34 +363,42 @@ class Pool:
     def slot_offset(self, extent: int, index: int) -> int:
         return self.extent_offset(extent) + index * int(self.extents[extent]["slot_bytes"])
 
-    def write_state(self, extent: int, index: int, state: int, generation: int | None = None
-                    ) -> None:
+    def write_state(self, slot_id: int, state: int, generation: int | None = None) -> None:
         """Mark one slot FREE or WRITING (COMMITTED goes through ``commit_records``). A slot
         handed out for writing records its new ``generation`` first, so a daemon that adopts
         the pool never hands out a generation (and so a slot ref) it handed out before."""
-        rec = self.records(extent)[index]
         if generation is not None:
-            rec["generation"] = generation
-        rec["state"] = state
+            self._rec_generation[slot_id] = generation
+        self._rec_state[slot_id] = state
+
+    def write_states(self, slot_ids: list[int], state: int,
+                     generations: list[int] | None = None) -> None:
+        """``write_state`` for many slots at once, in the same crash order: every generation
+        lands before any state byte. Ids must be distinct."""
+        if not slot_ids:
+            return
+        idx = np.fromiter(slot_ids, np.int64, len(slot_ids))
+        if generations is not None:
+            self._rec_generation[idx] = np.fromiter(generations, np.uint32, len(generations))
+        self._rec_state[idx] = state
 
     def generations(self, extent: int, n: int) -> np.ndarray:
         """The recorded generation of the first ``n`` slots of ``extent``."""
-        g = self.geometry
-        off = g.record_table_offset + extent * g.records_per_extent * RECORD_DTYPE.itemsize
-        return np.ndarray(n, RECORD_DTYPE, self.buffer, off)["generation"].copy()
+        first = extent * self.slot_id_stride
+        return self._rec_generation[first:first + n].copy()
 
-    def commit_records(self, entries: list[tuple[int, int, bytes, int]]) -> None:
-        """Mark many slots COMMITTED: (extent, index, key, generation) each. Key and generation
-        land before the state byte, so a crash in between leaves the record uncommitted."""
-        by_extent: dict[int, list[tuple[int, bytes, int]]] = {}
-        for e, i, key, gen in entries:
-            by_extent.setdefault(e, []).append((i, key, gen))
-        for e, rows in by_extent.items():
-            rec = self.records(e)
-            idx = np.fromiter((r[0] for r in rows), np.int64, len(rows))
-            rec["key"][idx] = np.frombuffer(b"".join(r[1] for r in rows), dtype="V32")
-            rec["generation"][idx] = np.fromiter((r[2] for r in rows), np.uint32, len(rows))
-            rec["state"][idx] = COMMITTED
+    def commit_records(self, slot_ids: list[int], keys: list[bytes],
+                       generations: list[int]) -> None:
+        """Mark many slots COMMITTED, slot ``slot_ids[i]`` holding ``keys[i]`` (32 bytes) at
+        ``generations[i]``. Keys and generations land before any state byte, so a crash in
+        between leaves those records uncommitted. Ids must be distinct."""
+        n = len(slot_ids)
+        if not n:
+            return
+        idx = np.fromiter(slot_ids, np.int64, n)
+        self._rec_key[idx] = np.frombuffer(b"".join(keys), dtype="V32")
+        self._rec_generation[idx] = np.fromiter(generations, np.uint32, n)
+        self._rec_state[idx] = COMMITTED
 
     # ---- layout table ----------------------------------------------------------------------
 

@@ -40,3 +40,17 @@ def test_lazy_promotion_keeps_lru_order_and_still_finds_victims():
     used.update({2: 6, 3: 7})        # now every slot was used since it was queued
     assert lru.oldest(lambda s: False) == 1
     assert lru.choose_victims(3, lambda s: s == 2) is None
+
+
+def test_insert_many_is_insert_of_each_at_one_stamp():
+    stamps = {1: 5, 2: 5, 3: 5, 4: 9}
+    one, many = LruPolicy(stamps.__getitem__), LruPolicy(stamps.__getitem__)
+    for s in (4, 1, 2, 3):
+        one.insert(s)
+    many.insert(4)
+    many.insert_many([1, 2, 3], 5)
+    assert len(many) == 4 and 2 in many
+    assert many.choose_victims(4, lambda s: False) == one.choose_victims(4, lambda s: False) \
+        == [4, 1, 2, 3]
+    stamps[1] = 10                                 # used since: promoted when scanned
+    assert many.choose_victims(3, lambda s: False) == [4, 2, 3]

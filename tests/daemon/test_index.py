@@ -710,3 +710,76 @@ def test_an_extent_drained_for_another_size_takes_its_reservations_back(index):
     with pytest.raises((UnknownId, OutOfRange)):
         index.begin_store(NS_BIG, reserved, 0, keys=keys(1, b"late"), now=1)
     index.release_leases(leases, OWNER)
+
+
+def _records_match_slots(ix):
+    """Every slot's pool record says what the index would adopt: COMMITTED with its key for a
+    committed slot, WRITING for one being written, reserved or filled, FREE for a free one;
+    and the slot's current generation (the one in its ref)."""
+    from kvpool.daemon.index import FILLING, RESERVED
+    from kvpool.daemon.pool import COMMITTED, FREE, WRITING
+    want_state = {FREE: FREE, WRITING: WRITING, RESERVED: WRITING, FILLING: WRITING,
+                  COMMITTED: COMMITTED}
+    for s in ix._slots.values():
+        rec = ix.pool.records(s.extent)[s.index]
+        assert int(rec["state"]) == want_state[s.state], (s.id, s.state)
+        assert int(rec["generation"]) == s.generation, s.id
+        if s.state == COMMITTED:
+            assert bytes(rec["key"]) == s.key
+
+
+def test_batched_record_writes_mirror_the_index_through_every_store_path(pool_config):
+    """Claims (prepare_store, reserve, reserve_fills), binds and commits write their records
+    in batches; evictions and frees one by one. Whatever the mix, each record ends as the slot
+    is, and a restarted daemon adopts exactly the committed blocks."""
+    pool = Pool.open(pool_config)
+    ix = Index(pool, 10, 60)
+    ix.register_namespace(NS_SMALL, SMALL)
+    ix.register_namespace(NS_TP2, TP2)
+    store(ix, NS_SMALL, keys(40, b"a"))                          # prepared, committed
+    refs = ix.reserve(NS_SMALL, 30, OWNER, 0)                    # reserved ...
+    ks = keys(20, b"b") + keys(5, b"a")                          # ... 5 of them duplicates
+    ix.end_store(ix.begin_store(NS_SMALL, refs[:25], 0, keys=ks), 0, True)
+    ix.abort_store(refs[25:27], OWNER)                           # 3 left reserved
+    half = ix.prepare_store(NS_TP2, keys(6, b"c"), OWNER, 0)     # one rank of two landed
+    ix.end_store(ix.begin_store(NS_TP2, half, 0), 0, True)
+    fills = ix.reserve_fills(NS_SMALL, keys(4, b"d"), 0)
+    ix.end_fill(fills, [True, False, True, True])
+    _records_match_slots(ix)
+    n = capacity(ix, SMALL, NS_SMALL)                            # evicts everything unpinned
+    assert n > 0
+    _records_match_slots(ix)
+    committed = ix.slot_counts()[1]
+    pool.close(unlink=False)
+    pool2 = Pool.open(pool_config)
+    try:
+        ix2 = Index(pool2, 10, 60)
+        assert ix2.adopt() == committed
+        _records_match_slots(ix2)
+    finally:
+        pool2.close(unlink=True)
+
+
+def test_one_store_binding_two_owners_reservations_gives_each_its_share_back(pool):
+    """Bind counts reserved bytes per owner once per store: a store naming slots that two
+    schedulers reserved hands each owner back exactly its own share, and counts the bound
+    blocks (not the duplicate) against the namespace."""
+    ix = Index(pool, 10, 60)
+    ix.register_namespace(NS_SMALL, SMALL)
+    mine, theirs = ix.reserve(NS_SMALL, 20, OWNER, 0), ix.reserve(NS_SMALL, 20, OTHER, 0)
+    assert len(mine) == len(theirs) == 20
+    ks = keys(5)
+    refs = mine[:3] + theirs[:2] + theirs[2:3]
+    slots = ix.begin_store(NS_SMALL, refs, 0, keys=ks + ks[:1])    # the last: a duplicate
+    assert [s.void for s in slots] == [False] * 5 + [True]
+    assert ix.used_bytes_of(NS_SMALL) == 5 * SMALL.slot_bytes
+    assert ix._reserved_bytes == {OWNER: 17 * SMALL.slot_bytes, OTHER: 17 * SMALL.slot_bytes}
+    assert ix.reserved_count == 34
+    assert ix.end_store(slots, 0, True) == 5
+    assert ix.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [5]
+    ix.abort_store(mine[3:], OWNER)
+    assert ix._reserved_bytes == {OTHER: 17 * SMALL.slot_bytes}
+    ix.release_owner(OWNER)
+    ix.release_owner(OTHER)
+    assert ix.reserved_count == 0 and ix.used_bytes_of(NS_SMALL) == 5 * SMALL.slot_bytes
+    assert ix._reserved_bytes == {}

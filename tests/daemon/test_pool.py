@@ -27,7 +27,7 @@ def test_adopt_after_close_keeps_records_and_layouts(pool_config):
     p.save_layouts({b"n" * 16: layout})
     n = p.assign_extent(0, layout.slot_bytes)
     p.buffer[p.slot_offset(0, 3):p.slot_offset(0, 3) + 4] = b"data"
-    p.commit_records([(0, 3, b"n" * 16 + b"k" * 16, 5)])
+    p.commit_records([3], [b"n" * 16 + b"k" * 16], [5])
     p.close(unlink=False)
     q = Pool.open(pool_config)
     try:
@@ -80,7 +80,7 @@ def test_tp_cross_format1_pool_is_migrated_on_adopt(pool_config, caplog):
     p.buffer[off:off + len(blob)] = blob
     p.header[0]["layout_blob_bytes"] = len(blob)
     p.assign_extent(0, old.slot_bytes)
-    p.commit_records([(0, 1, b"n" * 16 + b"k" * 16, 3)])
+    p.commit_records([1], [b"n" * 16 + b"k" * 16], [3])
     p.header[0]["format_version"] = 1
     p.close(unlink=False)
     with caplog.at_level(logging.WARNING, logger="kvpool.daemon.pool"):
@@ -109,3 +109,53 @@ def test_tp_cross_pool_of_an_unknown_format_is_replaced_with_a_clear_log_line(po
     assert "pool format 7, this kvpoold reads formats 1, 2" in caplog.text
     assert "its cached blocks are dropped" in caplog.text
     q.close(unlink=True)
+
+
+def test_batched_record_writes_write_what_per_slot_writes_do(pool):
+    """``write_states`` and ``commit_records`` address records by slot id across extents and
+    leave every byte as the per-slot writes (and the per-extent commit) would."""
+    import numpy as np
+
+    from kvpool.daemon.pool import FREE, WRITING
+    n = pool.assign_extent(0, 4096)
+    assert pool.assign_extent(1, 4096) == n
+    stride = pool.slot_id_stride
+    a = [0, 5, n - 1]                                 # extent 0
+    b = [stride + i for i in a]                       # the same slots of extent 1
+    gens = [7, 0x7FFF_FFFF, 123456]
+    keys = [bytes([i]) * 32 for i in (1, 2, 3)]
+    for sid, g in zip(a, gens):
+        pool.write_state(sid, WRITING, g)
+    pool.write_states(b, WRITING, gens)
+    assert bytes(pool.records(0)) == bytes(pool.records(1))
+    assert [int(r["state"]) for r in pool.records(1)[[0, 5, n - 1]]] == [WRITING] * 3
+    assert [int(g) for g in pool.records(1)[[0, 5, n - 1]]["generation"]] == gens
+    pool.commit_records(a[:2], keys[:2], gens[:2])
+    pool.commit_records(b[:2], keys[:2], gens[:2])
+    pool.write_state(a[2], FREE)
+    pool.write_states(b[2:], FREE)
+    assert bytes(pool.records(0)) == bytes(pool.records(1))
+    rec = pool.records(1)
+    assert [int(s) for s in rec["state"][[0, 5, n - 1]]] == [COMMITTED, COMMITTED, FREE]
+    assert bytes(rec[5]["key"]) == keys[1] and int(rec[n - 1]["generation"]) == gens[2]
+    assert np.array_equal(pool.generations(1, n), rec["generation"])
+    pool.write_states([], WRITING, [])                # nothing to write: no error
+    pool.commit_records([], [], [])
+
+
+def test_committed_records_of_a_batch_are_adopted(pool_config):
+    """A batch commit across extents survives the daemon: a new pool adopts every record."""
+    p = Pool.open(pool_config)
+    p.assign_extent(0, 4096)
+    p.assign_extent(2, 4096)
+    ids = [1, 2 * p.slot_id_stride + 9]
+    keys = [b"n" * 16 + b"a" * 16, b"n" * 16 + b"b" * 16]
+    p.commit_records(ids, keys, [11, 12])
+    p.close(unlink=False)
+    q = Pool.open(pool_config)
+    try:
+        assert int(q.records(0)[1]["state"]) == COMMITTED
+        assert bytes(q.records(2)[9]["key"]) == keys[1]
+        assert int(q.records(2)[9]["generation"]) == 12
+    finally:
+        q.close(unlink=True)
