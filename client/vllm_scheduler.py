@@ -762,31 +762,34 @@ class SchedulerRole:
                          self._block_tables(), [[] for _ in self.groups],
                          [set() for _ in self.groups])
         reqs = self._reqs
-        if self._backlog:
-            # Finished requests hold GPU blocks for these stores: never deferred.
-            for rid in self._backlog:
-                st = reqs.get(rid)
-                if st is not None and rid not in step.n_sched:
-                    self._plan_request(st, step, final=True)
-                    queue.pop(rid, None)
         stop_at = time.perf_counter() + STORE_PLAN_BUDGET_S
         overdue = now - STORE_DEFER_MAX_S
+        if self._backlog:
+            # Finished requests hold GPU blocks for these stores: they go first. Those the
+            # budget leaves wait in the backlog (bounded by store_wait_s, see _end_backlog).
+            for rid in self._backlog:
+                st = reqs.get(rid)
+                if st is not None and st.lo < st.request.num_computed_tokens // self.block_tokens:
+                    self._plan_request(st, step, final=True)
+                    queue.pop(rid, None)
+                    if time.perf_counter() > stop_at:
+                        break
         while queue:
             rid, _ = queue.popitem(last=False)
             st = reqs.get(rid)
             if st is not None:
                 self._plan_request(st, step)
-            if queue and time.perf_counter() > stop_at:
-                # The rest wait for the next step, in order, but for those waiting too long.
-                while queue:
-                    rid = next(iter(queue))
-                    if queue[rid] > overdue:
-                        break
-                    del queue[rid]
-                    st = reqs.get(rid)
-                    if st is not None:
-                        self._plan_request(st, step)
+            if time.perf_counter() > stop_at:
                 break
+        # The rest wait for the next step, in order, but for those waiting too long.
+        while queue:
+            rid = next(iter(queue))
+            if queue[rid] > overdue:
+                break
+            del queue[rid]
+            st = reqs.get(rid)
+            if st is not None:
+                self._plan_request(st, step)
         specs: list[StoreSpec] = []
         for gi, g in enumerate(self.groups):
             runs = step.wanted[gi]
@@ -907,13 +910,14 @@ class SchedulerRole:
         """Finished requests whose blocks are all planned (or that waited long enough, or
         whose daemon is gone) let vLLM free their blocks once their stores have landed."""
         now = time.monotonic()
-        give_up = not self._daemon_ok()
+        wait = self._daemon_ok() and any(map(self.client.reserving, self._namespaces))
+        bt = self.block_tokens
         for rid in list(self._backlog):
             st = self._reqs.get(rid)
-            if st is not None and not give_up and now < st.backlog_until \
-                    and self._has_unstored_blocks(st) \
-                    and any(self.client.reserving(g.namespace) for g in self.groups):
-                continue
+            if st is not None and wait and now < st.backlog_until:
+                req = st.request      # (lo is min(cursor): see _has_unstored_blocks)
+                if st.lo < min(req.num_computed_tokens, req.num_tokens) // bt:
+                    continue
             self._backlog.discard(rid)
             if st is not None and not st.tickets:
                 self._free_ready.append(rid)
