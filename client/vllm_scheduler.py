@@ -42,7 +42,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from collections import deque
-from itertools import compress, islice, repeat
+from itertools import chain, compress, islice, repeat
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from kvpool.client.vllm_keys import GroupInfo, RequestKeys
@@ -78,11 +78,12 @@ LOOKUP_BLOCKS_PER_STEP = 1024
 # lags by that much instead of without end.
 STORE_PLAN_BUDGET_S = 100e-6
 STORE_DEFER_MAX_S = 0.5
-# A running request's new blocks are planned once they add up to this many tokens: a decode
-# fills one block every block_size steps, so with 16-token blocks a ticket takes 4 of them
-# instead of 1, which quarters the per-request work of decode steps. Finished requests (the
+# A decoding request's new blocks are planned once they add up to this many tokens: a decode
+# fills one block every block_size steps, so with 16-token blocks a ticket takes 8 of them
+# instead of 1, which cuts the per-request work of decode steps (hashing stays per block).
+# Prompt blocks are planned as their prefill chunk fills them. Finished requests (the
 # backlog) and P/D producers plan whatever they have.
-STORE_RUN_TOKENS = 64
+STORE_RUN_TOKENS = 128
 
 
 @dataclass(eq=False)
@@ -145,6 +146,7 @@ class _Req:
     # P/D: a producer stores every block (also those it loaded) and hands the prompt over; a
     # consumer waits (bounded) for the producer's blocks to land before taking its hit.
     producer: bool = False
+    store_run: int = 1         # blocks a running request's store waits to gather (1: producer)
     load_failed: bool = False  # a load from the pool failed: recompute, never offer it again
     expect_blocks: int = 0
     wait_until: float = 0.0    # a hand-off making no progress until then is given up on
@@ -168,7 +170,12 @@ class SchedulerRole:
         self.groups = groups
         # A finished request waits this long at most for slots to store its last blocks.
         self.store_wait_s = store_wait_s
-        self._backlog: set[str] = set()   # finished requests keeping blocks for their stores
+        # Finished requests keeping their blocks for their stores, in the order they finished
+        # (which is their backlog_until order); those with blocks still to plan, in that order;
+        # and those whose blocks all got planned since the last step (they leave the backlog).
+        self._backlog: dict[str, None] = {}
+        self._backlog_todo: OrderedDict[str, None] = OrderedDict()
+        self._backlog_planned: list[str] = []
         # Requests with blocks to plan, oldest first (deferred by the step budget, or waiting
         # for slots): request id -> when it first waited.
         self._replan: OrderedDict[str, float] = OrderedDict()
@@ -294,6 +301,8 @@ class SchedulerRole:
             self._reqs[request.request_id] = st
             params = request.kv_transfer_params or {}
             st.producer = self.kv_producer or bool(params.get("do_remote_decode"))
+            # A P/D hand-off stores every block as soon as it fills: the decode side streams.
+            st.store_run = 1 if st.producer else self._store_run
             if params.get("do_remote_prefill") and params.get("kvpool_tokens"):
                 # Whatever TP size the prefill ran (kvpool_tp): its ranks stored every head.
                 st.expect_blocks = int(params["kvpool_tokens"]) // self.block_tokens
@@ -391,9 +400,11 @@ class SchedulerRole:
                     st = self._reqs[rid]
                     if st.stream_end:       # the blocks of the hand-off still to come
                         start, end = st.stream_next, st.stream_end
+                    elif g.window_blocks is None:
+                        start, end = 0, st.target
                     else:
                         start, end = self._window_start(g, st.target), st.target
-                    lists.append(st.keys.keys(st.request, gi, end)[start:])
+                    lists.append(st.keys.range(st.request, gi, start, end))
                     spans.append((rid, start))
                 calls.append((self.client.lookup_start(g.namespace, lists, True), gi, spans,
                               lists))
@@ -745,11 +756,20 @@ class SchedulerRole:
         queue = self._replan
         now = time.monotonic()
         cached = so.scheduled_cached_reqs
-        for r in so.scheduled_new_reqs:
-            queue.setdefault(r.req_id, now)
-        for rid in compress(cached.req_ids, cached.new_block_ids):
-            queue.setdefault(rid, now)
-        if not queue and not self._backlog:
+        get, n_sched_of, bt = self._reqs.get, so.num_scheduled_tokens, self.block_tokens
+        # Only those with a run of blocks to store join (most decodes that got a new block
+        # have not gathered one yet); a rough test, _plan_request decides.
+        for rid in chain((r.req_id for r in so.scheduled_new_reqs),
+                         compress(cached.req_ids, cached.new_block_ids)):
+            st = get(rid)
+            if st is None:
+                continue
+            req = st.request
+            done = req.num_computed_tokens
+            if (done + n_sched_of.get(rid, 0)) // bt >= st.lo + (
+                    st.store_run if done >= req.num_prompt_tokens else 1):
+                queue.setdefault(rid, now)
+        if not queue and not self._backlog_todo:
             return []
         if not any(map(self.client.stock, self._namespaces)) \
                 and any(map(self.client.reserving, self._namespaces)):
@@ -764,16 +784,17 @@ class SchedulerRole:
         reqs = self._reqs
         stop_at = time.perf_counter() + STORE_PLAN_BUDGET_S
         overdue = now - STORE_DEFER_MAX_S
-        if self._backlog:
+        todo = self._backlog_todo
+        finished: list[_Req] = []
+        while todo:
             # Finished requests hold GPU blocks for these stores: they go first. Those the
             # budget leaves wait in the backlog (bounded by store_wait_s, see _end_backlog).
-            for rid in self._backlog:
-                st = reqs.get(rid)
-                if st is not None and st.lo < st.request.num_computed_tokens // self.block_tokens:
-                    self._plan_request(st, step, final=True)
-                    queue.pop(rid, None)
-                    if time.perf_counter() > stop_at:
-                        break
+            st = reqs.get(todo.popitem(last=False)[0])
+            if st is not None:
+                self._plan_request(st, step)
+                finished.append(st)
+            if time.perf_counter() > stop_at:
+                break
         while queue:
             rid, _ = queue.popitem(last=False)
             st = reqs.get(rid)
@@ -816,11 +837,15 @@ class SchedulerRole:
             self._inflight[gi].update(dict.fromkeys(all_keys, tid))
             self._block_ticket.update(dict.fromkeys(all_bids, tid))
             specs.append(StoreSpec(tid, gi, refs, all_bids, all_keys, grant))
+        for st in finished:
+            if st.request.request_id in todo:
+                continue            # cut short by the stock: planned again next step
+            self._backlog_planned.append(st.request.request_id)
         return specs
 
-    def _plan_request(self, st: _Req, step: "_StepPlan", final: bool = False) -> None:
+    def _plan_request(self, st: _Req, step: "_StepPlan") -> None:
         """Add ``st``'s newly full blocks to ``step.wanted`` (if they make a run of
-        ``STORE_RUN_TOKENS``, unless ``final``: the request has finished)."""
+        ``STORE_RUN_TOKENS``, or the request has finished)."""
         if not st.keys.cacheable or st.loading:
             return
         req = st.request
@@ -830,9 +855,9 @@ class SchedulerRole:
         if spec_tokens and rid in spec_tokens:
             done -= len(spec_tokens[rid])
         n_full = min(done, req.num_tokens) // self.block_tokens
-        if n_full <= st.lo or (n_full < st.lo + self._store_run and not final
-                               and not st.producer):
-            return
+        if n_full <= st.lo or (n_full < st.lo + st.store_run and not st.finished
+                               and req.num_computed_tokens >= req.num_prompt_tokens):
+            return      # a decode gathers a run first (see STORE_RUN_TOKENS)
         tables = step.tables
         for gi, g in enumerate(self.groups):
             lo = st.cursor[gi]
@@ -893,7 +918,10 @@ class SchedulerRole:
             if coming:
                 st.cursor[gi] = min(st.cursor[gi], index[n])
                 st.lo = min(st.cursor)
-                self._replan.setdefault(st.request.request_id, now)
+                if st.finished:
+                    self._backlog_todo[st.request.request_id] = None
+                else:
+                    self._replan.setdefault(st.request.request_id, now)
             else:
                 logger.debug("kvpool: no room in the pool for %d blocks; not stored",
                              len(keys) - n)
@@ -908,17 +936,24 @@ class SchedulerRole:
 
     def _end_backlog(self) -> None:
         """Finished requests whose blocks are all planned (or that waited long enough, or
-        whose daemon is gone) let vLLM free their blocks once their stores have landed."""
-        now = time.monotonic()
-        wait = self._daemon_ok() and any(map(self.client.reserving, self._namespaces))
-        bt = self.block_tokens
-        for rid in list(self._backlog):
+        whose daemon is gone) let vLLM free their blocks once their stores have landed.
+        Costs what changed, not the backlog's length: it runs every step."""
+        if not self._daemon_ok() or not any(map(self.client.reserving, self._namespaces)):
+            leaving = list(self._backlog)
+        else:
+            leaving, self._backlog_planned = self._backlog_planned, []
+            now = time.monotonic()
+            for rid in self._backlog:         # the oldest first: stop at one still in time
+                st = self._reqs.get(rid)
+                if st is not None and now < st.backlog_until:
+                    break
+                leaving.append(rid)
+        for rid in leaving:
+            if rid not in self._backlog:
+                continue        # (left already)
+            del self._backlog[rid]
+            self._backlog_todo.pop(rid, None)
             st = self._reqs.get(rid)
-            if st is not None and wait and now < st.backlog_until:
-                req = st.request      # (lo is min(cursor): see _has_unstored_blocks)
-                if st.lo < min(req.num_computed_tokens, req.num_tokens) // bt:
-                    continue
-            self._backlog.discard(rid)
             if st is not None and not st.tickets:
                 self._free_ready.append(rid)
                 self._forget(rid)
@@ -1020,7 +1055,8 @@ class SchedulerRole:
                 and any(self.client.reserving(g.namespace) for g in self.groups):
             # Full blocks wait for slots from the stock: keep them until they are stored.
             st.backlog_until = time.monotonic() + self.store_wait_s
-            self._backlog.add(request.request_id)
+            self._backlog[request.request_id] = None
+            self._backlog_todo[request.request_id] = None
             st.finishing = True
             return True, params
         if st.tickets:

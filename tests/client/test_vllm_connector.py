@@ -559,7 +559,7 @@ def test_decode_blocks_are_stored_in_runs_and_the_rest_when_the_request_ends(
         make_engine, info, async_scheduling):
     e = make_engine(async_scheduling=async_scheduling)
     role = e.connector.scheduler
-    assert role._store_run == 4          # STORE_RUN_TOKENS 64 / 16-token blocks
+    assert role._store_run == 8          # STORE_RUN_TOKENS 128 / 16-token blocks
     planned: list[int] = []
     plan = role._plan_stores
 
@@ -577,13 +577,14 @@ def test_decode_blocks_are_stored_in_runs_and_the_rest_when_the_request_ends(
         return answers[-1]
 
     role.request_finished = spy_finished
-    # 70 + 60 tokens: the prompt's 4 full blocks, then decode fills blocks 4..7 (one run of
-    # 4), then block 8 fills before the end: kept by vLLM until the backlog stored it.
-    e.add("a", prompt(70), max_tokens=76)
+    # 70 + 140 tokens: the prompt's 4 full blocks as the prefill fills them, then decode
+    # fills blocks 4..11 (one run of 8), then block 12 fills before the end: kept by vLLM
+    # until the backlog stored it.
+    e.add("a", prompt(70), max_tokens=140)
     e.run()
-    assert [n for n in planned if n] == [4, 4, 1], planned
+    assert [n for n in planned if n] == [4, 8, 1], planned
     assert answers == [(True, None)]
-    wait_for(lambda: info.info().stored_blocks == 9, 10, "all 9 blocks committed")
+    wait_for(lambda: info.info().stored_blocks == 13, 10, "all 13 blocks committed")
     e.assert_clean(info)
 
 
@@ -611,3 +612,21 @@ def test_remembered_keys_are_bounded_and_the_newest_kept(make_engine, info, monk
     newest = a.keys(_Req(prompt(70)), 0, 4)[3:] + b.keys(_Req(prompt(40, 5000)), 0, 2)
     assert list(role._committed[0]) == newest
     e.assert_clean(info)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_finished_requests_waiting_past_store_wait_free_their_blocks_unstored(
+        make_engine, info, monkeypatch, async_scheduling):
+    from kvpool.client import vllm_scheduler
+
+    monkeypatch.setattr(vllm_scheduler, "STORE_PLAN_BUDGET_S", 0.0)   # one request a step
+    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
+    role = e.connector.scheduler
+    role.store_wait_s = 0.0          # a finished request waits for no planning at all
+    for i in range(8):
+        e.add(f"s{i}", prompt(70, 1000 * (i + 1)), max_tokens=1)
+    e.run()
+    assert sorted(e.stats.finished) == [f"s{i}" for i in range(8)]
+    e.assert_clean(info)             # every block freed, nothing held in the backlog
+    stored = info.info().stored_blocks
+    assert 4 <= stored < 32, stored
