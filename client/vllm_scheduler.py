@@ -176,6 +176,11 @@ class SchedulerRole:
         self._backlog: dict[str, None] = {}
         self._backlog_todo: OrderedDict[str, None] = OrderedDict()
         self._backlog_planned: list[str] = []
+        # Full blocks of finished requests freed unstored: since the last (rate-limited)
+        # warning, and in all.
+        self._unstored_reqs = self._unstored_blocks = 0
+        self._unstored_logged_at = -1e9
+        self.unstored_total = 0
         # Requests with blocks to plan, oldest first (deferred by the step budget, or waiting
         # for slots): request id -> when it first waited.
         self._replan: OrderedDict[str, float] = OrderedDict()
@@ -954,9 +959,24 @@ class SchedulerRole:
             del self._backlog[rid]
             self._backlog_todo.pop(rid, None)
             st = self._reqs.get(rid)
+            if st is not None and st.keys.cacheable and self._has_unstored_blocks(st):
+                req = st.request
+                lost = min(req.num_computed_tokens, req.num_tokens) // self.block_tokens - st.lo
+                self._unstored_blocks += lost
+                self._unstored_reqs += 1
+                self.unstored_total += lost
             if st is not None and not st.tickets:
                 self._free_ready.append(rid)
                 self._forget(rid)
+
+        if self._unstored_reqs and time.monotonic() >= self._unstored_logged_at + 10.0:
+            # Visible, but at most every 10 s: under a long overload this holds every step.
+            logger.warning("kvpool: %d finished requests freed %d full blocks without storing "
+                           "them (they waited store_wait_s=%.1f s for slots or for planning "
+                           "time, or the daemon went away); those prefixes will miss",
+                           self._unstored_reqs, self._unstored_blocks, self.store_wait_s)
+            self._unstored_reqs = self._unstored_blocks = 0
+            self._unstored_logged_at = time.monotonic()
 
     # ---- completions ---------------------------------------------------------------------
 

@@ -607,7 +607,7 @@ def test_remembered_keys_are_bounded_and_the_newest_kept(make_engine, info, monk
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_finished_requests_waiting_past_store_wait_free_their_blocks_unstored(
-        make_engine, info, monkeypatch, async_scheduling):
+        make_engine, info, monkeypatch, caplog, async_scheduling):
     from kvpool.client import vllm_scheduler
 
     monkeypatch.setattr(vllm_scheduler, "STORE_PLAN_BUDGET_S", 0.0)   # one request a step
@@ -621,3 +621,6 @@ def test_finished_requests_waiting_past_store_wait_free_their_blocks_unstored(
     e.assert_clean(info)             # every block freed, nothing held in the backlog
     stored = info.info().stored_blocks
     assert 4 <= stored < 32, stored
+    # The loss is reported, with what was lost.
+    assert role.unstored_total == 32 - stored, (role.unstored_total, stored)
+    assert any("freed" in r.message and "without storing" in r.message for r in caplog.records)
