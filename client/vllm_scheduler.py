@@ -753,7 +753,7 @@ class SchedulerRole:
         the next block then, and the filled one's tokens are all known by then, also under
         async scheduling); a request that finishes with a full block not yet stored is taken
         in by the backlog (``request_finished``). They join a queue, which a step works
-        through up to ``STORE_UNITS_PER_STEP`` (see there); the backlog goes first and whole.
+        through for ``STORE_PLAN_BUDGET_S`` (see there), after the backlog's.
         The work per block is done by C-level list, set and dict operations over each
         request's run of new blocks."""
         if self.kv_cache_manager is None or not self._daemon_ok():
@@ -767,12 +767,8 @@ class SchedulerRole:
         for rid in chain((r.req_id for r in so.scheduled_new_reqs),
                          compress(cached.req_ids, cached.new_block_ids)):
             st = get(rid)
-            if st is None:
-                continue
-            req = st.request
-            done = req.num_computed_tokens
-            if (done + n_sched_of.get(rid, 0)) // bt >= st.lo + (
-                    st.store_run if done >= req.num_prompt_tokens else 1):
+            if st is not None and (st.request.num_computed_tokens + n_sched_of.get(rid, 0)) \
+                    // bt >= st.lo + self._run_blocks(st):
                 queue.setdefault(rid, now)
         if not queue and not self._backlog_todo:
             return []
@@ -788,26 +784,13 @@ class SchedulerRole:
                          [set() for _ in self.groups])
         reqs = self._reqs
         stop_at = time.perf_counter() + STORE_PLAN_BUDGET_S
-        overdue = now - STORE_DEFER_MAX_S
+        # Finished requests hold GPU blocks for these stores: they go first. Those the budget
+        # leaves wait in the backlog (bounded by store_wait_s, see _end_backlog).
         todo = self._backlog_todo
-        finished: list[_Req] = []
-        while todo:
-            # Finished requests hold GPU blocks for these stores: they go first. Those the
-            # budget leaves wait in the backlog (bounded by store_wait_s, see _end_backlog).
-            st = reqs.get(todo.popitem(last=False)[0])
-            if st is not None:
-                self._plan_request(st, step)
-                finished.append(st)
-            if time.perf_counter() > stop_at:
-                break
-        while queue:
-            rid, _ = queue.popitem(last=False)
-            st = reqs.get(rid)
-            if st is not None:
-                self._plan_request(st, step)
-            if time.perf_counter() > stop_at:
-                break
+        finished = self._plan_from(todo, step, stop_at)
+        self._plan_from(queue, step, stop_at)
         # The rest wait for the next step, in order, but for those waiting too long.
+        overdue = now - STORE_DEFER_MAX_S
         while queue:
             rid = next(iter(queue))
             if queue[rid] > overdue:
@@ -848,6 +831,28 @@ class SchedulerRole:
             self._backlog_planned.append(st.request.request_id)
         return specs
 
+    def _plan_from(self, fifo: OrderedDict, step: "_StepPlan", stop_at: float) -> list[_Req]:
+        """Plan the requests at the front of ``fifo`` (taking them out) until ``stop_at``, at
+        least one; returns those still known."""
+        planned: list[_Req] = []
+        while fifo:
+            st = self._reqs.get(fifo.popitem(last=False)[0])
+            if st is not None:
+                self._plan_request(st, step)
+                planned.append(st)
+            if time.perf_counter() > stop_at:
+                break
+        return planned
+
+    @staticmethod
+    def _run_blocks(st: _Req) -> int:
+        """New full blocks ``st`` gathers before they are planned: a decoding request's run
+        (see STORE_RUN_TOKENS); 1 for a prefill or a finished request."""
+        req = st.request
+        if st.finished or req.num_computed_tokens < req.num_prompt_tokens:
+            return 1
+        return st.store_run
+
     def _plan_request(self, st: _Req, step: "_StepPlan") -> None:
         """Add ``st``'s newly full blocks to ``step.wanted`` (if they make a run of
         ``STORE_RUN_TOKENS``, or the request has finished)."""
@@ -860,9 +865,8 @@ class SchedulerRole:
         if spec_tokens and rid in spec_tokens:
             done -= len(spec_tokens[rid])
         n_full = min(done, req.num_tokens) // self.block_tokens
-        if n_full <= st.lo or (n_full < st.lo + st.store_run and not st.finished
-                               and req.num_computed_tokens >= req.num_prompt_tokens):
-            return      # a decode gathers a run first (see STORE_RUN_TOKENS)
+        if n_full < st.lo + self._run_blocks(st):
+            return
         tables = step.tables
         for gi, g in enumerate(self.groups):
             lo = st.cursor[gi]
@@ -935,9 +939,13 @@ class SchedulerRole:
                 n = 0
         return out
 
-    def _has_unstored_blocks(self, st: _Req) -> bool:
+    def _full_blocks(self, st: _Req) -> int:
+        """Blocks of ``st`` whose tokens are all computed."""
         req = st.request
-        return min(st.cursor) < min(req.num_computed_tokens, req.num_tokens) // self.block_tokens
+        return min(req.num_computed_tokens, req.num_tokens) // self.block_tokens
+
+    def _has_unstored_blocks(self, st: _Req) -> bool:
+        return min(st.cursor) < self._full_blocks(st)
 
     def _end_backlog(self) -> None:
         """Finished requests whose blocks are all planned (or that waited long enough, or
@@ -960,8 +968,7 @@ class SchedulerRole:
             self._backlog_todo.pop(rid, None)
             st = self._reqs.get(rid)
             if st is not None and st.keys.cacheable and self._has_unstored_blocks(st):
-                req = st.request
-                lost = min(req.num_computed_tokens, req.num_tokens) // self.block_tokens - st.lo
+                lost = self._full_blocks(st) - st.lo
                 self._unstored_blocks += lost
                 self._unstored_reqs += 1
                 self.unstored_total += lost
@@ -1072,7 +1079,7 @@ class SchedulerRole:
         # A lookup reply that lands later finds the request gone and releases its leases.
         self._consume_lookup(st, keep_leases=False)
         if self._has_unstored_blocks(st) and self._daemon_ok() and st.keys.cacheable \
-                and any(self.client.reserving(g.namespace) for g in self.groups):
+                and any(map(self.client.reserving, self._namespaces)):
             # Full blocks wait for slots from the stock: keep them until they are stored.
             st.backlog_until = time.monotonic() + self.store_wait_s
             self._backlog[request.request_id] = None
@@ -1088,12 +1095,10 @@ class SchedulerRole:
     def _handoff_params(self, st: _Req) -> dict[str, Any]:
         """What a decode instance needs to take this prompt from the pool; shaped like the
         parameters vLLM's disaggregated-serving proxies pass from prefill to decode."""
-        req = st.request
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "remote_engine_id": self.engine_id, "remote_block_ids": None,
                 "remote_host": None, "remote_port": None,
-                "kvpool_tokens": min(req.num_computed_tokens, req.num_tokens) //
-                self.block_tokens * self.block_tokens,
+                "kvpool_tokens": self._full_blocks(st) * self.block_tokens,
                 "kvpool_tp": self.tp_size}
 
     def _forget(self, rid: str) -> None:

@@ -515,16 +515,13 @@ class Index:
         """
         slots = []
         bit = 1 << rank if mask is None else mask
-        get = self._slots.get
-        reserved = RESERVED
+        resolve = self._resolve
         for i, ref in enumerate(refs):
-            s = get(ref & 0xFFFF_FFFF)
+            s = resolve(ref)
             if s is None:
                 raise OutOfRange(f"slot ref {ref:#x} names no slot of this pool")
-            if s.ref != ref:
-                s = _STALE
             # (A WRITING slot's ``ns`` is its key's namespace: no slice of the key needed.)
-            if s.state == reserved and not s.doomed and s.ns == ns:
+            if s.state == RESERVED and not s.doomed and s.ns == ns:
                 if keys is None:
                     raise UnknownId(f"slot ref {ref:#x} is reserved, not bound to a key: a store "
                                     f"into a reserved slot must name its key")

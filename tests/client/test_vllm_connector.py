@@ -74,6 +74,19 @@ def spy_planned_blocks(role) -> list[int]:
     return planned
 
 
+def spy_finished_answers(role) -> list:
+    """What the scheduler role's request_finished answers vLLM (appended as requests end)."""
+    answers: list = []
+    finished = role.request_finished
+
+    def spy(request):
+        answers.append(finished(request))
+        return answers[-1]
+
+    role.request_finished = spy
+    return answers
+
+
 # ---- lifecycle ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
@@ -81,14 +94,7 @@ def test_lifecycle_stores_full_blocks_and_frees_after_they_land(make_engine, inf
                                                                  async_scheduling):
     e = make_engine(async_scheduling=async_scheduling, slow_stores=2)
     role = e.connector.scheduler
-    answers = []
-    original = role.request_finished
-
-    def spy(request):
-        answers.append(original(request))
-        return answers[-1]
-
-    role.request_finished = spy
+    answers = spy_finished_answers(role)
     e.add("a", prompt(70), max_tokens=12)          # 82 tokens → 5 full blocks
     e.run()
     # its last stores were still in flight: vLLM kept the blocks until they landed
@@ -560,14 +566,7 @@ def test_decode_blocks_are_stored_in_runs_and_the_rest_when_the_request_ends(
     role = e.connector.scheduler
     assert role._store_run == 8          # STORE_RUN_TOKENS 128 / 16-token blocks
     planned = spy_planned_blocks(role)
-    answers = []
-    finished = role.request_finished
-
-    def spy_finished(request):
-        answers.append(finished(request))
-        return answers[-1]
-
-    role.request_finished = spy_finished
+    answers = spy_finished_answers(role)
     # 70 + 140 tokens: the prompt's 4 full blocks as the prefill fills them, then decode
     # fills blocks 4..11 (one run of 8), then block 12 fills before the end: kept by vLLM
     # until the backlog stored it.
