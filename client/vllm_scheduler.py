@@ -68,7 +68,7 @@ _NOTHING: dict[bytes, None] = {}
 # the other requests wait a step (a step cannot prefill more than max_num_batched_tokens
 # anyway). A single request larger than the bound still goes whole. Stores are not bounded:
 # a block not planned in the step it fills may never be stored if the engine stops right after.
-LOOKUP_BLOCKS_PER_STEP = 1024
+LOOKUP_BLOCKS_PER_STEP = 512
 # Store planning per step is bounded too: a burst of prefills fills hundreds of blocks in one
 # step, and planning them all at once would add a millisecond to that step. A step plans
 # requests, in the order their blocks filled, until it has spent this much time on them (at
@@ -78,6 +78,13 @@ LOOKUP_BLOCKS_PER_STEP = 1024
 # lags by that much instead of without end.
 STORE_PLAN_BUDGET_S = 100e-6
 STORE_DEFER_MAX_S = 0.5
+# A long prompt's prefill chunk fills hundreds of blocks in one step (8192 tokens: 512 blocks
+# of 16): a request is planned in pieces of at most this many blocks, so the budget is checked
+# between pieces and the rest of its blocks wait at the front of the queue.
+STORE_PIECE_BLOCKS = 32
+# The planning budget ends early in a step whose lookups (answers taken in, next batch built)
+# already took time: it ends this long after build_connector_meta started, whichever is first.
+STORE_STEP_BUDGET_S = 150e-6
 # A decoding request's new blocks are planned once they add up to this many tokens: a decode
 # fills one block every block_size steps, so with 16-token blocks a ticket takes 8 of them
 # instead of 1, which cuts the per-request work of decode steps (hashing stays per block).
@@ -185,6 +192,7 @@ class SchedulerRole:
         # for slots): request id -> when it first waited.
         self._replan: OrderedDict[str, float] = OrderedDict()
         self._steps = 0                   # build_connector_meta calls so far
+        self._step_started = 0.0          # perf_counter at the current step's start
         self._polled = -1                 # the step whose answers were last taken in
         self.world_size = world_size
         self.kv_producer = kv_producer
@@ -679,6 +687,7 @@ class SchedulerRole:
         meta = StepMeta()
         if not self.enabled:
             return meta
+        self._step_started = time.perf_counter()
         self._pump()
         self._poll_lookups()
         if self._streams:
@@ -783,12 +792,13 @@ class SchedulerRole:
                          self._block_tables(), [[] for _ in self.groups],
                          [set() for _ in self.groups])
         reqs = self._reqs
-        stop_at = time.perf_counter() + STORE_PLAN_BUDGET_S
+        stop_at = min(time.perf_counter() + STORE_PLAN_BUDGET_S,
+                      self._step_started + STORE_STEP_BUDGET_S)
         # Finished requests hold GPU blocks for these stores: they go first. Those the budget
         # leaves wait in the backlog (bounded by store_wait_s, see _end_backlog).
         todo = self._backlog_todo
-        finished = self._plan_from(todo, step, stop_at)
-        self._plan_from(queue, step, stop_at)
+        finished = self._plan_from(todo, step, stop_at, True)
+        self._plan_from(queue, step, stop_at, not finished)
         # The rest wait for the next step, in order, but for those waiting too long.
         overdue = now - STORE_DEFER_MAX_S
         while queue:
@@ -797,8 +807,8 @@ class SchedulerRole:
                 break
             del queue[rid]
             st = reqs.get(rid)
-            if st is not None:
-                self._plan_request(st, step)
+            while st is not None and self._plan_request(st, step):
+                pass
         specs: list[StoreSpec] = []
         for gi, g in enumerate(self.groups):
             runs = step.wanted[gi]
@@ -831,33 +841,43 @@ class SchedulerRole:
             self._backlog_planned.append(st.request.request_id)
         return specs
 
-    def _plan_from(self, fifo: OrderedDict, step: "_StepPlan", stop_at: float) -> list[_Req]:
-        """Plan the requests at the front of ``fifo`` (taking them out) until ``stop_at``, at
-        least one; returns those still known."""
+    def _plan_from(self, fifo: OrderedDict, step: "_StepPlan", stop_at: float,
+                   one_at_least: bool) -> list[_Req]:
+        """Plan the requests at the front of ``fifo`` (taking them out) until ``stop_at``, a
+        piece (``STORE_PIECE_BLOCKS``) at a time, the first whatever the time if
+        ``one_at_least``; a request with blocks left after its piece stays at the front.
+        Returns those planned, still known."""
         planned: list[_Req] = []
         while fifo:
-            st = self._reqs.get(fifo.popitem(last=False)[0])
-            if st is not None:
-                self._plan_request(st, step)
-                planned.append(st)
-            if time.perf_counter() > stop_at:
+            if not one_at_least and time.perf_counter() > stop_at:
                 break
+            one_at_least = False
+            rid, since = fifo.popitem(last=False)
+            st = self._reqs.get(rid)
+            if st is not None:
+                if self._plan_request(st, step):
+                    fifo[rid] = since
+                    fifo.move_to_end(rid, last=False)
+                if not planned or planned[-1] is not st:
+                    planned.append(st)
         return planned
 
-    @staticmethod
-    def _run_blocks(st: _Req) -> int:
+    def _run_blocks(self, st: _Req) -> int:
         """New full blocks ``st`` gathers before they are planned: a decoding request's run
-        (see STORE_RUN_TOKENS); 1 for a prefill or a finished request."""
+        (see STORE_RUN_TOKENS); 1 for a prefill, prompt blocks left by a piece, or a finished
+        request."""
         req = st.request
-        if st.finished or req.num_computed_tokens < req.num_prompt_tokens:
+        if st.finished or req.num_computed_tokens < req.num_prompt_tokens \
+                or st.lo < req.num_prompt_tokens // self.block_tokens:
             return 1
         return st.store_run
 
-    def _plan_request(self, st: _Req, step: "_StepPlan") -> None:
+    def _plan_request(self, st: _Req, step: "_StepPlan") -> bool:
         """Add ``st``'s newly full blocks to ``step.wanted`` (if they make a run of
-        ``STORE_RUN_TOKENS``, or the request has finished)."""
+        ``STORE_RUN_TOKENS``, or the request has finished), at most ``STORE_PIECE_BLOCKS`` of
+        them; True if more are left to plan."""
         if not st.keys.cacheable or st.loading:
-            return
+            return False
         req = st.request
         rid = req.request_id
         done = req.num_computed_tokens + step.n_sched.get(rid, 0)
@@ -866,7 +886,10 @@ class SchedulerRole:
             done -= len(spec_tokens[rid])
         n_full = min(done, req.num_tokens) // self.block_tokens
         if n_full < st.lo + self._run_blocks(st):
-            return
+            return False
+        more = n_full > st.lo + STORE_PIECE_BLOCKS
+        if more:
+            n_full = st.lo + STORE_PIECE_BLOCKS
         tables = step.tables
         for gi, g in enumerate(self.groups):
             lo = st.cursor[gi]
@@ -901,6 +924,7 @@ class SchedulerRole:
             taken.update(keys)
             step.wanted[gi].append((st, index, keys, bids))
         st.lo = min(st.cursor)
+        return more
 
     def _block_tables(self) -> list[dict[str, list[Any]]] | None:
         """Per vLLM KV-cache group, the request -> blocks map of its manager, so a run of new

@@ -542,6 +542,30 @@ def test_a_burst_of_stores_is_planned_over_several_steps(
 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+@pytest.mark.parametrize("max_tokens", [1, 8], ids=["finish-at-once", "keep-running"])
+def test_a_long_prompt_is_planned_in_pieces_over_several_steps(
+        make_engine, info, monkeypatch, async_scheduling, max_tokens):
+    from kvpool.client import vllm_scheduler
+
+    # No time for planning: one piece of 3 blocks a step. One prefill fills 10 blocks.
+    monkeypatch.setattr(vllm_scheduler, "STORE_PLAN_BUDGET_S", 0.0)
+    monkeypatch.setattr(vllm_scheduler, "STORE_PIECE_BLOCKS", 3)
+    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
+    role = e.connector.scheduler
+    planned = spy_planned_blocks(role)
+    e.add("long", prompt(170), max_tokens=max_tokens)
+    e.run()
+    full = 10 if max_tokens == 1 else 11        # the 8 decoded tokens fill block 10
+    wait_for(lambda: info.info().stored_blocks == full, 10,
+             f"all {full} blocks committed (planned per step: {planned})")
+    # The prompt's pieces in consecutive steps, also once the request decodes (they are not
+    # held back as a decode run); block 10 then waits for the request's end.
+    steps = [n for n in planned if n]
+    assert steps == [3, 3, 3, 1] + [1] * (full - 10), planned
+    e.assert_clean(info)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_a_store_deferred_too_long_is_planned_whatever_the_budget(
         make_engine, info, monkeypatch, async_scheduling):
     from kvpool.client import vllm_scheduler
