@@ -270,7 +270,7 @@ class SchedulerClient:
         if not self._t.connect_nowait():
             raise DaemonUnavailable("still connecting to kvpoold")
         self._check_epoch()
-        return self._t.send(make)
+        return self._t.send_connected(make)
 
     def _check_epoch(self) -> None:
         """A new connection: what the earlier one was granted is gone with it."""

@@ -106,6 +106,12 @@ class Transport:
     def send(self, make: Callable[[int], p.Request]) -> int:
         """Send without waiting for the reply; returns the req_id."""
         self.ensure_connected()
+        return self.send_connected(make)
+
+    def send_connected(self, make: Callable[[int], p.Request]) -> int:
+        """``send`` for a caller that has just seen ``connect_nowait`` return True: the
+        connection's checks are not made twice (each reads the monitor socket, several us, and
+        the scheduler's step sends several requests)."""
         req_id = self.next_id()
         self._send(make(req_id))
         return req_id

@@ -193,6 +193,7 @@ class SchedulerRole:
         self._replan: OrderedDict[str, float] = OrderedDict()
         self._steps = 0                   # build_connector_meta calls so far
         self._step_started = 0.0          # perf_counter at the current step's start
+        self._pumped = False              # the last _pump found the daemon connected
         self._polled = -1                 # the step whose answers were last taken in
         self.world_size = world_size
         self.kv_producer = kv_producer
@@ -279,6 +280,7 @@ class SchedulerRole:
     def _pump(self) -> bool:
         """Connect (without waiting) and take in whatever the daemon has answered; False while
         the daemon cannot be used (down, backing off, or the connection still being made)."""
+        self._pumped = False
         if not self._daemon_ok():
             return False
         try:
@@ -291,6 +293,7 @@ class SchedulerRole:
         except KvpoolError as e:     # the daemon refused our Hello (another protocol version)
             self._daemon_failed(e)
             return False
+        self._pumped = True
         return True
 
     def _nowait(self, fn, *args) -> bool:
@@ -381,30 +384,17 @@ class SchedulerRole:
             return
         connected = False
         if self._daemon_ok():
-            try:
-                connected = self.client.ready()
-            except KvpoolError as e:
-                self._daemon_failed(e)
-            else:
-                if not connected:
-                    return          # connecting: the queued requests ask again next step
-        ids = [r for r in dict.fromkeys(self._queued)
-               if r in self._reqs and self._reqs[r].state == "queued"]
-        self._queued.clear()
+            connected = self._pumped    # (this step's _pump ran before: it asked ready())
+            if not connected:
+                return          # connecting: the queued requests ask again next step
+        if not connected:
+            self._resolve_miss([r for r in dict.fromkeys(self._queued)
+                                if r in self._reqs and self._reqs[r].state == "queued"])
+            self._queued.clear()
+            return
+        ids = self._take_queued()
         if not ids:
             return
-        if not connected:
-            self._resolve_miss(ids)
-            return
-        budget, n = LOOKUP_BLOCKS_PER_STEP, 0
-        for rid in ids:
-            if budget <= 0:
-                break
-            budget -= self._reqs[rid].target
-            n += 1
-        if n < len(ids):
-            self._queued = ids[n:]      # still "queued": asked for at the next step
-            ids = ids[:n]
         calls = []
         try:
             for gi, g in enumerate(self.groups):
@@ -430,6 +420,28 @@ class SchedulerRole:
             self._reqs[rid].state = "sent"
         self._inflight_calls = calls
         self._inflight_replies = [None] * len(calls)
+
+    def _take_queued(self) -> list[str]:
+        """The queued requests this step's lookups ask for, about ``LOOKUP_BLOCKS_PER_STEP``
+        blocks of them, in order; the rest stay queued for the next step. Costs the batch, not
+        the queue: a burst of hundreds of requests waits there over several steps."""
+        queued, reqs = self._queued, self._reqs
+        ids: list[str] = []
+        taken: set[str] = set()
+        budget, i = LOOKUP_BLOCKS_PER_STEP, 0
+        for i, rid in enumerate(queued):
+            if budget <= 0:
+                break
+            st = reqs.get(rid)
+            if st is None or st.state != "queued" or rid in taken:
+                continue        # (gone, answered meanwhile, or queued twice)
+            taken.add(rid)
+            ids.append(rid)
+            budget -= st.target
+        else:
+            i = len(queued)
+        self._queued = queued[i:]
+        return ids
 
     def _resolve_miss(self, ids: Iterable[str]) -> None:
         for rid in ids:
