@@ -194,6 +194,7 @@ class SchedulerRole:
         self._steps = 0                   # build_connector_meta calls so far
         self._step_started = 0.0          # perf_counter at the current step's start
         self._pumped = False              # the last _pump found the daemon connected
+        self._windowed = any(g.window_blocks is not None for g in groups)
         self._polled = -1                 # the step whose answers were last taken in
         self.world_size = world_size
         self.kv_producer = kv_producer
@@ -504,7 +505,7 @@ class SchedulerRole:
             for k, (rid, start) in enumerate(spans):
                 hit = reply.hits[k]
                 per_req.setdefault(rid, []).append(
-                    (start, hit, list(reply.slots[k]), reply.leases[k]))
+                    (start, hit, reply.slots[k], reply.leases[k]))
                 if known and hit < len(lists[k]):
                     # The first miss is news: a key we stored has been evicted since; it may
                     # be stored again.
@@ -523,7 +524,7 @@ class SchedulerRole:
             # (a window group may have made _combine shrink the target: the hand-off is the
             # whole prompt but its last token, whatever this round found)
             full = (st.request.num_tokens - 1) // self.block_tokens
-            want = min(st.expect_blocks, full)
+            want = min(st.expect_blocks, full) if st.expect_blocks else 0
             if want and (hit is None or hit < want) and time.monotonic() < st.wait_until:
                 if hit and self._can_stream:
                     # The producer's stores are landing: take the whole hand-off now, load
@@ -560,6 +561,8 @@ class SchedulerRole:
         window ending at the hit. Windows were asked for ending at ``target``: when the full
         groups hit less, the window moves, and one more round asks for the window there.
         """
+        if not self._windowed:
+            return min(a[1] for a in answers)
         full = [a[1] for g, a in zip(self.groups, answers) if g.window_blocks is None]
         hit = min(full) if full else st.target
         if hit == 0:
