@@ -497,16 +497,18 @@ class _Lane:
             self._mark(job, len(job.block_ids))
             job.launched = len(job.bounds) - 1
         else:
-            self._launch_chunks(job, chunks)
+            self._launch_chunks(job, chunks, inline)
         return True
 
-    def _launch_chunks(self, job: _Job, chunks: int | None = None) -> None:
+    def _launch_chunks(self, job: _Job, chunks: int | None = None,
+                       inline: bool = False) -> None:
         """Enqueue the next ``chunks`` (None: all remaining) chunks of a DMA job, an event
         after each: the GPU starts on the first chunk while this thread builds the next one's
         table, and the waiting thread can report each chunk as it lands. A failure after some
         chunks went out waits (on the host) for what was enqueued, then goes back through the
         waiting thread with the chunks that did land, so no slot is dropped or reused while a
-        copy into it may still run."""
+        copy into it may still run. (Not on the event loop's thread, ``inline``: there only a
+        first chunk goes out, and a failure in it leaves no chunk to report.)"""
         bounds = job.bounds
         last = len(bounds) - 1
         end = last if chunks is None else min(last, job.launched + chunks)
@@ -516,7 +518,8 @@ class _Lane:
                 self._enqueue_dma(job, job.block_ids[lo:hi], job.shard_offsets[lo:hi])
                 self._mark(job, hi)
             except Exception as e:  # noqa: BLE001 - reported through the future
-                self._drain_streams()
+                if not inline:
+                    self._drain_streams()
                 if not job.marks:
                     raise
                 job.error = e
