@@ -175,18 +175,21 @@ def test_killed_worker_releases_gpu_memory(engine, pool):
         probe.close()
 
 
-@pytest.mark.parametrize("nblocks,inline", [(1, True), (1, False), (48, False)])
-def test_a_store_copies_only_after_the_workers_pending_kernels(engine, pool, nblocks, inline):
+@pytest.mark.parametrize("nblocks,inline,chunk", [(1, True, 128), (1, False, 128),
+                                                 (48, False, 128), (48, False, 16)])
+def test_a_store_copies_only_after_the_workers_pending_kernels(engine, pool, nblocks, inline,
+                                                               chunk):
     """The daemon polls the worker's event on the host rather than waiting on it on the GPU: a
     store sent while the step's kernels still run copies what they wrote, not what was there
-    before (and a job small enough to launch on the caller's thread leaves the wait to the
-    lane's thread)."""
+    before (and a job small enough to launch on the caller's thread, or a big one's first
+    chunk, leaves the wait to the lane's thread)."""
     w = Worker(0, "per_layer", NUM_BLOCKS)
     inline_before = engine.inline_max_ops
     try:
         reg = w.register_request()
         m = engine.attach(reg)
         engine.inline_max_ops = 1 << 20 if inline else 0
+        engine.chunk_blocks = chunk
         w.call("fill", 1)
         blocks = np.arange(nblocks)
         offs = _shard_offsets(reg, np.arange(nblocks) + 3)
@@ -200,6 +203,7 @@ def test_a_store_copies_only_after_the_workers_pending_kernels(engine, pool, nbl
         engine.detach(m, wait_s=10)
     finally:
         engine.inline_max_ops = inline_before
+        engine.chunk_blocks = 128
         w.close()
 
 
