@@ -152,7 +152,11 @@ def breakdown(trace: dict, client: dict, kind: str) -> dict[str, float]:
 
 
 def big_jobs(trace: dict, owner: int, min_blocks: int) -> dict[str, float]:
-    """Median launch (CPU enqueue) and copy ms of the ``owner``'s jobs of >= ``min_blocks``."""
+    """Median hops (ms) of the ``owner``'s jobs of >= ``min_blocks``. A big job is launched in
+    chunks (``CHUNK_BLOCKS``), its first one possibly on the event loop's thread inside the
+    dispatch: ``launch`` ends when the first chunk is enqueued (the GPU has work), ``copy``
+    runs from there to the last chunk's event; ``to_copy`` (request received -> first chunk
+    enqueued) and ``after_copy`` (last copy done -> reply sent) are the parts no copy hides."""
     out = {}
     for kind in ("store", "load"):
         r = [t for (o, _), t in trace.items() if o == owner and t[0] == kind
@@ -164,6 +168,8 @@ def big_jobs(trace: dict, owner: int, min_blocks: int) -> dict[str, float]:
             out[f"{kind}_reply_ms"] = med([t[8] - t[7] for t in r])
             out[f"{kind}_launch_ms"] = round(float(np.median([t[5] - t[4] for t in r])) / 1e6, 2)
             out[f"{kind}_copy_ms"] = round(float(np.median([t[6] - t[5] for t in r])) / 1e6, 2)
+            out[f"{kind}_to_copy_ms"] = med([t[5] - t[2] for t in r])
+            out[f"{kind}_after_copy_ms"] = med([t[8] - t[6] for t in r])
             out[f"{kind}_jobs"] = len(r)
     return out
 

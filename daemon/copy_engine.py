@@ -14,14 +14,21 @@ Contract for every engine:
 - One batched operation per job (one kernel launch, one batched DMA call, or one vectorised host
   copy per run of equal-sized segments): never a Python call per block or per layer.
 - ``detach`` waits for that registration's jobs, then releases its mappings (and GPU memory).
+- A big job runs as chunks of at most ``CHUNK_BLOCKS`` items, so the first chunk's copy starts
+  after a small launch. A store's ``progress(n)``, when given, is called from the engine's thread
+  each time the first ``n`` items (in the order given) have landed, before the future resolves;
+  never for the last chunk (the future says that) and never for items that did not land. The
+  server commits those slots while the rest is still copying, so that after the last copy only
+  the last chunk's bookkeeping stands between the copy and the reply.
 """
 
 from __future__ import annotations
 
 import abc
+import os
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -29,6 +36,29 @@ from kvpool.shared.protocol import RegisterRequest
 
 if TYPE_CHECKING:
     from kvpool.daemon.peer import Peer
+
+
+# Items per chunk of a big job: 128 blocks of 2 MiB are ~5 ms of PCIe copy, long enough to hide
+# the next chunk's launch and the previous chunk's commit (~60 us each at this size), while a
+# 1024-block job still takes only 8 chunk events. KVPOOL_CHUNK_BLOCKS overrides it (0: no chunks).
+CHUNK_BLOCKS = 128
+
+# Told how many leading items of a job have landed (see the module docstring).
+Progress = Callable[[int], None]
+
+
+def chunk_bounds(n: int, chunk: int) -> list[int]:
+    """Item bounds [0, ..., n] of a job of ``n`` items cut into near-equal chunks of at most
+    ``chunk`` (one chunk when ``chunk`` <= 0 or the job is no bigger)."""
+    if chunk <= 0 or n <= chunk:
+        return [0, n]
+    k = -(-n // chunk)
+    return [n * i // k for i in range(k + 1)]
+
+
+def chunk_blocks_setting(default: int = CHUNK_BLOCKS) -> int:
+    """Items per chunk: ``KVPOOL_CHUNK_BLOCKS`` (benchmarks' A/B runs), else ``default``."""
+    return int(os.environ.get("KVPOOL_CHUNK_BLOCKS", default))
 
 
 @dataclass(frozen=True)
@@ -66,7 +96,8 @@ class CopyEngine(abc.ABC):
 
     @abc.abstractmethod
     def submit_store(self, mapped: Mapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
-                     wait_event: bytes = b"") -> Future[JobResult]: ...
+                     wait_event: bytes = b"", progress: Progress | None = None
+                     ) -> Future[JobResult]: ...
 
     @abc.abstractmethod
     def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray,

@@ -5,7 +5,9 @@ waiting thread, so a long store never delays a load's completion. Owns the pool'
 registration (``cuda.HostRegistration``, started at construction, background) and each
 registration's IPC mappings, reference-counted by handle.
 
-Per job, exactly one batched operation runs on the lane's stream, chosen per job:
+Per job (per chunk of a big job: ``CHUNK_BLOCKS``, one event after each, so the first chunk copies
+while the next is enqueued and each chunk's slots can commit as it lands), exactly one batched
+operation runs on the lane's stream, chosen per job:
 
 - ``dma``: one ``cuMemcpyBatchAsync`` over the job's chunk table: copy engines only, no SMs, so
   the model runs at full speed beside it. Best for large chunks (block-outermost layouts).
@@ -52,13 +54,14 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from kvpool.daemon import cuda
-from kvpool.daemon.copy_engine import (CopyEngine, JobResult, Mapped, part_span,
+from kvpool.daemon.copy_engine import (CHUNK_BLOCKS, CopyEngine, JobResult, Mapped, Progress,
+                                       chunk_blocks_setting, chunk_bounds, part_span,
                                        segment_address_table)
 from kvpool.shared.errors import (Aborted, InternalError, KvpoolError, LayoutMismatch,
                                   OutOfRange, UnknownId)
@@ -314,10 +317,17 @@ class _Job:
     wait_event: bytes
     future: Future
     nbytes: int = 0
-    event: int = 0               # completion event (recorded after the copy)
+    # (event recorded after a chunk's copies, items up to its end), in launch order: the last
+    # one is the job's completion
+    marks: list[tuple[int, int]] = field(default_factory=list)
     staging: Any = None
     backend: str = ""
-    trace: list[int] | None = None   # monotonic ns: submitted, launch start, launched, done
+    # monotonic ns: submitted, launch start, first chunk launched, done
+    trace: list[int] | None = None
+    progress: Progress | None = None
+    error: BaseException | None = None   # a launch that failed after some chunks went out
+    bounds: list[int] = field(default_factory=list)   # item bounds of its chunks
+    launched: int = 0                    # chunks enqueued so far
 
 
 class _Lane:
@@ -354,24 +364,36 @@ class _Lane:
     # -- launching (caller's thread for small jobs, else the submit thread) --
 
     def submit(self, job: _Job) -> None:
+        """Launch ``job`` now on the caller's thread where that saves a thread hop and the
+        lane is idle: a small job whole, a big one's first chunk (the GPU starts on it while
+        the submit thread, which takes the job next, enqueues the rest); else queue it."""
         eng = self.engine
+        job.bounds = chunk_bounds(len(job.block_ids), eng.chunk_blocks)
         small = len(job.block_ids) * len(job.mapped.seg_dev) <= eng.inline_max_ops
-        if small and self.launch_lock.acquire(blocking=False):
+        first = eng.inline_first_chunk and len(job.bounds) > 2
+        if (small or first) and self.launch_lock.acquire(blocking=False):
             try:
                 with self.qlock:
                     idle = self.queued == 0
                 if idle:
                     try:
                         cuda.use_device(self.gpu.ordinal)
-                        launched = self._launch(job, inline=True)
+                        launched = self._launch(job, inline=True, chunks=None if small else 1)
                     except Exception as e:  # noqa: BLE001 - failures go back through the future
                         eng._finish(job, e)
                         return
-                    if launched:
+                    if launched and job.launched == len(job.bounds) - 1:
                         self.waits.put(job)
+                        return
+                    if launched:
+                        # Queued before the lock goes: no later job overtakes its other chunks.
+                        self._queue(job)
                         return
             finally:
                 self.launch_lock.release()
+        self._queue(job)
+
+    def _queue(self, job: _Job) -> None:
         with self.qlock:
             self.queued += 1
         self.jobs.put(job)
@@ -387,7 +409,10 @@ class _Lane:
                 return
             with self.launch_lock:
                 try:
-                    self._launch(job)
+                    if job.launched:         # its first chunk went out on the caller's thread
+                        self._launch_chunks(job)
+                    else:
+                        self._launch(job)
                 except Exception as e:  # noqa: BLE001 - every failure goes back through the future
                     self.engine._finish(job, e)
                 else:
@@ -432,11 +457,12 @@ class _Lane:
                 break
         return self.free_events.pop() if self.free_events else cuda.event_create()
 
-    def _launch(self, job: _Job, inline: bool = False) -> bool:
-        """Enqueue the job's copies and its completion event on the lane's stream; the caller
-        holds ``launch_lock``. ``inline`` (the event loop's thread) must not block: it returns
-        False, having done nothing, for a job that needs something that could (a pool piece
-        still being registered, the kernel path's first compile, the pitched-copy check)."""
+    def _launch(self, job: _Job, inline: bool = False, chunks: int | None = None) -> bool:
+        """Enqueue the job's copies (its first ``chunks`` chunks; None: all) and their
+        events on the lane's stream; the caller holds ``launch_lock``. ``inline`` (the event
+        loop's thread) must not block: it returns False, having done nothing, for a job that
+        needs something that could (a pool piece still being registered, the kernel path's
+        first compile, the pitched-copy check, a worker's event not complete yet)."""
         m = job.mapped
         eng = self.engine
         shard_end = eng.pool_base + int(job.shard_offsets.max()) + m.part_hi
@@ -454,6 +480,7 @@ class _Lane:
                 eng.pitched is None or (len(m.plan) < len(m.plan_2d) and eng.pitched_3d is None)))):
             return False
         if job.trace is not None:
+            del job.trace[1:]     # an inline try that gave up stamped it already
             job.trace.append(time.monotonic_ns())
         if job.wait_event:
             ev = eng._open_event(m, job.wait_event)
@@ -467,46 +494,94 @@ class _Lane:
         job.backend = backend
         if backend == "kernel":
             self._launch_kernel(job)
+            self._mark(job, len(job.block_ids))
+            job.launched = len(job.bounds) - 1
         else:
-            split = reg is not None and len(reg.registered) > 1
-            blocks, shards = job.block_ids, job.shard_offsets
-            if m.pitched_ok and eng.pitched:
-                # Shards that straddle two registered pieces of the pool (a few per GiB) go
-                # as 1D chunks, split at the boundary; every other one as pitched runs.
-                cross = (split_items(shards + m.part_lo, m.part_hi - m.part_lo,
-                                     reg.piece_bytes) if split else None)
-                keep = slice(None) if cross is None else ~cross
-                plan = m.plan if eng.pitched_3d else m.plan_2d
-                gpu, gpitch, glayer, host, hpitch, hlayer, width, rows, depth = pitched_table(
-                    plan, blocks[keep], shards[keep], eng.pool_base)
-                if job.to_pool:
-                    ops = cuda.pitched_ops(host, hpitch, gpu, gpitch, width, rows, depth,
-                                           dst_layer=hlayer, src_layer=glayer)
-                else:
-                    ops = cuda.pitched_ops(gpu, gpitch, host, hpitch, width, rows, depth,
-                                           dst_layer=glayer, src_layer=hlayer)
-                job.backend = "dma2d"
-                self._spread(len(ops), eng.dma_2d_batch_ops,
-                             lambda a, b, st: cuda.memcpy_2d_batch_async(ops[a:b], st))
-                if cross is None or not cross.any():
-                    blocks = blocks[:0]
-                else:
-                    blocks, shards = blocks[cross], shards[cross]
-            if len(blocks):
-                gpu, host, size = chunk_table(m.seg_dev, m.seg_stride, m.seg_bytes,
-                                              m.seg_prefix, blocks, shards, eng.pool_base)
-                if split:
-                    gpu, host, size = split_at_boundaries(gpu, host, size, eng.pool_base,
-                                                          reg.piece_bytes)
-                dst, src = (host, gpu) if job.to_pool else (gpu, host)
-                self._spread(len(size), eng.dma_batch_copies,
-                             lambda a, b, st: cuda.memcpy_batch_async(dst[a:b], src[a:b],
-                                                                      size[a:b], st))
-        job.event = self._event()
-        cuda.event_record(job.event, self.stream)
-        if job.trace is not None:
-            job.trace.append(time.monotonic_ns())
+            self._launch_chunks(job, chunks, inline)
         return True
+
+    def _launch_chunks(self, job: _Job, chunks: int | None = None,
+                       inline: bool = False) -> None:
+        """Enqueue the next ``chunks`` (None: all remaining) chunks of a DMA job, an event
+        after each: the GPU starts on the first chunk while this thread builds the next one's
+        table, and the waiting thread can report each chunk as it lands. A failure after some
+        chunks went out waits (on the host) for what was enqueued, then goes back through the
+        waiting thread with the chunks that did land, so no slot is dropped or reused while a
+        copy into it may still run. (Not on the event loop's thread, ``inline``: there only a
+        first chunk goes out, and a failure in it leaves no chunk to report.)"""
+        bounds = job.bounds
+        last = len(bounds) - 1
+        end = last if chunks is None else min(last, job.launched + chunks)
+        while job.launched < end:
+            lo, hi = bounds[job.launched], bounds[job.launched + 1]
+            try:
+                self._enqueue_dma(job, job.block_ids[lo:hi], job.shard_offsets[lo:hi])
+                self._mark(job, hi)
+            except Exception as e:  # noqa: BLE001 - reported through the future
+                if not inline:
+                    self._drain_streams()
+                if not job.marks:
+                    raise
+                job.error = e
+                job.launched = last
+                return
+            job.launched += 1
+
+    def _mark(self, job: _Job, end: int) -> None:
+        """Record the event that says items [0, ``end``) of ``job`` have landed."""
+        ev = self._event()
+        cuda.event_record(ev, self.stream)
+        job.marks.append((ev, end))
+        if job.trace is not None and len(job.marks) == 1:
+            job.trace.append(time.monotonic_ns())
+
+    def _drain_streams(self) -> None:
+        """Wait until nothing is in flight on this lane's streams (a failed launch)."""
+        for st in [self.stream] + [s for s, _ in self.aux]:
+            try:
+                cuda.stream_synchronize(st)
+            except Exception:  # noqa: BLE001 - the launch's own error is the one reported
+                pass
+
+    def _enqueue_dma(self, job: _Job, blocks: np.ndarray, shards: np.ndarray) -> None:
+        """One chunk's batched DMA: pitched runs where the registration has them, 1D copies
+        for the rest."""
+        m = job.mapped
+        eng = self.engine
+        reg = eng.registration
+        split = reg is not None and len(reg.registered) > 1
+        if m.pitched_ok and eng.pitched:
+            # Shards that straddle two registered pieces of the pool (a few per GiB) go
+            # as 1D chunks, split at the boundary; every other one as pitched runs.
+            cross = (split_items(shards + m.part_lo, m.part_hi - m.part_lo,
+                                 reg.piece_bytes) if split else None)
+            keep = slice(None) if cross is None else ~cross
+            plan = m.plan if eng.pitched_3d else m.plan_2d
+            gpu, gpitch, glayer, host, hpitch, hlayer, width, rows, depth = pitched_table(
+                plan, blocks[keep], shards[keep], eng.pool_base)
+            if job.to_pool:
+                ops = cuda.pitched_ops(host, hpitch, gpu, gpitch, width, rows, depth,
+                                       dst_layer=hlayer, src_layer=glayer)
+            else:
+                ops = cuda.pitched_ops(gpu, gpitch, host, hpitch, width, rows, depth,
+                                       dst_layer=glayer, src_layer=hlayer)
+            job.backend = "dma2d"
+            self._spread(len(ops), eng.dma_2d_batch_ops,
+                         lambda a, b, st: cuda.memcpy_2d_batch_async(ops[a:b], st))
+            if cross is None or not cross.any():
+                blocks = blocks[:0]
+            else:
+                blocks, shards = blocks[cross], shards[cross]
+        if len(blocks):
+            gpu, host, size = chunk_table(m.seg_dev, m.seg_stride, m.seg_bytes,
+                                          m.seg_prefix, blocks, shards, eng.pool_base)
+            if split:
+                gpu, host, size = split_at_boundaries(gpu, host, size, eng.pool_base,
+                                                      reg.piece_bytes)
+            dst, src = (host, gpu) if job.to_pool else (gpu, host)
+            self._spread(len(size), eng.dma_batch_copies,
+                         lambda a, b, st: cuda.memcpy_batch_async(dst[a:b], src[a:b],
+                                                                  size[a:b], st))
 
     def _await_worker(self, m: CudaMapped, ev: int) -> None:
         """Poll the worker's store event from this thread until its step's kernels are done
@@ -608,15 +683,31 @@ class _Lane:
             job = self.waits.get()
             if job is None:
                 return
-            err: BaseException | None = None
-            try:
-                cuda.event_synchronize(job.event)
-            except Exception as e:  # noqa: BLE001
-                err = e
+            err = self._await_marks(job)
             if job.trace is not None:
                 job.trace.append(time.monotonic_ns())
-            self.recycled.put(job.event)
-            self.engine._finish(job, err)
+            for ev, _ in job.marks:
+                self.recycled.put(ev)
+            self.engine._finish(job, err or job.error)
+
+    @staticmethod
+    def _await_marks(job: _Job) -> BaseException | None:
+        """Wait for each chunk of ``job`` in turn, telling its ``progress`` of every one but
+        the last; after a failed chunk, only wait for the rest (none of it is reported)."""
+        err: BaseException | None = None
+        n = len(job.block_ids)
+        for ev, end in job.marks:
+            try:
+                cuda.event_synchronize(ev)
+            except Exception as e:  # noqa: BLE001
+                err = err or e
+                continue
+            if err is None and job.progress is not None and end < n:
+                try:
+                    job.progress(end)
+                except Exception:  # noqa: BLE001 - the job's own outcome still goes out
+                    log.exception("kvpool: a job's progress callback failed")
+        return err
 
 
 class _Ptr:
@@ -659,7 +750,8 @@ class CudaCopyEngine(CopyEngine):
                  dma_streams: int = 4, register_pool: bool = True,
                  register_piece_bytes: int = 1 << 30, kernel_words: int = 4096,
                  kernel_warps: int = 16, dma_2d: bool | None = None,
-                 dma_2d_batch_ops: int = 256, inline_max_ops: int = 0) -> None:
+                 dma_2d_batch_ops: int = 256, inline_max_ops: int = 0,
+                 chunk_blocks: int = CHUNK_BLOCKS) -> None:
         # Benchmark and debugging knobs from the environment (A/B runs of one daemon build).
         env = os.environ
         backend = env.get("KVPOOL_CUDA_BACKEND", backend)   # type: ignore[assignment]
@@ -687,6 +779,12 @@ class CudaCopyEngine(CopyEngine):
             self.pitched_3d = False
         self.dma_2d_batch_ops = dma_2d_batch_ops
         self.inline_max_ops = int(env.get("KVPOOL_CUDA_INLINE_OPS", inline_max_ops))
+        self.chunk_blocks = chunk_blocks_setting(chunk_blocks)
+        # A big job's first chunk launched on the event loop's thread when its lane is idle:
+        # the copy then starts without waiting for the submit thread to be scheduled (H100
+        # run 17: 0.5 ms from submit to launch start for a 2 GiB store).
+        self.inline_first_chunk = env.get("KVPOOL_CUDA_INLINE_FIRST", "1") not in ("0", "off",
+                                                                                  "false")
         self.trace = bool(env.get("KVPOOL_TRACE"))
         # "gpu": the old wait (cuStreamWaitEvent on the worker's event) for A/B runs
         self.store_wait = env.get("KVPOOL_CUDA_STORE_WAIT", "host")
@@ -842,15 +940,17 @@ class CudaCopyEngine(CopyEngine):
     # -- jobs --
 
     def submit_store(self, mapped: Mapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
-                     wait_event: bytes = b"") -> Future[JobResult]:
-        return self._submit(mapped, True, block_ids, shard_offsets, wait_event)
+                     wait_event: bytes = b"", progress: Progress | None = None
+                     ) -> Future[JobResult]:
+        return self._submit(mapped, True, block_ids, shard_offsets, wait_event, progress)
 
     def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray,
                     block_ids: np.ndarray) -> Future[JobResult]:
         return self._submit(mapped, False, block_ids, shard_offsets, b"")
 
     def _submit(self, mapped: Mapped, to_pool: bool, block_ids: np.ndarray,
-                shard_offsets: np.ndarray, wait_event: bytes) -> Future[JobResult]:
+                shard_offsets: np.ndarray, wait_event: bytes,
+                progress: Progress | None = None) -> Future[JobResult]:
         assert isinstance(mapped, CudaMapped)
         fut: Future[JobResult] = Future()
         if self._closed:
@@ -867,7 +967,7 @@ class CudaCopyEngine(CopyEngine):
             fut.set_exception(e)
             return fut
         nbytes = len(blocks) * mapped.registration.layout.shard_bytes
-        job = _Job(mapped, to_pool, blocks, shards, wait_event, fut, nbytes)
+        job = _Job(mapped, to_pool, blocks, shards, wait_event, fut, nbytes, progress=progress)
         if self.trace:
             job.trace = [time.monotonic_ns()]
         if len(blocks) == 0:

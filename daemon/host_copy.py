@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import posix_ipc
 
-from kvpool.daemon.copy_engine import CopyEngine, JobResult, Mapped, segment_address_table
+from kvpool.daemon.copy_engine import (CopyEngine, JobResult, Mapped, Progress, chunk_blocks_setting,
+                                       chunk_bounds, segment_address_table)
 from kvpool.daemon.peer import Peer, check_may_open
 from kvpool.daemon.pool import Pool
 from kvpool.shared.errors import Aborted, LayoutMismatch, ProtocolError, TooLarge, UnknownId
@@ -118,6 +119,7 @@ class HostCopyEngine(CopyEngine):
         # copy done, done) as ``Future.kvpool_trace``, as the CUDA engine's do.
         self.trace = bool(os.environ.get("KVPOOL_TRACE"))
         self.inline_bytes = int(os.environ.get("KVPOOL_HOST_INLINE_BYTES", inline_bytes))
+        self.chunk_blocks = chunk_blocks_setting()
 
     def start(self) -> None:
         # Not a daemon thread: interpreter exit waits for it rather than freeze it inside the
@@ -176,8 +178,9 @@ class HostCopyEngine(CopyEngine):
                 log.warning("host region still referenced at detach")
 
     def submit_store(self, mapped: Mapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
-                     wait_event: bytes = b"") -> Future[JobResult]:
-        return self._submit(mapped, block_ids, shard_offsets, to_pool=True)
+                     wait_event: bytes = b"", progress: Progress | None = None
+                     ) -> Future[JobResult]:
+        return self._submit(mapped, block_ids, shard_offsets, to_pool=True, progress=progress)
 
     def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray,
                     block_ids: np.ndarray) -> Future[JobResult]:
@@ -201,7 +204,7 @@ class HostCopyEngine(CopyEngine):
     # ---- internals -------------------------------------------------------------------------
 
     def _submit(self, mapped: Mapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
-                to_pool: bool) -> Future[JobResult]:
+                to_pool: bool, progress: Progress | None = None) -> Future[JobResult]:
         assert isinstance(mapped, HostMapped)
         if self._closed:
             f: Future[JobResult] = Future()
@@ -212,10 +215,11 @@ class HostCopyEngine(CopyEngine):
                 and (mapped.last is None or mapped.last.done())):
             return self._inline(stamps, mapped, block_ids, shard_offsets, to_pool)
         if stamps is None:
-            fut = mapped.executor.submit(self._copy, mapped, block_ids, shard_offsets, to_pool)
+            fut = mapped.executor.submit(self._copy_job, mapped, block_ids, shard_offsets,
+                                         to_pool, progress)
         else:
             fut = mapped.executor.submit(self._traced, stamps, mapped, block_ids, shard_offsets,
-                                         to_pool)
+                                         to_pool, progress)
             fut.kvpool_trace = stamps  # type: ignore[attr-defined]
         mapped.last = fut
         return fut
@@ -230,7 +234,7 @@ class HostCopyEngine(CopyEngine):
             else:
                 fut.kvpool_trace = stamps  # type: ignore[attr-defined]
                 fut.set_result(self._traced(stamps, mapped, block_ids, shard_offsets, to_pool,
-                                            False))
+                                            None, False))
         except Exception as e:  # noqa: BLE001 - as the thread path: failures go in the future
             fut.set_exception(e)
         return fut
@@ -238,10 +242,24 @@ class HostCopyEngine(CopyEngine):
     def _traced(self, stamps: list[int], *args) -> JobResult:
         stamps.append(time.monotonic_ns())
         try:
-            return self._copy(*args)
+            return self._copy_job(*args)
         finally:
             stamps.append(time.monotonic_ns())
             stamps.append(stamps[-1])
+
+    def _copy_job(self, mapped: HostMapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
+                  to_pool: bool, progress: Progress | None = None,
+                  fan_out: bool = True) -> JobResult:
+        """A job, in chunks when a store wants to hear of them (``progress``): each chunk's
+        slots can then be committed on the loop while this thread copies the next one."""
+        bounds = chunk_bounds(len(block_ids), self.chunk_blocks if progress is not None else 0)
+        total = 0
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            total += self._copy(mapped, block_ids[lo:hi], shard_offsets[lo:hi], to_pool,
+                                fan_out).nbytes
+            if progress is not None and hi < len(block_ids):
+                progress(hi)
+        return JobResult(total)
 
     def _copy(self, mapped: HostMapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
               to_pool: bool, fan_out: bool = True) -> JobResult:

@@ -488,17 +488,20 @@ class Server:
             self.telemetry.error(e.code)
             return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
         offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
+        landing = _Landing(slots) if is_store else None
         if is_store and msg.keys:
             # Duplicates (keys someone else holds) are bound but written by nobody.
             keep = np.fromiter((not s.void for s in slots), bool, len(slots))
             if not keep.all():
                 blocks, offsets = blocks[keep], offsets[keep]
+                landing = _Landing(slots, keep)
         try:
             if is_store and not len(blocks):
                 fut: Future[JobResult] = Future()
                 fut.set_result(JobResult(0))
             elif is_store:
-                fut = reg.engine.submit_store(reg.mapped, blocks, offsets, msg.wait_event)
+                fut = reg.engine.submit_store(reg.mapped, blocks, offsets, msg.wait_event,
+                                              self._progress(reg, landing))
             else:
                 fills = self.tiering.pending(slots) if self.tiering is not None else []
                 if fills:
@@ -507,7 +510,7 @@ class Server:
                 else:
                     fut = reg.engine.submit_load(reg.mapped, offsets, blocks)
         except KvpoolError as e:
-            self._end_job(reg, slots, is_store, ok=False)
+            self._end_job(reg, slots, is_store, ok=False, landing=landing)
             self.errors += 1
             self.telemetry.error(e.code)
             self.telemetry.job_done(is_store, 0, started, len(slots), ok=False)
@@ -518,7 +521,8 @@ class Server:
         if fut.done():
             # Done already (a small host copy run inline, an empty store, a refusal): the
             # JobDone goes out now, in this dispatch, with no loop turn and no wake-up.
-            self._job_done(None, owner, reg, slots, is_store, msg, fut, started, t_recv, t_sub)
+            self._job_done(None, owner, reg, slots, is_store, msg, fut, started, t_recv, t_sub,
+                           landing)
             return None
         # The engine's future resolves on its thread; one call_soon_threadsafe brings the
         # completion to the loop (asyncio.wrap_future would take two loop turns).
@@ -529,7 +533,7 @@ class Server:
         def resolved(f) -> None:
             try:
                 loop.call_soon_threadsafe(self._job_done, job, owner, reg, slots, is_store, msg,
-                                          f, started, t_recv, t_sub)
+                                          f, started, t_recv, t_sub, landing)
             except RuntimeError:   # the loop has closed: the daemon is gone
                 pass
         fut.add_done_callback(resolved)
@@ -577,9 +581,31 @@ class Server:
         asyncio.gather(*fills, return_exceptions=True).add_done_callback(go)
         return out
 
+    def _progress(self, reg: Registration, landing: "_Landing"):
+        """What a store job's engine calls, on its thread, as leading chunks land: their
+        slots are committed on the loop (``_landed``) while the rest still copies, so the
+        job's end has only its last chunk left to commit before the reply."""
+        loop = asyncio.get_running_loop()
+
+        def landed(n: int) -> None:
+            try:
+                loop.call_soon_threadsafe(self._landed, reg, landing, n)
+            except RuntimeError:   # the loop has closed: the daemon is gone
+                pass
+        return landed
+
+    def _landed(self, reg: Registration, landing: "_Landing", n: int) -> None:
+        # A job whose worker has gone commits nothing more: its end drops what is left.
+        if reg.closing:
+            return
+        chunk = landing.take(n)
+        if chunk:
+            self.index.end_store(chunk, reg.tp_rank, True, reg.mask)
+
     def _job_done(self, job: asyncio.Future | None, owner: Owner, reg: Registration,
                   slots: list[Slot], is_store: bool, msg: p.StoreRequest | p.LoadRequest, fut,
-                  started: float, t_recv: int = 0, t_sub: int = 0) -> None:
+                  started: float, t_recv: int = 0, t_sub: int = 0,
+                  landing: "_Landing | None" = None) -> None:
         """A job's end, on the loop: index, counters, its JobDone. ``job`` is what shutdown
         waits on (None for a job that was done when submitted)."""
         t_cb = time.monotonic_ns() if self._trace else 0
@@ -595,7 +621,7 @@ class Server:
         if exc is None and reg.closing:
             exc = Aborted("worker disconnected during the transfer")
         ok = exc is None
-        self._end_job(reg, slots, is_store, ok)
+        self._end_job(reg, slots, is_store, ok, landing)
         if ok:
             result: JobResult = fut.result()
             if is_store:
@@ -625,9 +651,11 @@ class Server:
                 owner.id, msg.job_id, "store" if is_store else "load", len(slots),
                 t_recv, t_sub, *eng[1:4], t_cb, time.monotonic_ns()])) + "\n")
 
-    def _end_job(self, reg: Registration, slots: list[Slot], is_store: bool, ok: bool) -> None:
+    def _end_job(self, reg: Registration, slots: list[Slot], is_store: bool, ok: bool,
+                 landing: "_Landing | None" = None) -> None:
         if is_store:
-            self.index.end_store(slots, reg.tp_rank, ok, reg.mask)
+            rest = landing.rest() if landing is not None else slots
+            self.index.end_store(rest, reg.tp_rank, ok, reg.mask)
         else:
             self.index.end_load(slots, ok)
 
@@ -731,6 +759,39 @@ class Server:
                           tiers=self.tiering.info() if self.tiering is not None else [],
                           slots_reserved=self.index.reserved_count,
                           duplicate_blocks=st.duplicate_blocks)
+
+
+class _Landing:
+    """A store job's slots on their way to the index's ``end_store``: those the engine copies,
+    in the order it was given them (chunks land as leading runs of it), and the void ones it
+    skips (ended with the job). Each slot is ended exactly once: a landed chunk by ``take``,
+    everything else by ``rest`` at the job's end."""
+
+    __slots__ = ("copied", "voids", "ended")
+
+    def __init__(self, slots: list[Slot], keep: np.ndarray | None = None) -> None:
+        if keep is None:
+            self.copied, self.voids = slots, []
+        else:
+            flags = keep.tolist()
+            self.copied = [s for s, k in zip(slots, flags) if k]
+            self.voids = [s for s, k in zip(slots, flags) if not k]
+        self.ended = 0
+
+    def take(self, n: int) -> list[Slot]:
+        """The copied slots up to the ``n``-th not ended yet (a chunk that landed)."""
+        if n <= self.ended:
+            return []
+        chunk = self.copied[self.ended:n]
+        self.ended = n
+        return chunk
+
+    def rest(self) -> list[Slot]:
+        """Every slot not ended yet; after this, none is left."""
+        rest = self.copied[self.ended:] + self.voids
+        self.ended = len(self.copied)
+        self.voids = []
+        return rest
 
 
 def _check_count(n: int, what: str) -> None:

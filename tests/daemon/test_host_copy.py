@@ -303,3 +303,69 @@ def test_inline_copies_can_be_turned_off(pool):
     finally:
         engine.detach(mapped)
         engine.close()
+
+
+def test_a_big_store_reports_its_chunks_as_they_land(pool):
+    """A store with ``progress`` is copied in chunks and told of each one but the last, in
+    order, once its bytes are in the pool; the bytes are the same as in one piece."""
+    mem, tensors, reg = make(*CASES["block-outermost"][:2])
+    engine = HostCopyEngine(pool)
+    engine.chunk_blocks = 3
+    engine.inline_bytes = 0     # small jobs copied inline are one piece
+    mapped = engine.attach(reg)
+    try:
+        kv = tensors[0]
+        kv.copy_(torch.randn(kv.shape).half())
+        stride = reg.layout.slot_bytes
+        src = np.arange(10, dtype=np.int64)
+        slots = np.arange(10, dtype=np.int64)[::-1].copy() * stride + pool.geometry.data_offset
+        seen = []
+
+        def progress(n):
+            # everything before item n is in the pool by now
+            for b, off in zip(src[:n], slots[:n]):
+                got = torch.from_numpy(pool.view()[off:off + stride].copy()).view(torch.float16)
+                assert torch.equal(got, kv[b].reshape(-1)), f"item {b} reported before it landed"
+            seen.append(n)
+
+        res = engine.submit_store(mapped, src, slots, progress=progress).result(10)
+        assert res.nbytes == 10 * reg.layout.shard_bytes
+        assert seen == [2, 5, 7]          # 10 items in 4 chunks of at most 3; not the last
+        # without progress (a load, or a store nobody follows): one piece, nothing reported
+        kv.fill_(0)
+        assert engine.submit_load(mapped, slots, src).result(10).nbytes == res.nbytes
+    finally:
+        engine.detach(mapped)
+        engine.close()
+        mem.close()
+
+
+def test_a_store_that_fails_halfway_reports_only_the_chunks_that_landed(pool, monkeypatch):
+    mem, tensors, reg = make(*CASES["block-outermost"][:2])
+    engine = HostCopyEngine(pool)
+    engine.chunk_blocks = 4
+    engine.inline_bytes = 0
+    mapped = engine.attach(reg)
+    copy = engine._copy
+    calls = []
+
+    def failing_second_chunk(*args, **kw):
+        calls.append(len(args[1]))
+        if len(calls) == 2:
+            raise OSError("the copy failed")
+        return copy(*args, **kw)
+
+    monkeypatch.setattr(engine, "_copy", failing_second_chunk)
+    try:
+        seen = []
+        stride = reg.layout.slot_bytes
+        slots = np.arange(12, dtype=np.int64) * stride + pool.geometry.data_offset
+        fut = engine.submit_store(mapped, np.arange(12, dtype=np.int64), slots,
+                                  progress=seen.append)
+        with pytest.raises(OSError):
+            fut.result(10)
+        assert seen == [4] and calls == [4, 4]   # chunk 2 failed, chunk 3 never started
+    finally:
+        engine.detach(mapped)
+        engine.close()
+        mem.close()

@@ -783,3 +783,38 @@ def test_one_store_binding_two_owners_reservations_gives_each_its_share_back(poo
     ix.release_owner(OTHER)
     assert ix.reserved_count == 0 and ix.used_bytes_of(NS_SMALL) == 5 * SMALL.slot_bytes
     assert ix._reserved_bytes == {}
+
+
+def test_a_store_job_ended_chunk_by_chunk_commits_only_what_landed(index):
+    """The server ends a big store's slots in chunks as their copies land, then the rest
+    with the job's outcome: a job that fails after two chunks keeps exactly those, frees the
+    others, and leaves nothing pinned or writing."""
+    ks = keys(12)
+    refs = index.prepare_store(NS_SMALL, ks, OWNER, 0)
+    slots = index.begin_store(NS_SMALL, refs, 0)
+    index.end_store(slots[:4], 0, True)
+    assert index.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [4]
+    assert index.slot_counts()[:2] == (8, 4)
+    index.end_store(slots[4:8], 0, True)
+    index.end_store(slots[8:], 0, False)                 # the copy failed in the third chunk
+    assert index.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [8]
+    writing, committed, used = index.slot_counts()
+    assert (writing, committed, used) == (0, 8, 8 * SMALL.slot_bytes)
+    assert index.pinned_count() == 0
+    # the failed keys can be stored again, into fresh slots
+    assert all(r >= 0 for r in index.prepare_store(NS_SMALL, ks[8:], OWNER, 0))
+
+
+def test_a_chunk_of_one_rank_commits_nothing_until_every_rank_landed(index):
+    ks = keys(4)
+    refs = index.prepare_store(NS_TP2, ks, OWNER, 0)
+    r0 = index.begin_store(NS_TP2, refs, 0)
+    r1 = index.begin_store(NS_TP2, refs, 1)
+    index.end_store(r0[:2], 0, True)                     # rank 0's first chunk
+    assert index.lookup(NS_TP2, [ks], False, OWNER, 0)[0] == [0]
+    index.end_store(r1[:2], 1, True)
+    assert index.lookup(NS_TP2, [ks], False, OWNER, 0)[0] == [2]
+    index.end_store(r0[2:], 0, False)                    # rank 0 fails the rest
+    index.end_store(r1[2:], 1, True)
+    assert index.lookup(NS_TP2, [ks], False, OWNER, 0)[0] == [2]
+    assert index.slot_counts()[:2] == (0, 2)

@@ -1,15 +1,25 @@
 """Failure rules over a real daemon process: every bad input gets a clear error, the daemon keeps
 serving everyone else and loses no committed block."""
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import msgspec
 import pytest
 import torch
 import zmq
 
 from kvpool.client.scheduler import SchedulerClient
+from kvpool.daemon.server import _Landing
 from kvpool.shared import protocol as p
 from kvpool.shared.errors import ErrorCode, PoolFull, TooLarge, VersionMismatch
+from tests.conftest import wait_for
 from tests.kvtest import HostKv
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Raw:
@@ -326,3 +336,120 @@ def test_a_client_that_closes_is_released_at_once(daemon):
         assert (info.leases, len(info.clients)) == (0, 1), info
     finally:
         watcher.close(); kv.close()
+
+
+# Big stores, committed chunk by chunk as their copies land: 2 MiB blocks (Llama-8B's shape),
+# chunks of 8 of them in a daemon told so.
+LLAMA = dict(layers=32, heads=8, head_dim=128)
+CHUNK = 8
+
+
+def test_landing_ends_every_slot_once_in_chunks_then_the_rest():
+    slots = list("abcdefg")
+    keep = torch.tensor([1, 1, 0, 1, 1, 1, 0], dtype=torch.bool).numpy()
+    landing = _Landing(slots, keep)          # c and g are void: never copied
+    assert landing.take(2) == ["a", "b"]
+    assert landing.take(2) == []             # told twice: nothing more
+    assert landing.take(4) == ["d", "e"]
+    assert landing.rest() == ["f", "c", "g"]
+    assert landing.rest() == [] and landing.take(5) == []
+
+
+def _hits(sched, kv, ks) -> int:
+    return sched.lookup(kv.namespace, [ks]).hits[0]
+
+
+def test_a_big_store_becomes_visible_chunk_by_chunk_and_only_landed_blocks_load(
+        daemon_factory, monkeypatch):
+    monkeypatch.setenv("KVPOOL_CHUNK_BLOCKS", str(CHUNK))
+    d = daemon_factory(pool_size="640MiB", extra=["--extent-size", "32MiB"])
+    cfg = d.client_config(timeout_ms=20000)
+    writer, reader = HostKv(blocks=96, **LLAMA), HostKv(blocks=CHUNK, **LLAMA)
+    w, wreg = writer.register(cfg)
+    r, rreg = reader.register(cfg, name="reader")     # its own copy thread: loads run beside
+    sched = SchedulerClient(cfg)
+    try:
+        writer.fill_random(list(range(96)), seed=3)
+        expected = writer.blocks_of(list(range(CHUNK)))
+        partial = set()
+        for attempt in range(3):                       # a fresh prompt each time
+            ks = writer.keys(list(range(attempt * 10**5, attempt * 10**5 + 16 * 96)))
+            job = w.submit_store(wreg, list(range(96)), sched.prepare_store(writer.namespace, ks))
+            while w.jobs_in_flight:
+                hit = sched.lookup(writer.namespace, [ks], pin=True)
+                n = hit.hits[0]
+                assert n % CHUNK == 0, f"{n} blocks visible: not whole chunks"
+                if 0 < n < 96:
+                    partial.add(n)
+                    # what is visible has landed: it loads back exact while the rest copies
+                    reader.poison(list(range(CHUNK)))
+                    done = r.wait([r.submit_load(rreg, hit.slots[0][:CHUNK],
+                                                 list(range(CHUNK)))], 20)[0]
+                    assert done.ok, done
+                    assert torch.equal(reader.blocks_of(list(range(CHUNK))), expected)
+                sched.release(hit.leases)
+                for c in w.poll():
+                    assert c.job_id == job and c.ok, c
+            assert _hits(sched, writer, ks) == 96
+            if partial:
+                break
+        assert partial, "no lookup ever saw a store half committed"
+    finally:
+        w.close(); r.close(); sched.close(); writer.close(); reader.close()
+
+
+_DYING_WORKER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from kvpool.client.scheduler import SchedulerClient
+from kvpool.shared.config import ClientConfig
+from tests.kvtest import HostKv
+cfg = ClientConfig(socket=sys.argv[2], timeout_ms=20000)
+kv = HostKv(blocks=96, layers=32, heads=8, head_dim=128)
+w, reg = kv.register(cfg)
+s = SchedulerClient(cfg)
+kv.fill_random(list(range(96)), seed=5)
+w.submit_store(reg, list(range(96)), s.prepare_store(kv.namespace, kv.keys(list(range(16 * 96)))))
+print("sent", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_big_store_whose_worker_dies_keeps_only_landed_chunks_and_frees_the_rest(
+        daemon_factory, monkeypatch):
+    monkeypatch.setenv("KVPOOL_CHUNK_BLOCKS", str(CHUNK))
+    d = daemon_factory(pool_size="640MiB", extra=["--extent-size", "32MiB"])
+    child = subprocess.Popen([sys.executable, "-c", _DYING_WORKER, str(ROOT), d.socket],
+                             stdout=subprocess.PIPE, cwd=ROOT)
+    kv = HostKv(blocks=96, **LLAMA)
+    sched = SchedulerClient(d.client_config(timeout_ms=20000))
+    try:
+        assert child.stdout.readline().strip() == b"sent", "the worker did not start its store"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        wait_for(lambda: len(sched.info().clients) == 1 and sched.info().slots_writing == 0,
+                 20, "the dead worker's job to end")
+        info = sched.info()
+        ks = kv.keys(list(range(16 * 96)))
+        n = _hits(sched, kv, ks)
+        assert n % CHUNK == 0 and info.slots_committed == n
+        print(f"{n} of 96 blocks landed before the worker died")
+        # nothing leaked: the slots of the chunks that did not land are free again
+        assert info.used_bytes == n * kv.layout.slot_bytes and info.slots_pinned == 0
+        if n:
+            worker, reg = kv.register(d.client_config(timeout_ms=20000))
+            kv.fill_random(list(range(96)), seed=5)
+            expected = kv.blocks_of(list(range(n)))
+            kv.poison(list(range(96)))
+            hit = sched.lookup(kv.namespace, [ks], pin=True)
+            assert worker.wait([worker.submit_load(reg, hit.slots[0], list(range(n)))],
+                               20)[0].ok
+            assert torch.equal(kv.blocks_of(list(range(n))), expected)
+            sched.release(hit.leases)
+            worker.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        child.stdout.close()
+        sched.close(); kv.close()

@@ -175,18 +175,21 @@ def test_killed_worker_releases_gpu_memory(engine, pool):
         probe.close()
 
 
-@pytest.mark.parametrize("nblocks,inline", [(1, True), (1, False), (48, False)])
-def test_a_store_copies_only_after_the_workers_pending_kernels(engine, pool, nblocks, inline):
+@pytest.mark.parametrize("nblocks,inline,chunk", [(1, True, 128), (1, False, 128),
+                                                 (48, False, 128), (48, False, 16)])
+def test_a_store_copies_only_after_the_workers_pending_kernels(engine, pool, nblocks, inline,
+                                                               chunk):
     """The daemon polls the worker's event on the host rather than waiting on it on the GPU: a
     store sent while the step's kernels still run copies what they wrote, not what was there
-    before (and a job small enough to launch on the caller's thread leaves the wait to the
-    lane's thread)."""
+    before (and a job small enough to launch on the caller's thread, or a big one's first
+    chunk, leaves the wait to the lane's thread)."""
     w = Worker(0, "per_layer", NUM_BLOCKS)
     inline_before = engine.inline_max_ops
     try:
         reg = w.register_request()
         m = engine.attach(reg)
         engine.inline_max_ops = 1 << 20 if inline else 0
+        engine.chunk_blocks = chunk
         w.call("fill", 1)
         blocks = np.arange(nblocks)
         offs = _shard_offsets(reg, np.arange(nblocks) + 3)
@@ -200,6 +203,7 @@ def test_a_store_copies_only_after_the_workers_pending_kernels(engine, pool, nbl
         engine.detach(m, wait_s=10)
     finally:
         engine.inline_max_ops = inline_before
+        engine.chunk_blocks = 128
         w.close()
 
 
@@ -312,4 +316,80 @@ def test_tp_cross_rank_part_round_trip(engine, pool, layout, backend):
     finally:
         engine.backend = "auto"
         engine.pitched, engine.pitched_3d = saved
+        w.close()
+
+
+@pytest.mark.parametrize("layout", ["block_outer", "per_layer", "per_head"])
+def test_a_chunked_job_reports_landed_chunks_in_order_and_moves_exact_bytes(engine, pool,
+                                                                            layout):
+    """A job cut into chunks (the first launched on the caller's thread, the rest on the
+    lane's) tells its store's ``progress`` of every chunk but the last, in order, once those
+    bytes are in the pool; stores and loads stay bit-exact."""
+    w = Worker(0, layout, NUM_BLOCKS)
+    old = engine.chunk_blocks
+    try:
+        engine.chunk_blocks = 7
+        reg = w.register_request()
+        m = engine.attach(reg)
+        rng = np.random.default_rng(7)
+        src = rng.choice(NUM_BLOCKS, 40, replace=False)
+        slots = rng.choice(200 if reg.layout.slot_bytes * 200 < pool.nbytes else 40, 40,
+                           replace=False)
+        offs = _shard_offsets(reg, slots)
+        pool.array()[:] = POISON ^ 0xFF
+        w.call("fill", 11)
+        want = w.call("blocks", src.tolist())
+        seen = []
+
+        def progress(n):
+            # (an assert here would only be logged by the engine: record, check below)
+            seen.append((n, np.array_equal(_pool_shards(pool, reg, offs[:n]), want[:n])))
+
+        engine.submit_store(m, src, offs, w.call("event"), progress).result(60)
+        assert [n for n, _ in seen] == [6, 13, 20, 26, 33]      # 40 items in 6 chunks
+        assert all(ok for _, ok in seen), f"{layout}: a chunk was reported before it landed"
+        assert np.array_equal(_pool_shards(pool, reg, offs), want)
+        dst = rng.choice(NUM_BLOCKS, 40, replace=False)
+        _load_back(engine, m, w, offs, dst, want, f"{layout} chunked")
+        engine.detach(m, wait_s=10)
+    finally:
+        engine.chunk_blocks = old
+        w.close()
+
+
+def test_a_chunked_store_whose_launch_fails_halfway_reports_only_what_landed(engine, pool,
+                                                                             monkeypatch):
+    from kvpool.daemon.cuda_copy import _Lane
+    w = Worker(0, "block_outer", NUM_BLOCKS)
+    old = engine.chunk_blocks
+    enqueue = _Lane._enqueue_dma
+    calls = []
+
+    def failing_third(self, job, blocks, shards):
+        calls.append(len(blocks))
+        if len(calls) == 3:
+            raise RuntimeError("the driver refused the batch")
+        return enqueue(self, job, blocks, shards)
+
+    try:
+        engine.chunk_blocks = 8
+        reg = w.register_request()
+        m = engine.attach(reg)
+        monkeypatch.setattr(_Lane, "_enqueue_dma", failing_third)
+        src = np.arange(32)
+        offs = _shard_offsets(reg, np.arange(32))
+        pool.array()[:] = POISON ^ 0xFF
+        w.call("fill", 12)
+        want = w.call("blocks", src.tolist())
+        seen = []
+        fut = engine.submit_store(m, src, offs, w.call("event"), seen.append)
+        with pytest.raises(Exception, match="refused"):
+            fut.result(60)
+        assert calls == [8, 8, 8] and seen == [8, 16]
+        assert np.array_equal(_pool_shards(pool, reg, offs[:16]), want[:16])
+        monkeypatch.undo()
+        engine.detach(m, wait_s=10)
+        assert m.released.is_set()       # the failed job counted as finished
+    finally:
+        engine.chunk_blocks = old
         w.close()

@@ -1,0 +1,200 @@
+"""The CUDA engine's job flow on CPU: lanes, chunks, their events and progress, failures, driven
+through a stand-in for the driver whose batched copies are host memmoves and whose events are
+always complete. What it cannot show (copies that overlap their launch, real events) is for
+tests/gpu; what it shows is which thread launches which chunk, what is reported when, and
+that a failure reports only the chunks that went out whole."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvpool.client.kv_layout import plan_kv_memory
+from kvpool.daemon import cuda_copy
+from kvpool.shared.layout import Layout
+from kvpool.shared.protocol import CudaRegion, RegisterRequest
+
+BLOCKS = 24
+BLOCK_BYTES = 4096
+
+
+class FakeDriver:
+    """What ``cuda_copy`` calls of ``kvpool.daemon.cuda`` on the DMA path, on host memory."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self.memory: dict[bytes, np.ndarray] = {}     # IPC handle -> "device" memory
+        self.copies: list[tuple[str, int]] = []       # (thread name, copies in the call)
+        self.fail_copy_call = 0                       # n: the n-th batched call raises
+        self.fail_sync_call = 0                       # n: the n-th event wait raises
+        self.syncs = 0
+
+    def __getattr__(self, name):
+        if name in ("use_device", "stream_synchronize", "stream_wait_event", "event_destroy",
+                    "ipc_close_mem"):
+            return lambda *a: None
+        raise AttributeError(name)
+
+    def driver(self):
+        return self
+
+    def _new(self, *_a) -> int:
+        return next(self._ids)
+
+    stream_create = event_create = event_open_ipc = _new
+
+    @staticmethod
+    def has_memcpy_batch() -> bool:
+        return True
+
+    @staticmethod
+    def has_memcpy_2d_batch() -> bool:
+        return False
+
+    @staticmethod
+    def normalize_uuid(u: str) -> str:
+        return u.lower()
+
+    @staticmethod
+    def device_by_uuid(_u: str) -> int:
+        return 0
+
+    def ipc_open_mem(self, handle: bytes) -> int:
+        return self.memory[handle].ctypes.data
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        for a in self.memory.values():
+            if a.ctypes.data == ptr:
+                return ptr, a.nbytes
+        raise KeyError(ptr)
+
+    @staticmethod
+    def event_record(_ev: int, _stream: int) -> None:
+        pass
+
+    @staticmethod
+    def event_query(_ev: int) -> bool:
+        return True
+
+    def event_synchronize(self, _ev: int) -> None:
+        self.syncs += 1
+        if self.syncs == self.fail_sync_call:
+            raise RuntimeError("an illegal address was encountered")
+
+    def memcpy_batch_async(self, dst, src, size, _stream) -> None:
+        self.copies.append((threading.current_thread().name, len(size)))
+        if len(self.copies) == self.fail_copy_call:
+            raise RuntimeError("the driver refused the batch")
+        for d, s, n in zip(dst.tolist(), src.tolist(), size.tolist()):
+            ctypes.memmove(d, s, n)
+
+
+class HostPool:
+    def __init__(self, nbytes: int) -> None:
+        self.array = np.zeros(nbytes, np.uint8)
+        self.base_address = self.array.ctypes.data
+        self.nbytes = nbytes
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    drv = FakeDriver()
+    monkeypatch.setattr(cuda_copy, "cuda", drv)
+    return drv
+
+
+@pytest.fixture
+def engine(fake):
+    pool = HostPool(2 * BLOCKS * BLOCK_BYTES)
+    eng = cuda_copy.CudaCopyEngine(pool, backend="dma", register_pool=False, dma_2d=False,
+                                   chunk_blocks=4)
+    eng.test_pool = pool
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def mapped(engine, fake):
+    """A block-outermost KV cache of BLOCKS blocks in fake device memory, random bytes."""
+    kv = np.random.default_rng(1).integers(0, 255, BLOCKS * BLOCK_BYTES, dtype=np.uint8)
+    fake.memory[b"h" * 64] = kv
+    t = torch.from_numpy(kv).view(BLOCKS, BLOCK_BYTES)
+    plan = plan_kv_memory([t], [0], [(kv.ctypes.data, kv.nbytes)])
+    reg = RegisterRequest(1, b"n" * 16, Layout(16, 1, "uint8", plan.segment_bytes), 0,
+                          plan.num_blocks, [CudaRegion("GPU-0", b"h" * 64, kv.nbytes)],
+                          plan.placement)
+    m = engine.attach(reg)
+    yield m, kv
+    engine.detach(m, wait_s=10)
+
+
+def _pool_blocks(engine, offsets) -> np.ndarray:
+    a = engine.test_pool.array
+    return np.stack([a[o:o + BLOCK_BYTES] for o in offsets])
+
+
+def test_a_big_store_goes_in_chunks_the_first_from_the_callers_thread(engine, fake, mapped):
+    m, kv = mapped
+    blocks = np.arange(10)[::-1].copy()
+    offs = (np.arange(10) + 3) * BLOCK_BYTES
+    seen = []
+    engine.submit_store(m, blocks, offs, b"", seen.append).result(10)
+    assert seen == [3, 6]                  # 10 items in chunks [0, 3, 6, 10]: not the last
+    assert [n for _, n in fake.copies] == [3, 3, 4]
+    lanes = [name for name, _ in fake.copies]
+    assert lanes[0] == threading.current_thread().name      # no thread hop before the copy
+    assert all(name.endswith("store-submit") for name in lanes[1:])
+    assert np.array_equal(_pool_blocks(engine, offs), kv.reshape(BLOCKS, -1)[blocks])
+    # a load in chunks brings them back (no progress: a load reports only its end)
+    kv[:] = 0
+    engine.submit_load(m, offs, blocks).result(10)
+    assert np.array_equal(kv.reshape(BLOCKS, -1)[blocks], _pool_blocks(engine, offs))
+
+
+def test_without_the_inline_first_chunk_every_chunk_goes_from_the_lane(engine, fake, mapped):
+    m, _ = mapped
+    engine.inline_first_chunk = False
+    engine.submit_store(m, np.arange(10), np.arange(10) * BLOCK_BYTES).result(10)
+    assert all(name.endswith("store-submit") for name, _ in fake.copies)
+    assert len(fake.copies) == 3
+
+
+def test_a_launch_that_fails_halfway_reports_only_the_chunks_that_went_out(engine, fake,
+                                                                            mapped):
+    m, kv = mapped
+    fake.fail_copy_call = 3
+    seen = []
+    offs = np.arange(10) * BLOCK_BYTES
+    fut = engine.submit_store(m, np.arange(10), offs, b"", seen.append)
+    with pytest.raises(Exception, match="refused"):
+        fut.result(10)
+    assert seen == [3, 6] and len(fake.copies) == 3
+    assert np.array_equal(_pool_blocks(engine, offs[:6]), kv.reshape(BLOCKS, -1)[:6])
+    # the lane goes on serving
+    fake.fail_copy_call = 0
+    assert engine.submit_store(m, np.arange(2), offs[:2]).result(10).nbytes == 2 * BLOCK_BYTES
+
+
+def test_a_chunk_whose_copy_fails_stops_the_reports_there(engine, fake, mapped):
+    m, _ = mapped
+    fake.fail_sync_call = 2                # the wait for the job's second chunk
+    seen = []
+    fut = engine.submit_store(m, np.arange(10), np.arange(10) * BLOCK_BYTES, b"", seen.append)
+    with pytest.raises(Exception, match="illegal address"):
+        fut.result(10)
+    assert seen == [3]                     # chunk 1 landed; chunk 2 failed; chunk 3 unreported
+    assert fake.syncs == 3                 # but still waited for, before the slots can go
+
+
+def test_a_small_store_is_one_chunk_and_reports_nothing(engine, fake, mapped):
+    m, _ = mapped
+    seen = []
+    engine.submit_store(m, np.arange(4)[::-1].copy(), np.arange(4) * BLOCK_BYTES, b"",
+                        seen.append).result(10)
+    assert seen == [] and [n for _, n in fake.copies] == [4]
+    assert fake.copies[0][0].endswith("store-submit")       # no inline launch for one chunk
