@@ -142,16 +142,19 @@ class SchedulerClient:
         Raises ``DaemonUnavailable`` when the daemon is missing or did not answer in time."""
         return self._t.connect_nowait()
 
-    def poll(self) -> None:
+    def poll(self, just_ready: bool = False) -> None:
         """Take in every answer that has arrived, without waiting: lookup replies (for their
         ``PendingCall``), reservation grants (into the stock), acknowledgements of
         ``*_nowait`` calls. Raises ``DaemonUnavailable`` (after dropping the connection) when
-        a reservation went unanswered for ``timeout_ms``."""
+        a reservation went unanswered for ``timeout_ms``. ``just_ready``: the caller's
+        ``ready()`` has just returned True, so the connection is not checked again (a check
+        reads the monitor socket through libzmq, several us)."""
         t = self._t
-        if t.is_stale or (t.is_connected and t.connection_lost()):
-            t.disconnect(backoff=False)     # restarted or gone: the next ``ready`` finds out
-        if t.is_connecting:
-            t.connect_nowait()
+        if not just_ready:
+            if t.is_stale or (t.is_connected and t.connection_lost()):
+                t.disconnect(backoff=False)     # restarted or gone: the next ``ready`` finds out
+            elif t.is_connecting:
+                t.connect_nowait()
         self._check_epoch()
         for reply in t.drain():
             rid = reply.req_id

@@ -287,7 +287,7 @@ class SchedulerRole:
         try:
             if not self.client.ready():
                 return False
-            self.client.poll()
+            self.client.poll(just_ready=True)
         except DaemonUnavailable as e:
             self._daemon_failed(e)
             return False
