@@ -25,10 +25,12 @@ than one copy per chunk: the driver's CPU cost is per operation, and at 64 chunk
 was what bounded per-layer throughput. A pitched round trip is checked once per engine before
 it is trusted (``cuda.check_memcpy_2d_batch``).
 
-Small jobs (at most ``inline_max_ops`` copies) can be launched on the caller's thread (the event
-loop) when the lane has nothing queued, saving a thread hop. Off by default: on H100 and H200 it
-did not lower the single-block p50 (bench/results/gpu-notes.md, runs 4-5), as the launch itself
-(40-150 us of Python and driver calls) then delays the loop. ``KVPOOL_TRACE`` (any value) makes every
+Small jobs (at most ``inline_max_ops`` copies, ``SMALL_OPS`` by default: those whose tables are
+built in Python) are launched on the caller's thread (the event loop) when the lane has nothing
+queued, saving the hop to the submit thread (H100 run 20: ~75 us from dispatch to launch start
+of a single block). It was off by default while a single block's launch cost 40-150 us of
+Python on the loop (runs 4-5: no gain); the templates cut that to ~15 us on CPU.
+``KVPOOL_CUDA_INLINE_OPS=0`` turns it off for A/B runs. ``KVPOOL_TRACE`` (any value) makes every
 job carry monotonic timestamps of its hops (``Future.kvpool_trace``) for latency breakdowns.
 
 Ordering: a store must not copy before the worker's step has written the KV: the worker sends
@@ -399,6 +401,12 @@ class CudaMapped(Mapped):
         self.closing = False
         self.released = threading.Event()
 
+    def copies_per_block(self, engine: CudaCopyEngine) -> int:
+        """DMA operations one block of this registration takes with ``engine``'s settings."""
+        if self.pitched_ok and engine.pitched:
+            return len(self.plan) if engine.pitched_3d else len(self.plan_2d)
+        return len(self.runs)
+
     def inside_pieces(self, shard_offsets: np.ndarray, piece: int) -> bool:
         """Whether no slot of a small job (a few items: in Python) spans two separately
         registered pieces of the pool; a big job says False (``split_items`` then decides)."""
@@ -481,7 +489,8 @@ class _Lane:
         the submit thread, which takes the job next, enqueues the rest); else queue it."""
         eng = self.engine
         job.bounds = chunk_bounds(len(job.block_ids), eng.chunk_blocks)
-        small = len(job.block_ids) * len(job.mapped.seg_dev) <= eng.inline_max_ops
+        small = (len(job.bounds) == 2 and len(job.block_ids) * job.mapped.copies_per_block(eng)
+                 <= eng.inline_max_ops)
         first = eng.inline_first_chunk and len(job.bounds) > 2
         if (small or first) and self.launch_lock.acquire(blocking=False):
             try:
@@ -870,7 +879,7 @@ class CudaCopyEngine(CopyEngine):
                  dma_streams: int = 4, register_pool: bool = True,
                  register_piece_bytes: int = 1 << 30, kernel_words: int = 4096,
                  kernel_warps: int = 16, dma_2d: bool | None = None,
-                 dma_2d_batch_ops: int = 256, inline_max_ops: int = 0,
+                 dma_2d_batch_ops: int = 256, inline_max_ops: int = SMALL_OPS,
                  chunk_blocks: int = CHUNK_BLOCKS) -> None:
         # Benchmark and debugging knobs from the environment (A/B runs of one daemon build).
         env = os.environ

@@ -88,9 +88,10 @@ class FakeDriver:
     def event_record(_ev: int, _stream: int) -> None:
         pass
 
-    @staticmethod
-    def event_query(_ev: int) -> bool:
-        return True
+    events_done = True         # False: the worker's kernels are still running
+
+    def event_query(self, _ev: int) -> bool:
+        return self.events_done
 
     def event_synchronize(self, _ev: int) -> None:
         self.syncs += 1
@@ -234,7 +235,40 @@ def test_a_small_store_is_one_chunk_and_reports_nothing(engine, fake, mapped):
     engine.submit_store(m, np.arange(4)[::-1].copy(), np.arange(4) * BLOCK_BYTES, b"",
                         seen.append).result(10)
     assert seen == [] and [n for _, n in fake.copies] == [4]
-    assert fake.copies[0][0].endswith("store-submit")       # no inline launch for one chunk
+    # at most SMALL_OPS copies: launched whole on the caller's thread, no hop to the lane
+    assert fake.copies[0][0] == threading.current_thread().name
+
+
+def test_a_small_job_goes_to_the_lane_when_inline_is_off_or_the_worker_is_not_done(
+        engine, fake, mapped):
+    m, kv = mapped
+    engine.inline_max_ops = 0
+    engine.submit_store(m, np.array([1]), np.array([0])).result(10)
+    assert fake.copies[-1][0].endswith("store-submit")
+    engine.inline_max_ops = cuda_copy.SMALL_OPS
+    # the worker's kernels still run: the loop's thread must not wait, the lane polls
+    fake.events_done = False
+    fut = engine.submit_store(m, np.array([2]), np.array([BLOCK_BYTES]), b"e" * 64)
+    assert not fut.done() and len(fake.copies) == 1
+    fake.events_done = True
+    fut.result(10)
+    assert fake.copies[-1][0].endswith("store-submit")
+    assert np.array_equal(_pool_blocks(engine, [BLOCK_BYTES])[0], kv.reshape(BLOCKS, -1)[2])
+
+
+def test_a_small_job_never_overtakes_one_queued_on_its_lane(engine, fake, mapped):
+    """Jobs of one lane run in submission order: with a job waiting for the submit thread, a
+    small one behind it is queued too rather than launched at once."""
+    m, _ = mapped
+    fake.events_done = False
+    first = engine.submit_store(m, np.arange(10), np.arange(10) * BLOCK_BYTES, b"e" * 64)
+    second = engine.submit_store(m, np.array([3]), np.array([20 * BLOCK_BYTES]))
+    assert fake.copies == []
+    fake.events_done = True
+    first.result(10)
+    second.result(10)
+    assert [n for _, n in fake.copies] == [3, 3, 4, 1]
+    assert all(name.endswith("store-submit") for name, _ in fake.copies)
 
 
 # ---- small jobs: tables from the registration's templates; the pool in registered pieces ----
