@@ -466,14 +466,13 @@ class Server:
             if len(msg.block_ids) != len(msg.slots):
                 raise ProtocolError(f"{len(msg.block_ids)} block ids for {len(msg.slots)} slots")
             _check_count(len(msg.slots), "blocks")
-            try:
-                blocks = np.asarray(msg.block_ids, dtype=np.int64)
-            except OverflowError:
-                raise OutOfRange(f"block ids must be in [0, {reg.num_blocks}); one does not even "
-                                 f"fit 64 bits") from None
-            if len(blocks) and (blocks.min() < 0 or blocks.max() >= reg.num_blocks):
+            ids = msg.block_ids
+            # Checked on the list (numpy's min and max cost ~5 us even for one id), which also
+            # turns away ids too big for int64 before the array is made.
+            if ids and (min(ids) < 0 or max(ids) >= reg.num_blocks):
                 raise OutOfRange(f"block ids must be in [0, {reg.num_blocks}); got "
-                                 f"[{blocks.min()}, {blocks.max()}]")
+                                 f"[{min(ids)}, {max(ids)}]")
+            blocks = np.array(ids, dtype=np.int64)
             if is_store and not reg.mask:
                 # A replica of heads that another rank of its engine stores: nothing to copy,
                 # and the slot commits (or not) on that rank's store alone.
