@@ -571,11 +571,11 @@ class _Lane:
             eng.kernel_broken = True
 
     def _event(self) -> int:
-        while True:
-            try:
-                self.free_events.append(self.recycled.get_nowait())
-            except queue.Empty:
-                break
+        # Only launches take from ``recycled`` (under ``launch_lock``): what empty() says is
+        # there stays there, without the cost of an exception per launch.
+        recycled = self.recycled
+        while not recycled.empty():
+            self.free_events.append(recycled.get_nowait())
         return self.free_events.pop() if self.free_events else cuda.event_create()
 
     def _launch(self, job: _Job, inline: bool = False, chunks: int | None = None) -> bool:
@@ -586,7 +586,9 @@ class _Lane:
         first compile, the pitched-copy check, a worker's event not complete yet)."""
         m = job.mapped
         eng = self.engine
-        shard_end = eng.pool_base + int(job.shard_offsets.max()) + m.part_hi
+        offs = job.shard_offsets
+        top = max(offs.tolist()) if len(offs) <= SMALL_OPS else int(offs.max())
+        shard_end = eng.pool_base + top + m.part_hi
         reg = eng.registration
         if reg is None:
             pinned = False
