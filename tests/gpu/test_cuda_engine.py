@@ -423,6 +423,7 @@ def test_small_jobs_move_exact_bytes_also_across_a_pool_piece(engine, pool, layo
             _load_back(engine, m, w, offs[i:i + 1], np.array([40 + i]), want[i:i + 1],
                        f"{layout} 1-block load {i}")
         pool.array()[:] = POISON ^ 0xFF
+        w.call("fill", 21)                                # the loads above poisoned it
         engine.submit_store(m, src, offs, w.call("event")).result(60)   # one 3-block job
         assert np.array_equal(_pool_shards(pool, reg, offs), want), f"{layout}: 3-block store"
         _load_back(engine, m, w, offs, np.array([50, 2, 61]), want, f"{layout} 3-block load")
