@@ -528,14 +528,20 @@ def memcpy_batch_async(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
     The arrays must be contiguous uint64 and stay alive until the call returns (the driver
     reads them during the call, not later).
     """
-    d = driver()
-    if d.cuMemcpyBatchAsync is None:
-        raise CudaUnavailable("this driver has no cuMemcpyBatchAsync (needs CUDA 12.8+)")
     count = len(sizes)
     if count == 0:
         return
     assert dsts.dtype == srcs.dtype == sizes.dtype == np.uint64
-    args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, count,
+    memcpy_batch_at(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, count, stream)
+
+
+def memcpy_batch_at(dsts: int, srcs: int, sizes: int, count: int, stream: int) -> None:
+    """``memcpy_batch_async`` over three arrays of ``count`` uint64 given by address (a small
+    job's table is one ctypes array: numpy's ``.ctypes.data`` costs ~1.5 us an array)."""
+    d = driver()
+    if d.cuMemcpyBatchAsync is None:
+        raise CudaUnavailable("this driver has no cuMemcpyBatchAsync (needs CUDA 12.8+)")
+    args = [dsts, srcs, sizes, count,
             ctypes.addressof(_batch_attr), ctypes.addressof(_batch_attr_idx), 1]
     if d.version < 13000:
         fail_idx = _SZ(0)
@@ -578,18 +584,22 @@ def memcpy_2d_batch_async(ops: np.ndarray, stream: int) -> None:
     """One ``cuMemcpy3DBatchAsync`` over ``pitched_ops`` records: a strided run of chunks
     (every layer's K and V of one block) is one copy-engine operation instead of one per
     chunk, which is what bounds per-layer layouts (the driver's cost is per operation)."""
-    d = driver()
-    if d.cuMemcpy3DBatchAsync is None:
-        raise CudaUnavailable("this driver has no cuMemcpy3DBatchAsync (needs CUDA 12.8+)")
     if len(ops) == 0:
         return
     assert ops.dtype == BATCH3D_OP_DTYPE and ops.flags.c_contiguous
+    memcpy_2d_batch_at(ops.ctypes.data, len(ops), stream)
+
+
+def memcpy_2d_batch_at(ops: int, count: int, stream: int) -> None:
+    """``memcpy_2d_batch_async`` over ``count`` records at address ``ops``."""
+    d = driver()
+    if d.cuMemcpy3DBatchAsync is None:
+        raise CudaUnavailable("this driver has no cuMemcpy3DBatchAsync (needs CUDA 12.8+)")
     if d.version >= 13000:
-        rc = d.cuMemcpy3DBatchAsync(len(ops), ops.ctypes.data, 0, stream)
+        rc = d.cuMemcpy3DBatchAsync(count, ops, 0, stream)
     else:
         fail_idx = _SZ(0)
-        rc = d.cuMemcpy3DBatchAsync(len(ops), ops.ctypes.data, ctypes.addressof(fail_idx), 0,
-                                    stream)
+        rc = d.cuMemcpy3DBatchAsync(count, ops, ctypes.addressof(fail_idx), 0, stream)
     d.check("cuMemcpy3DBatchAsync", rc)
 
 

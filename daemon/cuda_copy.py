@@ -16,17 +16,21 @@ operation runs on the lane's stream, chosen per job:
   where the DMA engines' per-copy cost dominates.
 
 Address tables are built with numpy over (items x segments) at once; nothing in Python runs per
-block or per layer. Where a registration's segments form strided runs (per-layer layouts: every
+block or per layer, except for jobs of at most ``SMALL_OPS`` copies, whose tables are a few
+Python additions to per-registration templates (numpy's fixed cost per call, ~25-40 us a table,
+was most of a single block's launch). Where a registration's segments form strided runs (per-layer layouts: every
 layer's K and V of a block sit one fixed pitch apart on the GPU and back to back in the shard),
 ``dma`` sends one pitched 2D operation per (block, run) through ``cuMemcpy3DBatchAsync`` rather
 than one copy per chunk: the driver's CPU cost is per operation, and at 64 chunks per block it
 was what bounded per-layer throughput. A pitched round trip is checked once per engine before
 it is trusted (``cuda.check_memcpy_2d_batch``).
 
-Small jobs (at most ``inline_max_ops`` copies) can be launched on the caller's thread (the event
-loop) when the lane has nothing queued, saving a thread hop. Off by default: on H100 and H200 it
-did not lower the single-block p50 (bench/results/gpu-notes.md, runs 4-5), as the launch itself
-(40-150 us of Python and driver calls) then delays the loop. ``KVPOOL_TRACE`` (any value) makes every
+Small jobs (at most ``inline_max_ops`` copies, ``SMALL_OPS`` by default: those whose tables are
+built in Python) are launched on the caller's thread (the event loop) when the lane has nothing
+queued, saving the hop to the submit thread (H100 run 20: ~75 us from dispatch to launch start
+of a single block). It was off by default while a single block's launch cost 40-150 us of
+Python on the loop (runs 4-5: no gain); the templates cut that to ~15 us on CPU.
+``KVPOOL_CUDA_INLINE_OPS=0`` turns it off for A/B runs. ``KVPOOL_TRACE`` (any value) makes every
 job carry monotonic timestamps of its hops (``Future.kvpool_trace``) for latency breakdowns.
 
 Ordering: a store must not copy before the worker's step has written the KV: the worker sends
@@ -60,6 +64,7 @@ from typing import Any, Literal
 import numpy as np
 
 from kvpool.daemon import cuda
+from kvpool.daemon.cuda import BATCH3D_OP_DTYPE
 from kvpool.daemon.copy_engine import (CHUNK_BLOCKS, CopyEngine, JobResult, Mapped, Progress,
                                        chunk_blocks_setting, chunk_bounds, part_span,
                                        segment_address_table)
@@ -255,6 +260,103 @@ def crosses_pieces(shard_offsets: np.ndarray, shard_bytes: int, piece: int) -> b
     return bool(split_items(shard_offsets, shard_bytes, piece).any())
 
 
+# Copies at most that a job may have for its 1D table to be built in Python from the
+# registration's per-block runs (``block_runs``) rather than with numpy: ``chunk_table`` costs
+# ~25 us however small the job, ~20 Python additions cost ~5.
+SMALL_OPS = 16
+
+
+def block_runs(seg_dev: np.ndarray, seg_stride: np.ndarray, seg_bytes: np.ndarray,
+               seg_prefix: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """A block's pieces merged where they are contiguous on both sides for *every* block (one
+    stride), as (GPU address in block 0, block stride, offset in the slot, bytes) Python ints:
+    what ``chunk_table`` merges inside one block, computed once per registration."""
+    runs: list[list[int]] = []
+    for d, st, n, p in zip(seg_dev.tolist(), seg_stride.tolist(), seg_bytes.tolist(),
+                           seg_prefix.tolist()):
+        last = runs[-1] if runs else None
+        if last is not None and last[1] == st and last[0] + last[3] == d \
+                and last[2] + last[3] == p:
+            last[3] += n
+        else:
+            runs.append([d, st, p, n])
+    return [(d, st, p, n) for d, st, p, n in runs]
+
+
+def small_table(runs: list[tuple[int, int, int, int]], block_ids: list[int],
+                shard_offsets: list[int], pool_base: int) -> tuple[ctypes.Array, int]:
+    """A small job's 1D copies as one ctypes uint64 array: every GPU address, then every pool
+    address, then every size (``count`` each; ``cuda.memcpy_batch_at`` takes the three by
+    address). Runs do not merge across items: at this size it saves no copy worth the work."""
+    gpu: list[int] = []
+    host: list[int] = []
+    size: list[int] = []
+    for b, o in zip(block_ids, shard_offsets):
+        o += pool_base
+        for d, st, p, n in runs:
+            gpu.append(d + b * st)
+            host.append(o + p)
+            size.append(n)
+    count = len(size)
+    return (ctypes.c_uint64 * (3 * count))(*gpu, *host, *size), count
+
+
+class PitchedOps:
+    """One direction's pitched copies of a registration's block 0 into a slot at pool address
+    0, as driver records (``BATCH3D_OP_DTYPE``) seen as rows of uint64 words: a job's
+    records are these repeated per item, each item's block and slot added to two words of
+    each (``pitched_table`` then ``cuda.pitched_ops`` cost ~40 us even for one block)."""
+
+    __slots__ = ("words", "rows", "gpu_word", "host_word", "stride", "strides")
+
+    WORDS = BATCH3D_OP_DTYPE.itemsize // 8
+
+    def __init__(self, plan: np.ndarray, to_pool: bool) -> None:
+        zero = np.zeros(1, dtype=np.int64)
+        gpu, gpitch, glayer, host, hpitch, hlayer, width, rows, depth = pitched_table(
+            plan, zero, zero, 0)
+        if to_pool:
+            ops = cuda.pitched_ops(host, hpitch, gpu, gpitch, width, rows, depth,
+                                   dst_layer=hlayer, src_layer=glayer)
+            gpu_field, host_field = "src_ptr", "dst_ptr"
+        else:
+            ops = cuda.pitched_ops(gpu, gpitch, host, hpitch, width, rows, depth,
+                                   dst_layer=glayer, src_layer=hlayer)
+            gpu_field, host_field = "dst_ptr", "src_ptr"
+        fields = BATCH3D_OP_DTYPE.fields
+        self.gpu_word = fields[gpu_field][1] // 8
+        self.host_word = fields[host_field][1] // 8
+        self.words = np.ascontiguousarray(ops).view(np.uint64).reshape(len(ops), self.WORDS)
+        self.rows = self.words.tolist()
+        self.stride = plan[:, P_STRIDE].astype(np.uint64)
+        self.strides = plan[:, P_STRIDE].tolist()
+
+    def for_items(self, block_ids: np.ndarray, shard_offsets: np.ndarray,
+                  pool_base: int) -> np.ndarray:
+        """The records of items (``block_ids[i]``, slot at ``shard_offsets[i]``), in order."""
+        r = len(self.words)
+        w = np.tile(self.words, (len(block_ids), 1))
+        w[:, self.gpu_word] += (block_ids.astype(np.uint64)[:, None]
+                                * self.stride[None, :]).ravel()
+        w[:, self.host_word] += np.repeat((shard_offsets + pool_base).astype(np.uint64), r)
+        return w.view(BATCH3D_OP_DTYPE).reshape(-1)
+
+    def small(self, block_ids: list[int], shard_offsets: list[int],
+              pool_base: int) -> tuple[ctypes.Array, int]:
+        """``for_items`` of a few items as one ctypes array, in Python (no numpy's fixed
+        costs), and its number of records."""
+        out: list[int] = []
+        g, h = self.gpu_word, self.host_word
+        for b, o in zip(block_ids, shard_offsets):
+            o += pool_base
+            for row, st in zip(self.rows, self.strides):
+                row = row.copy()
+                row[g] += b * st
+                row[h] += o
+                out += row
+        return (ctypes.c_uint64 * len(out))(*out), len(out) // self.WORDS
+
+
 # ---- registrations ---------------------------------------------------------------------------
 
 class CudaMapped(Mapped):
@@ -288,12 +390,30 @@ class CudaMapped(Mapped):
                                  strided_runs(region, self.seg_dev, stride, nbytes, prefix))
         self.plan_2d = flatten_plan(self.plan)
         self.pitched_ok = len(self.plan_2d) <= len(s) // 2
+        self.runs = block_runs(self.seg_dev, stride, nbytes, prefix)
+        # (to pool, 3D) -> PitchedOps, made on first use (whether 3D copies work is only
+        # known once a lane has checked them)
+        self.pitched_ops: dict[tuple[bool, bool], PitchedOps] = {}
         self.seg_table_gpu: Any = None      # torch int64 [4, S] on the device, for the kernel
         self.opened_events: dict[bytes, int] = {}
         self.lock = threading.Lock()
         self.pending = 0
         self.closing = False
         self.released = threading.Event()
+
+    def copies_per_block(self, engine: CudaCopyEngine) -> int:
+        """DMA operations one block of this registration takes with ``engine``'s settings."""
+        if self.pitched_ok and engine.pitched:
+            return len(self.plan) if engine.pitched_3d else len(self.plan_2d)
+        return len(self.runs)
+
+    def inside_pieces(self, shard_offsets: np.ndarray, piece: int) -> bool:
+        """Whether no slot of a small job (a few items: in Python) spans two separately
+        registered pieces of the pool; a big job says False (``split_items`` then decides)."""
+        if len(shard_offsets) > SMALL_OPS:
+            return False
+        lo, hi = self.part_lo, self.part_hi - 1
+        return all((o + lo) // piece == (o + hi) // piece for o in shard_offsets.tolist())
 
     def job_started(self) -> None:
         with self.lock:
@@ -369,7 +489,8 @@ class _Lane:
         the submit thread, which takes the job next, enqueues the rest); else queue it."""
         eng = self.engine
         job.bounds = chunk_bounds(len(job.block_ids), eng.chunk_blocks)
-        small = len(job.block_ids) * len(job.mapped.seg_dev) <= eng.inline_max_ops
+        small = (len(job.bounds) == 2 and len(job.block_ids) * job.mapped.copies_per_block(eng)
+                 <= eng.inline_max_ops)
         first = eng.inline_first_chunk and len(job.bounds) > 2
         if (small or first) and self.launch_lock.acquire(blocking=False):
             try:
@@ -450,11 +571,11 @@ class _Lane:
             eng.kernel_broken = True
 
     def _event(self) -> int:
-        while True:
-            try:
-                self.free_events.append(self.recycled.get_nowait())
-            except queue.Empty:
-                break
+        # Only launches take from ``recycled`` (under ``launch_lock``): what empty() says is
+        # there stays there, without the cost of an exception per launch.
+        recycled = self.recycled
+        while not recycled.empty():
+            self.free_events.append(recycled.get_nowait())
         return self.free_events.pop() if self.free_events else cuda.event_create()
 
     def _launch(self, job: _Job, inline: bool = False, chunks: int | None = None) -> bool:
@@ -465,7 +586,9 @@ class _Lane:
         first compile, the pitched-copy check, a worker's event not complete yet)."""
         m = job.mapped
         eng = self.engine
-        shard_end = eng.pool_base + int(job.shard_offsets.max()) + m.part_hi
+        offs = job.shard_offsets
+        top = max(offs.tolist()) if len(offs) <= SMALL_OPS else int(offs.max())
+        shard_end = eng.pool_base + top + m.part_hi
         reg = eng.registration
         if reg is None:
             pinned = False
@@ -554,25 +677,33 @@ class _Lane:
             # Shards that straddle two registered pieces of the pool (a few per GiB) go
             # as 1D chunks, split at the boundary; every other one as pitched runs.
             cross = (split_items(shards + m.part_lo, m.part_hi - m.part_lo,
-                                 reg.piece_bytes) if split else None)
+                                 reg.piece_bytes) if split and not m.inside_pieces(
+                shards, reg.piece_bytes) else None)
             keep = slice(None) if cross is None else ~cross
-            plan = m.plan if eng.pitched_3d else m.plan_2d
-            gpu, gpitch, glayer, host, hpitch, hlayer, width, rows, depth = pitched_table(
-                plan, blocks[keep], shards[keep], eng.pool_base)
-            if job.to_pool:
-                ops = cuda.pitched_ops(host, hpitch, gpu, gpitch, width, rows, depth,
-                                       dst_layer=hlayer, src_layer=glayer)
-            else:
-                ops = cuda.pitched_ops(gpu, gpitch, host, hpitch, width, rows, depth,
-                                       dst_layer=glayer, src_layer=hlayer)
+            kind = (job.to_pool, bool(eng.pitched_3d))
+            tmpl = m.pitched_ops.get(kind)
+            if tmpl is None:
+                tmpl = m.pitched_ops[kind] = PitchedOps(m.plan if kind[1] else m.plan_2d,
+                                                        job.to_pool)
             job.backend = "dma2d"
-            self._spread(len(ops), eng.dma_2d_batch_ops,
-                         lambda a, b, st: cuda.memcpy_2d_batch_async(ops[a:b], st))
+            if cross is None and len(blocks) * len(tmpl.rows) <= SMALL_OPS:
+                table, count = tmpl.small(blocks.tolist(), shards.tolist(), eng.pool_base)
+                cuda.memcpy_2d_batch_at(ctypes.addressof(table), count, self.stream)
+            else:
+                ops = tmpl.for_items(blocks[keep], shards[keep], eng.pool_base)
+                self._spread(len(ops), eng.dma_2d_batch_ops,
+                             lambda a, b, st: cuda.memcpy_2d_batch_async(ops[a:b], st))
             if cross is None or not cross.any():
                 blocks = blocks[:0]
             else:
                 blocks, shards = blocks[cross], shards[cross]
-        if len(blocks):
+        if len(blocks) and len(blocks) * len(m.runs) <= SMALL_OPS and (
+                not split or m.inside_pieces(shards, reg.piece_bytes)):
+            table, count = small_table(m.runs, blocks.tolist(), shards.tolist(), eng.pool_base)
+            at = ctypes.addressof(table)
+            dst, src = (at + 8 * count, at) if job.to_pool else (at, at + 8 * count)
+            cuda.memcpy_batch_at(dst, src, at + 16 * count, count, self.stream)
+        elif len(blocks):
             gpu, host, size = chunk_table(m.seg_dev, m.seg_stride, m.seg_bytes,
                                           m.seg_prefix, blocks, shards, eng.pool_base)
             if split:
@@ -750,7 +881,7 @@ class CudaCopyEngine(CopyEngine):
                  dma_streams: int = 4, register_pool: bool = True,
                  register_piece_bytes: int = 1 << 30, kernel_words: int = 4096,
                  kernel_warps: int = 16, dma_2d: bool | None = None,
-                 dma_2d_batch_ops: int = 256, inline_max_ops: int = 0,
+                 dma_2d_batch_ops: int = 256, inline_max_ops: int = SMALL_OPS,
                  chunk_blocks: int = CHUNK_BLOCKS) -> None:
         # Benchmark and debugging knobs from the environment (A/B runs of one daemon build).
         env = os.environ

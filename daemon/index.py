@@ -957,7 +957,7 @@ class Index:
         # The LRUs and counts take the batch whole: one size and one namespace nearly always
         # (a store job's slots are of one namespace), so one call each instead of one per slot.
         first = slots[0]
-        if all(s.ns == first.ns for s in slots):
+        if len(slots) == 1 or all(s.ns == first.ns for s in slots):
             groups = [(first.ns, first.size_class, ids)]
         else:
             by: dict[bytes, tuple[bytes, SizeClass, list[int]]] = {}

@@ -395,6 +395,14 @@ class Pool:
         n = len(slot_ids)
         if not n:
             return
+        if n <= 4:
+            # Element by element: the arrays below cost ~2.5 us even for one slot.
+            for i, k, g in zip(slot_ids, keys, generations):
+                self._rec_key[i] = k
+                self._rec_generation[i] = g
+            for i in slot_ids:
+                self._rec_state[i] = COMMITTED
+            return
         idx = np.fromiter(slot_ids, np.int64, n)
         self._rec_key[idx] = np.frombuffer(b"".join(keys), dtype="V32")
         self._rec_generation[idx] = np.fromiter(generations, np.uint32, n)

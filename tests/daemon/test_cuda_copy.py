@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvpool.client.kv_layout import plan_kv_memory
+from kvpool.daemon import cuda as real_cuda
 from kvpool.daemon import cuda_copy
 from kvpool.shared.layout import Layout
 from kvpool.shared.protocol import CudaRegion, RegisterRequest
@@ -33,6 +34,7 @@ class FakeDriver:
         self.fail_copy_call = 0                       # n: the n-th batched call raises
         self.fail_sync_call = 0                       # n: the n-th event wait raises
         self.syncs = 0
+        self.spans: list[tuple[int, int, int]] = []   # every (dst, src, bytes) moved
 
     def __getattr__(self, name):
         if name in ("use_device", "stream_synchronize", "stream_wait_event", "event_destroy",
@@ -52,9 +54,18 @@ class FakeDriver:
     def has_memcpy_batch() -> bool:
         return True
 
+    pitched = False            # True: pitched batches too (the per-layer layouts' path)
+
+    def has_memcpy_2d_batch(self) -> bool:
+        return self.pitched
+
     @staticmethod
-    def has_memcpy_2d_batch() -> bool:
-        return False
+    def check_memcpy_2d_batch(_ordinal: int) -> str:
+        return ""
+
+    check_memcpy_3d_batch = check_memcpy_2d_batch
+
+    pitched_ops = staticmethod(real_cuda.pitched_ops)
 
     @staticmethod
     def normalize_uuid(u: str) -> str:
@@ -77,9 +88,10 @@ class FakeDriver:
     def event_record(_ev: int, _stream: int) -> None:
         pass
 
-    @staticmethod
-    def event_query(_ev: int) -> bool:
-        return True
+    events_done = True         # False: the worker's kernels are still running
+
+    def event_query(self, _ev: int) -> bool:
+        return self.events_done
 
     def event_synchronize(self, _ev: int) -> None:
         self.syncs += 1
@@ -92,6 +104,32 @@ class FakeDriver:
             raise RuntimeError("the driver refused the batch")
         for d, s, n in zip(dst.tolist(), src.tolist(), size.tolist()):
             ctypes.memmove(d, s, n)
+            self.spans.append((d, s, n))
+
+    def memcpy_batch_at(self, dst: int, src: int, size: int, count: int, stream) -> None:
+        def col(addr: int) -> np.ndarray:
+            return np.frombuffer((ctypes.c_uint64 * count).from_address(addr), np.uint64)
+        self.memcpy_batch_async(col(dst), col(src), col(size), stream)
+
+    def memcpy_2d_batch_at(self, ops: int, count: int, stream) -> None:
+        size = count * real_cuda.BATCH3D_OP_DTYPE.itemsize
+        self.memcpy_2d_batch_async(np.frombuffer((ctypes.c_char * size).from_address(ops),
+                                                 real_cuda.BATCH3D_OP_DTYPE), stream)
+
+    def memcpy_2d_batch_async(self, ops, _stream) -> None:
+        """Pitched copies by the driver's addressing: byte x of row y of layer z at
+        ptr + (z * layer + y) * row + x."""
+        self.copies.append((threading.current_thread().name, len(ops)))
+        if len(self.copies) == self.fail_copy_call:
+            raise RuntimeError("the driver refused the batch")
+        for o in ops.tolist():
+            f = dict(zip(ops.dtype.names, o))
+            for z in range(f["depth"]):
+                for y in range(f["height"]):
+                    d = f["dst_ptr"] + (z * f["dst_layer"] + y) * f["dst_row"]
+                    s = f["src_ptr"] + (z * f["src_layer"] + y) * f["src_row"]
+                    ctypes.memmove(d, s, f["width"])
+                    self.spans.append((d, s, f["width"]))
 
 
 class HostPool:
@@ -197,4 +235,143 @@ def test_a_small_store_is_one_chunk_and_reports_nothing(engine, fake, mapped):
     engine.submit_store(m, np.arange(4)[::-1].copy(), np.arange(4) * BLOCK_BYTES, b"",
                         seen.append).result(10)
     assert seen == [] and [n for _, n in fake.copies] == [4]
-    assert fake.copies[0][0].endswith("store-submit")       # no inline launch for one chunk
+    # at most SMALL_OPS copies: launched whole on the caller's thread, no hop to the lane
+    assert fake.copies[0][0] == threading.current_thread().name
+
+
+def test_a_small_job_goes_to_the_lane_when_inline_is_off_or_the_worker_is_not_done(
+        engine, fake, mapped):
+    m, kv = mapped
+    engine.inline_max_ops = 0
+    engine.submit_store(m, np.array([1]), np.array([0])).result(10)
+    assert fake.copies[-1][0].endswith("store-submit")
+    engine.inline_max_ops = cuda_copy.SMALL_OPS
+    # the worker's kernels still run: the loop's thread must not wait, the lane polls
+    fake.events_done = False
+    fut = engine.submit_store(m, np.array([2]), np.array([BLOCK_BYTES]), b"e" * 64)
+    assert not fut.done() and len(fake.copies) == 1
+    fake.events_done = True
+    fut.result(10)
+    assert fake.copies[-1][0].endswith("store-submit")
+    assert np.array_equal(_pool_blocks(engine, [BLOCK_BYTES])[0], kv.reshape(BLOCKS, -1)[2])
+
+
+def test_a_small_job_never_overtakes_one_queued_on_its_lane(engine, fake, mapped):
+    """Jobs of one lane run in submission order: with a job waiting for the submit thread, a
+    small one behind it is queued too rather than launched at once."""
+    m, _ = mapped
+    fake.events_done = False
+    first = engine.submit_store(m, np.arange(10), np.arange(10) * BLOCK_BYTES, b"e" * 64)
+    second = engine.submit_store(m, np.array([3]), np.array([20 * BLOCK_BYTES]))
+    assert fake.copies == []
+    fake.events_done = True
+    first.result(10)
+    second.result(10)
+    assert [n for _, n in fake.copies] == [3, 3, 4, 1]
+    assert all(name.endswith("store-submit") for name, _ in fake.copies)
+
+
+# ---- small jobs: tables from the registration's templates; the pool in registered pieces ----
+
+LAYERS = 6
+LAYER_BYTES = 512
+
+
+class PiecesRegistration:
+    """A pool registered in pieces of ``piece_bytes`` (as ``cuda.HostRegistration`` leaves a
+    pool over 1 GiB): no DMA copy may span two pieces."""
+
+    is_finished = is_complete = True
+    is_uva_identity = False
+
+    def __init__(self, base: int, nbytes: int, piece_bytes: int) -> None:
+        self.piece_bytes = piece_bytes
+        self.registered = [(a, min(piece_bytes, base + nbytes - a))
+                           for a in range(base, base + nbytes, piece_bytes)]
+        self.registered_end = base + nbytes
+
+    def wait_until(self, _end: int, _timeout_s=None) -> bool:
+        return True
+
+    def unregister(self) -> None:
+        pass
+
+
+@pytest.fixture
+def pitched_engine(fake):
+    fake.pitched = True
+    pool = HostPool(2 * BLOCKS * LAYERS * LAYER_BYTES)
+    eng = cuda_copy.CudaCopyEngine(pool, backend="dma", register_pool=False, chunk_blocks=4)
+    eng.test_pool = pool
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def per_layer(pitched_engine, fake):
+    """A per-layer KV cache (LAYERS tensors of [BLOCKS, LAYER_BYTES]) in fake device memory."""
+    kv = np.random.default_rng(2).integers(0, 255, LAYERS * BLOCKS * LAYER_BYTES,
+                                            dtype=np.uint8)
+    fake.memory[b"p" * 64] = kv
+    t = torch.from_numpy(kv).view(LAYERS, BLOCKS, LAYER_BYTES)
+    plan = plan_kv_memory(list(t), [0] * LAYERS, [(kv.ctypes.data, kv.nbytes)])
+    reg = RegisterRequest(1, b"p" * 16, Layout(16, 1, "uint8", plan.segment_bytes), 0,
+                          plan.num_blocks, [CudaRegion("GPU-0", b"p" * 64, kv.nbytes)],
+                          plan.placement)
+    m = pitched_engine.attach(reg)
+    yield m, kv.reshape(LAYERS, BLOCKS, LAYER_BYTES)
+    pitched_engine.detach(m, wait_s=10)
+
+
+def _slot(pool: HostPool, offset: int) -> np.ndarray:
+    return pool.array[offset:offset + LAYERS * LAYER_BYTES].reshape(LAYERS, LAYER_BYTES)
+
+
+def test_per_layer_jobs_of_any_size_move_the_right_bytes(pitched_engine, fake, per_layer):
+    m, kv = per_layer
+    pool = pitched_engine.test_pool
+    slot = LAYERS * LAYER_BYTES
+    pitched_engine.submit_store(m, np.array([5]), np.array([3 * slot])).result(10)
+    assert np.array_equal(_slot(pool, 3 * slot), kv[:, 5])
+    assert len(fake.copies) == 1 and fake.copies[0][1] == 1     # one pitched record, no numpy
+    blocks = np.array([9, 2, 7, 0, 11, 4, 1, 8, 3, 6])
+    offs = (np.arange(10) + 5) * slot
+    pitched_engine.submit_store(m, blocks, offs).result(10)     # chunks of 4, 3, 3 items
+    for b, o in zip(blocks, offs):
+        assert np.array_equal(_slot(pool, o), kv[:, b])
+    kv[:] = 0
+    pitched_engine.submit_load(m, np.array([3 * slot]), np.array([2])).result(10)
+    assert np.array_equal(kv[:, 2], _slot(pool, 3 * slot))
+    pitched_engine.submit_load(m, offs, blocks).result(10)
+    for b, o in zip(blocks, offs):
+        assert np.array_equal(kv[:, b], _slot(pool, o))
+
+
+@pytest.mark.parametrize("layout", ["block_outer", "per_layer"])
+def test_a_small_job_whose_slot_spans_two_pool_pieces_is_cut_at_the_boundary(
+        request, fake, layout):
+    eng = request.getfixturevalue("engine" if layout == "block_outer" else "pitched_engine")
+    m, kv = request.getfixturevalue("mapped" if layout == "block_outer" else "per_layer")
+    kv = kv.reshape(BLOCKS, 1, -1).transpose(1, 0, 2) if layout == "block_outer" else kv
+
+    def block(b: int) -> np.ndarray:
+        return kv[:, b].ravel()
+
+    pool = eng.test_pool
+    slot = len(block(0))
+    eng.registration = PiecesRegistration(pool.base_address, pool.nbytes, 3 * slot // 2 + 256)
+    # slot 0 lies inside the first piece (one copy); slot 1 spans the first two (cut in two)
+    eng.submit_store(m, np.array([4]), np.array([0])).result(10)
+    eng.submit_store(m, np.array([6]), np.array([slot])).result(10)
+    kv[:, 1] = 0
+    eng.submit_load(m, np.array([slot]), np.array([1])).result(10)
+    assert np.array_equal(pool.array[:slot], block(4))
+    assert np.array_equal(pool.array[slot:2 * slot], block(6))
+    assert np.array_equal(block(1), block(6))
+    lo = pool.base_address
+    pieces = [(a, a + n) for a, n in eng.registration.registered]
+    pool_side = [(d if lo <= d < lo + pool.nbytes else s, n) for d, s, n in fake.spans]
+    assert all(any(a <= h and h + n <= b for a, b in pieces) for h, n in pool_side), \
+        "a copy spans two registered pieces"
+    if layout == "block_outer":
+        assert [n for _, n in fake.copies] == [1, 2, 2]

@@ -250,3 +250,69 @@ def test_tp_cross_engine_tables_for_the_benchmark_layouts():
     # BLHNC: one segment per block, a row is a layer of all heads
     p = plan(2, 1, layers * tokens * heads * cell, tokens * cell)
     assert p[:, [P_WIDTH, P_HEIGHT, P_DEPTH]].tolist() == [[4 * tokens * cell, layers, 1]]
+
+
+# ---- small jobs' tables (built in Python from per-registration templates) -------------------
+
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "LHBNC", "BHLNC"])
+@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 1), (4, 3)])
+def test_templates_give_the_same_copies_as_the_full_tables(order, tp, rank):
+    """A job's pitched records from a registration's ``PitchedOps`` (numpy for any size, Python
+    for a few items) are the records ``pitched_table`` + ``pitched_ops`` give, in order, both
+    directions, 2D and 3D; a small job's 1D table from ``block_runs`` moves exactly the bytes
+    of ``chunk_table``'s."""
+    import ctypes
+
+    from kvpool.daemon import cuda
+    from kvpool.daemon.copy_engine import segment_address_table
+    from kvpool.daemon.cuda_copy import (PitchedOps, block_runs, flatten_plan, pitched_plan,
+                                         pitched_table, small_table, strided_runs)
+    from kvpool.shared.protocol import RegisterRequest
+    from tests.kvtest import HeadKv
+
+    kv = HeadKv(tp, rank, heads=4, layers=3, blocks=6, block_tokens=4, cell=8, order=order)
+    try:
+        reg = RegisterRequest(1, kv.namespace, kv.layout, rank, kv.blocks, [kv.mem.region],
+                              kv.placement)
+        region, offset, stride, nbytes, prefix = segment_address_table(reg)
+        dev = offset + (1 << 40)
+        slot = kv.layout.slot_bytes
+        base = 1 << 30
+        plan = pitched_plan(dev, stride, nbytes, prefix,
+                            strided_runs(region, dev, stride, nbytes, prefix))
+        for blocks, slots in ((np.array([4]), np.array([2 * slot])),
+                              (np.array([4, 0, 5]), np.array([2, 0, 1]) * slot)):
+            for p in (plan, flatten_plan(plan)):
+                g, gp, gl, h, hp, hl, w, r, d = pitched_table(p, blocks, slots, base)
+                for to_pool in (True, False):
+                    want = (cuda.pitched_ops(h, hp, g, gp, w, r, d, dst_layer=hl, src_layer=gl)
+                            if to_pool else
+                            cuda.pitched_ops(g, gp, h, hp, w, r, d, dst_layer=gl, src_layer=hl))
+                    t = PitchedOps(p, to_pool)
+                    got = t.for_items(blocks, slots, base)
+                    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+                    table, count = t.small(blocks.tolist(), slots.tolist(), base)
+                    assert count == len(want) and bytes(table) == want.tobytes()
+            runs = block_runs(dev, stride, nbytes, prefix)
+            assert len(runs) <= len(dev)
+            table, count = small_table(runs, blocks.tolist(), slots.tolist(), base)
+            cols = np.frombuffer(table, np.uint64).reshape(3, count).astype(np.int64)
+            naive = _naive(dev, stride, nbytes, prefix, blocks, slots, base)
+            g1, h1 = _bytes_map(*zip(*naive))
+            g2, h2 = _bytes_map(*cols)
+            assert np.array_equal(g1[np.argsort(g1)], g2[np.argsort(g2)])
+            assert np.array_equal(h1[np.argsort(g1)], h2[np.argsort(g2)])
+            assert ctypes.sizeof(table) == 3 * 8 * count
+    finally:
+        kv.close()
+
+
+def test_block_runs_merge_only_what_stays_contiguous_for_every_block():
+    from kvpool.daemon.cuda_copy import block_runs
+    a = lambda *x: np.array(x, dtype=np.int64)   # noqa: E731
+    # two segments back to back on both sides with one stride: one run
+    assert block_runs(a(100, 110), a(64, 64), a(10, 10), a(0, 10)) == [(100, 64, 0, 20)]
+    # contiguous in block 0 but with different strides: they part in block 1
+    assert len(block_runs(a(100, 110), a(64, 32), a(10, 10), a(0, 10))) == 2
+    # contiguous on the GPU, not in the slot
+    assert len(block_runs(a(100, 110), a(64, 64), a(10, 10), a(0, 20))) == 2

@@ -274,8 +274,11 @@ def test_layouts_and_block_ids_past_their_bounds_are_refused(daemon, committed):
     assert r.code == ErrorCode.LAYOUT_MISMATCH and "tp_size" in r.message, r
     r = raw.call(p.RegisterRequest(3, kv.namespace, kv.layout, 0, kv.blocks, [kv.mem.region],
                                    kv.placement))
-    r = raw.call(p.LoadRequest(4, r.registration_id, 9, [1], [2**63]))
-    assert isinstance(r, p.JobDone) and r.code == ErrorCode.OUT_OF_RANGE, r   # was INTERNAL
+    reg_id = r.registration_id
+    for i, ids in enumerate(([2**63], [3, 2**64 - 1], [-(2**63)], [1] * 40 + [2**64 - 1],
+                             [1] * 40 + [-1], [1] * 40 + [kv.blocks])):
+        r = raw.call(p.LoadRequest(4 + i, reg_id, 9, [1] * len(ids), ids))
+        assert isinstance(r, p.JobDone) and r.code == ErrorCode.OUT_OF_RANGE, r   # was INTERNAL
     raw.close()
 
 

@@ -393,3 +393,41 @@ def test_a_chunked_store_whose_launch_fails_halfway_reports_only_what_landed(eng
     finally:
         engine.chunk_blocks = old
         w.close()
+
+
+@pytest.mark.parametrize("inline", [True, False])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_small_jobs_move_exact_bytes_also_across_a_pool_piece(engine, pool, layout, inline):
+    """Jobs of a few blocks build their copies in Python from the registration's templates
+    (1D runs, pitched records); one whose slot spans two registered pieces of the pool (64
+    MiB here) goes through the full tables, cut at the boundary. Every path is bit-exact, on
+    the caller's thread and on the lane's."""
+    w = Worker(0, layout, NUM_BLOCKS)
+    inline_before = engine.inline_max_ops
+    try:
+        engine.inline_max_ops = 1 << 20 if inline else 0
+        reg = w.register_request()
+        m = engine.attach(reg)
+        n = reg.layout.slot_bytes
+        piece = engine.registration.piece_bytes
+        # half a slot before the boundary, then two slots well inside a piece
+        offs = np.array([piece - n // 2, 3 * n, 5 * n], dtype=np.int64)
+        pool.array()[:] = POISON ^ 0xFF
+        w.call("fill", 21)
+        src = np.array([17, 4, 30])
+        want = w.call("blocks", src.tolist())
+        for i in range(3):                                # single-block jobs
+            engine.submit_store(m, src[i:i + 1], offs[i:i + 1], w.call("event")).result(60)
+        assert np.array_equal(_pool_shards(pool, reg, offs), want), f"{layout}: 1-block stores"
+        for i in range(3):
+            _load_back(engine, m, w, offs[i:i + 1], np.array([40 + i]), want[i:i + 1],
+                       f"{layout} 1-block load {i}")
+        pool.array()[:] = POISON ^ 0xFF
+        w.call("fill", 21)                                # the loads above poisoned it
+        engine.submit_store(m, src, offs, w.call("event")).result(60)   # one 3-block job
+        assert np.array_equal(_pool_shards(pool, reg, offs), want), f"{layout}: 3-block store"
+        _load_back(engine, m, w, offs, np.array([50, 2, 61]), want, f"{layout} 3-block load")
+        engine.detach(m, wait_s=10)
+    finally:
+        engine.inline_max_ops = inline_before
+        w.close()
