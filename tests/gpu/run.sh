@@ -39,7 +39,7 @@ rc=0
 cp -r tests bench pyproject.toml /tmp/pp/
 REPO=/tmp/pp; cd /tmp
 if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = tests+pd ]; then
-  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
+  timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
     -c "$REPO/pyproject.toml" --rootdir "$REPO" "$REPO/tests/daemon/test_cuda_tables.py" "$REPO/tests/gpu" 2>&1 | tee "$OUT/tests.log" || rc=1
 fi
 if [ "$what" = pd ] || [ "$what" = pd+bench ]; then
@@ -51,7 +51,7 @@ if [ "$what" = pd ] || [ "$what" = pd+bench ] || [ "$what" = tests+pd ]; then
   timeout ${PD_TIMEOUT:-240} python3 "$REPO/bench/pd_handoff.py" --out "$OUT" ${PD_ARGS:-} 2>&1 | tee "$OUT/pd.log" || rc=1
 fi
 if [ "$what" = tp ]; then
-  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
+  timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
     -c "$REPO/pyproject.toml" --rootdir "$REPO" "$REPO/tests/daemon/test_cuda_tables.py" "$REPO/tests/gpu" \
     -k "tp_cross or tp2 or pitched or round_trip" 2>&1 | tee "$OUT/tests-tp.log" || rc=1
   timeout ${PD_TIMEOUT:-480} python3 "$REPO/bench/pd_handoff.py" --mode cross --out "$OUT" ${PD_ARGS:-} 2>&1 | tee "$OUT/pd-tp.log" || rc=1
