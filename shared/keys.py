@@ -13,9 +13,9 @@ process and after restarts, so nothing here uses Python's ``hash`` (seeded per p
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import struct
+import sys
+from array import array
 from typing import NewType, Sequence
 
 Namespace = NewType("Namespace", bytes)
@@ -49,27 +49,39 @@ def chain_block_hashes(token_ids: Sequence[int], block_tokens: int, parent: byte
     ``block_extras[i]``, when given, is mixed into block ``start_block + i`` (multimodal input
     hashes that fall in that block). Only full blocks get a hash.
     """
-    out: list[BlockHash] = []
     n_full = len(token_ids) // block_tokens
-    pack = _packer(block_tokens)
-    blake2b = hashlib.blake2b
-    # One-shot hashing of parent + tokens (+ marker and extras): the same digest as feeding
-    # them in turn, at about half the Python cost; decode blocks are keyed one per call.
-    for i, b in enumerate(range(start_block, n_full)):
-        data = parent + pack(*token_ids[b * block_tokens:(b + 1) * block_tokens])
-        if block_extras is not None and i < len(block_extras) and block_extras[i]:
-            data += b"\1" + block_extras[i]
-        parent = blake2b(data, digest_size=KEY_BYTES, person=_BLOCK_PERSON).digest()
-        out.append(BlockHash(parent))
+    if n_full <= start_block:
+        return []
+    # The run's tokens packed once at C speed (array, then slices), and each block hashed by a
+    # copy of a prepared hasher fed parent, tokens (, marker and extras): the same digest as
+    # one-shot hashing of the concatenation, without re-parsing blake2b's keyword arguments or
+    # packing per block (~20% of the cost of keying a decode run of 8 blocks).
+    packed = array("q", token_ids[start_block * block_tokens:n_full * block_tokens])
+    if _SWAP:
+        packed.byteswap()
+    tokens = packed.tobytes()
+    width = block_tokens * 8
+    new = _BLOCK_HASHER.copy
+    out: list[BlockHash] = []
+    append = out.append
+    for off in range(0, len(tokens), width):
+        h = new()
+        h.update(parent)
+        h.update(tokens[off:off + width])
+        if block_extras is not None:
+            i = off // width
+            if i < len(block_extras) and block_extras[i]:
+                h.update(b"\1")
+                h.update(block_extras[i])
+        parent = h.digest()
+        append(parent)     # (a BlockHash: NewType is the identity at run time)
     return out
 
 
-_BLOCK_PERSON = b"kvpool-block"
-
-
-@functools.lru_cache(maxsize=8)
-def _packer(block_tokens: int):
-    return struct.Struct(f"<{block_tokens}q").pack
+_BLOCK_HASHER = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvpool-block")
+# Keys are little-endian int64 tokens on every host.
+_SWAP = sys.byteorder != "little"
+assert array("q").itemsize == 8
 
 
 def request_block_hashes(namespace: bytes, token_ids: Sequence[int], block_tokens: int,
