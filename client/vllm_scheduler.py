@@ -82,8 +82,12 @@ STORE_DEFER_MAX_S = 0.5
 # of 16): a request is planned in pieces of at most this many blocks, so the budget is checked
 # between pieces and the rest of its blocks wait at the front of the queue.
 STORE_PIECE_BLOCKS = 32
-# The planning budget ends early in a step whose lookups (answers taken in, next batch built)
-# already took time: it ends this long after build_connector_meta started, whichever is first.
+# A step whose budget is spent before planning starts still plans one piece, so the queue
+# always moves, but a small one: this many blocks (~25 us).
+STORE_LATE_PIECE_BLOCKS = 8
+# The planning budget ends early in a step whose other work (lookup answers taken in, the
+# next lookup batch and the step's other messages sent, all before planning) already took
+# time: it ends this long after build_connector_meta started, whichever is first.
 STORE_STEP_BUDGET_S = 150e-6
 # A decoding request's new blocks are planned once they add up to this many tokens: a decode
 # fills one block every block_size steps, so with 16-token blocks a ticket takes 8 of them
@@ -728,21 +732,24 @@ class SchedulerRole:
                 self._consume_lookup(st, keep_leases=False)
                 self._set_cursor(st, 0)
         meta.flush_tickets = sorted(flush)
-        meta.stores = self._plan_stores(so)
-        meta.free_now, self._free_ready = self._free_ready, []
+        # The step's messages go before store planning, whose budget runs from the step's
+        # start: planning gets what they left of it, so a step that sends a lookup batch
+        # does not also plan for the full budget.
         if self._abort_slots:
             slots, self._abort_slots = self._abort_slots, []
             self._nowait(self.client.abort_nowait, slots)
         if self._release:
             leases, self._release = sorted(set(self._release)), []
             self._nowait(self.client.release_nowait, leases)
-        if self._backlog:
-            self._end_backlog()
         if self._retry:
             self._queued.extend(self._retry)
             self._retry = []
         if self._queued and not self._inflight_calls:
             self._send_lookups()
+        meta.stores = self._plan_stores(so)
+        meta.free_now, self._free_ready = self._free_ready, []
+        if self._backlog:
+            self._end_backlog()
         # Last: polling, deadlines and a failed send above may all have added load specs.
         meta.loads, self._step_loads = self._step_loads, []
         self._steps += 1
@@ -822,8 +829,8 @@ class SchedulerRole:
                 break
             del queue[rid]
             st = reqs.get(rid)
-            while st is not None and self._plan_request(st, step):
-                pass
+            if st is not None:
+                self._plan_request(st, step)        # all its blocks
         specs: list[StoreSpec] = []
         for gi, g in enumerate(self.groups):
             runs = step.wanted[gi]
@@ -864,13 +871,15 @@ class SchedulerRole:
         Returns those planned, still known."""
         planned: list[_Req] = []
         while fifo:
-            if not one_at_least and time.perf_counter() > stop_at:
+            late = time.perf_counter() > stop_at
+            if late and not one_at_least:
                 break
             one_at_least = False
             rid, since = fifo.popitem(last=False)
             st = self._reqs.get(rid)
             if st is not None:
-                if self._plan_request(st, step):
+                if self._plan_request(st, step, STORE_LATE_PIECE_BLOCKS if late
+                                      else STORE_PIECE_BLOCKS):
                     fifo[rid] = since
                     fifo.move_to_end(rid, last=False)
                 if not planned or planned[-1] is not st:
@@ -887,10 +896,10 @@ class SchedulerRole:
             return 1
         return st.store_run
 
-    def _plan_request(self, st: _Req, step: "_StepPlan") -> bool:
+    def _plan_request(self, st: _Req, step: "_StepPlan", piece: int | None = None) -> bool:
         """Add ``st``'s newly full blocks to ``step.wanted`` (if they make a run of
-        ``STORE_RUN_TOKENS``, or the request has finished), at most ``STORE_PIECE_BLOCKS`` of
-        them; True if more are left to plan."""
+        ``STORE_RUN_TOKENS``, or the request has finished), at most ``piece`` of them (all if
+        None); True if more are left to plan."""
         if not st.keys.cacheable or st.loading:
             return False
         req = st.request
@@ -902,9 +911,9 @@ class SchedulerRole:
         n_full = min(done, req.num_tokens) // self.block_tokens
         if n_full < st.lo + self._run_blocks(st):
             return False
-        more = n_full > st.lo + STORE_PIECE_BLOCKS
+        more = piece is not None and n_full > st.lo + piece
         if more:
-            n_full = st.lo + STORE_PIECE_BLOCKS
+            n_full = st.lo + piece
         tables = step.tables
         for gi, g in enumerate(self.groups):
             lo = st.cursor[gi]

@@ -547,9 +547,11 @@ def test_a_long_prompt_is_planned_in_pieces_over_several_steps(
         make_engine, info, monkeypatch, async_scheduling, max_tokens):
     from kvpool.client import vllm_scheduler
 
-    # No time for planning: one piece of 3 blocks a step. One prefill fills 10 blocks.
+    # No time for planning: each step plans one late piece, of 3 blocks (not a full piece of
+    # 6). One prefill fills 10 blocks.
     monkeypatch.setattr(vllm_scheduler, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(vllm_scheduler, "STORE_PIECE_BLOCKS", 3)
+    monkeypatch.setattr(vllm_scheduler, "STORE_PIECE_BLOCKS", 6)
+    monkeypatch.setattr(vllm_scheduler, "STORE_LATE_PIECE_BLOCKS", 3)
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
     role = e.connector.scheduler
     planned = spy_planned_blocks(role)
