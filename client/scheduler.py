@@ -42,6 +42,11 @@ STOCK_MAX = 8192
 # After a reservation came back empty or refused (pool full, namespace not registered yet),
 # wait this long before asking again, instead of asking every step.
 RESERVE_RETRY_S = 0.02
+# A send this soon after ``ready()`` said True trusts that answer instead of checking the
+# connection again: a scheduler step checks once and then sends several requests, and each
+# check reads the monitor socket through libzmq (~7 us). A send on a connection lost in that
+# window fails or is refused as it would a moment after a fresh check.
+READY_TRUSTED_S = 0.002
 
 
 class PendingCall:
@@ -83,6 +88,7 @@ class SchedulerClient:
         self._epoch = 0
         self._grant = ""                          # daemon_id of the stock's grants
         self._lost: DaemonUnavailable | None = None
+        self._ready_at = float("-inf")            # when ready() last said True
 
     # ---- waiting calls (tools, tests, benchmarks) ------------------------------------------
 
@@ -140,7 +146,9 @@ class SchedulerClient:
     def ready(self) -> bool:
         """Connected (True), or connecting without waiting (False: ask again next step).
         Raises ``DaemonUnavailable`` when the daemon is missing or did not answer in time."""
-        return self._t.connect_nowait()
+        ok = self._t.connect_nowait()
+        self._ready_at = time.monotonic() if ok else float("-inf")
+        return ok
 
     def poll(self, just_ready: bool = False) -> None:
         """Take in every answer that has arrived, without waiting: lookup replies (for their
@@ -270,7 +278,9 @@ class SchedulerClient:
         return reply.count
 
     def _send(self, make) -> int:
-        if not self._t.connect_nowait():
+        t = self._t
+        if not (t.is_connected and time.monotonic() - self._ready_at < READY_TRUSTED_S) \
+                and not t.connect_nowait():
             raise DaemonUnavailable("still connecting to kvpoold")
         self._check_epoch()
         return self._t.send_connected(make)

@@ -38,6 +38,7 @@ from kvpool.shared import protocol as p
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.errors import (DaemonUnavailable, HelloRequired, KvpoolError,
                                   error_from_code)
+from kvpool.shared.zmq_context import shared_context
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class Transport:
         self.on_connect = on_connect
         self.owner_id: int | None = None
         self.daemon_id: str | None = None
-        self._ctx = zmq.Context.instance()
+        self._ctx = shared_context()
         self._sock: zmq.Socket | None = None
         self._held: HeldSocket | None = None
         # ZeroMQ's events for our socket: DISCONNECTED (the daemon closed the connection: it

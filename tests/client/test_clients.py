@@ -53,6 +53,57 @@ def test_poll_never_blocks(daemon):
     worker.close(); kv.close()
 
 
+def test_sends_just_after_ready_trust_its_answer(daemon, monkeypatch):
+    """A scheduler step checks the connection once (``ready``) and sends several requests:
+    those sends do not check it again, later ones do."""
+    from kvpool.client import scheduler as sched_mod
+
+    sched = SchedulerClient(daemon.client_config())
+    sched.ping()
+    checks = []
+    real = sched._t.connect_nowait
+    monkeypatch.setattr(sched._t, "connect_nowait", lambda: checks.append(1) or real())
+    monkeypatch.setattr(sched_mod, "READY_TRUSTED_S", 60.0)
+    assert sched.ready() and len(checks) == 1
+    sched.release_nowait([7])
+    sched.abort_nowait([7])
+    call = sched.lookup_start(b"n" * 16, [[b"k" * 16]])
+    assert len(checks) == 1
+    monkeypatch.setattr(sched_mod, "READY_TRUSTED_S", 0.0)
+    sched.release_nowait([8])
+    assert len(checks) == 2
+    assert wait_for(lambda: sched.poll() or call.result(), 5, "the lookup reply").hits == [0]
+    sched.close()
+
+
+def test_a_trusted_send_to_a_restarted_daemon_fails_cleanly_and_the_client_recovers(
+        daemon, monkeypatch):
+    from kvpool.client import scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "READY_TRUSTED_S", 60.0)
+    sched = SchedulerClient(daemon.client_config())
+    sched.ping()
+    assert sched.ready()
+    daemon.kill()
+    daemon.restart()
+    # Trusted, so not checked: the request goes nowhere (refused at once by libzmq), or to the
+    # new daemon, which does not know the connection and answers HELLO_REQUIRED.
+    call = _try(lambda: sched.lookup_start(b"n" * 16, [[b"k" * 16]]))
+    if call is not None:
+        def answered():
+            _try(sched.poll)
+            try:
+                return call.result()
+            except Exception as e:      # the refusal, or the connection dropped meanwhile
+                return e
+        wait_for(answered, 10, "an answer or a failure of the lookup")
+    monkeypatch.setattr(sched_mod, "READY_TRUSTED_S", 0.0)
+    reply = wait_for(lambda: unless_unavailable(lambda: sched.lookup(b"n" * 16, [[b"k" * 16]])),
+                     15, "the scheduler to reconnect")
+    assert reply.hits == [0]
+    sched.close()
+
+
 def test_clients_recover_by_themselves_after_a_daemon_restart(daemon):
     kv = HostKv()
     worker, reg = kv.register(daemon.client_config())
