@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import zmq
 
 from kvpool.shared import zmq_context
@@ -36,13 +37,17 @@ def test_io_threads_of_a_new_context_never_preempt_at_wake_up():
         ctx.term()
 
 
-def test_a_host_that_refuses_the_policy_gets_a_plain_context(monkeypatch):
+@pytest.mark.parametrize("how", ["refused", "turned-off"])
+def test_a_host_that_refuses_the_policy_gets_a_plain_context(monkeypatch, how):
     # libzmq would abort the process if its thread could not take the policy: never ask then.
     def refuse(*_args):
         raise PermissionError("sched_setscheduler refused by the seccomp profile")
-    monkeypatch.setattr(zmq_context, "_batch_ok", None)
-    monkeypatch.setattr(os, "sched_setscheduler", refuse)
-    assert zmq_context.batch_policy_allowed() is False
+    if how == "refused":
+        monkeypatch.setattr(zmq_context, "_batch_ok", None)
+        monkeypatch.setattr(os, "sched_setscheduler", refuse)
+        assert zmq_context.batch_policy_allowed() is False
+    else:
+        monkeypatch.setenv("KVPOOL_ZMQ_SCHED_BATCH", "0")
     ctx = zmq_context.new_context()
     ctx.set(zmq.THREAD_NAME_PREFIX, 732)
     sock = ctx.socket(zmq.DEALER)
