@@ -387,16 +387,13 @@ class SchedulerRole:
         """One lookup per namespace for every queued request (the step's batch)."""
         if not self._queued:
             return
-        connected = False
-        if self._daemon_ok():
-            connected = self._pumped    # (this step's _pump ran before: it asked ready())
-            if not connected:
-                return          # connecting: the queued requests ask again next step
-        if not connected:
+        if not self._daemon_ok():
             self._resolve_miss([r for r in dict.fromkeys(self._queued)
                                 if r in self._reqs and self._reqs[r].state == "queued"])
             self._queued.clear()
             return
+        if not self._pumped:    # (this step's _pump ran before: it asked ready())
+            return              # connecting: the queued requests ask again next step
         ids = self._take_queued()
         if not ids:
             return
@@ -797,10 +794,14 @@ class SchedulerRole:
         # have not gathered one yet); a rough test, _plan_request decides.
         for rid in chain((r.req_id for r in so.scheduled_new_reqs),
                          compress(cached.req_ids, cached.new_block_ids)):
+            if rid in queue:
+                continue
             st = get(rid)
-            if st is not None and (st.request.num_computed_tokens + n_sched_of.get(rid, 0)) \
-                    // bt >= st.lo + self._run_blocks(st):
-                queue.setdefault(rid, now)
+            if st is None:
+                continue
+            filled = (st.request.num_computed_tokens + n_sched_of.get(rid, 0)) // bt - st.lo
+            if filled > 0 and (filled >= st.store_run or self._run_blocks(st) == 1):
+                queue[rid] = now
         if not queue and not self._backlog_todo:
             return []
         if not any(map(self.client.stock, self._namespaces)) \
