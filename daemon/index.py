@@ -49,7 +49,9 @@ pressure still evicts by the pool-wide LRU.
 from __future__ import annotations
 
 import itertools
+from functools import partial
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Callable
 
 from kvpool.daemon.eviction import LruPolicy
@@ -513,10 +515,40 @@ class Index:
         already committed, being written or filled, or named twice. Slots bound earlier (by
         another rank's store, or by ``prepare_store``) must be bound to the same key.
         """
+        slots, bind = self.open_store(ns, refs, rank, mask, keys=keys, now=now)
+        if bind is not None:
+            bind()
+        return slots
+
+    def open_store(self, ns: bytes, refs: list[int], rank: int, mask: int | None = None, *,
+                   keys: list[bytes] | None = None, now: float = 0.0
+                   ) -> tuple[list[Slot], Callable[[], None] | None]:
+        """``begin_store``, less the binding of reserved slots where it can wait: where binding
+        cannot make any slot void (every slot RESERVED, its keys distinct and none held, no
+        quota on ``ns``), it comes back as ``bind``, which the caller (the server's dispatch)
+        must call once it has handed the copy to its engine, before anything else touches the
+        index: before it ends the job and before it gives the event loop back. Until then the
+        slots are pinned and RESERVED, and no slot of them is void. Else ``bind`` is None and
+        the slots are bound already. So a big store's copy starts without waiting for ~1024
+        slot bindings (370 us on a 2-core host), which then run under its first chunk's copy.
+        Raises as ``begin_store``, with nothing changed."""
         bit = 1 << rank if mask is None else mask
-        slots = self._begin_prepared(ns, refs, bit) if keys is None and bit else None
-        if slots is not None:
-            return slots
+        if bit and keys is None:
+            slots = self._begin_prepared(ns, refs, bit)
+            if slots is not None:
+                return slots, None
+        elif bit:
+            got = self._begin_keyed(ns, refs, bit, keys)
+            if got is not None:
+                slots, binds = got
+                if not binds:
+                    return slots, None
+                every = binds == len(slots)
+                if (every and not self._quota.get(ns, 0) and len(set(keys)) == len(keys)
+                        and self._tables.setdefault(ns, {}).keys().isdisjoint(keys)):
+                    return slots, partial(self._bind, ns, slots, keys, now, True, True)
+                self._bind(ns, slots, keys, now, every)
+                return slots, None
         slots = self._check_store(ns, refs, rank, bit, keys)
         if len(set(slots)) != len(slots):
             raise ProtocolError("a store job names the same slot twice")
@@ -525,7 +557,7 @@ class Index:
         for s in slots:
             s.writing |= bit
             s.pins += 1
-        return slots
+        return slots, None
 
     def _begin_prepared(self, ns: bytes, refs: list[int], bit: int) -> list[Slot] | None:
         """``begin_store`` of slots that are all WRITING for ``ns`` and free of ``bit`` (slots
@@ -546,6 +578,32 @@ class Index:
             s.writing |= bit
             s.pins += 1
         return slots
+
+    def _begin_keyed(self, ns: bytes, refs: list[int], bit: int, keys: list[bytes]
+                     ) -> tuple[list[Slot], int] | None:
+        """The checks and pins of ``begin_store`` with keys, in one pass, for slots that are
+        each RESERVED for ``ns``, or WRITING for ``ns`` and bound to its key, and free of
+        ``bit`` (the vLLM connector's stores: reserved slots, bound by the first rank); the
+        slots and how many of them are RESERVED (to be bound by the caller). None, with
+        nothing changed, where any slot is not so, for ``_check_store`` to say why. Nothing is
+        bound here: binding may evict (a quota), which no undo could bring back. A slot named
+        twice is caught by the bit its first mention set."""
+        get = self._slots.get
+        slots = [get(ref & 0xFFFF_FFFF) for ref in refs]
+        reserved, writing = RESERVED, WRITING
+        binds = 0
+        for i, (s, ref) in enumerate(zip(slots, refs)):
+            if (s is None or s.ref != ref or s.doomed or s.ns != ns
+                    or (s.landed | s.writing) & bit
+                    or (s.state != reserved and (s.state != writing or s.key[16:] != keys[i]))):
+                for t in slots[:i]:
+                    t.writing &= ~bit
+                    t.pins -= 1
+                return None
+            binds += s.state == reserved
+            s.writing |= bit
+            s.pins += 1
+        return slots, binds
 
     def _check_store(self, ns: bytes, refs: list[int], rank: int, bit: int,
                      keys: list[bytes] | None) -> list[Slot]:
@@ -576,43 +634,57 @@ class Index:
             slots.append(s)
         return slots
 
-    def _bind(self, ns: bytes, slots: list[Slot], keys: list[bytes], now: float) -> None:
+    def _bind(self, ns: bytes, slots: list[Slot], keys: list[bytes], now: float,
+              every: bool = False, fresh: bool = False) -> None:
         """Bind the RESERVED ones of a validated store's ``slots`` to their ``keys`` (see
-        ``begin_store``). Owners' reserved bytes and the namespace's bytes are counted once
-        per call, not per slot."""
+        ``begin_store``); ``every``: the caller knows all of them are; ``fresh``: that their keys are
+        distinct, none is held and the namespace has no quota. Owners' reserved bytes
+        and the namespace's bytes are counted once per call, not per slot, and a batch of
+        distinct keys none of which is held goes into the table in one update (1024 slots:
+        368 -> ~200 us on a 2-core host)."""
+        if not every:
+            pairs = [(s, k) for s, k in zip(slots, keys) if s.state == RESERVED]
+            if not pairs:
+                return
+            slots, keys = [s for s, _ in pairs], [k for _, k in pairs]
         table = self._tables.setdefault(ns, {})
         deadline = now + self.write_timeout_s
-        quota = self._quota.get(ns, 0)
         reserved, writing = self._reserved, self._writing
-        unreserved: dict[int, int] = {}       # owner -> its slots bound here
-        counted = 0                           # slots mapped to their key, quota-free ns
-        for s, k in zip(slots, keys):
-            if s.state != RESERVED:
-                continue
-            del reserved[s.id]
-            unreserved[s.owner] = unreserved.get(s.owner, 0) + 1
-            s.state, s.key, s.deadline = WRITING, ns + k, deadline
-            writing[s.id] = s
-            if k in table:
-                s.void = True
-                self.stats.duplicate_blocks += 1
-            elif quota:
-                # Counted one by one: each quota check reads the bytes counted before it.
-                slot_bytes = s.size_class.slot_bytes
-                if self._fits_quota(ns, slot_bytes, quota):
-                    table[k] = s
-                    self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
-                else:
-                    s.void = True      # as SLOT_NO_SPACE: this block is not pooled
-            else:
-                table[k] = s
-                counted += 1
-        if not unreserved:
-            return
+        state = WRITING
+        owners: dict[int, int] = {}           # owner -> its slots bound here
+        for s, key in zip(slots, map(ns.__add__, keys)):
+            sid = s.id
+            del reserved[sid]
+            writing[sid] = s
+            s.state = state
+            s.key = key
+            s.deadline = deadline
+            owners[s.owner] = owners.get(s.owner, 0) + 1
+        quota = self._quota.get(ns, 0)
         slot_bytes = slots[0].size_class.slot_bytes     # a namespace's slots are of one size
+        counted = 0                           # slots mapped to their key, quota-free ns
+        if fresh or (not quota and len(set(keys)) == len(keys)
+                     and table.keys().isdisjoint(keys)):
+            table.update(zip(keys, slots))
+            counted = len(keys)
+        else:
+            for s, k in zip(slots, keys):
+                if k in table:                # held already, or named earlier in this job
+                    s.void = True
+                    self.stats.duplicate_blocks += 1
+                elif quota:
+                    # Counted one by one: each quota check reads the bytes counted before it.
+                    if self._fits_quota(ns, slot_bytes, quota):
+                        table[k] = s
+                        self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
+                    else:
+                        s.void = True      # as SLOT_NO_SPACE: this block is not pooled
+                else:
+                    table[k] = s
+                    counted += 1
         if counted:
             self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + counted * slot_bytes
-        for owner, n in unreserved.items():
+        for owner, n in owners.items():
             left = self._reserved_bytes[owner] - n * slot_bytes
             if left:
                 self._reserved_bytes[owner] = left
@@ -650,7 +722,25 @@ class Index:
     # ---- loads -----------------------------------------------------------------------------
 
     def begin_load(self, ns: bytes, refs: list[int]) -> list[Slot]:
-        """Validate a load job's slots (committed, same tenancy as at lookup) and pin them."""
+        """Validate a load job's slots (committed, same tenancy as at lookup) and pin them;
+        all or nothing."""
+        # One pass that checks and pins, undone at the first slot that fails (a 2 GiB load's
+        # 1024 slots are checked here before its copy can start): 286 -> ~150 us on a 2-core
+        # host. (A committed or filling slot's ``ns`` is its key's namespace.)
+        get = self._slots.get
+        slots = [get(ref & 0xFFFF_FFFF) for ref in refs]
+        committed, filling = COMMITTED, FILLING
+        for i, (s, ref) in enumerate(zip(slots, refs)):
+            if (s is None or s.ref != ref or (s.state != committed and s.state != filling)
+                    or s.doomed or s.ns != ns):
+                for t in slots[:i]:
+                    t.pins -= 1
+                return self._check_load(ns, refs)
+            s.pins += 1
+        return slots
+
+    def _check_load(self, ns: bytes, refs: list[int]) -> list[Slot]:
+        """``begin_load``'s checks one slot at a time, each failure with its own error."""
         slots = []
         for ref in refs:
             s = self._resolve(ref)
@@ -1040,6 +1130,8 @@ class Index:
 
 
 _EMPTY: dict[bytes, Slot] = {}
+# C-level getters for batch passes over slots (a generator or comprehension costs ~2x more).
+_SLOT_ID = attrgetter("id")
 
 # A sentinel for "this ref's slot exists but was reused": resolves to a slot in no valid state.
 _STALE = Slot(-1, -1, -1, 0, SizeClass(0), state=FREE, doomed=True)
