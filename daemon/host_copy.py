@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import posix_ipc
 
-from kvpool.daemon.copy_engine import (TAIL_BLOCKS, CopyEngine, JobResult, Mapped, Progress,
-                                       chunk_blocks_setting, chunk_bounds, segment_address_table)
+from kvpool.daemon.copy_engine import (CopyEngine, JobResult, Mapped, Progress, chunk_blocks_setting,
+                                       chunk_bounds, segment_address_table)
 from kvpool.daemon.peer import Peer, check_may_open
 from kvpool.daemon.pool import Pool
 from kvpool.shared.errors import Aborted, LayoutMismatch, ProtocolError, TooLarge, UnknownId
@@ -252,8 +252,9 @@ class HostCopyEngine(CopyEngine):
                   fan_out: bool = True) -> JobResult:
         """A job, in chunks when a store wants to hear of them (``progress``): each chunk's
         slots can then be committed on the loop while this thread copies the next one."""
-        bounds = (chunk_bounds(len(block_ids), self.chunk_blocks, TAIL_BLOCKS)
-                  if progress is not None else [0, len(block_ids)])
+        # (No small tail chunk, ``TAIL_BLOCKS``, here: each chunk's fixed cost is paid on the
+        # copying thread, in line with the copy, where it would cost more than it saves.)
+        bounds = chunk_bounds(len(block_ids), self.chunk_blocks if progress is not None else 0)
         total = 0
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             total += self._copy(mapped, block_ids[lo:hi], shard_offsets[lo:hi], to_pool,
