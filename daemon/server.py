@@ -639,6 +639,7 @@ class Server:
         # registration was closed under it (unregistered or replaced): the worker waits for it.
         if self.registry.by_identity.get(owner.identity) is owner:
             self._send(owner.identity, reply)
+        t_sent = time.monotonic_ns() if self._trace else 0
         if not is_store:
             self._end_job(reg, slots, is_store, ok, landing)
         if ok:
@@ -656,10 +657,11 @@ class Server:
             self._detach(reg)
         if self._trace:
             # owner job store|load blocks backend recv submitted engine-stamps... callback sent
+            # ("sent": the reply handed to the socket; a load's unpins come after it)
             eng = (getattr(fut, "kvpool_trace", None) or []) + [0, 0, 0, 0]
             self._trace.write(" ".join(map(str, [
                 owner.id, msg.job_id, "store" if is_store else "load", len(slots),
-                t_recv, t_sub, *eng[1:4], t_cb, time.monotonic_ns()])) + "\n")
+                t_recv, t_sub, *eng[1:4], t_cb, t_sent])) + "\n")
 
     def _end_job(self, reg: Registration, slots: list[Slot], is_store: bool, ok: bool,
                  landing: "_Landing | None" = None) -> None:
