@@ -102,6 +102,15 @@ class SizeClass:
 
 
 @dataclass(slots=True)
+class OpenedStore:
+    """A store job ``Index.open_store`` let through."""
+
+    slots: list[Slot]
+    finish: Callable[[], None] | None   # its pins (and bindings) left to do, see open_store
+    has_voids: bool                     # whether any slot is void (nobody copies into those)
+
+
+@dataclass(slots=True)
 class Lease:
     owner: int
     slots: list[Slot]
@@ -515,95 +524,89 @@ class Index:
         already committed, being written or filled, or named twice. Slots bound earlier (by
         another rank's store, or by ``prepare_store``) must be bound to the same key.
         """
-        slots, bind = self.open_store(ns, refs, rank, mask, keys=keys, now=now)
-        if bind is not None:
-            bind()
-        return slots
+        job = self.open_store(ns, refs, rank, mask, keys=keys, now=now)
+        if job.finish is not None:
+            job.finish()
+        return job.slots
 
     def open_store(self, ns: bytes, refs: list[int], rank: int, mask: int | None = None, *,
-                   keys: list[bytes] | None = None, now: float = 0.0
-                   ) -> tuple[list[Slot], Callable[[], None] | None]:
-        """``begin_store``, less the binding of reserved slots where it can wait: where binding
-        cannot make any slot void (every slot RESERVED, its keys distinct and none held, no
-        quota on ``ns``), it comes back as ``bind``, which the caller (the server's dispatch)
-        must call once it has handed the copy to its engine, before anything else touches the
-        index: before it ends the job and before it gives the event loop back. Until then the
-        slots are pinned and RESERVED, and no slot of them is void. Else ``bind`` is None and
-        the slots are bound already. So a big store's copy starts without waiting for ~1024
-        slot bindings (370 us on a 2-core host), which then run under its first chunk's copy.
-        Raises as ``begin_store``, with nothing changed."""
+                   keys: list[bytes] | None = None, now: float = 0.0) -> "OpenedStore":
+        """``begin_store`` with what can wait left for after the job's copy has gone out: its
+        checks are done (it raises as ``begin_store``, with nothing changed), but its pins,
+        and the binding of its reserved slots where that cannot make any slot void (every slot
+        RESERVED, its keys distinct and none held, no quota on ``ns``), may come back as
+        ``finish``. The caller (the server's dispatch) must call it once it has handed the copy
+        to its engine, before anything else touches the index: before it ends the job and
+        before it gives the event loop back (until then nothing else runs there, so nothing can
+        evict, reuse or see the slots). So a big store's copy starts after its checks alone:
+        for 1024 slots on a 2-core host, ~210 us of checks, where pins and bindings take
+        another ~50 and ~300 (bench/big_job_path.py)."""
         bit = 1 << rank if mask is None else mask
-        if bit and keys is None:
-            slots = self._begin_prepared(ns, refs, bit)
-            if slots is not None:
-                return slots, None
-        elif bit:
-            got = self._begin_keyed(ns, refs, bit, keys)
-            if got is not None:
-                slots, binds = got
-                if not binds:
-                    return slots, None
-                every = binds == len(slots)
-                if (every and not self._quota.get(ns, 0) and len(set(keys)) == len(keys)
-                        and self._tables.setdefault(ns, {}).keys().isdisjoint(keys)):
-                    return slots, partial(self._bind, ns, slots, keys, now, True, True)
-                self._bind(ns, slots, keys, now, every)
-                return slots, None
+        if keys is not None and len(keys) != len(refs):
+            raise ProtocolError(f"{len(keys)} keys for {len(refs)} slots")
+        if bit and len(set(refs)) == len(refs):     # (a slot named twice: _check_store says)
+            if keys is None:
+                slots = self._check_prepared(ns, refs, bit)
+                if slots is not None:
+                    return OpenedStore(slots, partial(_pin_store, slots, bit), False)
+            else:
+                got = self._check_keyed(ns, refs, bit, keys)
+                if got is not None:
+                    slots, binds = got
+                    if not binds:      # bound by an earlier rank: some may be void
+                        return OpenedStore(slots, partial(_pin_store, slots, bit),
+                                           any(map(_SLOT_VOID, slots)))
+                    every = binds == len(slots)
+                    if (every and not self._quota.get(ns, 0) and len(set(keys)) == len(keys)
+                            and self._tables.setdefault(ns, {}).keys().isdisjoint(keys)):
+                        return OpenedStore(slots, partial(self._pin_and_bind, ns, slots, bit,
+                                                          keys, now), False)
+                    _pin_store(slots, bit)
+                    self._bind(ns, slots, keys, now, every)
+                    return OpenedStore(slots, None, any(map(_SLOT_VOID, slots)))
         slots = self._check_store(ns, refs, rank, bit, keys)
         if len(set(slots)) != len(slots):
             raise ProtocolError("a store job names the same slot twice")
         if keys is not None:
             self._bind(ns, slots, keys, now)
-        for s in slots:
-            s.writing |= bit
-            s.pins += 1
-        return slots, None
+        _pin_store(slots, bit)
+        return OpenedStore(slots, None, keys is not None and any(map(_SLOT_VOID, slots)))
 
-    def _begin_prepared(self, ns: bytes, refs: list[int], bit: int) -> list[Slot] | None:
-        """``begin_store`` of slots that are all WRITING for ``ns`` and free of ``bit`` (slots
-        ``prepare_store`` granted: the common case; a 2 GiB job's 1024 slots are checked here
-        before its copy can start, so this is one pass). None, with nothing changed, where any
-        is not, for ``_check_store`` to say why. A slot named twice is caught by the bit its
-        first mention set."""
+    def _check_prepared(self, ns: bytes, refs: list[int], bit: int) -> list[Slot] | None:
+        """The slots of ``refs`` (distinct) if each is WRITING for ``ns`` and free of ``bit``
+        (slots ``prepare_store`` granted: the common case, checked in one pass that changes
+        nothing); else None, for ``_check_store`` to say why."""
         get = self._slots.get
         slots = [get(ref & 0xFFFF_FFFF) for ref in refs]
         writing = WRITING
-        for i, (s, ref) in enumerate(zip(slots, refs)):
+        for s, ref in zip(slots, refs):
             if (s is None or s.ref != ref or s.state != writing or s.doomed or s.ns != ns
                     or (s.landed | s.writing) & bit):
-                for t in slots[:i]:
-                    t.writing &= ~bit
-                    t.pins -= 1
                 return None
-            s.writing |= bit
-            s.pins += 1
         return slots
 
-    def _begin_keyed(self, ns: bytes, refs: list[int], bit: int, keys: list[bytes]
+    def _check_keyed(self, ns: bytes, refs: list[int], bit: int, keys: list[bytes]
                      ) -> tuple[list[Slot], int] | None:
-        """The checks and pins of ``begin_store`` with keys, in one pass, for slots that are
-        each RESERVED for ``ns``, or WRITING for ``ns`` and bound to its key, and free of
-        ``bit`` (the vLLM connector's stores: reserved slots, bound by the first rank); the
-        slots and how many of them are RESERVED (to be bound by the caller). None, with
-        nothing changed, where any slot is not so, for ``_check_store`` to say why. Nothing is
-        bound here: binding may evict (a quota), which no undo could bring back. A slot named
-        twice is caught by the bit its first mention set."""
+        """The slots of ``refs`` (distinct), and how many are RESERVED (the caller binds them),
+        if each is RESERVED for ``ns``, or WRITING for ``ns`` and bound to its key, and free of
+        ``bit`` (the vLLM connector's stores: reserved slots, bound by the first rank); else
+        None, for ``_check_store`` to say why. One pass that changes nothing."""
         get = self._slots.get
         slots = [get(ref & 0xFFFF_FFFF) for ref in refs]
         reserved, writing = RESERVED, WRITING
         binds = 0
-        for i, (s, ref) in enumerate(zip(slots, refs)):
+        for s, ref, k in zip(slots, refs, keys):
             if (s is None or s.ref != ref or s.doomed or s.ns != ns
                     or (s.landed | s.writing) & bit
-                    or (s.state != reserved and (s.state != writing or s.key[16:] != keys[i]))):
-                for t in slots[:i]:
-                    t.writing &= ~bit
-                    t.pins -= 1
+                    or (s.state != reserved and (s.state != writing or s.key[16:] != k))):
                 return None
             binds += s.state == reserved
-            s.writing |= bit
-            s.pins += 1
         return slots, binds
+
+    def _pin_and_bind(self, ns: bytes, slots: list[Slot], bit: int, keys: list[bytes],
+                      now: float) -> None:
+        _pin_store(slots, bit)
+        self._bind(ns, slots, keys, now, True, True)
 
     def _check_store(self, ns: bytes, refs: list[int], rank: int, bit: int,
                      keys: list[bytes] | None) -> list[Slot]:
@@ -724,23 +727,28 @@ class Index:
     def begin_load(self, ns: bytes, refs: list[int]) -> list[Slot]:
         """Validate a load job's slots (committed, same tenancy as at lookup) and pin them;
         all or nothing."""
-        # One pass that checks and pins, undone at the first slot that fails (a 2 GiB load's
-        # 1024 slots are checked here before its copy can start): 286 -> ~150 us on a 2-core
-        # host. (A committed or filling slot's ``ns`` is its key's namespace.)
+        slots = self.check_load(ns, refs)
+        self.pin(slots)
+        return slots
+
+    def check_load(self, ns: bytes, refs: list[int]) -> list[Slot]:
+        """``begin_load`` less its pins, which the caller (the server's dispatch) must take
+        with ``pin`` once it has handed the copy to its engine, before it gives the event loop
+        back (until then nothing else runs there, so nothing can evict or reuse the slots). A
+        big load's copy starts after one pass that changes nothing (a 2 GiB load's 1024 slots:
+        ~150 us on a 2-core host; the pins take ~40 more)."""
         get = self._slots.get
         slots = [get(ref & 0xFFFF_FFFF) for ref in refs]
         committed, filling = COMMITTED, FILLING
-        for i, (s, ref) in enumerate(zip(slots, refs)):
+        # (A committed or filling slot's ``ns`` is its key's namespace.)
+        for s, ref in zip(slots, refs):
             if (s is None or s.ref != ref or (s.state != committed and s.state != filling)
                     or s.doomed or s.ns != ns):
-                for t in slots[:i]:
-                    t.pins -= 1
                 return self._check_load(ns, refs)
-            s.pins += 1
         return slots
 
     def _check_load(self, ns: bytes, refs: list[int]) -> list[Slot]:
-        """``begin_load``'s checks one slot at a time, each failure with its own error."""
+        """``check_load``'s checks one slot at a time, each failure with its own error."""
         slots = []
         for ref in refs:
             s = self._resolve(ref)
@@ -750,8 +758,6 @@ class Index:
                 raise LeaseExpired(f"slot ref {ref:#x} was evicted or replaced since the lookup "
                                    f"(hold a lease from lookup(pin=True) until the load ends)")
             slots.append(s)
-        for s in slots:
-            s.pins += 1
         return slots
 
     def end_load(self, slots: list[Slot], ok: bool) -> None:
@@ -807,7 +813,8 @@ class Index:
         self._unpin(slots)
 
     def pin(self, slots: list[Slot]) -> None:
-        """Hold committed slots against eviction and reuse (a lower tier reads them)."""
+        """Hold committed slots against eviction and reuse (a lower tier reads them, a load
+        copies out of them)."""
         for s in slots:
             s.pins += 1
 
@@ -1132,6 +1139,14 @@ class Index:
 _EMPTY: dict[bytes, Slot] = {}
 # C-level getters for batch passes over slots (a generator or comprehension costs ~2x more).
 _SLOT_ID = attrgetter("id")
+_SLOT_VOID = attrgetter("void")
+
+
+def _pin_store(slots: list[Slot], bit: int) -> None:
+    """A store job's hold on its (distinct, checked) slots: units ``bit`` in flight, a pin."""
+    for s in slots:
+        s.writing |= bit
+        s.pins += 1
 
 # A sentinel for "this ref's slot exists but was reused": resolves to a slot in no valid state.
 _STALE = Slot(-1, -1, -1, 0, SizeClass(0), state=FREE, doomed=True)

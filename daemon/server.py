@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from concurrent.futures import Future
+from functools import partial
 import fcntl
 import logging
 import os
-from operator import attrgetter
 import select
 import signal
 import time
@@ -471,22 +471,23 @@ class Server:
                 # A replica of heads that another rank of its engine stores: nothing to copy,
                 # and the slot commits (or not) on that rank's store alone.
                 return p.JobDone(msg.req_id, msg.job_id, 0, "", 0)
-            bind = None
+            # Checked now; what can wait (the pins, a store's bindings) is ``finish``, done
+            # once the copy has gone out (a big job's first chunk is copying by then).
             if is_store:
-                slots, bind = self.index.open_store(reg.namespace, msg.slots, reg.tp_rank,
-                                                    reg.mask, keys=self._store_keys(msg),
-                                                    now=started)
+                job = self.index.open_store(reg.namespace, msg.slots, reg.tp_rank, reg.mask,
+                                            keys=self._store_keys(msg), now=started)
+                slots, finish, has_voids = job.slots, job.finish, job.has_voids
             else:
-                slots = self.index.begin_load(reg.namespace, msg.slots)
+                slots = self.index.check_load(reg.namespace, msg.slots)
+                finish, has_voids = partial(self.index.pin, slots), False
         except KvpoolError as e:
             self.errors += 1
             self.telemetry.error(e.code)
             return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
         offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
         landing = _Landing(slots) if is_store else None
-        # Duplicates (keys someone else holds) are bound but written by nobody. A binding
-        # left for later (``bind``) has none: no pass over the slots to look for them.
-        if is_store and msg.keys and bind is None and any(map(_VOID, slots)):
+        if has_voids:
+            # Duplicates (keys someone else holds) are bound but written by nobody.
             keep = np.fromiter((not s.void for s in slots), bool, len(slots))
             blocks, offsets = blocks[keep], offsets[keep]
             landing = _Landing(slots, keep)
@@ -504,15 +505,15 @@ class Server:
                         reg.mapped, offsets, blocks))
                 else:
                     fut = reg.engine.submit_load(reg.mapped, offsets, blocks)
-            if bind is not None:
-                # The copy is on its way (a big one's first chunk is copying): the binding
-                # runs beside it, before the loop turns (so before any chunk commits or the
-                # job ends) and before another request can see the slots.
-                bind, binding = None, bind
-                binding()
+            if finish is not None:
+                # The copy is on its way: the pins and bindings run beside it, before the loop
+                # turns (so before any chunk commits or the job ends, and before another
+                # request can evict, reuse or see the slots).
+                finish, finishing = None, finish
+                finishing()
         except KvpoolError as e:
-            if bind is not None:
-                bind()
+            if finish is not None:
+                finish()       # so that the job's end finds it as begin_store leaves it
             self._end_job(reg, slots, is_store, ok=False, landing=landing)
             self.errors += 1
             self.telemetry.error(e.code)
@@ -804,9 +805,6 @@ class _Landing:
         self.ended = len(self.copied)
         self.voids = []
         return rest
-
-
-_VOID = attrgetter("void")
 
 
 def _block_ids(ids: list[int], num_blocks: int) -> np.ndarray:
