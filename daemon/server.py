@@ -638,11 +638,13 @@ class Server:
             reply = p.JobDone(msg.req_id, msg.job_id, int(code), str(exc))
         # Every request gets its one reply while its client is connected, also when the job's
         # registration was closed under it (unregistered or replaced): the worker waits for it.
-        if self.registry.by_identity.get(owner.identity) is owner:
-            self._send(owner.identity, reply)
-        t_sent = time.monotonic_ns() if self._trace else 0
-        if not is_store:
-            self._end_job(reg, slots, is_store, ok, landing)
+        try:
+            if self.registry.by_identity.get(owner.identity) is owner:
+                self._send(owner.identity, reply)
+        finally:
+            t_sent = time.monotonic_ns() if self._trace else 0
+            if not is_store:
+                self._end_job(reg, slots, is_store, ok, landing)
         if ok:
             if is_store:
                 self.stored_bytes += nbytes
