@@ -65,8 +65,8 @@ import numpy as np
 
 from kvpool.daemon import cuda
 from kvpool.daemon.cuda import BATCH3D_OP_DTYPE
-from kvpool.daemon.copy_engine import (CHUNK_BLOCKS, CopyEngine, JobResult, Mapped, Progress,
-                                       chunk_blocks_setting, chunk_bounds, part_span,
+from kvpool.daemon.copy_engine import (CHUNK_BLOCKS, TAIL_BLOCKS, CopyEngine, JobResult, Mapped,
+                                       Progress, chunk_blocks_setting, chunk_bounds, part_span,
                                        segment_address_table)
 from kvpool.shared.errors import (Aborted, InternalError, KvpoolError, LayoutMismatch,
                                   OutOfRange, UnknownId)
@@ -488,7 +488,8 @@ class _Lane:
         lane is idle: a small job whole, a big one's first chunk (the GPU starts on it while
         the submit thread, which takes the job next, enqueues the rest); else queue it."""
         eng = self.engine
-        job.bounds = chunk_bounds(len(job.block_ids), eng.chunk_blocks)
+        job.bounds = chunk_bounds(len(job.block_ids), eng.chunk_blocks,
+                                  TAIL_BLOCKS if job.progress is not None else 0)
         small = (len(job.bounds) == 2 and len(job.block_ids) * job.mapped.copies_per_block(eng)
                  <= eng.inline_max_ops)
         first = eng.inline_first_chunk and len(job.bounds) > 2

@@ -252,6 +252,8 @@ class HostCopyEngine(CopyEngine):
                   fan_out: bool = True) -> JobResult:
         """A job, in chunks when a store wants to hear of them (``progress``): each chunk's
         slots can then be committed on the loop while this thread copies the next one."""
+        # (No small tail chunk, ``TAIL_BLOCKS``, here: each chunk's fixed cost is paid on the
+        # copying thread, in line with the copy, where it would cost more than it saves.)
         bounds = chunk_bounds(len(block_ids), self.chunk_blocks if progress is not None else 0)
         total = 0
         for lo, hi in zip(bounds[:-1], bounds[1:]):

@@ -14,3 +14,17 @@ def test_chunks_are_near_equal_and_at_most_the_chunk_size(n, chunk, bounds):
     assert got == bounds
     sizes = [b - a for a, b in zip(got[:-1], got[1:])]
     assert chunk <= 0 or n <= chunk or max(sizes) <= chunk
+
+
+@pytest.mark.parametrize("n, chunk, tail, bounds", [
+    (128, 128, 32, [0, 128]), (129, 128, 32, [0, 97, 129]), (100, 10, 10, [0] + list(range(10, 101, 10))),
+    (1024, 128, 32, [0, 124, 248, 372, 496, 620, 744, 868, 992, 1024]), (40, 7, 0, [0, 6, 13, 20, 26, 33, 40]),
+])
+def test_a_store_ends_with_a_small_chunk_when_it_reports_its_chunks(n, chunk, tail, bounds):
+    """What is left to commit after a store's last copy is its tail (TAIL_BLOCKS), not a
+    whole chunk; no chunk passes the chunk size, and a tail no smaller than a chunk is none."""
+    got = chunk_bounds(n, chunk, tail)
+    assert got == bounds
+    sizes = [b - a for a, b in zip(got[:-1], got[1:])]
+    assert max(sizes) <= max(chunk, 1) or n <= chunk
+    assert not 0 < tail < chunk < n or sizes[-1] == tail

@@ -194,6 +194,24 @@ def test_a_big_store_goes_in_chunks_the_first_from_the_callers_thread(engine, fa
     assert np.array_equal(kv.reshape(BLOCKS, -1)[blocks], _pool_blocks(engine, offs))
 
 
+def test_a_store_that_reports_chunks_ends_with_a_small_one_and_a_load_does_not(
+        engine, fake, mapped, monkeypatch):
+    """TAIL_BLOCKS: after a store's last copy only a small chunk is left to commit; a store
+    nobody follows and a load keep near-equal chunks."""
+    m, kv = mapped
+    monkeypatch.setattr(cuda_copy, "TAIL_BLOCKS", 1)
+    offs = (np.arange(10) + 3) * BLOCK_BYTES
+    seen = []
+    engine.submit_store(m, np.arange(10), offs, b"", seen.append).result(10)
+    assert seen == [3, 6, 9]               # [0, 3, 6, 9] + the tail [9, 10)
+    assert [n for _, n in fake.copies] == [3, 3, 3, 1]
+    assert np.array_equal(_pool_blocks(engine, offs), kv.reshape(BLOCKS, -1)[:10])
+    fake.copies.clear()
+    engine.submit_store(m, np.arange(10), offs).result(10)
+    engine.submit_load(m, offs, np.arange(10)).result(10)
+    assert [n for _, n in fake.copies] == [3, 3, 4] * 2
+
+
 def test_without_the_inline_first_chunk_every_chunk_goes_from_the_lane(engine, fake, mapped):
     m, _ = mapped
     engine.inline_first_chunk = False

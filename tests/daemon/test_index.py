@@ -818,3 +818,104 @@ def test_a_chunk_of_one_rank_commits_nothing_until_every_rank_landed(index):
     index.end_store(r1[2:], 1, True)
     assert index.lookup(NS_TP2, [ks], False, OWNER, 0)[0] == [2]
     assert index.slot_counts()[:2] == (0, 2)
+
+
+def _pins(ix, refs):
+    return [(ix._slots[r & 0xFFFF_FFFF].pins, ix._slots[r & 0xFFFF_FFFF].writing) for r in refs]
+
+
+def test_a_keyed_store_refused_at_its_last_slot_leaves_every_slot_as_it_was(index):
+    """A store into reserved slots refused at its last slot (the one-pass check, then the
+    slot-by-slot one that says why) pins and binds nothing, and the same slots still bind
+    and commit after."""
+    refs = index.reserve(NS_SMALL, 4, OWNER, 0)
+    ks = keys(4, b"u")
+    before = _pins(index, refs)
+    for bad in ([refs[3] + (1 << 32)], [0xFFFF_FFF0], [refs[0]]):   # stale, unknown, twice
+        with pytest.raises((UnknownId, OutOfRange, ProtocolError)):
+            index.begin_store(NS_SMALL, refs[:3] + bad, 0, keys=ks, now=0)
+        assert _pins(index, refs) == before
+        assert index.reserved_count == 4 and index.slot_counts()[0] == 0
+        assert index.used_bytes_of(NS_SMALL) == 0
+    with pytest.raises(ProtocolError, match="another key"):       # a bound slot, wrong key
+        index.begin_store(NS_TP2, *_bound_tp2(index, ks), keys=keys(4, b"v"), now=0)
+    assert index.end_store(index.begin_store(NS_SMALL, refs, 0, keys=ks, now=0), 0, True) == 4
+    assert index.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [4]
+
+
+def _bound_tp2(ix, ks):
+    """Reserved TP2 slots bound to ``ks`` by rank 0's store; (refs, 1) for rank 1's."""
+    refs = ix.reserve(NS_TP2, len(ks), OWNER, 0)
+    ix.begin_store(NS_TP2, refs, 0, keys=ks, now=0)
+    return refs, 1
+
+
+def test_open_store_leaves_pins_and_only_bindings_that_cannot_void_a_slot_for_later(pool):
+    """open_store checks everything and hands back, as ``finish``, the pins and the binding
+    of reserved slots where nothing can come out void (every slot reserved, keys distinct and
+    unheld, no quota): the server runs it once the copy has gone out. Before it, the slots are
+    untouched; after it, the index is as begin_store leaves it."""
+    ix = Index(pool, 10, 60)
+    ix.register_namespace(NS_SMALL, SMALL)
+    ix.register_namespace(NS_TP2, TP2)
+    refs = ix.reserve(NS_SMALL, 6, OWNER, 0)
+    ks = keys(6, b"o")
+    job = ix.open_store(NS_SMALL, refs, 0, keys=ks, now=0)
+    assert job.finish is not None and not job.has_voids
+    assert ix.reserved_count == 6 and all(s.pins == 0 and s.writing == 0 for s in job.slots)
+    assert ix.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [0]
+    job.finish()
+    assert all(s.pins == 1 and s.writing == 1 and not s.void for s in job.slots)
+    assert ix.reserved_count == 0 and ix.slot_counts()[0] == 6
+    assert ix.used_bytes_of(NS_SMALL) == 6 * SMALL.slot_bytes and ix._reserved_bytes == {}
+    assert ix.prepare_store(NS_SMALL, ks, OTHER, 0) == [SLOT_PRESENT] * 6
+    assert ix.end_store(job.slots, 0, True) == 6
+    _records_match_slots(ix)
+    # prepared slots: pins later, nothing to bind
+    prep = ix.prepare_store(NS_SMALL, keys(2, b"r"), OWNER, 0)
+    job = ix.open_store(NS_SMALL, prep, 0)
+    assert [s.pins for s in job.slots] == [0, 0] and not job.has_voids
+    job.finish()
+    assert ix.end_store(job.slots, 0, True) == 2
+    # a key held already, a key named twice, a namespace with a quota: bound and pinned now
+    more = ix.reserve(NS_SMALL, 4, OWNER, 0)
+    for refs2, ks2 in ((more[:2], ks[:1] + keys(1, b"p")), (more[2:], keys(1, b"q") * 2)):
+        job = ix.open_store(NS_SMALL, refs2, 0, keys=ks2, now=0)
+        assert job.finish is None and job.has_voids
+        assert [s.void for s in job.slots].count(True) == 1
+        assert all(s.pins == 1 for s in job.slots)
+        ix.end_store(job.slots, 0, True)
+    ix.register_namespace(NS_TP2, TP2, quota_bytes=64 * TP2.slot_bytes)
+    tp = ix.reserve(NS_TP2, 2, OWNER, 0)
+    job = ix.open_store(NS_TP2, tp, 0, keys=keys(2, b"t"), now=0)
+    assert job.finish is None and not job.has_voids and ix.reserved_count == 0
+    # the other rank's store of bound slots has nothing to bind, only its pins
+    job1 = ix.open_store(NS_TP2, tp, 1, keys=keys(2, b"t"), now=0)
+    assert job1.finish is not None and not job1.has_voids
+    job1.finish()
+    assert [s.writing for s in job1.slots] == [3, 3]
+    _records_match_slots(ix)
+    with pytest.raises(ProtocolError, match="1 keys for 2 slots"):
+        ix.open_store(NS_TP2, tp, 1, keys=keys(1, b"t"), now=0)
+
+
+def test_a_load_refused_at_its_last_slot_leaves_every_pin_as_it_was(index):
+    ks = keys(3, b"l")
+    store(index, NS_SMALL, ks)
+    _, _, refs = index.lookup(NS_SMALL, [ks], False, OWNER, 0)
+    refs = refs[0]
+    before = _pins(index, refs)
+    with pytest.raises(LeaseExpired):
+        index.begin_load(NS_SMALL, refs[:2] + [refs[2] + (1 << 32)])
+    with pytest.raises(LeaseExpired):
+        index.begin_load(NS_BIG, refs)                   # another namespace
+    with pytest.raises(OutOfRange):
+        index.begin_load(NS_SMALL, refs[:2] + [0xFFFF_FFF0])
+    assert _pins(index, refs) == before
+    slots = index.check_load(NS_SMALL, refs)             # checked, pinned by the caller later
+    assert _pins(index, refs) == before and slots == index.begin_load(NS_SMALL, refs)
+    index.end_load(slots, True)
+    slots = index.begin_load(NS_SMALL, refs + refs[:1])  # a slot named twice: pinned twice
+    assert [s.pins for s in slots] == [2, 1, 1, 2]
+    index.end_load(slots, True)
+    assert _pins(index, refs) == before

@@ -456,3 +456,90 @@ def test_a_big_store_whose_worker_dies_keeps_only_landed_chunks_and_frees_the_re
             child.wait(10)
         child.stdout.close()
         sched.close(); kv.close()
+
+
+def test_a_keyed_store_binds_its_slots_in_its_dispatch_whether_its_copy_starts_or_not(pool):
+    """A store into reserved slots hands its copy to the engine before the slots are bound
+    (Index.open_store); the binding still happens within the same dispatch: before the
+    dispatch returns, the slots are bound and in flight, and a chunk that lands commits.
+    An engine that refuses the job leaves neither the reservation nor the key behind."""
+    import asyncio
+    from concurrent.futures import Future
+
+    from kvpool.daemon.copy_engine import CopyEngine, JobResult, Mapped
+    from kvpool.daemon.server import Server
+    from kvpool.shared.config import DaemonConfig
+    from kvpool.shared.errors import Aborted
+    from kvpool.shared.layout import Layout, SegmentPlacement
+
+    class Held(CopyEngine):
+        name = "held"
+        refuse = False
+
+        def attach(self, registration, peer=None):
+            m = Mapped.__new__(Mapped)
+            m.registration = registration
+            return m
+
+        def detach(self, mapped):
+            pass
+
+        def submit_store(self, mapped, block_ids, shard_offsets, wait_event=b"", progress=None):
+            if self.refuse:
+                raise Aborted("refused")
+            self.seen = (srv.index.reserved_count, srv.index.slot_counts()[0])
+            self.fut, self.progress = Future(), progress
+            return self.fut
+
+        def submit_load(self, mapped, shard_offsets, block_ids):
+            raise AssertionError
+
+    cfg = DaemonConfig(pool_name=pool.name.lstrip("/"), pool_size="8MiB", extent_size="1MiB")
+    eng = Held()
+    srv = Server(cfg, pool, {p.CudaRegion: eng})
+    replies: list = []
+    srv._send = lambda _identity, reply: replies.append(reply)
+    slot = 4096
+    ns = b"s" * 16
+
+    class Frame:
+        def __init__(self, msg) -> None:
+            self.buffer = memoryview(p.encode(msg))
+
+    def call(msg):
+        srv._dispatch(b"\0me", Frame(msg))
+        return replies[-1]
+
+    async def run():
+        call(p.Hello(1, p.PROTOCOL_VERSION, p.Role.WORKER, "t", os.getpid()))
+        reg = call(p.RegisterRequest(2, ns, Layout(16, 1, "f16", (slot,), "t"), 0, 16,
+                                     [p.CudaRegion("GPU-0", b"h" * 64, 16 * slot)],
+                                     [SegmentPlacement(0, 0, slot)])).registration_id
+        ix = srv.index
+        ks = [b"%016d" % i for i in range(8)]
+        refs = ix.reserve(ns, 8, 7, 0.0)
+        n = len(replies)
+        srv._dispatch(b"\0me", Frame(p.StoreRequest(3, reg, 1, list(range(8)), refs, keys=ks)))
+        assert len(replies) == n                          # in flight: no reply yet
+        assert eng.seen == (8, 0)                         # handed over before the binding
+        assert ix.reserved_count == 0 and ix.slot_counts()[0] == 8   # bound in the dispatch
+        eng.progress(4)
+        await asyncio.sleep(0.01)
+        assert ix.leading(ns, ks) == 4                    # the landed chunk committed
+        eng.fut.set_result(JobResult(8 * slot))
+        for _ in range(100):
+            if len(replies) > n:
+                break
+            await asyncio.sleep(0.001)
+        assert replies[-1].code == 0 and ix.leading(ns, ks) == 8
+        eng.refuse = True
+        more = [b"%016d" % i for i in range(8, 12)]
+        refs = ix.reserve(ns, 4, 7, 0.0)
+        used = ix.used_bytes_of(ns)
+        done = call(p.StoreRequest(4, reg, 2, list(range(4)), refs, keys=more))
+        assert done.code == int(ErrorCode.ABORTED)
+        assert ix.reserved_count == 0 and ix.slot_counts()[0] == 0
+        assert ix.used_bytes_of(ns) == used and ix.leading(ns, more) == 0
+        assert ix._reserved_bytes == {} and ix.pinned_count() == 0
+
+    asyncio.run(run())
