@@ -73,11 +73,14 @@ LOOKUP_BLOCKS_PER_STEP = 512
 # step, and planning them all at once would add a millisecond to that step. A step plans
 # requests, in the order their blocks filled, until it has spent this much time on them (at
 # least one request); the others wait for the next step, their blocks still allocated to them
-# (a request that finishes meanwhile keeps them, in the backlog, until they are planned). One
-# that has waited STORE_DEFER_MAX_S is planned whatever the budget, so a sustained overload
-# lags by that much instead of without end.
+# (a request that finishes meanwhile keeps them, in the backlog, until they are planned). While
+# the queue's front has waited STORE_DEFER_MAX_S, a step spends STORE_OVERDUE_BUDGET_S more on
+# it, in late pieces (at least one): an overload gets more planning per step, but bounded, so
+# it lags instead of slowing the engine (it used to plan every overdue request whole: steps of
+# several ms on a slow host). Finished requests' blocks are bounded by store_wait_s either way.
 STORE_PLAN_BUDGET_S = 100e-6
 STORE_DEFER_MAX_S = 0.5
+STORE_OVERDUE_BUDGET_S = 50e-6
 # A long prompt's prefill chunk fills hundreds of blocks in one step (8192 tokens: 512 blocks
 # of 16): a request is planned in pieces of at most this many blocks, so the budget is checked
 # between pieces and the rest of its blocks wait at the front of the queue.
@@ -814,7 +817,6 @@ class SchedulerRole:
         step = _StepPlan(so.num_scheduled_tokens, so.scheduled_spec_decode_tokens,
                          self._block_tables(), [[] for _ in self.groups],
                          [set() for _ in self.groups])
-        reqs = self._reqs
         stop_at = min(time.perf_counter() + STORE_PLAN_BUDGET_S,
                       self._step_started + STORE_STEP_BUDGET_S)
         # Finished requests hold GPU blocks for these stores: they go first. Those the budget
@@ -822,16 +824,12 @@ class SchedulerRole:
         todo = self._backlog_todo
         finished = self._plan_from(todo, step, stop_at, True)
         self._plan_from(queue, step, stop_at, not finished)
-        # The rest wait for the next step, in order, but for those waiting too long.
+        # The rest wait for the next step, in order; those at the front that have waited too
+        # long get a second, bounded budget (at least a late piece).
         overdue = now - STORE_DEFER_MAX_S
-        while queue:
-            rid = next(iter(queue))
-            if queue[rid] > overdue:
-                break
-            del queue[rid]
-            st = reqs.get(rid)
-            if st is not None:
-                self._plan_request(st, step)        # all its blocks
+        if queue and next(iter(queue.values())) <= overdue:
+            self._plan_from(queue, step, time.perf_counter() + STORE_OVERDUE_BUDGET_S, True,
+                            waited_since=overdue, piece=STORE_LATE_PIECE_BLOCKS)
         specs: list[StoreSpec] = []
         for gi, g in enumerate(self.groups):
             runs = step.wanted[gi]
@@ -865,13 +863,17 @@ class SchedulerRole:
         return specs
 
     def _plan_from(self, fifo: OrderedDict, step: "_StepPlan", stop_at: float,
-                   one_at_least: bool) -> list[_Req]:
+                   one_at_least: bool, waited_since: float | None = None,
+                   piece: int | None = None) -> list[_Req]:
         """Plan the requests at the front of ``fifo`` (taking them out) until ``stop_at``, a
         piece (``STORE_PIECE_BLOCKS``) at a time, the first whatever the time if
         ``one_at_least``; a request with blocks left after its piece stays at the front.
-        Returns those planned, still known."""
+        With ``waited_since``, only requests queued by then; ``piece`` overrides the piece
+        size. Returns those planned, still known."""
         planned: list[_Req] = []
         while fifo:
+            if waited_since is not None and next(iter(fifo.values())) > waited_since:
+                break
             late = time.perf_counter() > stop_at
             if late and not one_at_least:
                 break
@@ -879,8 +881,8 @@ class SchedulerRole:
             rid, since = fifo.popitem(last=False)
             st = self._reqs.get(rid)
             if st is not None:
-                if self._plan_request(st, step, STORE_LATE_PIECE_BLOCKS if late
-                                      else STORE_PIECE_BLOCKS):
+                if self._plan_request(st, step, piece or (STORE_LATE_PIECE_BLOCKS if late
+                                                          else STORE_PIECE_BLOCKS)):
                     fifo[rid] = since
                     fifo.move_to_end(rid, last=False)
                 if not planned or planned[-1] is not st:
