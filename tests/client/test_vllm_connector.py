@@ -568,34 +568,17 @@ def test_a_long_prompt_is_planned_in_pieces_over_several_steps(
 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
-def test_a_store_deferred_too_long_gets_a_second_budget(
-        make_engine, info, monkeypatch, async_scheduling):
+@pytest.mark.parametrize("overdue_budget_s", [60.0, 0.0], ids=["ample", "none"])
+def test_a_store_deferred_too_long_gets_a_second_bounded_budget(
+        make_engine, info, monkeypatch, async_scheduling, overdue_budget_s):
     from kvpool.client import vllm_scheduler
 
-    monkeypatch.setattr(vllm_scheduler, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(vllm_scheduler, "STORE_DEFER_MAX_S", 0.0)   # every wait is too long
-    monkeypatch.setattr(vllm_scheduler, "STORE_OVERDUE_BUDGET_S", 60.0)
-    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
-    role = e.connector.scheduler
-    planned = spy_planned_blocks(role)
-    for i in range(8):
-        e.add(f"s{i}", prompt(70, 1000 * (i + 1)), max_tokens=8)
-    e.run()
-    wait_for(lambda: info.info().stored_blocks == 32, 10, "all 32 blocks committed")
-    assert [n for n in planned if n] == [32], planned
-    e.assert_clean(info)
-
-
-@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
-def test_overdue_stores_never_make_a_step_plan_without_bound(
-        make_engine, info, monkeypatch, async_scheduling):
-    from kvpool.client import vllm_scheduler
-
-    # No time for planning and none for overdue requests: a step plans the queue's forced
-    # piece and one overdue piece (a request of 4 blocks each), never all 8 requests at once.
+    # No time for planning, and every wait too long: the overdue budget alone decides. With
+    # none, a step plans the queue's forced piece and one overdue piece (a request of 4 blocks
+    # each), never all 8 requests at once.
     monkeypatch.setattr(vllm_scheduler, "STORE_PLAN_BUDGET_S", 0.0)
     monkeypatch.setattr(vllm_scheduler, "STORE_DEFER_MAX_S", 0.0)
-    monkeypatch.setattr(vllm_scheduler, "STORE_OVERDUE_BUDGET_S", 0.0)
+    monkeypatch.setattr(vllm_scheduler, "STORE_OVERDUE_BUDGET_S", overdue_budget_s)
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
     role = e.connector.scheduler
     planned = spy_planned_blocks(role)
@@ -604,7 +587,10 @@ def test_overdue_stores_never_make_a_step_plan_without_bound(
     e.run()
     wait_for(lambda: info.info().stored_blocks == 32, 10, "all 32 blocks committed")
     steps = [n for n in planned if n]
-    assert sum(steps) == 32 and max(steps) <= 8 and len(steps) >= 4, planned
+    if overdue_budget_s:
+        assert steps == [32], planned
+    else:
+        assert sum(steps) == 32 and max(steps) <= 8 and len(steps) >= 4, planned
     e.assert_clean(info)
 
 
