@@ -557,8 +557,7 @@ class Index:
                         return OpenedStore(slots, partial(_pin_store, slots, bit),
                                            any(map(_SLOT_VOID, slots)))
                     every = binds == len(slots)
-                    if (every and not self._quota.get(ns, 0) and len(set(keys)) == len(keys)
-                            and self._tables.setdefault(ns, {}).keys().isdisjoint(keys)):
+                    if every and self._fresh_keys(ns, keys):
                         return OpenedStore(slots, partial(self._pin_and_bind, ns, slots, bit,
                                                           keys, now), False)
                     _pin_store(slots, bit)
@@ -602,6 +601,11 @@ class Index:
                 return None
             binds += s.state == reserved
         return slots, binds
+
+    def _fresh_keys(self, ns: bytes, keys: list[bytes]) -> bool:
+        """Whether ``keys`` can go into ``ns``'s table whole: distinct, none held, no quota."""
+        return (not self._quota.get(ns, 0) and len(set(keys)) == len(keys)
+                and self._tables.setdefault(ns, {}).keys().isdisjoint(keys))
 
     def _pin_and_bind(self, ns: bytes, slots: list[Slot], bit: int, keys: list[bytes],
                       now: float) -> None:
@@ -666,8 +670,7 @@ class Index:
         quota = self._quota.get(ns, 0)
         slot_bytes = slots[0].size_class.slot_bytes     # a namespace's slots are of one size
         counted = 0                           # slots mapped to their key, quota-free ns
-        if fresh or (not quota and len(set(keys)) == len(keys)
-                     and table.keys().isdisjoint(keys)):
+        if fresh or self._fresh_keys(ns, keys):
             table.update(zip(keys, slots))
             counted = len(keys)
         else:
@@ -1137,8 +1140,7 @@ class Index:
 
 
 _EMPTY: dict[bytes, Slot] = {}
-# C-level getters for batch passes over slots (a generator or comprehension costs ~2x more).
-_SLOT_ID = attrgetter("id")
+# A C-level getter for batch passes over slots (a generator costs ~2x more).
 _SLOT_VOID = attrgetter("void")
 
 

@@ -505,12 +505,6 @@ class Server:
                         reg.mapped, offsets, blocks))
                 else:
                     fut = reg.engine.submit_load(reg.mapped, offsets, blocks)
-            if finish is not None:
-                # The copy is on its way: the pins and bindings run beside it, before the loop
-                # turns (so before any chunk commits or the job ends, and before another
-                # request can evict, reuse or see the slots).
-                finish, finishing = None, finish
-                finishing()
         except KvpoolError as e:
             if finish is not None:
                 finish()       # so that the job's end finds it as begin_store leaves it
@@ -519,6 +513,11 @@ class Server:
             self.telemetry.error(e.code)
             self.telemetry.job_done(is_store, 0, started, len(slots), ok=False)
             return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
+        if finish is not None:
+            # The copy is on its way: the pins and bindings run beside it, before the loop
+            # turns (so before any chunk commits or the job ends, and before another request
+            # can evict, reuse or see the slots).
+            finish()
         reg.jobs_in_flight += 1
         owner.jobs_in_flight += 1
         t_sub = time.monotonic_ns() if self._trace else 0
