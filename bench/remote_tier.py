@@ -56,7 +56,7 @@ os.environ.setdefault("GLOG_minloglevel", "2")   # before Mooncake loads (this p
 
 from kvpool.client.host_memory import SharedHostMemory  # noqa: E402
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
-from tests.conftest import DaemonProcess, wait_for  # noqa: E402
+from tests.conftest import DaemonProcess, stop_process, wait_for  # noqa: E402
 import tests.kvtest  # noqa: E402
 from tests.kvtest import HostKv  # noqa: E402
 from tests.mooncake import MooncakeMaster  # noqa: E402
@@ -199,7 +199,7 @@ def one_rep(work: Path, m: MooncakeMaster, raw: Raw, n: int, singles: int, rep: 
         sched_a.reset(kv.namespace)
         worker.close()
         raw_put = raw.put(f"r{rep}", n)
-        m.proc.send_signal(signal.SIGSTOP)
+        stop_process(m.proc.pid)
         try:
             wait_for(lambda: not _remote(sched_a).is_enabled, 60, "a's tier off")
             kv = HostKv(blocks=n, **BIG)

@@ -184,6 +184,8 @@ class RemoteTier(LowerTier):
             state["answered"] = True
             timer.cancel()
             exc = f.exception()
+            log.debug("remote tier: existence check of %d keys answered (%s)", len(keys),
+                      "failed" if exc is not None else "ok")
             if exc is not None:
                 self._fault("an existence check", exc)
             elif self._state == UP:
@@ -203,6 +205,7 @@ class RemoteTier(LowerTier):
         if self._state != UP:
             finish()
             return
+        log.debug("remote tier: existence check of %d keys sent", len(keys))
         timer = loop.call_later(self.timeout_s, late)
         self._ctl_call(self.store.exists, [remote_key(k) for k in keys]).add_done_callback(
             lambda f: loop.call_soon_threadsafe(answered, f))

@@ -12,7 +12,7 @@ from typing import Callable
 
 import pytest
 
-from bench.soak.common import wait_for  # noqa: F401  (tests import it from here)
+from bench.soak.common import stop_process, wait_for  # noqa: F401  (tests import them from here)
 from kvpool.shared.config import ClientConfig
 
 STARTUP_TIMEOUT_S = 30.0

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from bench.soak.common import (Daemon, client_result, key, namespace, read_line, spawn_client,
-                               unlink_shm, wait_for)
+                               stop_process, unlink_shm, wait_for)
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.errors import ErrorCode
 
@@ -275,7 +275,7 @@ def _stall_once(workdir: Path, name: str, stop_s: float, peer_timeout_ms: int | 
     by = None
     try:
         line = read_line(proc, 60)
-        os.kill(proc.pid, signal.SIGSTOP)
+        stop_process(proc.pid)
         t_stop = time.monotonic()
         by = Engine(d.socket, blocks, "soak stall bystander")
         ids = list(range(9_000_000_000, 9_000_000_000 + blocks))

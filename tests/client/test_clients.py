@@ -9,7 +9,7 @@ from kvpool.client.scheduler import SchedulerClient
 from kvpool.client.worker import WorkerClient
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.errors import DaemonUnavailable, ErrorCode
-from tests.conftest import unless_unavailable, wait_for
+from tests.conftest import stop_process, unless_unavailable, wait_for
 from tests.kvtest import HostKv
 
 
@@ -107,7 +107,8 @@ def test_a_trusted_send_to_a_restarted_daemon_fails_cleanly_and_the_client_recov
 def test_clients_recover_by_themselves_after_a_daemon_restart(daemon):
     kv = HostKv()
     worker, reg = kv.register(daemon.client_config())
-    sched = SchedulerClient(daemon.client_config())
+    config = daemon.client_config()
+    sched = SchedulerClient(config)
     keys = kv.keys(list(range(32)))
     kv.fill_random([0, 1], seed=3)
     expected = kv.blocks_of([0, 1])
@@ -117,7 +118,9 @@ def test_clients_recover_by_themselves_after_a_daemon_restart(daemon):
     t0 = time.monotonic()
     with pytest.raises(DaemonUnavailable):
         sched.lookup(kv.namespace, [keys])
-    assert time.monotonic() - t0 < 4
+    # At most its timeout (the lost connection is usually noticed at once), with room for a
+    # loaded machine: a client that waited past its timeout, or for ever, fails this.
+    assert time.monotonic() - t0 < config.timeout_ms / 1000 + 2
     daemon.restart()
     # The scheduler reconnects on its own; the worker replays its registration (same local id).
     hit = wait_for(lambda: unless_unavailable(
@@ -176,7 +179,7 @@ def test_a_stopped_daemon_keeps_its_clients(daemon):
     sched = SchedulerClient(daemon.client_config())
     try:
         before = {c.owner_id: c.registrations for c in sched.info().clients}
-        daemon.proc.send_signal(signal.SIGSTOP)
+        stop_process(daemon.proc.pid)
         try:
             time.sleep(3.0)        # the stimulus: stopped longer than --peer-timeout-ms 2000
         finally:
@@ -279,7 +282,7 @@ def test_a_call_waiting_on_a_daemon_that_dies_fails_at_once(daemon):
     import threading
     sched = SchedulerClient(daemon.client_config(timeout_ms=10_000, reconnect_backoff_ms=0))
     sched.ping()
-    daemon.proc.send_signal(signal.SIGSTOP)
+    stop_process(daemon.proc.pid)
     outcome: list = []
 
     def call():

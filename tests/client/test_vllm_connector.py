@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 from kvpool.client.vllm_meta import WorkerAcks  # noqa: E402
-from tests.conftest import wait_for  # noqa: E402
+from tests.conftest import stop_process, wait_for  # noqa: E402
 
 from .vllm_harness import BS, Engine, fake_token  # noqa: E402
 
@@ -388,7 +388,7 @@ def test_daemon_frozen_mid_run_degrades_then_recovers(make_engine, daemon, async
     for i in range(4):
         e.add(f"r{i}", prompt(70, 1000 * i), max_tokens=30)
     e.run(until=lambda: e.stats.steps >= 4)
-    daemon.proc.send_signal(signal.SIGSTOP)          # alive but answering nothing
+    stop_process(daemon.proc.pid)          # alive but answering nothing
     try:
         t0 = time.monotonic()
         e.run(timeout_s=60)
@@ -444,7 +444,7 @@ def test_no_scheduler_call_waits_while_the_daemon_is_frozen(make_engine, daemon,
     for i in range(4):
         e.add(f"r{i}", prompt(70) + prompt(40, 5000 + 100 * i), max_tokens=30)
     e.run(until=lambda: e.stats.steps >= 4)
-    daemon.proc.send_signal(signal.SIGSTOP)          # alive, answering nothing
+    stop_process(daemon.proc.pid)          # alive, answering nothing
     try:
         t0 = time.monotonic()
         e.run(until=lambda: e.stats.steps >= 40 or time.monotonic() - t0 > 3)
