@@ -263,7 +263,10 @@ def test_decode_loads_each_chunk_as_the_prefill_stores_it(engines, steady, async
 def test_prefill_dying_mid_hand_off_decode_keeps_what_arrived(engines, steady,
                                                               async_scheduling):
     daemon, observer = steady
-    pe, de, held = _stream_setup(engines, daemon, async_scheduling, pd_wait_s=2.0)
+    # pd_wait_s is the decode's patience between chunks, also while the first three land: at
+    # 2 s a loaded 2-core machine let it run out before one had (2 failures in one loaded run
+    # of the suite); the test then waits this long once after the prefill died.
+    pe, de, held = _stream_setup(engines, daemon, async_scheduling, pd_wait_s=6.0)
     _land_chunks(pe, de, held, 3)
     pe.fail_stores()                  # the prefill dies: its other 3 store jobs never land
     run_together(pe, de)
