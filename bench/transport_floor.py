@@ -28,6 +28,18 @@ import tempfile
 import time
 
 MSG = b"x" * 64
+WARMUP = 200        # round trips left out of the figures
+
+
+def _zmq_recv(s, spin: bool) -> bytes:
+    if not spin:
+        return s.recv()
+    import zmq
+    while True:
+        try:
+            return s.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
 
 def _zmq_echo(addr: str, spin: bool, ready) -> None:
@@ -37,15 +49,7 @@ def _zmq_echo(addr: str, spin: bool, ready) -> None:
     s.bind(addr)
     ready.set()
     while True:
-        if spin:
-            while True:
-                try:
-                    ident = s.recv(zmq.NOBLOCK)
-                    break
-                except zmq.Again:
-                    pass
-        else:
-            ident = s.recv()
+        ident = _zmq_recv(s, spin)
         body = s.recv()
         if body == b"stop":
             break
@@ -61,19 +65,11 @@ def _zmq_client(addr: str, spin: bool, reps: int) -> list[float]:
     s = ctx.socket(zmq.DEALER)
     s.connect(addr)
     out = []
-    for i in range(reps + 200):
+    for i in range(WARMUP + reps):
         t0 = time.perf_counter()
         s.send(MSG)
-        if spin:
-            while True:
-                try:
-                    s.recv(zmq.NOBLOCK)
-                    break
-                except zmq.Again:
-                    pass
-        else:
-            s.recv()
-        if i >= 200:                      # warm-up left out
+        _zmq_recv(s, spin)
+        if i >= WARMUP:
             out.append(time.perf_counter() - t0)
     s.send(b"stop")
     s.close(linger=1000)
@@ -113,11 +109,11 @@ def _unix_client(path: str, spin: bool, reps: int) -> list[float]:
     c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     c.connect(path)
     out = []
-    for i in range(reps + 200):
+    for i in range(WARMUP + reps):
         t0 = time.perf_counter()
         c.sendall(MSG)
         _recv_exact(c, len(MSG), spin)
-        if i >= 200:
+        if i >= WARMUP:
             out.append(time.perf_counter() - t0)
     c.close()
     return out

@@ -278,7 +278,6 @@ def test_a_daemon_that_is_down_costs_no_timeout(daemon):
 def test_a_call_waiting_on_a_daemon_that_dies_fails_at_once(daemon):
     """The daemon is stopped, a call waits on it, then it is killed: the call sees the
     connection go instead of waiting out its 10 s timeout."""
-    import signal
     import threading
     sched = SchedulerClient(daemon.client_config(timeout_ms=10_000, reconnect_backoff_ms=0))
     sched.ping()
