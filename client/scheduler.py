@@ -39,9 +39,15 @@ log = logging.getLogger(__name__)
 # ceiling so one engine's burst never holds much of the pool unbound (the daemon caps it too).
 STOCK_MIN = 64
 STOCK_MAX = 8192
-# After a reservation came back empty or refused (pool full, namespace not registered yet),
+# After a reservation came back empty (this client holds as many tickets as the pool has slots),
 # wait this long before asking again, instead of asking every step.
 RESERVE_RETRY_S = 0.02
+# A reservation refused because no worker has registered the namespace yet is asked for again
+# at the next poll: after a daemon restart the scheduler often reconnects before its workers
+# re-register, and a scheduler built before them must not lose its first request's stores
+# (vLLM builds it after them, but either side may come back first). The stock stays
+# "reserving" meanwhile, so the planner keeps those blocks waiting instead of skipping them.
+RESERVE_RETRY_UNREGISTERED_S = 0.0
 # A send this soon after ``ready()`` said True trusts that answer instead of checking the
 # connection again: a scheduler step checks once and then sends several requests, and each
 # check reads the monitor socket through libzmq (~7 us). A send on a connection lost in that
@@ -74,6 +80,7 @@ class _Stock:
     asked_until: float = 0.0   # its answer counts as lost after this
     retry_at: float = 0.0
     starved: bool = False      # the last answer granted nothing
+    unregistered: bool = False  # the last answer: no worker registered the namespace yet
 
 
 class SchedulerClient:
@@ -295,6 +302,7 @@ class SchedulerClient:
         for st in self._stocks.values():
             st.batches.clear()
             st.count, st.asked, st.starved, st.retry_at = 0, 0, False, 0.0
+            st.unregistered = False
 
     def _refill(self, namespace: bytes, st: _Stock, now: float) -> None:
         if st.asked or st.count * 2 > st.target or now < st.retry_at \
@@ -319,10 +327,20 @@ class SchedulerClient:
                 return
             st.batches.append((now + reply.ttl_ms / 2000, list(reply.slots)))
             st.count += len(reply.slots)
-            st.starved = False
+            st.starved = st.unregistered = False
             return
-        # Nothing granted: the pool or quota is full, or no worker registered the namespace yet.
+        if isinstance(reply, p.ErrorReply) and reply.code == ErrorCode.UNKNOWN_ID:
+            # No worker registered the namespace yet: slots will come once one does.
+            if not st.unregistered:
+                log.info("kvpool: no worker has registered namespace %s with kvpoold yet; "
+                         "stores wait for it", namespace.hex()[:16])
+            st.unregistered = True
+            st.starved = False
+            st.retry_at = now + RESERVE_RETRY_UNREGISTERED_S
+            return
+        # Nothing granted: this client holds all the tickets it may, or the reply was an error.
         st.starved = True
+        st.unregistered = False
         st.retry_at = now + RESERVE_RETRY_S
         if isinstance(reply, p.ErrorReply):
             if reply.code == ErrorCode.HELLO_REQUIRED:

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpool.client.vllm_compat import CompatMixin, check_version
 from kvpool.client.vllm_keys import build_groups
@@ -49,6 +50,26 @@ if TYPE_CHECKING:
     from kvpool.client.vllm_meta import WorkerAcks
     from kvpool.client.vllm_scheduler import SchedulerRole
     from kvpool.client.vllm_worker import WorkerRole
+
+class KvpoolStats(KVConnectorStats):
+    """What kvpool adds to vLLM's KV-transfer stats each logging interval: full blocks not
+    stored in the pool, by reason (``kvpool.client.vllm_losses``). Built by the scheduler side;
+    the workers report none."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvpoolStats":
+        for reason, n in other.data.items():
+            self.data[reason] = self.data.get(reason, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"kvpool unstored blocks ({reason})": n for reason, n in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
 
 # What vLLM's scheduler calls into the connector (timed under KVPOOL_CONNECTOR_TIMING).
 SCHEDULER_METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc",
@@ -277,6 +298,16 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request)
+
+    def get_kv_connector_stats(self) -> KvpoolStats | None:
+        if self.scheduler is None:
+            return None
+        got = self.scheduler.losses.take_interval()
+        return KvpoolStats(data=got) if got else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvpoolStats:
+        return KvpoolStats(data=dict(data or {}))
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_push_work()

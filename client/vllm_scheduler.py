@@ -46,6 +46,8 @@ from itertools import chain, compress, islice, repeat
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from kvpool.client.vllm_keys import GroupInfo, RequestKeys
+from kvpool.client.vllm_losses import (DAEMON_UNAVAILABLE, NO_ROOM, STORE_FAILED, STORE_WAIT,
+                                       StoreLosses)
 from kvpool.client.vllm_meta import LoadSpec, StepMeta, StoreSpec, WorkerAcks
 from kvpool.shared.errors import DaemonUnavailable, KvpoolError
 
@@ -190,11 +192,8 @@ class SchedulerRole:
         self._backlog: dict[str, None] = {}
         self._backlog_todo: OrderedDict[str, None] = OrderedDict()
         self._backlog_planned: list[str] = []
-        # Full blocks of finished requests freed unstored: since the last (rate-limited)
-        # warning, and in all.
-        self._unstored_reqs = self._unstored_blocks = 0
-        self._unstored_logged_at = -1e9
-        self.unstored_total = 0
+        # Full blocks given up without being stored, by reason.
+        self.losses = StoreLosses()
         # Requests with blocks to plan, oldest first (deferred by the step budget, or waiting
         # for slots): request id -> when it first waited.
         self._replan: OrderedDict[str, float] = OrderedDict()
@@ -983,8 +982,7 @@ class SchedulerRole:
                 else:
                     self._replan.setdefault(st.request.request_id, now)
             else:
-                logger.debug("kvpool: no room in the pool for %d blocks; not stored",
-                             len(keys) - n)
+                self.losses.add(NO_ROOM, len(keys) - n)
             if n:
                 out.append((st, index[:n], keys[:n], bids[:n]))
                 n = 0
@@ -1002,9 +1000,12 @@ class SchedulerRole:
         """Finished requests whose blocks are all planned (or that waited long enough, or
         whose daemon is gone) let vLLM free their blocks once their stores have landed.
         Costs what changed, not the backlog's length: it runs every step."""
-        if not self._daemon_ok() or not any(map(self.client.reserving, self._namespaces)):
-            leaving = list(self._backlog)
+        if not self._daemon_ok():
+            leaving, reason = list(self._backlog), DAEMON_UNAVAILABLE
+        elif not any(map(self.client.reserving, self._namespaces)):
+            leaving, reason = list(self._backlog), NO_ROOM
         else:
+            reason = STORE_WAIT
             leaving, self._backlog_planned = self._backlog_planned, []
             now = time.monotonic()
             for rid in self._backlog:         # the oldest first: stop at one still in time
@@ -1019,22 +1020,15 @@ class SchedulerRole:
             self._backlog_todo.pop(rid, None)
             st = self._reqs.get(rid)
             if st is not None and st.keys.cacheable and self._has_unstored_blocks(st):
-                lost = self._full_blocks(st) - st.lo
-                self._unstored_blocks += lost
-                self._unstored_reqs += 1
-                self.unstored_total += lost
+                self.losses.add(reason, self._full_blocks(st) - st.lo)
             if st is not None and not st.tickets:
                 self._free_ready.append(rid)
                 self._forget(rid)
+        self.losses.maybe_log()
 
-        if self._unstored_reqs and time.monotonic() >= self._unstored_logged_at + 10.0:
-            # Visible, but at most every 10 s: under a long overload this holds every step.
-            logger.warning("kvpool: %d finished requests freed %d full blocks without storing "
-                           "them (they waited store_wait_s=%.1f s for slots or for planning "
-                           "time, or the daemon went away); those prefixes will miss",
-                           self._unstored_reqs, self._unstored_blocks, self.store_wait_s)
-            self._unstored_reqs = self._unstored_blocks = 0
-            self._unstored_logged_at = time.monotonic()
+    @property
+    def unstored_total(self) -> int:
+        return self.losses.total
 
     # ---- completions ---------------------------------------------------------------------
 
@@ -1074,6 +1068,8 @@ class SchedulerRole:
             deque(map(self._inflight[t.group].pop, t.keys, repeat(None)), maxlen=0)
         if t.failed:
             self._abort_slots.extend(t.slots)
+            if not t.stale:
+                self.losses.add(STORE_FAILED, len(t.keys))
         elif not t.stale:
             remembered = self._committed[t.group]
             remembered.update(dict.fromkeys(t.keys))
@@ -1129,14 +1125,18 @@ class SchedulerRole:
             return False, params
         # A lookup reply that lands later finds the request gone and releases its leases.
         self._consume_lookup(st, keep_leases=False)
-        if self._has_unstored_blocks(st) and self._daemon_ok() and st.keys.cacheable \
-                and any(map(self.client.reserving, self._namespaces)):
-            # Full blocks wait for slots from the stock: keep them until they are stored.
-            st.backlog_until = time.monotonic() + self.store_wait_s
-            self._backlog[request.request_id] = None
-            self._backlog_todo[request.request_id] = None
-            st.finishing = True
-            return True, params
+        if self._has_unstored_blocks(st) and st.keys.cacheable:
+            if not self._daemon_ok():
+                self.losses.add(DAEMON_UNAVAILABLE, self._full_blocks(st) - st.lo)
+            elif not any(map(self.client.reserving, self._namespaces)):
+                self.losses.add(NO_ROOM, self._full_blocks(st) - st.lo)
+            else:
+                # Full blocks wait for slots from the stock: keep them until they are stored.
+                st.backlog_until = time.monotonic() + self.store_wait_s
+                self._backlog[request.request_id] = None
+                self._backlog_todo[request.request_id] = None
+                st.finishing = True
+                return True, params
         if st.tickets:
             st.finishing = True
             return True, params

@@ -657,4 +657,6 @@ def test_finished_requests_waiting_past_store_wait_free_their_blocks_unstored(
     assert 4 <= stored < 32, stored
     # The loss is reported, with what was lost.
     assert role.unstored_total == 32 - stored, (role.unstored_total, stored)
-    assert any("freed" in r.message and "without storing" in r.message for r in caplog.records)
+    assert role.losses.totals["store_wait"] == 32 - stored, role.losses.totals
+    assert any("not stored" in r.message and "store_wait" in r.message
+               for r in caplog.records)

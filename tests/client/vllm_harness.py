@@ -274,7 +274,8 @@ class Engine:
                  extra: dict | None = None, kv_role: str = "kv_both",
                  load_failure_policy: str = "recompute", slow_stores: int = 0,
                  hold_stores: bool = False, late_stores: int = 0, max_num_seqs: int = 16,
-                 write_kv: bool = True, kv_events: bool = True) -> None:
+                 write_kv: bool = True, kv_events: bool = True, step_s: float = 0.0,
+                 scheduler_first: bool = False) -> None:
         model = ModelConfig(model=model_dir(root), dtype="float16", seed=42,
                             skip_tokenizer_init=True)
         self.groups = ([Group(["model.layers.0.self_attn"]),
@@ -316,6 +317,13 @@ class Engine:
         self.kv_cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                     kv_cache_groups=specs,
                                     kv_cache_layout="BLNHC" if block_outermost else "LBNHC")
+        # vLLM's order: the workers register their KV caches, then the engine core builds
+        # the scheduler (and its connector). scheduler_first: the other way round, as after a
+        # daemon restart where the scheduler may reconnect before its workers re-register.
+        # No priming either way: the first step runs as soon as the engine is built.
+        if not scheduler_first:
+            self.workers = [FakeWorker(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
+                            for r in range(tp)]
         cls = self.cfg.scheduler_config.get_scheduler_cls()
         self.sched = cls(vllm_config=self.cfg, kv_cache_config=self.kv_cfg, block_size=BS,
                          structured_output_manager=StructuredOutputManager(self.cfg),
@@ -323,6 +331,12 @@ class Engine:
         self.is_async = async_scheduling
         assert type(self.sched).__name__ == ("AsyncScheduler" if async_scheduling else "Scheduler")
         self.connector: KVPoolConnector = self.sched.connector
+        if scheduler_first:
+            self.workers = [FakeWorker(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
+                            for r in range(tp)]
+        # How long a step that computes something takes (a GPU step: 5-50 ms); a step with
+        # nothing scheduled returns at once, as vLLM's engine core does.
+        self.step_s = step_s
         # vLLM drains connector events every step; keep a copy for the tests.
         self.events: list = []
         take = self.connector.take_events
@@ -333,9 +347,6 @@ class Engine:
             return got
 
         self.connector.take_events = take_and_keep
-        self.workers = [FakeWorker(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
-                        for r in range(tp)]
-        self._prime()
         self.aggregator = KVOutputAggregator(expected_finished_count=tp)
         self.slow = [SlowStores(w.conn.worker, slow_stores) for w in self.workers] \
             if slow_stores else []
@@ -353,20 +364,6 @@ class Engine:
         self._bad_loads: set[str] = set()
         self.preemptions: set[str] = set()
         self.flushed_tickets = 0   # stores the workers had to finish before blocks were reused
-
-    def _prime(self, timeout_s: float = 5.0) -> None:
-        """Let the connector stock its first reserved slots, as the engine core's start-up
-        (workers register, then the scheduler is built, long before the first request) does.
-        Without a daemon this just gives up: the connector degrades by itself."""
-        role = self.connector.scheduler
-        if role is None or not role.enabled:
-            return
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            role._pump()
-            if all(role.client.stock(g.namespace) for g in role.groups):
-                return
-            time.sleep(0.002)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -402,7 +399,13 @@ class Engine:
         """One engine-core step: schedule, execute; apply outputs one (sync) or two (async)
         steps deep."""
         so = self.sched.schedule()
+        started = time.perf_counter()
         out = self._execute(so)
+        if self.step_s and so.total_num_scheduled_tokens:
+            # The model's forward pass: the connector's stores and loads overlap it.
+            rest = self.step_s - (time.perf_counter() - started)
+            if rest > 0:
+                time.sleep(rest)
         self._queue.append((so, out))
         if not self.is_async or len(self._queue) > 1:
             self._apply(*self._queue.pop(0))
