@@ -1,0 +1,131 @@
+"""Every computed block is stored while the pool has room: the connector's store guarantees
+under vLLM's real Scheduler and AsyncScheduler, against a real kvpoold.
+
+Each scenario runs at several step speeds (empty steps at once, 5 ms and 50 ms compute steps),
+from a fresh engine built in vLLM's order (workers register, then the scheduler) with no
+warm-up or priming, with bursts larger than an eighth of the pool (the share one client could
+hold before reservations became tickets), and with the daemon restarted under an idle engine.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvpool.client.scheduler import SchedulerClient  # noqa: E402
+from tests.conftest import wait_for  # noqa: E402
+
+from .vllm_harness import BS, Engine  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
+STEP_SPEEDS = [pytest.param(0.0, id="empty-steps"), pytest.param(0.005, id="5ms-steps"),
+               pytest.param(0.05, id="50ms-steps")]
+# The harness's blocks are 4 KiB (2 layers x K,V x 16 tokens x 2 heads x 16 x fp16): a 1 MiB
+# pool of 256 KiB extents holds 256 of them, and one client's old reservation share was 32.
+SMALL_POOL = dict(pool_size="1MiB", extra=["--extent-size", "256KiB"])
+POOL_SLOTS = 256
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm-model")
+
+
+@pytest.fixture
+def engines(model_root):
+    made: list[Engine] = []
+
+    def make(socket: str, **kw) -> Engine:
+        kw.setdefault("engine_id", f"engine-{len(made)}")
+        e = Engine(model_root, socket, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def prompts(n: int, blocks: int) -> list[list[int]]:
+    """``n`` prompts sharing nothing, each of ``blocks`` full blocks plus one token."""
+    return [list(range(10_000 * (i + 1), 10_000 * (i + 1) + blocks * BS + 1)) for i in range(n)]
+
+
+def stored(daemon) -> int:
+    c = SchedulerClient(daemon.client_config(), name="test observer")
+    try:
+        return c.info().stored_blocks
+    finally:
+        c.close()
+
+
+def run_all_and_reload(e: Engine, batch: list[list[int]], tag: str) -> None:
+    """Run ``batch`` to the end (one token each), empty the GPU prefix cache, run it again:
+    the second round loads every full block from the pool, bit-exact."""
+    for i, p in enumerate(batch):
+        e.add(f"{tag}{i}", p, max_tokens=1)
+    e.run(timeout_s=90)
+    assert e.sched.reset_prefix_cache()
+    before = e.workers[0].verified_blocks
+    for i, p in enumerate(batch):
+        e.add(f"{tag}{i}-again", p, max_tokens=1)
+    e.run(timeout_s=90)
+    full = sum((len(p) - 1) // BS for p in batch)
+    assert e.workers[0].verified_blocks - before == full, (
+        f"{e.workers[0].verified_blocks - before} of {full} blocks came back from the pool; "
+        f"unstored by reason: {e.connector.scheduler.losses.totals}")
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+@pytest.mark.parametrize("step_s", STEP_SPEEDS)
+def test_a_burst_larger_than_an_eighth_of_the_pool_is_stored_whole(
+        engines, daemon_factory, async_scheduling, step_s):
+    d = daemon_factory(**SMALL_POOL)
+    e = engines(d.socket, async_scheduling=async_scheduling, step_s=step_s,
+                max_num_batched_tokens=2048, num_blocks=512)
+    batch = prompts(6, 11)                      # 66 blocks: 2x the old share of 32
+    run_all_and_reload(e, batch, "burst")
+    assert stored(d) == 66
+    assert e.connector.scheduler.losses.total == 0, e.connector.scheduler.losses.totals
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+@pytest.mark.parametrize("step_s", STEP_SPEEDS)
+def test_a_scheduler_built_before_its_workers_registered_stores_the_first_request_whole(
+        engines, daemon, async_scheduling, step_s):
+    e = engines(daemon.socket, async_scheduling=async_scheduling, step_s=step_s,
+                scheduler_first=True)
+    run_all_and_reload(e, prompts(1, 7), "first")
+    assert stored(daemon) == 7
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+@pytest.mark.parametrize("step_s", STEP_SPEEDS)
+def test_daemon_restarted_under_an_idle_engine_stores_the_next_burst_whole(
+        engines, daemon_factory, async_scheduling, step_s):
+    d = daemon_factory(**SMALL_POOL)
+    e = engines(d.socket, async_scheduling=async_scheduling, step_s=step_s,
+                max_num_batched_tokens=2048, num_blocks=512)
+    role = e.connector.scheduler
+    # Idle: the engine core steps with nothing scheduled while the daemon goes and comes back.
+    old = d.proc.pid
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(timeout=10)
+    d.restart()
+    assert d.proc.pid != old
+
+    def reconnected() -> bool:
+        e.step()
+        return role._pumped and all(w.conn.worker.client.is_registered(reg)
+                                           for w in e.workers
+                                           for reg in w.conn.worker._regs.values())
+
+    wait_for(reconnected, timeout_s=30, what="the idle engine's scheduler and workers to "
+                                            "reconnect to the restarted daemon")
+    run_all_and_reload(e, prompts(6, 11), "after-restart")
+    assert stored(d) == 66
