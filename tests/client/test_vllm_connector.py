@@ -520,8 +520,11 @@ def test_a_burst_of_stores_is_planned_over_several_steps(
     from kvpool.client import vllm_scheduler
 
     # No time for planning at all: one request per step. 8 requests of 4 full blocks each
-    # fill them in one step.
+    # fill them in one step. Nothing counts as overdue: on a loaded machine the first steps,
+    # which wait for the first reservation (no priming), can outlast STORE_DEFER_MAX_S, and
+    # the overdue budget then plans several requests in one step (its own test covers it).
     monkeypatch.setattr(vllm_scheduler, "STORE_PLAN_BUDGET_S", 0.0)
+    monkeypatch.setattr(vllm_scheduler, "STORE_DEFER_MAX_S", 60.0)
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
     role = e.connector.scheduler
     planned = spy_planned_blocks(role)
@@ -645,9 +648,15 @@ def test_finished_requests_waiting_past_store_wait_free_their_blocks_unstored(
     from kvpool.client import vllm_scheduler
 
     monkeypatch.setattr(vllm_scheduler, "STORE_PLAN_BUDGET_S", 0.0)   # one request a step
+    # (and none as overdue: a loaded machine's slow steps must not plan the queue whole)
+    monkeypatch.setattr(vllm_scheduler, "STORE_DEFER_MAX_S", 60.0)
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
     role = e.connector.scheduler
     role.store_wait_s = 0.0          # a finished request waits for no planning at all
+    # The loss needs slots in hand while the requests finish (no stock means no planning at
+    # all): step the idle engine until its first reservation is in.
+    ns = role.groups[0].namespace
+    wait_for(lambda: e.step() or role.client.stock(ns), 10, "the first reserved slots")
     for i in range(8):
         e.add(f"s{i}", prompt(70, 1000 * (i + 1)), max_tokens=1)
     e.run()

@@ -130,3 +130,18 @@ def assert_same_outputs(got: dict, want: dict, what: str) -> None:
                 for a, b in zip(ga, wa))
     assert worst <= LOGPROB_TOLERANCE, \
         f"{what}: logprobs differ from the engine without kvpool by up to {worst:.2e}"
+
+
+@pytest.fixture
+def observer_of():
+    """An observer of a daemon the test made itself (``daemon_factory``)."""
+    made: list[SchedulerClient] = []
+
+    def make(daemon) -> SchedulerClient:
+        c = SchedulerClient(daemon.client_config(timeout_ms=10000), name="test observer")
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()

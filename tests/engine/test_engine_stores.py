@@ -1,0 +1,78 @@
+"""Every block a real CPU engine computed is stored while the pool has room: a burst far larger
+than one client's old reservation share, into pools of several sizes with a disk tier, then
+kill -9 of the daemon, a restart, and a new engine on the same prompts."""
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.engine.conftest import BLOCK, assert_same_outputs, prompts
+
+pytestmark = pytest.mark.timeout(900)
+
+# The test model's KV per block: 2 layers x (K, V) x 2 KV heads x 32 x fp32 x 128 tokens.
+BLOCK_BYTES = 128 << 10
+PROMPT_BLOCKS = 11
+P = prompts(6, seed=11, tokens=PROMPT_BLOCKS * BLOCK + 40)   # 66 full blocks in one burst
+
+
+def gen(ps, max_tokens=1):
+    return {"op": "generate", "prompts": ps, "max_tokens": max_tokens}
+
+
+def settled(observer, want_on_disk: int):
+    """Nothing being written, and the disk tier holding ``want_on_disk`` blocks."""
+    info = observer.info()
+    return info.slots_writing == 0 and info.tiers and info.tiers[0].blocks >= want_on_disk
+
+
+def burst_then_restart(daemon, engines, observer, tmp_path, waves: int) -> tuple[int, dict]:
+    """Engine a computes P in one burst; the daemon is SIGKILLed once its disk tier has taken
+    what the pool stored, and restarted; engine b runs P again, ``waves`` prompts at a time.
+    Returns (blocks stored by engine a, engine b's outputs)."""
+    a = engines(daemon.socket, [gen(P)], name="a", max_num_batched_tokens=2048)
+    a.wait_ready()
+    a.next()
+    a.finish()
+    stored = observer.info().stored_blocks
+    wait_for(lambda: settled(observer, stored), 60,
+             lambda: f"the {stored} stored blocks on disk: {observer.info().tiers}")
+    daemon.kill()
+    daemon.restart()
+    step = len(P) // waves
+    b = engines(daemon.socket, [gen(P[i:i + step]) for i in range(0, len(P), step)], name="b",
+                max_num_batched_tokens=2048)
+    b.wait_ready()
+    outs = [b.next() for _ in range(waves)]
+    b.finish()
+    return stored, {"tokens": [t for o in outs for t in o["tokens"]],
+                    "logprobs": [lp for o in outs for lp in o["logprobs"]]}
+
+
+def test_a_burst_larger_than_an_eighth_of_the_pool_is_stored_whole(
+        daemon_factory, engines, observer_of, tmp_path, baseline_outputs):
+    # 32 MiB: ~250 blocks of 128 KiB; one client's share used to be 1/8 of it, ~31 blocks.
+    d = daemon_factory(pool_size="32MiB", extra=["--extent-size", "1MiB", "--disk-path",
+                                                 str(tmp_path / "disk"), "--disk-size", "64MiB"])
+    observer = observer_of(d)
+    stored, out = burst_then_restart(d, engines, observer, tmp_path, waves=1)
+    assert stored == len(P) * PROMPT_BLOCKS, f"stored {stored} of {len(P) * PROMPT_BLOCKS}"
+    assert observer.info().loaded_blocks == len(P) * PROMPT_BLOCKS, observer.info()
+    assert_same_outputs(out, baseline_outputs(P, 1), "after kill -9 and restart")
+
+
+def test_a_working_set_of_2_4_pools_mostly_loads_after_kill_and_restart(
+        daemon_factory, engines, observer_of, tmp_path, baseline_outputs):
+    # 4 MiB in 1 MiB extents: 24 slots once the pool's tables are taken; 66 blocks are 2.75x.
+    d = daemon_factory(pool_size="4MiB", extra=["--extent-size", "1MiB", "--disk-path",
+                                                str(tmp_path / "disk"), "--disk-size", "64MiB"])
+    observer = observer_of(d)
+    slots = observer.info().free_bytes // BLOCK_BYTES
+    total = len(P) * PROMPT_BLOCKS
+    assert total >= 2.4 * slots, f"the pool holds {slots} blocks: the working set is too small"
+    # Engine b takes the prompts two at a time: 22 blocks, which fit the pool as they come up.
+    stored, out = burst_then_restart(d, engines, observer, tmp_path, waves=3)
+    info = observer.info()
+    assert info.loaded_blocks >= 0.9 * total, (
+        f"{info.loaded_blocks} of {total} blocks loaded after the restart (engine a stored "
+        f"{stored}); disk tier: {info.tiers}")
+    assert_same_outputs(out, baseline_outputs(P, 1), "after kill -9 and restart")
