@@ -135,9 +135,11 @@ def _host_copies(nbytes: int, threads: int, tag: str) -> tuple[dict[str, list[Ca
     return {"store": store, "load": load, "bidir": store + load}, part, close
 
 
-def _copy_for(fns: list[Callable[[], None]], nbytes: int, seconds: float) -> float:
-    """GB/s of ``fns`` (one copy of ``nbytes`` each) run back to back, each on its own thread,
-    for ``seconds`` (numpy copies and ctypes calls release the GIL: the threads copy at once)."""
+def _copy_for(fns: list[Callable[[], None]], nbytes: int, seconds: float
+              ) -> tuple[float, float]:
+    """(GB/s, GB per CPU second of this process) of ``fns`` (one copy of ``nbytes`` each) run
+    back to back, each on its own thread, for ``seconds`` (numpy copies and ctypes calls
+    release the GIL: the threads copy at once)."""
     counts = [0] * len(fns)
     t_end = time.perf_counter() + seconds
 
@@ -145,6 +147,7 @@ def _copy_for(fns: list[Callable[[], None]], nbytes: int, seconds: float) -> flo
         while time.perf_counter() < t_end:
             fns[k]()
             counts[k] += 1
+    c0 = os.times()
     t0 = time.perf_counter()
     threads = [threading.Thread(target=loop, args=(k,)) for k in range(1, len(fns))]
     for t in threads:
@@ -152,7 +155,10 @@ def _copy_for(fns: list[Callable[[], None]], nbytes: int, seconds: float) -> flo
     loop(0)
     for t in threads:
         t.join()
-    return sum(counts) * nbytes / (time.perf_counter() - t0) / GB
+    c1 = os.times()
+    gb = sum(counts) * nbytes / GB
+    cpu_s = (c1.user - c0.user) + (c1.system - c0.system)
+    return gb / (time.perf_counter() - t0), gb / cpu_s if cpu_s > 0 else math.inf
 
 
 def _limit_proc(device: int, nbytes: int, threads: int, seconds: float, barrier: Any,
@@ -168,7 +174,7 @@ def _limit_proc(device: int, nbytes: int, threads: int, seconds: float, barrier:
         out = {}
         for d in DIRECTIONS:
             barrier.wait(120)
-            out[d] = _copy_for(fns[d], per_call, seconds)
+            out[d], out[f"{d}_per_cpu_s"] = _copy_for(fns[d], per_call, seconds)
         conn.send(out)
     except Exception as e:  # noqa: BLE001 - reported to the parent
         conn.send(e)
@@ -207,7 +213,10 @@ def limits(devices: list[int], nbytes: int, threads: int, seconds: float) -> dic
             if p.is_alive():
                 p.kill()
     return {f"{d}_GBps": sum(r[d] for r in rows) for d in DIRECTIONS} | {
-        "per_process": {d: [round(r[d], 2) for r in rows] for d in DIRECTIONS}}
+        # bytes per CPU second: what a copy costs, whatever share of the cores it got
+        f"{d}_GB_per_cpu_s": statistics.median(r[f"{d}_per_cpu_s"] for r in rows)
+        for d in DIRECTIONS} | {
+        "per_process_GBps": {d: [round(r[d], 2) for r in rows] for d in DIRECTIONS}}
 
 
 # ---- engines through the daemon ----------------------------------------------------------------
@@ -407,7 +416,7 @@ def run_n(n: int, args, devices: list[int], res_n: dict[str, Any]) -> None:
     res_n["devices"] = devices
     res_n["limit"] = limits(devices, args.limit_bytes, args.copy_threads, args.limit_seconds)
     say(n, "limit " + json.dumps({k: round(v, 2) for k, v in res_n["limit"].items()
-                                          if k.endswith("GBps")}))
+                                          if isinstance(v, float)}))
     tmp = Path(args.tmp)
     tmp.mkdir(parents=True, exist_ok=True)
     per_engine = args.blocks + 4 * args.per_job
@@ -435,13 +444,18 @@ def run_n(n: int, args, devices: list[int], res_n: dict[str, Any]) -> None:
                 for d in DIRECTIONS:
                     r[d] = offload(engines, d, args, blocks, proc.pid)
                     r[f"{d}_ratio"] = r[d]["GBps"] / res_n["limit"][f"{d}_GBps"]
+                    # Where cores are shared, GB/s is a share of them: the daemon's bytes per
+                    # CPU second against a plain copy's says what its copies cost instead.
+                    r[f"{d}_cpu_efficiency"] = (1 / r[d]["daemon_cpu_s_per_GB"]
+                                                / res_n["limit"][f"{d}_GB_per_cpu_s"])
                 res_n["pool_pages_per_numa_node"] = pool_pages_per_node(
                     proc.pid, f"kvpool-bench-{os.getpid()}-scale{n}")
                 moved = sum(r[d]["moved_GB"] for d in DIRECTIONS)
                 r["daemon_cpu_s_per_GB"] = sum(r[d]["daemon_cpu_s"] for d in DIRECTIONS) / moved
                 say(n, f"{layout}: " + ", ".join(
                     f"{d} {r[d]['GBps']:.2f} GB/s = {r[f'{d}_ratio']:.3f}x (daemon "
-                    f"{r[d]['daemon_cores']:.2f} cores, loop {r[d]['daemon_loop_util']:.2f})"
+                    f"{r[d]['daemon_cores']:.2f} cores, loop {r[d]['daemon_loop_util']:.2f}, "
+                    f"{r[f'{d}_cpu_efficiency']:.2f}x memcpy's GB per CPU s)"
                     for d in DIRECTIONS) + f", {r['daemon_cpu_s_per_GB']:.3f} daemon CPU s/GB")
                 if k == 0:
                     if not args.host:
