@@ -41,7 +41,7 @@ import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,15 +53,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from control_plane import LOOKUP_KEYS, kv_setup, lookup_worker, pct  # noqa: E402
-from gpu_transfer import start_daemon  # noqa: E402
+from control_plane import LOOKUP_KEYS, lookup_setup, lookup_worker, pct  # noqa: E402
+from gpu_transfer import PinnedBuffers, start_daemon  # noqa: E402
 from gpu_worker import ShmPool, Worker, gpu_count  # noqa: E402
 from pd_handoff import handoff  # noqa: E402
 
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 from kvpool.daemon import cuda  # noqa: E402
 from kvpool.shared.config import ClientConfig  # noqa: E402
-from kvpool.shared.keys import request_block_hashes  # noqa: E402
 
 GB = 1e9
 BLOCK_BYTES = 2 << 20
@@ -86,12 +85,8 @@ def _gpu_copies(device: int, nbytes: int, tag: str) -> tuple[dict[str, list[Call
                                                              Callable]:
     """One copy of ``nbytes`` per call, synchronised, for each direction (one stream each way);
     the bytes of one call; and the cleanup."""
-    cuda.use_device(device)
-    host = ShmPool(2 * nbytes, name=f"kvpool-scale-limit-{os.getpid()}-{tag}")
-    cuda.host_register(host.base_address, host.nbytes)
-    dev = [cuda.mem_alloc(nbytes), cuda.mem_alloc(nbytes)]
-    streams = [cuda.stream_create(), cuda.stream_create()]
-    h = [host.base_address, host.base_address + nbytes]
+    bufs = PinnedBuffers(device, nbytes, tag)
+    h, dev, streams = bufs.host_at, bufs.dev, bufs.streams
 
     def copy(dst: int, src: int, stream: int) -> Callable[[], None]:
         def run() -> None:
@@ -101,16 +96,7 @@ def _gpu_copies(device: int, nbytes: int, tag: str) -> tuple[dict[str, list[Call
         return run
 
     d2h, h2d = copy(h[0], dev[0], streams[0]), copy(dev[1], h[1], streams[1])
-
-    def close() -> None:
-        cuda.use_device(device)
-        for s in streams:
-            cuda.stream_destroy(s)
-        for d in dev:
-            cuda.mem_free(d)
-        cuda.host_unregister(host.base_address)
-        host.close()
-    return {"store": [d2h], "load": [h2d], "bidir": [d2h, h2d]}, nbytes, close
+    return {"store": [d2h], "load": [h2d], "bidir": [d2h, h2d]}, nbytes, bufs.close
 
 
 def _host_copies(nbytes: int, threads: int, tag: str) -> tuple[dict[str, list[Callable]], int,
@@ -168,7 +154,7 @@ def _limit_proc(device: int, nbytes: int, threads: int, seconds: float, barrier:
     close = None
     try:
         fns, per_call, close = (_host_copies(nbytes, threads, "h") if device < 0
-                                else _gpu_copies(device, nbytes, f"g{device}"))
+                                else _gpu_copies(device, nbytes, f"-scale-g{device}"))
         for f in fns["bidir"]:
             f()                          # warm: first-touch, context, DMA setup
         out = {}
@@ -236,20 +222,17 @@ def cpu_times(pid: int) -> tuple[float, dict[int, float]]:
     return read(f"/proc/{pid}/stat"), threads
 
 
+def on_all(engines: list[Worker], cmd: tuple, timeout_s: float) -> list[Future]:
+    """``cmd`` sent to every engine at once, each answer awaited on a thread of its own."""
+    ex = ThreadPoolExecutor(len(engines))
+    futs = [ex.submit(w.call, *cmd, timeout_s=timeout_s) for w in engines]
+    ex.shutdown(wait=False)
+    return futs
+
+
 def all_at_once(engines: list[Worker], cmd: tuple, timeout_s: float) -> list:
-    """Send ``cmd`` to every engine, then collect every answer (the engines run together)."""
-    for w in engines:
-        w.conn.send(cmd)
-    return [collect(w, timeout_s) for w in engines]
-
-
-def collect(w: Worker, timeout_s: float) -> Any:
-    if not w.conn.poll(timeout_s):
-        raise TimeoutError(f"engine did not answer within {timeout_s} s")
-    out = w.conn.recv()
-    if isinstance(out, Exception):
-        raise out
-    return out
+    """Every engine's answer to ``cmd``, the engines running it together."""
+    return [f.result() for f in on_all(engines, cmd, timeout_s)]
 
 
 def offload(engines: list[Worker], direction: str, args, blocks: list[int],
@@ -344,14 +327,14 @@ def lookups(engines: list[Worker], sock: str, ns: bytes, keys: list[bytes], args
         for _ in procs:
             ready.get(timeout=600)
         secs = args.lookup_seconds
-        for w in engines:
-            w.conn.send(("bench", "offload_for", secs, args.per_job, blocks, blocks, "both"))
+        busy = on_all(engines, ("bench", "offload_for", secs, args.per_job, blocks, blocks,
+                                "both"), 120 + 4 * secs)
         t_end = time.monotonic() + secs
         start.set()
         lat = [x for _ in procs for x in q.get(timeout=600)]
         overlapped = time.monotonic() <= t_end
         done.set()
-        rates = [collect(w, 120 + 4 * secs) for w in engines]
+        rates = [f.result() for f in busy]
     finally:
         done.set()
         for p in procs:
@@ -378,37 +361,20 @@ def pd(engines: list[Worker], sched: SchedulerClient, args, blocks: list[int],
                            "alone_GBps": n * BLOCK_BYTES / statistics.median(alone) / GB}
     others = engines[2:]
     if others:
-        busy = []
-        for w in others:
-            w.conn.send(("bench", "offload_for", args.seconds, args.per_job, blocks, blocks,
-                         "both"))
+        running = on_all(others, ("bench", "offload_for", args.seconds, args.per_job, blocks,
+                                  blocks, "both"), 120 + 4 * args.seconds)
         t_end = time.monotonic() + args.seconds
+        busy: list[float] = []
         while time.monotonic() < t_end or not busy:
             busy.append(handoff(prefill, decode, sched, ns, n, 8,
                                 f"busy-{os.getpid()}-{len(busy)}"))
-        rates = [collect(w, 120 + 4 * args.seconds) for w in others]
+        rates = [f.result() for f in running]
         t = statistics.median(busy)
         out.update({"with_others_s": t, "with_others_GBps": n * BLOCK_BYTES / t / GB,
                     "with_others_handoffs": len(busy),
                     "slowdown_with_others": t / out["alone_s"],
                     "others_offload_GBps": sum(rates) * BLOCK_BYTES / GB})
     return out
-
-
-def lookup_keys(sock: str) -> tuple[bytes, list[bytes], Any]:
-    """256 committed keys to look up (a small host-memory registration, as in
-    bench/control_plane.py), and what must stay alive while they are used."""
-    cfg = ClientConfig(socket=sock, timeout_ms=60_000)
-    small = kv_setup(cfg, LOOKUP_KEYS, 2, 2, 16, 16, "scale-lookup")
-    _, _, _, ns, worker, reg = small
-    sched = SchedulerClient(cfg, "scale-lookup")
-    keys = request_block_hashes(ns, list(range(LOOKUP_KEYS * 16)), 16)
-    slots = sched.prepare_store(ns, keys)
-    if not worker.wait([worker.submit_store(reg, list(range(LOOKUP_KEYS)), slots)], 60)[0].ok:
-        raise RuntimeError("the lookup keys' store failed")
-    if sched.lookup(ns, [keys]).hits != [LOOKUP_KEYS]:
-        raise RuntimeError("the lookup keys are not all committed")
-    return ns, keys, (small, sched)
 
 
 def run_n(n: int, args, devices: list[int], res_n: dict[str, Any]) -> None:
@@ -428,8 +394,9 @@ def run_n(n: int, args, devices: list[int], res_n: dict[str, Any]) -> None:
     keep: list[Any] = []
     sched = SchedulerClient(ClientConfig(socket=sock, timeout_ms=60_000), "scale-pd")
     try:
-        ns, keys, alive = lookup_keys(sock)
-        keep.append(alive)
+        small, lookup_sched, ns, keys = lookup_setup(
+            ClientConfig(socket=sock, timeout_ms=60_000), "scale-lookup")
+        keep.append((small, lookup_sched))
         blocks = list(range(args.blocks))
         res_n["layouts"] = {}
         for k, layout in enumerate(args.layouts):
@@ -497,6 +464,9 @@ def headline(n: int, r: dict[str, Any], host: bool) -> dict[str, Any]:
         "gemm_slowdown_max": None if host else r["gemm"]["max_slowdown"],
         "lookup_p99_us": r["lookup"]["p99_us"],
         "daemon_cpu_s_per_GB": max(x["daemon_cpu_s_per_GB"] for x in lay),
+        # near 1.0: one daemon thread (the event loop is the main thread) bounds the rate
+        "daemon_busiest_thread_util": max(x[d]["daemon_busiest_thread_util"]
+                                          for x in lay for d in DIRECTIONS),
     }
 
 

@@ -4,8 +4,6 @@ fewer GPUs than engines) store and load at once, each on its GPU's own lanes, bi
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -14,24 +12,6 @@ from tests.gpu.gpu_worker import Worker, gpu_count
 GPUS = gpu_count()
 POISON = 0x5A
 PER_ENGINE = 8                  # slots each engine stores into, its own
-
-
-@pytest.fixture(scope="module")
-def pool():
-    from tests.gpu.gpu_worker import ShmPool
-    p = ShmPool(256 << 20, name=f"kvpool-gputest-many-{time.monotonic_ns()}")
-    yield p
-    p.close()
-
-
-@pytest.fixture(scope="module")
-def engine(pool):
-    from kvpool.daemon.cuda_copy import CudaCopyEngine
-    eng = CudaCopyEngine(pool, register_piece_bytes=64 << 20)
-    assert eng.registration.wait(60), "pool registration did not finish"
-    assert eng.registration.is_complete, eng.registration.error
-    yield eng
-    eng.close()
 
 
 def test_the_pool_pinned_once_is_pinned_in_every_gpus_context(engine, pool):
