@@ -147,17 +147,47 @@ def _copy_for(fns: list[Callable[[], None]], nbytes: int, seconds: float
     return gb / (time.perf_counter() - t0), gb / cpu_s if cpu_s > 0 else math.inf
 
 
+def gpu_numa_node(device: int) -> int:
+    """The NUMA node of CUDA GPU ``device``'s PCI function; -1 where the host does not say."""
+    import torch
+    p = torch.cuda.get_device_properties(device)
+    bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    try:
+        return int(Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text())
+    except (OSError, ValueError):
+        return -1
+
+
+def bind_to_node(node: int) -> bool:
+    """Run this process on NUMA node ``node``'s CPUs, so the pages it touches first land on
+    that node; False where the host has no such node."""
+    try:
+        spec = Path(f"/sys/devices/system/node/node{node}/cpulist").read_text().strip()
+    except OSError:
+        return False
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    os.sched_setaffinity(0, cpus)
+    return True
+
+
 def _limit_proc(device: int, nbytes: int, threads: int, seconds: float, barrier: Any,
                 conn: Any) -> None:
     """One of N processes measuring the limit together: every direction starts on a barrier,
-    so the N processes' copies overlap."""
+    so the N processes' copies overlap. A GPU's process runs on the GPU's NUMA node and so
+    copies from memory there: the best placement, what the host can do (the daemon's one pool
+    is placed wherever its pages were first touched)."""
     close = None
     try:
+        node = -1 if device < 0 else gpu_numa_node(device)
+        bound = node >= 0 and bind_to_node(node)
         fns, per_call, close = (_host_copies(nbytes, threads, "h") if device < 0
                                 else _gpu_copies(device, nbytes, f"-scale-g{device}"))
         for f in fns["bidir"]:
             f()                          # warm: first-touch, context, DMA setup
-        out = {}
+        out: dict[str, Any] = {"numa_node": node, "numa_bound": bound}
         for d in DIRECTIONS:
             barrier.wait(120)
             out[d], out[f"{d}_per_cpu_s"] = _copy_for(fns[d], per_call, seconds)
@@ -202,7 +232,8 @@ def limits(devices: list[int], nbytes: int, threads: int, seconds: float) -> dic
         # bytes per CPU second: what a copy costs, whatever share of the cores it got
         f"{d}_GB_per_cpu_s": statistics.median(r[f"{d}_per_cpu_s"] for r in rows)
         for d in DIRECTIONS} | {
-        "per_process_GBps": {d: [round(r[d], 2) for r in rows] for d in DIRECTIONS}}
+        "per_process_GBps": {d: [round(r[d], 2) for r in rows] for d in DIRECTIONS},
+        "numa_node_bound": [r["numa_node"] if r["numa_bound"] else None for r in rows]}
 
 
 # ---- engines through the daemon ----------------------------------------------------------------
