@@ -3,15 +3,19 @@ through one daemon at once, against what N processes copying at once can do on t
 
 For each N of ``--engines``, with a fresh daemon:
 
-- the limit: N processes copying contiguous buffers at once for ``--seconds`` each way and both
-  ways (GPU: pinned memcpy H2D / D2H / both on two streams, process i on GPU i mod ``--gpus``;
-  ``--host``: private memory <-> POSIX shared memory, the bytes the host path moves);
+- the limit: N processes copying contiguous buffers at once each way and both ways (GPU: pinned
+  memcpy H2D / D2H / both on two streams, process i on GPU i mod ``--gpus`` and on that GPU's
+  NUMA node; ``--host``: private memory <-> POSIX shared memory over the daemon's copy
+  threads), with their bytes per CPU second: on shared cores the daemon's bytes per CPU
+  second against those (``cpu_efficiency``) say what its copies cost where GB/s says only
+  what share of the cores it got;
 - per layout (Llama-3.1-8B, 2 MiB blocks, block-outermost and per-layer rows), N engine
   processes (``tests/gpu/gpu_worker.py``; ``--host``: KV in shared host memory), each with its
   own registration, all storing, then all loading, then all doing both, four jobs in flight
   each, for ``--seconds``: aggregate GB/s, its ratio to the limit, and the daemon's CPU seconds
   per GB moved (``/proc/<pid>/stat``) with the busiest daemon thread's share of one core (the
   event loop is the main thread): a thread near 1.0 is where the daemon would bound the rate;
+  and the NUMA nodes of the pool's pages and of each GPU;
 - (GPU) a bf16 8192^3 GEMM loop in every engine's own process, alone and beside its own full
   offload, all engines at once: the slowdown per engine;
 - the lookup of 256 committed keys by N scheduler processes at once (``bench/control_plane.py``'s
