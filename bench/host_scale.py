@@ -155,7 +155,10 @@ def gpu_numa_node(device: int) -> int:
     """The NUMA node of CUDA GPU ``device``'s PCI function; -1 where the host does not say."""
     import torch
     p = torch.cuda.get_device_properties(device)
-    bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    ids = [getattr(p, f"pci_{k}_id", None) for k in ("domain", "bus", "device")]
+    if None in ids:             # a torch that does not report them
+        return -1
+    bus = "{:04x}:{:02x}:{:02x}.0".format(*ids)
     try:
         return int(Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text())
     except (OSError, ValueError):
