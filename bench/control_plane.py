@@ -81,6 +81,22 @@ def kv_setup(cfg: ClientConfig, blocks: int, layers: int, heads: int, dim: int, 
     return mem, kv, layout, ns, worker, reg
 
 
+def lookup_setup(cfg: ClientConfig, name: str):
+    """``LOOKUP_KEYS`` committed keys to look up, stored through a small host-memory
+    registration: (``kv_setup``'s tuple, a scheduler client, the namespace, the keys). The
+    caller closes the clients and the memory."""
+    small = kv_setup(cfg, LOOKUP_KEYS, 2, 2, 16, 16, name)
+    _, _, _, ns, worker, reg = small
+    sched = SchedulerClient(cfg, name)
+    keys = request_block_hashes(ns, list(range(LOOKUP_KEYS * 16)), 16)
+    slots = sched.prepare_store(ns, keys)
+    if not worker.wait([worker.submit_store(reg, list(range(LOOKUP_KEYS)), slots)], 60)[0].ok:
+        raise RuntimeError("the lookup keys' store failed")
+    if sched.lookup(ns, [keys]).hits != [LOOKUP_KEYS]:
+        raise RuntimeError("the lookup keys are not all committed")
+    return small, sched, ns, keys
+
+
 def timed_calls(fn, n: int) -> list[float]:
     for _ in range(min(50, n)):
         fn()
@@ -181,13 +197,8 @@ def main() -> None:
     try:
         cfg = ClientConfig(socket=sock, timeout_ms=60_000)
         # ---- control plane ---------------------------------------------------------------
-        small = kv_setup(cfg, LOOKUP_KEYS, 2, 2, 16, 16, "bench-small")
-        _, _, _, ns, worker, reg = small
-        sched = SchedulerClient(cfg, "bench")
-        keys = request_block_hashes(ns, list(range(LOOKUP_KEYS * 16)), 16)
-        slots = sched.prepare_store(ns, keys)
-        assert worker.wait([worker.submit_store(reg, list(range(LOOKUP_KEYS)), slots)], 60)[0].ok
-        assert sched.lookup(ns, [keys]).hits == [LOOKUP_KEYS]
+        small, sched, ns, keys = lookup_setup(cfg, "bench-small")
+        worker = small[4]
 
         floor = timed_calls(sched.ping, args.iters)
         look1 = timed_calls(lambda: sched.lookup(ns, [keys]), args.iters)

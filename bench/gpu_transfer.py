@@ -54,12 +54,8 @@ def memcpy_limits(nbytes: int, reps: int, rounds: int = 3) -> dict[str, float | 
     in turn within a round: one slow round (both directions have sampled 70 GB/s on a host that
     gives 85-90) would otherwise set a limit below what kvpool's own copies reach, and ratios
     above 1. ``memcpy_rounds_GBps`` keeps every round's figure."""
-    cuda.use_device(0)
-    host = ShmPool(2 * nbytes, name=f"kvpool-bench-limit-{os.getpid()}")
-    cuda.host_register(host.base_address, host.nbytes)
-    dev = [cuda.mem_alloc(nbytes), cuda.mem_alloc(nbytes)]
-    streams = [cuda.stream_create(), cuda.stream_create()]
-    h = [host.base_address, host.base_address + nbytes]
+    bufs = PinnedBuffers(0, nbytes)
+    dev, streams, h = bufs.dev, bufs.streams, bufs.host_at
 
     def timed(copies) -> float:
         times = []
@@ -80,13 +76,32 @@ def memcpy_limits(nbytes: int, reps: int, rounds: int = 3) -> dict[str, float | 
             samples[key].append(round(timed(copies), 2))
     out: dict[str, float | dict] = {k: max(v) for k, v in samples.items()}
     out["memcpy_rounds_GBps"] = samples
-    for s in streams:
-        cuda.stream_destroy(s)
-    for d in dev:
-        cuda.mem_free(d)
-    cuda.host_unregister(host.base_address)
-    host.close()
+    bufs.close()
     return out
+
+
+class PinnedBuffers:
+    """What a pinned memcpy limit copies between on GPU ``device``: two device buffers of
+    ``nbytes``, a host buffer of twice that in POSIX shared memory registered as the pool is
+    (``host_at``: its two halves), and two streams."""
+
+    def __init__(self, device: int, nbytes: int, tag: str = "") -> None:
+        self.device = device
+        cuda.use_device(device)
+        self.host = ShmPool(2 * nbytes, name=f"kvpool-bench-limit-{os.getpid()}{tag}")
+        cuda.host_register(self.host.base_address, self.host.nbytes)
+        self.dev = [cuda.mem_alloc(nbytes), cuda.mem_alloc(nbytes)]
+        self.streams = [cuda.stream_create(), cuda.stream_create()]
+        self.host_at = [self.host.base_address, self.host.base_address + nbytes]
+
+    def close(self) -> None:
+        cuda.use_device(self.device)
+        for s in self.streams:
+            cuda.stream_destroy(s)
+        for d in self.dev:
+            cuda.mem_free(d)
+        cuda.host_unregister(self.host.base_address)
+        self.host.close()
 
 
 def start_daemon(tmp: Path, pool_size: str, env: dict | None = None, tag: str = "",

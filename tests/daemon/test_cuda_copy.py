@@ -393,3 +393,72 @@ def test_a_small_job_whose_slot_spans_two_pool_pieces_is_cut_at_the_boundary(
         "a copy spans two registered pieces"
     if layout == "block_outer":
         assert [n for _, n in fake.copies] == [1, 2, 2]
+
+
+class TwoGpus(FakeDriver):
+    """Registrations on GPU-0 and GPU-1, and worker events that stay pending until let go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: set[bytes] = set()      # worker event handles not complete yet
+        self.handles: dict[int, bytes] = {}
+
+    @staticmethod
+    def device_by_uuid(u: str) -> int:
+        return int(u.rsplit("-", 1)[1])
+
+    def event_open_ipc(self, handle: bytes) -> int:
+        ev = self._new()
+        self.handles[ev] = handle
+        return ev
+
+    def event_query(self, ev: int) -> bool:
+        return self.handles.get(ev) not in self.pending
+
+
+def _register_on(engine, fake, gpu: int):
+    kv = np.random.default_rng(gpu).integers(0, 255, BLOCKS * BLOCK_BYTES, dtype=np.uint8)
+    handle = bytes([gpu + 1]) * 64
+    fake.memory[handle] = kv
+    t = torch.from_numpy(kv).view(BLOCKS, BLOCK_BYTES)
+    plan = plan_kv_memory([t], [0], [(kv.ctypes.data, kv.nbytes)])
+    reg = RegisterRequest(1, b"n" * 16, Layout(16, 1, "uint8", plan.segment_bytes), 0,
+                          plan.num_blocks, [CudaRegion(f"GPU-{gpu}", handle, kv.nbytes)],
+                          plan.placement)
+    return engine.attach(reg), kv
+
+
+def test_each_gpu_has_its_own_lanes_and_a_stalled_one_holds_no_other_gpu(monkeypatch):
+    """One daemon for every GPU of a host (issue 28): a registration on GPU k copies on GPU k's
+    own store and load lanes, so a store waiting for one engine's step never delays another
+    GPU's copies (eight engines must not queue behind one)."""
+    fake = TwoGpus()
+    monkeypatch.setattr(cuda_copy, "cuda", fake)
+    pool = HostPool(4 * BLOCKS * BLOCK_BYTES)
+    eng = cuda_copy.CudaCopyEngine(pool, backend="dma", register_pool=False, dma_2d=False)
+    eng.test_pool = pool
+    try:
+        (m0, kv0), (m1, kv1) = _register_on(eng, fake, 0), _register_on(eng, fake, 1)
+        assert (m0.ordinal, m1.ordinal) == (0, 1)
+        g0, g1 = eng._gpus[0], eng._gpus[1]
+        lanes = [g0.store, g0.load, g1.store, g1.load]
+        assert len({lane.stream for lane in lanes}) == 4
+        assert len({lane.submitter.name for lane in lanes}) == 4
+        blocks = np.arange(4)
+        fake.pending.add(b"w" * 64)
+        held = eng.submit_store(m0, blocks, blocks * BLOCK_BYTES, b"w" * 64)
+        offs1 = (blocks + 8) * BLOCK_BYTES
+        eng.submit_store(m1, blocks, offs1, b"v" * 64).result(10)
+        eng.submit_load(m1, offs1, blocks + 4).result(10)
+        assert np.array_equal(kv1.reshape(BLOCKS, -1)[4:8], kv1.reshape(BLOCKS, -1)[:4])
+        assert not held.done(), "GPU 0's store went before its worker's step was done"
+        fake.pending.clear()
+        held.result(10)
+        assert np.array_equal(_pool_blocks(eng, blocks * BLOCK_BYTES), kv0.reshape(BLOCKS, -1)[:4])
+        # GPU 0's held store went from its own lane's thread, never from GPU 1's
+        names = {name for name, _ in fake.copies}
+        assert "kvpool-cuda0-store-submit" in names
+        for m in (m0, m1):
+            eng.detach(m, wait_s=10)
+    finally:
+        eng.close()

@@ -7,7 +7,9 @@
 #  tests+pd: every GPU test, then bench/pd_handoff.py; PD_ARGS: extra pd_handoff.py args;
 #  tp: the cross-TP GPU tests, then bench/pd_handoff.py --mode cross;
 #  probe: bench/gemm_probe.py, also run last by all; PROBE_ARGS: its extra args;
-#  breakdown: bench/gemm_breakdown.py; BREAKDOWN_ARGS: its extra args)
+#  breakdown: bench/gemm_breakdown.py; BREAKDOWN_ARGS: its extra args;
+#  scale: the many-GPU tests, then bench/host_scale.py on every GPU (one GPU: 1, 2 and 4
+#  engines sharing it); SCALE_ARGS replaces its default arguments, extra args are appended)
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -25,7 +27,7 @@ export PYTHONPATH=/tmp/pp:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 shm_kb=$(df -k --output=size /dev/shm | tail -1)
 if [ "$shm_kb" -lt $((32 * 1024 * 1024)) ]; then mount -o remount,size=48G /dev/shm 2>/dev/null || true; fi
 
-if [ "$what" = env ] || [ "$what" = all ] || [ "$what" = pd ] || [ "$what" = pd+bench ] || [ "$what" = tests+pd ] || [ "$what" = tp ]; then
+if [ "$what" = env ] || [ "$what" = all ] || [ "$what" = pd ] || [ "$what" = pd+bench ] || [ "$what" = tests+pd ] || [ "$what" = tp ] || [ "$what" = scale ]; then
   { nvidia-smi --query-gpu=name,uuid,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
     nvidia-smi topo -m 2>/dev/null | head -5
     df -h /dev/shm; ulimit -l; nproc; free -g | head -2
@@ -64,5 +66,15 @@ if [ "$what" = probe ] || [ "$what" = all ]; then
 fi
 if [ "$what" = breakdown ]; then
   timeout ${BREAKDOWN_TIMEOUT:-300} python3 "$REPO/bench/gemm_breakdown.py" --out "$OUT" ${BREAKDOWN_ARGS:-} 2>&1 | tee "$OUT/breakdown.log" || rc=1
+fi
+if [ "$what" = scale ]; then
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
+    -c "$REPO/pyproject.toml" --rootdir "$REPO" "$REPO/tests/daemon/test_cuda.py" "$REPO/tests/gpu/test_many_gpus.py" \
+    "$REPO/tests/gpu/test_multi_gpu.py" 2>&1 | tee "$OUT/tests-scale.log" || rc=1
+  gpus=$(python3 -c "from kvpool.daemon import cuda; print(cuda.device_count())")
+  # one GPU: engines share it (the daemon's one lane pair per GPU, N engines' jobs on it)
+  default=""; [ "${gpus:-0}" -le 1 ] && default="--engines 1,2,4 --gpus 1 --seconds 2"
+  timeout ${SCALE_TIMEOUT:-480} python3 "$REPO/bench/host_scale.py" --out "$OUT" --tmp /tmp/kvpool-scale \
+    ${SCALE_ARGS:-$default} "$@" 2>&1 | tee "$OUT/scale.log" || rc=1
 fi
 exit $rc

@@ -9,32 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from tests.gpu.gpu_worker import HEADS, LAYOUTS, ShmPool, Worker, gpu_count, head_range
+from tests.gpu.gpu_worker import HEADS, LAYOUTS, Worker, gpu_count, head_range
 
 GPUS = gpu_count()
 
 NUM_BLOCKS = 96
 POISON = 0xA5
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = ShmPool(512 << 20, name=f"kvpool-gputest-engine-{time.monotonic_ns()}")
-    yield p
-    p.close()
-
-
-@pytest.fixture(scope="module")
-def engine(pool):
-    from kvpool.daemon.cuda_copy import CudaCopyEngine
-    eng = CudaCopyEngine(pool, register_piece_bytes=64 << 20)   # several pieces: split path
-    assert eng.registration.wait(60), "pool registration did not finish"
-    assert eng.registration.is_complete, eng.registration.error
-    eng._require_ready()
-    eng._check_pitched(0)      # settle it now: tests below force it either way
-    eng.pitched_checked = eng.pitched
-    yield eng
-    eng.close()
 
 
 def _shard_offsets(reg, slots):
