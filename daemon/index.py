@@ -9,8 +9,8 @@ Slot lifecycle (Plasma's CREATED → SEALED, with TP):
                                └── abort / owner gone / write timeout / failed rank --> FREE
     FREE --reserve_fills--> FILLING --end_fill(ok)--> COMMITTED
                                └── end_fill(failed) / reset --> FREE
-    FREE --reserve--> RESERVED --first rank's keyed store--> WRITING (bound to its key)
-                         └── abort / owner gone / reservation TTL / extent drained --> FREE
+    ticket --first rank's keyed store--> FREE --(allocated)--> WRITING (bound to its key)
+       └── abort / owner gone / reservation TTL --> gone (it never held a slot)
 
 - A WRITING slot is invisible to lookups; it becomes COMMITTED only when every unit of its
   layout has landed (``Layout.full_mask``: every KV head of a head-split layout, whatever TP
@@ -19,16 +19,21 @@ Slot lifecycle (Plasma's CREATED → SEALED, with TP):
 - ``pins`` counts leases and in-flight jobs. Eviction takes only COMMITTED, unpinned slots.
   A slot dropped while pinned is *doomed*: unreachable at once, freed when the last pin goes.
 - Slot refs carry the slot's generation, so a stale ref never touches a reused slot.
-- RESERVED is a slot granted to a scheduler ahead of its stores (``reserve``), bound to no key,
-  invisible to lookups, taking pool space but not its namespace's quota (a stock must not
-  crowd out a small quota's blocks). The scheduler assigns it to a key without asking, and the
-  first rank's store (``begin_store`` with keys) binds it: to the key if nobody holds that key
-  (the quota applies now, as for ``prepare_store``), else *void* (``Slot.void``): a duplicate, or
-  over a quota with nothing of its own left to evict. A void slot is written by no rank (the
-  server skips its copy), never mapped, and freed once every rank has reported it. So dedup
-  happens at bind time, in one place, and a key is never visible twice nor torn. Unused
-  reservations expire after ``reserve_ttl_s``; a restarted daemon knows none of them (their
-  pool records say WRITING, which adoption frees).
+- A reservation (``reserve``) is a *ticket*: a ref handed to a scheduler ahead of its stores,
+  bound to nothing, taking no pool space and evicting nothing (a scheduler's stock for a few
+  steps of stores must not push committed blocks out: with slots claimed at ``reserve``, a full
+  64 MiB pool lost 505 of its 3968 blocks to each client's stock). The scheduler assigns a
+  ticket to a key without asking; the first rank's store (``open_store`` with keys) gives it a
+  slot for its key, evicting as ``prepare_store`` would and applying the namespace's quota, or
+  makes it *void* (``Slot.void``, a placeholder outside the pool): a duplicate (its key is
+  held, being written or named twice in the job) or a block with no room (every slot written
+  or pinned, or the quota's own blocks all pinned; ``IndexStats.no_room_blocks``). A void
+  ticket is written by no rank (the server skips its copy) and forgotten once every rank has
+  reported it. Later ranks naming the ticket get what the first one bound, so dedup happens
+  at bind time, in one place, and a key is never visible twice nor torn. Ticket refs are slot
+  refs whose index lies above every slot id of the pool (``_TicketRefs``), with a generation,
+  so they never name a slot and a stale one is refused. Unused tickets expire after
+  ``reserve_ttl_s``; a restarted daemon knows none (they never touched a pool record).
 - FILLING is a slot a lower tier is bringing back (``daemon/tiering.py``): lookups count it
   as a hit and loads may name it, but the caller must not copy out of it before ``end_fill``.
   It is pinned by its fill, recorded as WRITING in the pool (a crash drops it), and becomes
@@ -49,6 +54,8 @@ pressure still evicts by the pool-wide LRU.
 from __future__ import annotations
 
 import itertools
+import random
+from collections import Counter
 from functools import partial
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -62,13 +69,8 @@ from kvpool.shared.layout import Layout
 from kvpool.shared.protocol import (MAX_RESERVE, SLOT_NO_SPACE, SLOT_PRESENT, NamespaceInfo,
                                     make_slot_ref)
 
-# Index-only states (the pool record says WRITING): a lower tier is filling the slot; the slot
-# is reserved for a scheduler's stores and bound to no key yet.
+# An index-only state (the pool record says WRITING): a lower tier is filling the slot.
 FILLING = 3
-RESERVED = 4
-# One client may hold at most this share of the pool's bytes as unbound reservations: a stock
-# for a few steps of stores, never a way to take the pool from the others.
-RESERVE_SHARE = 8
 
 
 @dataclass(slots=True, eq=False)
@@ -90,7 +92,8 @@ class Slot:
     deadline: float = 0.0       # WRITING: dropped if not landed by then
     last_use: int = 0           # LRU tick of the last commit or hit
     doomed: bool = False
-    void: bool = False          # bound as a duplicate or over its quota: never written nor mapped
+    void: bool = False          # a ticket bound to no slot (duplicate, no room): never written
+    ticket: int = 0             # the ticket ref that bound it, while WRITING (0: none)
 
 
 @dataclass(slots=True, eq=False)
@@ -110,6 +113,19 @@ class OpenedStore:
     has_voids: bool                     # whether any slot is void (nobody copies into those)
 
 
+@dataclass(slots=True, eq=False)
+class Grant:
+    """The tickets one ``reserve`` call handed out (one object for all of them: a ticket costs
+    a dict entry, not an object)."""
+
+    owner: int
+    ns: bytes
+    slot_bytes: int
+    deadline: float
+    refs: range                 # its ticket refs, consecutive
+    live: int                   # how many of them are not bound, aborted or expired yet
+
+
 @dataclass(slots=True)
 class Lease:
     owner: int
@@ -127,7 +143,8 @@ class IndexStats:
     adopted_blocks: int = 0
     hit_tokens: int = 0
     miss_tokens: int = 0
-    duplicate_blocks: int = 0   # reserved slots bound to a key already held (freed unwritten)
+    duplicate_blocks: int = 0   # tickets bound to a key already held (void: never written)
+    no_room_blocks: int = 0     # tickets that found no slot (all written or pinned): not stored
 
 
 class Index:
@@ -140,8 +157,14 @@ class Index:
         self.lease_ttl_s = lease_ttl_s
         self.write_timeout_s = write_timeout_s
         self.reserve_ttl_s = reserve_ttl_s
-        self._reserved: dict[int, Slot] = {}
-        self._reserved_bytes: dict[int, int] = {}   # owner -> bytes of its RESERVED slots
+        # Unbound tickets -> their grant, and each grant whose tickets are not all gone.
+        self._tickets: dict[int, Grant] = {}
+        self._grants: dict[Grant, None] = {}
+        self._tickets_held: dict[tuple[int, int], int] = {}   # (owner, slot bytes) -> tickets
+        # Tickets a first rank bound -> the slot (or void placeholder) later ranks must get,
+        # until that slot leaves WRITING.
+        self._bound: dict[int, Slot] = {}
+        self._ticket_refs = _TicketRefs(pool.geometry.num_extents * pool.slot_id_stride)
         self.stats = IndexStats()
         self._slots: dict[int, Slot] = {}
         # namespace -> block hash -> slot (WRITING or COMMITTED). Per-namespace tables keep a
@@ -414,25 +437,24 @@ class Index:
                            f"is being written or pinned by a lease or a transfer")
         return out
 
-    def _claim(self, ns: bytes, table: dict[bytes, Slot] | None, k: bytes, slot_bytes: int,
+    def _claim(self, ns: bytes, table: dict[bytes, Slot], k: bytes, slot_bytes: int,
                quota: int) -> Slot | None:
-        """A slot for key ``k`` of ``ns``, counted, and mapped unless ``table`` is None (a
-        reservation: no key yet), its state for the caller to set; None where nothing could be
-        evicted, ``_OVER_QUOTA`` where the quota stops it. Its pool record is the caller's to
+        """A slot for key ``k`` of ``ns``, counted and mapped in ``table``, its state for the
+        caller to set; None where nothing could be evicted, ``_OVER_QUOTA`` where the quota
+        stops it. Its pool record is the caller's to
         write, with ``_record_claims``, before the slot's ref leaves the daemon."""
         if quota and not self._fits_quota(ns, slot_bytes, quota):
             return _OVER_QUOTA
         s = self._allocate(slot_bytes)
         if s is None:
             return None
-        s.ns, s.key, s.owner = ns, ns + k if k else b"", 0
+        s.ns, s.key, s.owner = ns, ns + k, 0
         s.generation = (s.generation + 1) & GENERATION_MASK
         s.ref = make_slot_ref(s.id, s.generation)
         s.landed = s.writing = 0
         s.doomed = s.void = False
-        if table is not None:   # a reservation counts for its namespace once bound
-            table[k] = s
-            self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
+        table[k] = s
+        self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
         return s
 
     def _record_claims(self, slots: list[Slot]) -> None:
@@ -448,48 +470,63 @@ class Index:
     # ---- reservations (stores planned without a round trip) --------------------------------
 
     def reserve(self, ns: bytes, count: int, owner: int, now: float) -> list[int]:
-        """Up to ``count`` RESERVED slot refs of ``ns`` for ``owner``, bound to no key, taken
-        back at ``now + reserve_ttl_s`` unless a store binds them first. Fewer (possibly none)
-        where the pool or the namespace's quota has no room (evicting LRU blocks as a store
-        would), or where ``owner`` already holds its share (1/RESERVE_SHARE of the pool). Quotas
-        apply when a store binds the slots, not here."""
+        """Up to ``count`` ticket refs of ``ns`` for ``owner`` (the server's dispatch of a
+        scheduler's ``ReserveRequest``), bound to nothing, taken back at ``now +
+        reserve_ttl_s`` unless a store binds them first. Pins nothing, takes no pool space and
+        evicts nothing: the slots are found when the first rank's store names the tickets'
+        keys. Fewer only where ``owner`` would hold more tickets of this slot size than the
+        pool has slots of it (a bound on the daemon's memory, never on a burst of stores).
+        ``UnknownId`` for a namespace no worker registered yet."""
         if not 0 <= count <= MAX_RESERVE:
             raise OutOfRange(f"a reservation asks for 0..{MAX_RESERVE} slots, not {count}")
-        layout = self.layout_of(ns)
-        slot_bytes = layout.slot_bytes
-        held = self._reserved_bytes.get(owner, 0)
-        count = min(count, max(0, self.pool.nbytes // RESERVE_SHARE - held) // slot_bytes)
-        out: list[int] = []
-        claimed: list[Slot] = []
-        deadline = now + self.reserve_ttl_s
-        reserved = self._reserved
-        try:
-            for _ in range(count):
-                s = self._claim(ns, None, b"", slot_bytes, 0)
-                if s is None:
-                    break
-                s.state, s.owner, s.deadline = RESERVED, owner, deadline
-                reserved[s.id] = s
-                out.append(s.ref)
-                claimed.append(s)
-        finally:
-            self._record_claims(claimed)
-        if out:
-            self._reserved_bytes[owner] = held + len(out) * slot_bytes
-        return out
+        slot_bytes = self.layout_of(ns).slot_bytes
+        per_extent = self.pool.slots_per_extent(slot_bytes)
+        if per_extent == 0:
+            raise LayoutMismatch(f"a slot of {slot_bytes} bytes does not fit one extent of "
+                                 f"{self.pool.geometry.extent_bytes} bytes: raise extent_size")
+        held_key = (owner, slot_bytes)
+        held = self._tickets_held.get(held_key, 0)
+        count = min(count, max(0, self.pool.geometry.num_extents * per_extent - held))
+        if not count:
+            return []
+        refs = self._ticket_refs.take(count)
+        grant = Grant(owner, ns, slot_bytes, now + self.reserve_ttl_s, refs, len(refs))
+        self._tickets.update(dict.fromkeys(refs, grant))
+        self._grants[grant] = None
+        self._tickets_held[held_key] = held + len(refs)
+        return list(refs)
 
     @property
-    def reserved_count(self) -> int:
-        return len(self._reserved)
+    def ticket_count(self) -> int:
+        """Tickets granted and not bound, aborted or expired yet (they take no pool space)."""
+        return len(self._tickets)
 
-    def _unreserve(self, s: Slot) -> None:
-        """``s`` stops being RESERVED (bound, aborted, expired or freed): its owner's share."""
-        del self._reserved[s.id]
-        left = self._reserved_bytes[s.owner] - s.size_class.slot_bytes
+    def _spend_tickets(self, refs: list[int]) -> None:
+        """Tickets ``refs`` (unbound, checked) are bound or given up: off their owners'
+        counts, counted once per grant (a job's tickets come from a few grants)."""
+        pop = self._tickets.pop
+        for grant, n in Counter(map(pop, refs)).items():
+            self._grant_shrinks(grant, n)
+
+    def _grant_shrinks(self, grant: Grant, n: int) -> None:
+        grant.live -= n
+        key = (grant.owner, grant.slot_bytes)
+        left = self._tickets_held[key] - n
         if left:
-            self._reserved_bytes[s.owner] = left
+            self._tickets_held[key] = left
         else:
-            del self._reserved_bytes[s.owner]
+            del self._tickets_held[key]
+        if not grant.live:
+            del self._grants[grant]
+
+    def _drop_grant(self, grant: Grant) -> int:
+        """Every unbound ticket of ``grant`` goes (expired, or its owner gone)."""
+        tickets = self._tickets
+        gone = [r for r in grant.refs if tickets.get(r) is grant]
+        for r in gone:
+            del tickets[r]
+        self._grant_shrinks(grant, len(gone))
+        return len(gone)
 
     def _fits_quota(self, ns: bytes, slot_bytes: int, quota: int) -> bool:
         """Make room for one more slot under ``ns``'s quota by evicting its own least recently
@@ -503,13 +540,22 @@ class Index:
         return True
 
     def abort_store(self, refs: list[int], owner: int) -> int:
-        """Drop prepared or reserved slots that will not be written. Unknown or stale refs are
-        skipped (an abort may cross the slot's expiry)."""
+        """Drop prepared slots and tickets of ``owner`` that will not be written (the server's
+        dispatch of a scheduler's ``AbortStoreRequest``): an unbound ticket just goes; a bound
+        one takes its slot with it. Unknown or stale refs are skipped (an abort may cross the
+        slot's expiry). Returns how many were dropped."""
         n = 0
+        tickets, bound = self._tickets, self._bound
         for ref in refs:
-            s = self._resolve(ref)
-            if s is not None and (s.state == WRITING or s.state == RESERVED) \
-                    and s.owner == owner:
+            grant = tickets.get(ref)
+            if grant is not None:
+                if grant.owner == owner:
+                    del tickets[ref]
+                    self._grant_shrinks(grant, 1)
+                    n += 1
+                continue
+            s = bound.get(ref) or self._resolve(ref)
+            if s is not None and s.state == WRITING and not s.doomed and s.owner == owner:
                 self._drop(s)
                 n += 1
         return n
@@ -518,11 +564,13 @@ class Index:
                     keys: list[bytes] | None = None, now: float = 0.0) -> list[Slot]:
         """Validate a store job's slots and pin them; all or nothing. ``mask`` is the units the
         job lands (``Layout.rank_mask``; default: rank ``rank``'s shard, ``1 << rank``).
+        Callers: tests and tools; the server uses ``open_store``.
 
-        With ``keys`` (one block hash per ref), RESERVED slots are bound here: to their key, or
-        as duplicates (``Slot.void``: the caller copies nothing into them) where the key is
-        already committed, being written or filled, or named twice. Slots bound earlier (by
-        another rank's store, or by ``prepare_store``) must be bound to the same key.
+        With ``keys`` (one block hash per ref), tickets are bound here: each to a slot for its
+        key, or void (``Slot.void``: the caller copies nothing into it) where the key is
+        already committed, being written or filled, or named twice, or where no slot could be
+        found. Tickets and slots bound earlier (by another rank's store, or by
+        ``prepare_store``) must be bound to the same key.
         """
         job = self.open_store(ns, refs, rank, mask, keys=keys, now=now)
         if job.finish is not None:
@@ -532,15 +580,15 @@ class Index:
     def open_store(self, ns: bytes, refs: list[int], rank: int, mask: int | None = None, *,
                    keys: list[bytes] | None = None, now: float = 0.0) -> "OpenedStore":
         """``begin_store`` with what can wait left for after the job's copy has gone out: its
-        checks are done (it raises as ``begin_store``, with nothing changed), but its pins,
-        and the binding of its reserved slots where that cannot make any slot void (every slot
-        RESERVED, its keys distinct and none held, no quota on ``ns``), may come back as
-        ``finish``. The caller (the server's dispatch) must call it once it has handed the copy
-        to its engine, before anything else touches the index: before it ends the job and
-        before it gives the event loop back (until then nothing else runs there, so nothing can
-        evict, reuse or see the slots). So a big store's copy starts after its checks alone:
-        for 1024 slots on a 2-core host, ~210 us of checks, where pins and bindings take
-        another ~50 and ~300 (bench/big_job_path.py)."""
+        checks are done (it raises as ``begin_store``, with nothing changed) and its tickets
+        have their slots (the copy needs their offsets: allocation may evict LRU blocks now),
+        but its pins, and the binding of those slots where none is void (every ref an unbound
+        ticket, its keys distinct and none held, no quota on ``ns``, room for all), may come
+        back as ``finish``. The caller (the server's dispatch) must call it once it has handed
+        the copy to its engine, before anything else touches the index: before it ends the job
+        and before it gives the event loop back (until then nothing else runs there, so nothing
+        can evict, reuse or see the slots). So a big store's copy starts after its checks and
+        allocation alone (bench/big_job_path.py times both)."""
         bit = 1 << rank if mask is None else mask
         if keys is not None and len(keys) != len(refs):
             raise ProtocolError(f"{len(keys)} keys for {len(refs)} slots")
@@ -550,26 +598,44 @@ class Index:
                 if slots is not None:
                     return OpenedStore(slots, partial(_pin_store, slots, bit), False)
             else:
-                got = self._check_keyed(ns, refs, bit, keys)
-                if got is not None:
-                    slots, binds = got
-                    if not binds:      # bound by an earlier rank: some may be void
+                grants = list(map(self._tickets.get, refs))
+                if None not in grants:      # the first rank: every ref an unbound ticket
+                    if all(g.ns == ns for g in set(grants)):
+                        return self._open_tickets(ns, refs, grants, keys, bit, now)
+                elif not any(grants):       # a later rank, or prepared slots named by key
+                    slots = self._check_keyed(ns, refs, bit, keys)
+                    if slots is not None:
                         return OpenedStore(slots, partial(_pin_store, slots, bit),
                                            any(map(_SLOT_VOID, slots)))
-                    every = binds == len(slots)
-                    if every and self._fresh_keys(ns, keys):
-                        return OpenedStore(slots, partial(self._pin_and_bind, ns, slots, bit,
-                                                          keys, now), False)
-                    _pin_store(slots, bit)
-                    self._bind(ns, slots, keys, now, every)
-                    return OpenedStore(slots, None, any(map(_SLOT_VOID, slots)))
-        slots = self._check_store(ns, refs, rank, bit, keys)
-        if len(set(slots)) != len(slots):
+        items = self._check_store(ns, refs, rank, bit, keys)
+        if len(set(refs)) != len(refs):
             raise ProtocolError("a store job names the same slot twice")
-        if keys is not None:
-            self._bind(ns, slots, keys, now)
+        todo = [i for i, x in enumerate(items) if type(x) is Grant]
+        if todo:
+            assert keys is not None      # _check_store refuses a keyless ticket
+            got = self._bind(ns, [refs[i] for i in todo], [items[i] for i in todo],
+                             [keys[i] for i in todo], now)
+            for i, s in zip(todo, got):
+                items[i] = s
+        slots: list[Slot] = items       # type: ignore[assignment]  (every Grant replaced)
         _pin_store(slots, bit)
         return OpenedStore(slots, None, keys is not None and any(map(_SLOT_VOID, slots)))
+
+    def _open_tickets(self, ns: bytes, refs: list[int], grants: list[Grant], keys: list[bytes],
+                      bit: int, now: float) -> "OpenedStore":
+        """The first rank's store of unbound tickets (checked): slots found now, the rest of
+        the binding deferred where nothing can come out void."""
+        slot_bytes = grants[0].slot_bytes       # a namespace's tickets are of one size
+        if self._fresh_keys(ns, keys):
+            slots = self._allocate_many(slot_bytes, len(refs))
+            if len(slots) == len(refs):
+                return OpenedStore(slots, partial(self._bind_fresh, ns, refs, grants, keys,
+                                                  slots, bit, now), False)
+            return OpenedStore(self._bind_fresh(ns, refs, grants, keys, slots, bit, now), None,
+                               True)
+        slots = self._bind(ns, refs, grants, keys, now)
+        _pin_store(slots, bit)
+        return OpenedStore(slots, None, any(map(_SLOT_VOID, slots)))
 
     def _check_prepared(self, ns: bytes, refs: list[int], bit: int) -> list[Slot] | None:
         """The slots of ``refs`` (distinct) if each is WRITING for ``ns`` and free of ``bit``
@@ -585,52 +651,56 @@ class Index:
         return slots
 
     def _check_keyed(self, ns: bytes, refs: list[int], bit: int, keys: list[bytes]
-                     ) -> tuple[list[Slot], int] | None:
-        """The slots of ``refs`` (distinct), and how many are RESERVED (the caller binds them),
-        if each is RESERVED for ``ns``, or WRITING for ``ns`` and bound to its key, and free of
-        ``bit`` (the vLLM connector's stores: reserved slots, bound by the first rank); else
-        None, for ``_check_store`` to say why. One pass that changes nothing."""
-        get = self._slots.get
-        slots = [get(ref & 0xFFFF_FFFF) for ref in refs]
-        reserved, writing = RESERVED, WRITING
-        binds = 0
-        for s, ref, k in zip(slots, refs, keys):
-            if (s is None or s.ref != ref or s.doomed or s.ns != ns
-                    or (s.landed | s.writing) & bit
-                    or (s.state != reserved and (s.state != writing or s.key[16:] != k))):
+                     ) -> list[Slot] | None:
+        """The slots of ``refs`` (distinct: bound tickets or prepared slot refs) if each is
+        WRITING for ``ns``, bound to its key and free of ``bit`` (the later ranks of the vLLM
+        connector's stores); else None, for ``_check_store`` to say why. One pass that changes
+        nothing."""
+        get, bound = self._slots.get, self._bound.get
+        writing = WRITING
+        slots = []
+        add = slots.append
+        for ref, k in zip(refs, keys):
+            s = bound(ref)
+            if s is None:
+                s = get(ref & 0xFFFF_FFFF)
+                if s is None or s.ref != ref:
+                    return None
+            if (s.state != writing or s.doomed or s.ns != ns or (s.landed | s.writing) & bit
+                    or s.key[16:] != k):
                 return None
-            binds += s.state == reserved
-        return slots, binds
+            add(s)
+        return slots
 
     def _fresh_keys(self, ns: bytes, keys: list[bytes]) -> bool:
         """Whether ``keys`` can go into ``ns``'s table whole: distinct, none held, no quota."""
         return (not self._quota.get(ns, 0) and len(set(keys)) == len(keys)
                 and self._tables.setdefault(ns, {}).keys().isdisjoint(keys))
 
-    def _pin_and_bind(self, ns: bytes, slots: list[Slot], bit: int, keys: list[bytes],
-                      now: float) -> None:
-        _pin_store(slots, bit)
-        self._bind(ns, slots, keys, now, True, True)
-
     def _check_store(self, ns: bytes, refs: list[int], rank: int, bit: int,
-                     keys: list[bytes] | None) -> list[Slot]:
-        """``begin_store``'s checks one slot at a time, each failure with its own error."""
-        slots = []
-        resolve = self._resolve
+                     keys: list[bytes] | None) -> list[Slot | Grant]:
+        """``begin_store``'s checks one ref at a time, each failure with its own error: per
+        ref, its slot, or its grant for an unbound ticket."""
+        items: list[Slot | Grant] = []
+        resolve, tickets, bound = self._resolve, self._tickets, self._bound
         for i, ref in enumerate(refs):
-            s = resolve(ref)
-            if s is None:
-                raise OutOfRange(f"slot ref {ref:#x} names no slot of this pool")
-            # (A WRITING slot's ``ns`` is its key's namespace: no slice of the key needed.)
-            if s.state == RESERVED and not s.doomed and s.ns == ns:
+            grant = tickets.get(ref)
+            if grant is not None and grant.ns == ns:
                 if keys is None:
                     raise UnknownId(f"slot ref {ref:#x} is reserved, not bound to a key: a store "
                                     f"into a reserved slot must name its key")
-            elif s.state != WRITING or s.doomed or s.ns != ns:
+                items.append(grant)
+                continue
+            s = bound.get(ref) or resolve(ref)
+            if s is None and grant is None and not self._ticket_refs.issued(ref):
+                raise OutOfRange(f"slot ref {ref:#x} names no slot of this pool and no ticket "
+                                 f"this daemon granted (one granted before a restart?)")
+            # (A WRITING slot's ``ns`` is its key's namespace: no slice of the key needed.)
+            if s is None or s.state != WRITING or s.doomed or s.ns != ns:
                 raise UnknownId(f"slot ref {ref:#x} is not prepared or reserved for this "
                                 f"namespace (aborted, reset, expired, timed out or never "
                                 f"granted)")
-            elif keys is not None and s.key[16:] != keys[i]:
+            if keys is not None and s.key[16:] != keys[i]:
                 raise ProtocolError(f"slot ref {ref:#x} is bound to another key than the one "
                                     f"this store names")
             if (s.landed | s.writing) & bit:
@@ -638,64 +708,150 @@ class Index:
                                     f"which overlap units already stored or being stored "
                                     f"({s.landed | s.writing:#x}): overlapping head ranges, or "
                                     f"the same rank twice")
-            slots.append(s)
+            items.append(s)
+        return items
+
+    def _allocate_many(self, slot_bytes: int, n: int) -> list[Slot]:
+        """Up to ``n`` free slots of ``slot_bytes`` (room found as ``_allocate`` finds it), for
+        the caller to claim before anything else runs; fewer where nothing more can be
+        evicted. Free slots come off the free list in slices and, while one size has the whole
+        pool, victims are evicted as a batch (``_evict_many``): a 1024-slot store on a full
+        pool pays its evictions before its copy starts. Taken slots are marked WRITING when
+        more room must be found after them (no eviction may free them again)."""
+        cls = self._class(slot_bytes)
+        got: list[Slot] = []
+        while True:
+            free = cls.free
+            k = min(n - len(got), len(free))
+            if k:
+                taken = free[len(free) - k:]
+                del free[len(free) - k:]
+                taken.reverse()             # the order ``pop`` would give
+                got += taken
+            if len(got) == n:
+                return got
+            for s in taken if k else ():
+                s.state = WRITING
+            if len(self._classes) == 1 and not self._free_extents:
+                if not self._evict_many(cls, n - len(got)):
+                    return got
+                continue
+            s = self._allocate(slot_bytes)  # a fresh extent, or room from another size
+            if s is None:
+                return got
+            s.state = WRITING
+            got.append(s)
+
+    def _evict_many(self, cls: SizeClass, n: int) -> int:
+        """Evict up to ``n`` of ``cls``'s least recently used unpinned blocks onto its free
+        list, the bookkeeping in batches (records in one write, counts once per namespace);
+        returns how many. Only while ``cls`` is the pool's one size (so no extent drains)."""
+        # The queue's head is nearly always the victims as they stand: checked in C-level
+        # passes (a per-slot scan costs more than the rest of the eviction).
+        ids, stamps = cls.lru.head(n)
+        victims = list(map(self._slots.__getitem__, ids))
+        if list(map(_SLOT_LAST_USE, victims)) != stamps or any(map(_SLOT_PINS, victims)):
+            ids = cls.lru.oldest_many(n, self._is_pinned)
+            victims = list(map(self._slots.__getitem__, ids))
+        if not ids:
+            return 0
+        tables = self._tables
+        for s in victims:
+            del tables[s.ns][s.key[16:]]    # a committed block is its key's slot
+            s.state = FREE
+            s.landed = 0
+        cls.lru.remove_many(ids)
+        for ns, k in Counter(map(_SLOT_NS, victims)).items():
+            self._ns_blocks[ns] -= k
+            self._ns_bytes[ns] -= k * cls.slot_bytes
+            own = self._ns_lru.get(ns)
+            if own is not None:
+                own.remove_many([s.id for s in victims if s.ns == ns])
+        if self.events is not None:
+            self.events.extend(("removed", s.ns, s.key[16:]) for s in victims)
+        self.pool.write_states(ids, FREE)
+        self.stats.evictions += len(ids)
+        cls.free += reversed(victims)       # oldest popped first
+        return len(ids)
+
+    def _bind_fresh(self, ns: bytes, refs: list[int], grants: list[Grant], keys: list[bytes],
+                    slots: list[Slot], bit: int, now: float) -> list[Slot]:
+        """Bind checked, unbound tickets whose keys are fresh (``_fresh_keys``) to ``slots``
+        (from ``_allocate_many``, in order; the tickets past them found no room: void) and pin
+        them for units ``bit``. Counts, the table, the records and the owners' tickets take
+        the batch whole; the per-slot state is what is left (why ``open_store`` defers it)."""
+        n = len(slots)
+        deadline = now + self.write_timeout_s
+        mask, state = GENERATION_MASK, WRITING
+        for s, ref, grant, key in zip(slots, refs, grants, map(ns.__add__, keys)):
+            gen = s.generation = (s.generation + 1) & mask
+            s.ref = (gen << 32) | s.id
+            s.state = state
+            s.ns = ns
+            s.key = key
+            s.owner = grant.owner
+            s.deadline = deadline
+            s.ticket = ref
+            s.writing = bit
+            s.pins += 1
+        self._writing.update(zip(map(_SLOT_ID, slots), slots))
+        self._tables[ns].update(zip(keys, slots))
+        self._bound.update(zip(refs, slots))
+        if n:
+            self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + n * slots[0].size_class.slot_bytes
+        self._record_claims(slots)
+        if n < len(refs):
+            self.stats.no_room_blocks += len(refs) - n
+            voids = [self._void(ns, k, g.owner, r, deadline)
+                     for r, g, k in zip(refs[n:], grants[n:], keys[n:])]
+            _pin_store(voids, bit)
+            slots = slots + voids
+        self._spend_tickets(refs)
         return slots
 
-    def _bind(self, ns: bytes, slots: list[Slot], keys: list[bytes], now: float,
-              every: bool = False, fresh: bool = False) -> None:
-        """Bind the RESERVED ones of a validated store's ``slots`` to their ``keys`` (see
-        ``begin_store``); ``every``: the caller knows all of them are; ``fresh``: that their
-        keys are distinct, none is held and the namespace has no quota. Owners' reserved bytes
-        and the namespace's bytes are counted once per call, not per slot, and a batch of
-        distinct keys none of which is held goes into the table in one update. (Still ~300 us
-        for 1024 slots on a 2-core host, the per-slot state: why ``open_store`` defers it.)"""
-        if not every:
-            pairs = [(s, k) for s, k in zip(slots, keys) if s.state == RESERVED]
-            if not pairs:
-                return
-            slots, keys = [s for s, _ in pairs], [k for _, k in pairs]
+    def _bind(self, ns: bytes, refs: list[int], grants: list[Grant], keys: list[bytes],
+              now: float) -> list[Slot]:
+        """Bind checked, unbound tickets to slots for their keys one at a time (a key may be
+        held, named twice, or under a quota): each gets a slot (``_claim``: evicting, quota
+        applied), or a void placeholder as a duplicate or for want of room. Pins nothing."""
         table = self._tables.setdefault(ns, {})
-        deadline = now + self.write_timeout_s
-        reserved, writing = self._reserved, self._writing
-        state = WRITING
-        owners: dict[int, int] = {}           # owner -> its slots bound here
-        for s, key in zip(slots, map(ns.__add__, keys)):
-            sid = s.id
-            del reserved[sid]
-            writing[sid] = s
-            s.state = state
-            s.key = key
-            s.deadline = deadline
-            owners[s.owner] = owners.get(s.owner, 0) + 1
         quota = self._quota.get(ns, 0)
-        slot_bytes = slots[0].size_class.slot_bytes     # a namespace's slots are of one size
-        counted = 0                           # slots mapped to their key, quota-free ns
-        if fresh or self._fresh_keys(ns, keys):
-            table.update(zip(keys, slots))
-            counted = len(keys)
-        else:
-            for s, k in zip(slots, keys):
+        slot_bytes = grants[0].slot_bytes
+        deadline = now + self.write_timeout_s
+        writing = self._writing
+        out: list[Slot] = []
+        claimed: list[Slot] = []
+        try:
+            for ref, grant, k in zip(refs, grants, keys):
                 if k in table:                # held already, or named earlier in this job
-                    s.void = True
                     self.stats.duplicate_blocks += 1
-                elif quota:
-                    # Counted one by one: each quota check reads the bytes counted before it.
-                    if self._fits_quota(ns, slot_bytes, quota):
-                        table[k] = s
-                        self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
-                    else:
-                        s.void = True      # as SLOT_NO_SPACE: this block is not pooled
-                else:
-                    table[k] = s
-                    counted += 1
-        if counted:
-            self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + counted * slot_bytes
-        for owner, n in owners.items():
-            left = self._reserved_bytes[owner] - n * slot_bytes
-            if left:
-                self._reserved_bytes[owner] = left
-            else:
-                del self._reserved_bytes[owner]
+                    out.append(self._void(ns, k, grant.owner, ref, deadline))
+                    continue
+                s = self._claim(ns, table, k, slot_bytes, quota)
+                if s is None or s is _OVER_QUOTA:
+                    self.stats.no_room_blocks += 1      # as SLOT_NO_SPACE: not pooled
+                    out.append(self._void(ns, k, grant.owner, ref, deadline))
+                    continue
+                s.state, s.owner, s.deadline, s.ticket = WRITING, grant.owner, deadline, ref
+                writing[s.id] = s
+                out.append(s)
+                claimed.append(s)
+        finally:
+            self._record_claims(claimed)
+        self._bound.update(zip(refs, out))
+        self._spend_tickets(refs)
+        return out
+
+    def _void(self, ns: bytes, k: bytes, owner: int, ticket: int, deadline: float) -> Slot:
+        """A void ticket's placeholder: a slot of no extent, which later ranks resolve to and
+        which carries their landing bits until every one has reported it."""
+        return Slot(-1, -1, -1, 0, _VOID_CLASS, state=WRITING, ns=ns, key=ns + k, owner=owner,
+                    deadline=deadline, void=True, ticket=ticket)
+
+    def _forget_void(self, s: Slot) -> None:
+        s.doomed = True
+        if self._bound.get(s.ticket) is s:
+            del self._bound[s.ticket]
 
     def end_store(self, slots: list[Slot], rank: int, ok: bool, mask: int | None = None) -> int:
         """A store job finished (or failed): commit slots whose every unit has landed; drop
@@ -715,12 +871,12 @@ class Index:
                     ready.append(s)
             if s.doomed:
                 self._drop(s)
-        if any(s.void for s in ready):
-            dups = [s for s in ready if s.void]
+        if any(map(_SLOT_VOID, ready)):
+            voids = [s for s in ready if s.void]
             ready = [s for s in ready if not s.void]
-            # Every rank has reported a duplicate: nothing to show, its slot goes back.
-            for s in dups:
-                self._drop(s)
+            # Every rank has reported a void ticket: nothing to show, nothing to free.
+            for s in voids:
+                self._forget_void(s)
         if ready:
             self._commit(ready)
         return len(ready)
@@ -832,28 +988,32 @@ class Index:
     # ---- housekeeping ----------------------------------------------------------------------
 
     def expire(self, now: float) -> tuple[int, int, int]:
-        """Drop leases past their TTL, prepared slots past their write timeout and reserved
-        slots past their reservation TTL; returns how many of each."""
+        """Drop leases past their TTL, prepared or bound slots past their write timeout and
+        tickets past their reservation TTL; returns how many of each. Called by the server's
+        housekeeping loop."""
         dead = [lid for lid, lease in self._leases.items() if lease.expires <= now]
         for lid in dead:
             self._unpin(self._leases.pop(lid).slots)
         late = [s for s in self._writing.values() if s.deadline <= now]
         for s in late:
             self._drop(s)
-        unused = [s for s in self._reserved.values() if s.deadline <= now]
-        for s in unused:
-            self._drop(s)
-        return len(dead), len(late), len(unused)
+        voids = [s for s in self._bound.values() if s.void and s.deadline <= now]
+        for s in voids:
+            self._forget_void(s)
+        unused = sum(self._drop_grant(g) for g in [g for g in self._grants if g.deadline <= now])
+        return len(dead), len(late) + len(voids), unused
 
     def release_owner(self, owner: int) -> None:
-        """Everything a vanished client held: its leases and the slots it prepared or
-        reserved."""
+        """Everything a vanished client held (the server's disconnect and timeout paths): its
+        leases, the slots it prepared, its tickets and the slots they were bound to."""
         self.release_leases([lid for lid, lease in self._leases.items() if lease.owner == owner],
                             owner)
         for s in [s for s in self._writing.values() if s.owner == owner]:
             self._drop(s)
-        for s in [s for s in self._reserved.values() if s.owner == owner]:
-            self._drop(s)
+        for s in [s for s in self._bound.values() if s.void and s.owner == owner]:
+            self._forget_void(s)
+        for g in [g for g in self._grants if g.owner == owner]:
+            self._drop_grant(g)
 
     def reset(self, ns: bytes) -> int:
         """Forget every block of ``ns``: lookups miss at once; pinned ones are freed when their
@@ -864,12 +1024,11 @@ class Index:
         return len(victims)
 
     def slot_counts(self) -> tuple[int, int, int]:
-        """(writing, committed, used bytes)."""
+        """(writing, committed, used bytes); tickets take none."""
         writing = len(self._writing) + len(self._filling)
         committed = sum(len(c.lru) for c in self._classes.values())
         used = sum(s.size_class.slot_bytes for s in self._writing.values())
         used += sum(s.size_class.slot_bytes for s in self._filling.values())
-        used += sum(s.size_class.slot_bytes for s in self._reserved.values())
         used += sum(len(c.lru) * c.slot_bytes for c in self._classes.values())
         return writing, committed, used
 
@@ -954,7 +1113,7 @@ class Index:
                     continue
                 age = 0
                 for s in self._extent_slots(e):
-                    if s.state == WRITING or s.state == RESERVED or s.pins:
+                    if s.state == WRITING or s.pins:
                         break
                     age = max(age, s.last_use)
                 else:
@@ -1005,9 +1164,8 @@ class Index:
                     self._forget_committed(s)
                     if self.events is not None:
                         self.events.append(("removed", s.ns, s.key[16:]))
-            elif s.state == WRITING or s.state == FILLING or s.state == RESERVED:
-                # A store into it is refused (a reserved one too: its scheduler's store of
-                # that block fails, the block is not pooled), or lands unseen.
+            elif s.state == WRITING or s.state == FILLING:
+                # A store into it is refused, or lands unseen.
                 self._drop(s)
         self._finish_drain(best)
 
@@ -1050,10 +1208,14 @@ class Index:
         self.pool.commit_records(ids, [s.key for s in slots], [s.generation for s in slots])
         tick = next(self._tick)
         pop_writing = self._writing.pop
+        pop_bound = self._bound.pop
         for s in slots:
             pop_writing(s.id, None)
             s.state = COMMITTED
             s.last_use = tick
+            if s.ticket:
+                pop_bound(s.ticket, None)
+                s.ticket = 0
         # The LRUs and counts take the batch whole: one size and one namespace nearly always
         # (a store job's slots are of one namespace), so one call each instead of one per slot.
         first = slots[0]
@@ -1082,6 +1244,9 @@ class Index:
 
     def _drop(self, s: Slot) -> None:
         """Make ``s`` unreachable now and free it once unpinned."""
+        if s.void:
+            self._forget_void(s)
+            return
         s.doomed = True
         if self._unmap(s):
             if s.state == COMMITTED:
@@ -1099,9 +1264,10 @@ class Index:
                 self.events.append(("removed", s.ns, s.key[16:]))
         self._writing.pop(s.id, None)
         self._filling.pop(s.id, None)
-        if s.state == RESERVED:
-            self._unreserve(s)
-        elif s.state != FREE and not s.void:
+        if s.ticket:
+            self._bound.pop(s.ticket, None)
+            s.ticket = 0
+        if s.state != FREE:
             self._ns_bytes[s.ns] -= s.size_class.slot_bytes
         s.state = FREE
         s.doomed = s.void = False
@@ -1140,8 +1306,12 @@ class Index:
 
 
 _EMPTY: dict[bytes, Slot] = {}
-# A C-level getter for batch passes over slots (a generator costs ~2x more).
+# C-level getters for batch passes over slots (a generator costs ~2x more).
 _SLOT_VOID = attrgetter("void")
+_SLOT_ID = attrgetter("id")
+_SLOT_LAST_USE = attrgetter("last_use")
+_SLOT_NS = attrgetter("ns")
+_SLOT_PINS = attrgetter("pins")
 
 
 def _pin_store(slots: list[Slot], bit: int) -> None:
@@ -1154,3 +1324,40 @@ def _pin_store(slots: list[Slot], bit: int) -> None:
 _STALE = Slot(-1, -1, -1, 0, SizeClass(0), state=FREE, doomed=True)
 # What ``_claim`` answers when a namespace's quota, not the pool, is out of room.
 _OVER_QUOTA = Slot(-2, -1, -1, 0, SizeClass(0), state=FREE, doomed=True)
+# The size class of void placeholders: they hold no pool space, so no real class counts them.
+_VOID_CLASS = SizeClass(0)
+
+
+class _TicketRefs:
+    """Ticket refs: slot refs whose index lies in [first, 2**32), above every slot id of the
+    pool, so a ticket never names a slot and a slot ref never a ticket. A sequence number runs
+    through that range and on into the generation (31 bits, so refs stay positive int64): a
+    ticket ref repeats only after 2**31 passes through the range. The sequence starts at a
+    random pass, as the pool's generations do, so a restarted daemon does not hand out the
+    refs of the previous one (the server also refuses a store naming another daemon's grant).
+    One grant's refs are consecutive integers (a ``range``), never split across passes."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        # A pool has fewer than 2**32 records (daemon/pool.py); a pool so close to that
+        # leaves a short range, which only makes the passes more frequent.
+        self.span = max(1, (1 << 32) - first)
+        self.seq = self.start = random.getrandbits(31) * self.span
+
+    def take(self, n: int) -> range:
+        n = min(n, self.span)
+        off = self.seq % self.span
+        if off + n > self.span:
+            self.seq += self.span - off
+            off = 0
+        generation = (self.seq // self.span) & GENERATION_MASK
+        self.seq += n
+        lo = make_slot_ref(self.first + off, generation)
+        return range(lo, lo + n)
+
+    def issued(self, ref: int) -> bool:
+        """Whether ``ref`` is a ticket ref this daemon has handed out (bound, spent or not):
+        a store naming one that is gone is told it expired, any other is out of range."""
+        index = ref & 0xFFFF_FFFF
+        return (index >= self.first
+                and self.start <= (ref >> 32) * self.span + index - self.first < self.seq)
