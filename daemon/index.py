@@ -1,4 +1,4 @@
-"""The block index: key → slot, slot states, per-rank landing, leases, owners, extents.
+"""The block index: key → slot, slot states, per-rank landing, leases, owners, tickets.
 
 Everything here runs on the daemon's event loop thread and never blocks: no I/O besides writing
 slot records into the mapped pool, no waiting. Time is passed in (``now``) so tests control it.
@@ -39,10 +39,8 @@ Slot lifecycle (Plasma's CREATED → SEALED, with TP):
   It is pinned by its fill, recorded as WRITING in the pool (a crash drops it), and becomes
   COMMITTED like a store. The index knows nothing of where the bytes come from.
 
-Space: the pool's extents are handed to one slot size at a time. Room for a slot comes from a
-free slot of its size, then a free extent, then eviction: the least recently used slot of the same
-size, or a whole extent of another size whose newest use is older than that (so a new model can
-take space from an idle one without a static split). ``PoolFull`` only when neither exists.
+Space: the extents, free lists and the search for room (eviction, taking an idle size's extent,
+draining one) are ``daemon/extents.py``'s; it asks this module to evict, hide or drop a slot.
 
 Quotas: a namespace may have a byte cap (declared by its engines, bounded by the daemon's
 ``namespace_quota``). Its prepared and committed slots count against it; a store that would pass
@@ -54,55 +52,23 @@ pressure still evicts by the pool-wide LRU.
 from __future__ import annotations
 
 import itertools
-import random
 from collections import Counter
 from functools import partial
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Callable
 
 from kvpool.daemon.eviction import LruPolicy
+from kvpool.daemon.extents import FILLING, Extents, SizeClass, Slot
 from kvpool.daemon.pool import COMMITTED, FREE, GENERATION_MASK, WRITING, Pool
+from kvpool.daemon.tickets import Grant, Tickets
 from kvpool.shared.errors import (LayoutMismatch, LeaseExpired, OutOfRange, PoolFull,
                                   ProtocolError, UnknownId)
+
+__all__ = ["COMMITTED", "FILLING", "Index", "OpenedStore", "Slot"]
 from kvpool.shared.layout import Layout
 from kvpool.shared.protocol import (MAX_RESERVE, SLOT_NO_SPACE, SLOT_PRESENT, NamespaceInfo,
                                     make_slot_ref)
-
-# An index-only state (the pool record says WRITING): a lower tier is filling the slot.
-FILLING = 3
-
-
-@dataclass(slots=True, eq=False)
-class Slot:
-    id: int
-    extent: int
-    index: int
-    offset: int                 # pool byte offset of rank 0's shard
-    size_class: "SizeClass"
-    state: int = FREE
-    generation: int = 0
-    ns: bytes = b""
-    key: bytes = b""            # ns + block hash (32 bytes), as in the slot record
-    ref: int = 0                # slot ref for the current generation
-    pins: int = 0
-    landed: int = 0             # bit u: unit u (a head, or a rank's shard) is in
-    writing: int = 0            # bit u: a store job of unit u is in flight
-    owner: int = 0              # who prepared it (while WRITING)
-    deadline: float = 0.0       # WRITING: dropped if not landed by then
-    last_use: int = 0           # LRU tick of the last commit or hit
-    doomed: bool = False
-    void: bool = False          # a ticket bound to no slot (duplicate, no room): never written
-    ticket: int = 0             # the ticket ref that bound it, while WRITING (0: none)
-
-
-@dataclass(slots=True, eq=False)
-class SizeClass:
-    slot_bytes: int
-    extents: list[int] = field(default_factory=list)
-    free: list[Slot] = field(default_factory=list)
-    lru: LruPolicy = field(default_factory=LruPolicy)
-
 
 @dataclass(slots=True)
 class OpenedStore:
@@ -111,19 +77,6 @@ class OpenedStore:
     slots: list[Slot]
     finish: Callable[[], None] | None   # its pins (and bindings) left to do, see open_store
     has_voids: bool                     # whether any slot is void (nobody copies into those)
-
-
-@dataclass(slots=True, eq=False)
-class Grant:
-    """The tickets one ``reserve`` call handed out (one object for all of them: a ticket costs
-    a dict entry, not an object)."""
-
-    owner: int
-    ns: bytes
-    slot_bytes: int
-    deadline: float
-    refs: range                 # its ticket refs, consecutive
-    live: int                   # how many of them are not bound, aborted or expired yet
 
 
 @dataclass(slots=True)
@@ -157,25 +110,17 @@ class Index:
         self.lease_ttl_s = lease_ttl_s
         self.write_timeout_s = write_timeout_s
         self.reserve_ttl_s = reserve_ttl_s
-        # Unbound tickets -> their grant, and each grant whose tickets are not all gone.
-        self._tickets: dict[int, Grant] = {}
-        self._grants: dict[Grant, None] = {}
-        self._tickets_held: dict[tuple[int, int], int] = {}   # (owner, slot bytes) -> tickets
+        self.tickets = Tickets(pool.geometry.num_extents * pool.slot_id_stride)
         # Tickets a first rank bound -> the slot (or void placeholder) later ranks must get,
         # until that slot leaves WRITING.
         self._bound: dict[int, Slot] = {}
-        self._ticket_refs = _TicketRefs(pool.geometry.num_extents * pool.slot_id_stride)
         self.stats = IndexStats()
-        self._slots: dict[int, Slot] = {}
+        self.extents = Extents(pool, self._evict, self._hide, self._drop)
+        self._slots = self.extents.slots      # slot id -> slot, read on every hot path
         # namespace -> block hash -> slot (WRITING or COMMITTED). Per-namespace tables keep a
         # lookup to one dict probe per key with no key concatenation.
         self._tables: dict[bytes, dict[bytes, Slot]] = {}
         self._writing: dict[int, Slot] = {}
-        self._classes: dict[int, SizeClass] = {}
-        self._extent_class: dict[int, SizeClass] = {}
-        # Extent being emptied for another size -> that size (see _drain_for).
-        self._draining: dict[int, SizeClass] = {}
-        self._free_extents = list(range(pool.geometry.num_extents - 1, -1, -1))
         self._layouts: dict[bytes, Layout] = {}
         # Space per namespace: bytes of its WRITING and COMMITTED slots; for namespaces with a
         # quota, the cap and an LRU of their own committed slots (the victims the cap may take).
@@ -268,18 +213,9 @@ class Index:
         pool = self.pool
         self._layouts = pool.load_layouts()
         kept = 0
-        self._free_extents = []
-        for e in range(pool.geometry.num_extents - 1, -1, -1):
-            slot_bytes = int(pool.extents[e]["slot_bytes"])
-            if slot_bytes and not pool.extent_is_sane(e):
-                pool.release_extent(e)     # torn by a crash mid-assignment, or not ours
-                slot_bytes = 0
-            if not slot_bytes:
-                self._free_extents.append(e)
-                continue
-            cls = self._class(slot_bytes)
-            recs = pool.records(e)
-            slots = self._add_extent(cls, e, int(pool.extents[e]["num_slots"]), fresh=False)
+        for cls, slots in self.extents.adopt():
+            slot_bytes = cls.slot_bytes
+            recs = pool.records(slots[0].extent)
             for slot, rec in zip(slots, recs):
                 key = bytes(rec["key"])
                 layout = self._layouts.get(key[:16])
@@ -445,7 +381,7 @@ class Index:
         write, with ``_record_claims``, before the slot's ref leaves the daemon."""
         if quota and not self._fits_quota(ns, slot_bytes, quota):
             return _OVER_QUOTA
-        s = self._allocate(slot_bytes)
+        s = self.extents.allocate(slot_bytes)
         if s is None:
             return None
         s.ns, s.key, s.owner = ns, ns + k, 0
@@ -484,56 +420,21 @@ class Index:
         if per_extent == 0:
             raise LayoutMismatch(f"a slot of {slot_bytes} bytes does not fit one extent of "
                                  f"{self.pool.geometry.extent_bytes} bytes: raise extent_size")
-        held_key = (owner, slot_bytes)
-        held = self._tickets_held.get(held_key, 0)
-        count = min(count, max(0, self.pool.geometry.num_extents * per_extent - held))
-        if not count:
-            return []
-        refs = self._ticket_refs.take(count)
-        grant = Grant(owner, ns, slot_bytes, now + self.reserve_ttl_s, refs, len(refs))
-        self._tickets.update(dict.fromkeys(refs, grant))
-        self._grants[grant] = None
-        self._tickets_held[held_key] = held + len(refs)
-        return list(refs)
+        return self.tickets.grant(owner, ns, slot_bytes, count,
+                                  self.pool.geometry.num_extents * per_extent,
+                                  now + self.reserve_ttl_s)
 
     @property
     def ticket_count(self) -> int:
         """Tickets granted and not bound, aborted or expired yet (they take no pool space)."""
-        return len(self._tickets)
-
-    def _spend_tickets(self, refs: list[int]) -> None:
-        """Tickets ``refs`` (unbound, checked) are bound or given up: off their owners'
-        counts, counted once per grant (a job's tickets come from a few grants)."""
-        pop = self._tickets.pop
-        for grant, n in Counter(map(pop, refs)).items():
-            self._grant_shrinks(grant, n)
-
-    def _grant_shrinks(self, grant: Grant, n: int) -> None:
-        grant.live -= n
-        key = (grant.owner, grant.slot_bytes)
-        left = self._tickets_held[key] - n
-        if left:
-            self._tickets_held[key] = left
-        else:
-            del self._tickets_held[key]
-        if not grant.live:
-            del self._grants[grant]
-
-    def _drop_grant(self, grant: Grant) -> int:
-        """Every unbound ticket of ``grant`` goes (expired, or its owner gone)."""
-        tickets = self._tickets
-        gone = [r for r in grant.refs if tickets.get(r) is grant]
-        for r in gone:
-            del tickets[r]
-        self._grant_shrinks(grant, len(gone))
-        return len(gone)
+        return len(self.tickets)
 
     def _fits_quota(self, ns: bytes, slot_bytes: int, quota: int) -> bool:
         """Make room for one more slot under ``ns``'s quota by evicting its own least recently
         used blocks; False if its unpinned blocks cannot make enough."""
         lru = self._ns_lru[ns]
         while self._ns_bytes.get(ns, 0) + slot_bytes > quota:
-            victim = lru.oldest(self._is_pinned)
+            victim = lru.oldest(self.extents.is_pinned)
             if victim is None:
                 return False
             self._evict(self._slots[victim])
@@ -545,14 +446,11 @@ class Index:
         one takes its slot with it. Unknown or stale refs are skipped (an abort may cross the
         slot's expiry). Returns how many were dropped."""
         n = 0
-        tickets, bound = self._tickets, self._bound
+        bound = self._bound
         for ref in refs:
-            grant = tickets.get(ref)
-            if grant is not None:
-                if grant.owner == owner:
-                    del tickets[ref]
-                    self._grant_shrinks(grant, 1)
-                    n += 1
+            gone = self.tickets.abort(ref, owner)
+            if gone is not None:
+                n += gone
                 continue
             s = bound.get(ref) or self._resolve(ref)
             if s is not None and s.state == WRITING and not s.doomed and s.owner == owner:
@@ -593,20 +491,16 @@ class Index:
         if keys is not None and len(keys) != len(refs):
             raise ProtocolError(f"{len(keys)} keys for {len(refs)} slots")
         if bit and len(set(refs)) == len(refs):     # (a slot named twice: _check_store says)
-            if keys is None:
-                slots = self._check_prepared(ns, refs, bit)
-                if slots is not None:
-                    return OpenedStore(slots, partial(_pin_store, slots, bit), False)
-            else:
-                grants = list(map(self._tickets.get, refs))
+            if keys is not None:
+                grants = list(map(self.tickets.unbound.get, refs))
                 if None not in grants:      # the first rank: every ref an unbound ticket
                     if all(g.ns == ns for g in set(grants)):
                         return self._open_tickets(ns, refs, grants, keys, bit, now)
-                elif not any(grants):       # a later rank, or prepared slots named by key
-                    slots = self._check_keyed(ns, refs, bit, keys)
-                    if slots is not None:
-                        return OpenedStore(slots, partial(_pin_store, slots, bit),
-                                           any(map(_SLOT_VOID, slots)))
+            if keys is None or not any(grants):
+                slots = self._check_fast(ns, refs, bit, keys)
+                if slots is not None:
+                    return OpenedStore(slots, partial(_pin_store, slots, bit),
+                                       keys is not None and any(map(_SLOT_VOID, slots)))
         items = self._check_store(ns, refs, rank, bit, keys)
         if len(set(refs)) != len(refs):
             raise ProtocolError("a store job names the same slot twice")
@@ -627,7 +521,7 @@ class Index:
         the binding deferred where nothing can come out void."""
         slot_bytes = grants[0].slot_bytes       # a namespace's tickets are of one size
         if self._fresh_keys(ns, keys):
-            slots = self._allocate_many(slot_bytes, len(refs))
+            slots = self.extents.allocate_many(slot_bytes, len(refs), self._evict_many)
             if len(slots) == len(refs):
                 return OpenedStore(slots, partial(self._bind_fresh, ns, refs, grants, keys,
                                                   slots, bit, now), False)
@@ -637,37 +531,25 @@ class Index:
         _pin_store(slots, bit)
         return OpenedStore(slots, None, any(map(_SLOT_VOID, slots)))
 
-    def _check_prepared(self, ns: bytes, refs: list[int], bit: int) -> list[Slot] | None:
-        """The slots of ``refs`` (distinct) if each is WRITING for ``ns`` and free of ``bit``
-        (slots ``prepare_store`` granted: the common case, checked in one pass that changes
-        nothing); else None, for ``_check_store`` to say why."""
-        get = self._slots.get
-        slots = [get(ref & 0xFFFF_FFFF) for ref in refs]
-        writing = WRITING
-        for s, ref in zip(slots, refs):
-            if (s is None or s.ref != ref or s.state != writing or s.doomed or s.ns != ns
-                    or (s.landed | s.writing) & bit):
-                return None
-        return slots
-
-    def _check_keyed(self, ns: bytes, refs: list[int], bit: int, keys: list[bytes]
-                     ) -> list[Slot] | None:
-        """The slots of ``refs`` (distinct: bound tickets or prepared slot refs) if each is
-        WRITING for ``ns``, bound to its key and free of ``bit`` (the later ranks of the vLLM
-        connector's stores); else None, for ``_check_store`` to say why. One pass that changes
-        nothing."""
+    def _check_fast(self, ns: bytes, refs: list[int], bit: int, keys: list[bytes] | None
+                    ) -> list[Slot] | None:
+        """The slots of ``refs`` (distinct: slot refs ``prepare_store`` granted, or tickets a
+        first rank bound) if each is WRITING for ``ns``, free of ``bit`` and, with ``keys``,
+        bound to its key: the common case, and the one check every store path shares, in one
+        pass that changes nothing. Else None, for ``_check_store`` to say why (or to take a
+        job that mixes unbound tickets with bound refs)."""
         get, bound = self._slots.get, self._bound.get
         writing = WRITING
         slots = []
         add = slots.append
-        for ref, k in zip(refs, keys):
+        for i, ref in enumerate(refs):
             s = bound(ref)
             if s is None:
                 s = get(ref & 0xFFFF_FFFF)
                 if s is None or s.ref != ref:
                     return None
             if (s.state != writing or s.doomed or s.ns != ns or (s.landed | s.writing) & bit
-                    or s.key[16:] != k):
+                    or (keys is not None and s.key[16:] != keys[i])):
                 return None
             add(s)
         return slots
@@ -682,7 +564,7 @@ class Index:
         """``begin_store``'s checks one ref at a time, each failure with its own error: per
         ref, its slot, or its grant for an unbound ticket."""
         items: list[Slot | Grant] = []
-        resolve, tickets, bound = self._resolve, self._tickets, self._bound
+        resolve, tickets, bound = self._resolve, self.tickets.unbound, self._bound
         for i, ref in enumerate(refs):
             grant = tickets.get(ref)
             if grant is not None and grant.ns == ns:
@@ -692,7 +574,7 @@ class Index:
                 items.append(grant)
                 continue
             s = bound.get(ref) or resolve(ref)
-            if s is None and grant is None and not self._ticket_refs.issued(ref):
+            if s is None and grant is None and not self.tickets.refs.issued(ref):
                 raise OutOfRange(f"slot ref {ref:#x} names no slot of this pool and no ticket "
                                  f"this daemon granted (one granted before a restart?)")
             # (A WRITING slot's ``ns`` is its key's namespace: no slice of the key needed.)
@@ -711,37 +593,6 @@ class Index:
             items.append(s)
         return items
 
-    def _allocate_many(self, slot_bytes: int, n: int) -> list[Slot]:
-        """Up to ``n`` free slots of ``slot_bytes`` (room found as ``_allocate`` finds it), for
-        the caller to claim before anything else runs; fewer where nothing more can be
-        evicted. Free slots come off the free list in slices and, while one size has the whole
-        pool, victims are evicted as a batch (``_evict_many``): a 1024-slot store on a full
-        pool pays its evictions before its copy starts. Taken slots are marked WRITING when
-        more room must be found after them (no eviction may free them again)."""
-        cls = self._class(slot_bytes)
-        got: list[Slot] = []
-        while True:
-            free = cls.free
-            k = min(n - len(got), len(free))
-            if k:
-                taken = free[len(free) - k:]
-                del free[len(free) - k:]
-                taken.reverse()             # the order ``pop`` would give
-                got += taken
-            if len(got) == n:
-                return got
-            for s in taken if k else ():
-                s.state = WRITING
-            if len(self._classes) == 1 and not self._free_extents:
-                if not self._evict_many(cls, n - len(got)):
-                    return got
-                continue
-            s = self._allocate(slot_bytes)  # a fresh extent, or room from another size
-            if s is None:
-                return got
-            s.state = WRITING
-            got.append(s)
-
     def _evict_many(self, cls: SizeClass, n: int) -> int:
         """Evict up to ``n`` of ``cls``'s least recently used unpinned blocks onto its free
         list, the bookkeeping in batches (records in one write, counts once per namespace);
@@ -751,7 +602,7 @@ class Index:
         ids, stamps = cls.lru.head(n)
         victims = list(map(self._slots.__getitem__, ids))
         if list(map(_SLOT_LAST_USE, victims)) != stamps or any(map(_SLOT_PINS, victims)):
-            ids = cls.lru.oldest_many(n, self._is_pinned)
+            ids = cls.lru.oldest_many(n, self.extents.is_pinned)
             victims = list(map(self._slots.__getitem__, ids))
         if not ids:
             return 0
@@ -806,7 +657,7 @@ class Index:
                      for r, g, k in zip(refs[n:], grants[n:], keys[n:])]
             _pin_store(voids, bit)
             slots = slots + voids
-        self._spend_tickets(refs)
+        self.tickets.spend(refs)
         return slots
 
     def _bind(self, ns: bytes, refs: list[int], grants: list[Grant], keys: list[bytes],
@@ -839,7 +690,7 @@ class Index:
         finally:
             self._record_claims(claimed)
         self._bound.update(zip(refs, out))
-        self._spend_tickets(refs)
+        self.tickets.spend(refs)
         return out
 
     def _void(self, ns: bytes, k: bytes, owner: int, ticket: int, deadline: float) -> Slot:
@@ -1000,7 +851,7 @@ class Index:
         voids = [s for s in self._bound.values() if s.void and s.deadline <= now]
         for s in voids:
             self._forget_void(s)
-        unused = sum(self._drop_grant(g) for g in [g for g in self._grants if g.deadline <= now])
+        unused = self.tickets.expire(now)
         return len(dead), len(late) + len(voids), unused
 
     def release_owner(self, owner: int) -> None:
@@ -1012,8 +863,7 @@ class Index:
             self._drop(s)
         for s in [s for s in self._bound.values() if s.void and s.owner == owner]:
             self._forget_void(s)
-        for g in [g for g in self._grants if g.owner == owner]:
-            self._drop_grant(g)
+        self.tickets.release_owner(owner)
 
     def reset(self, ns: bytes) -> int:
         """Forget every block of ``ns``: lookups miss at once; pinned ones are freed when their
@@ -1026,10 +876,11 @@ class Index:
     def slot_counts(self) -> tuple[int, int, int]:
         """(writing, committed, used bytes); tickets take none."""
         writing = len(self._writing) + len(self._filling)
-        committed = sum(len(c.lru) for c in self._classes.values())
+        classes = self.extents.classes.values()
+        committed = sum(len(c.lru) for c in classes)
         used = sum(s.size_class.slot_bytes for s in self._writing.values())
         used += sum(s.size_class.slot_bytes for s in self._filling.values())
-        used += sum(len(c.lru) * c.slot_bytes for c in self._classes.values())
+        used += sum(len(c.lru) * c.slot_bytes for c in classes)
         return writing, committed, used
 
     # ---- internals -------------------------------------------------------------------------
@@ -1039,167 +890,6 @@ class Index:
         if s is None or s.ref != ref:
             return None if s is None else _STALE
         return s
-
-    def _class(self, slot_bytes: int) -> SizeClass:
-        cls = self._classes.get(slot_bytes)
-        if cls is None:
-            slots = self._slots
-            cls = self._classes[slot_bytes] = SizeClass(
-                slot_bytes, lru=LruPolicy(lambda sid: slots[sid].last_use))
-        return cls
-
-    def _add_extent(self, cls: SizeClass, extent: int, n: int, fresh: bool) -> list[Slot]:
-        cls.extents.append(extent)
-        self._extent_class[extent] = cls
-        base = extent * self.pool.slot_id_stride
-        first = self.pool.slot_offset(extent, 0)
-        # Generations continue from the records: a slot id that served another size, or the
-        # previous daemon, never repeats a generation (and so a slot ref) it handed out.
-        gens = self.pool.generations(extent, n).tolist()
-        slots = [Slot(base + i, extent, i, first + i * cls.slot_bytes, cls, generation=gens[i])
-                 for i in range(n)]
-        for s in slots:
-            self._slots[s.id] = s
-        if fresh:
-            cls.free.extend(reversed(slots))
-        return slots
-
-    def _allocate(self, slot_bytes: int) -> Slot | None:
-        cls = self._class(slot_bytes)
-        if cls.free:
-            return cls.free.pop()
-        if self._free_extents:
-            e = self._free_extents.pop()
-            n = self.pool.assign_extent(e, slot_bytes)
-            if n == 0:
-                self._free_extents.append(e)
-                raise LayoutMismatch(f"a slot of {slot_bytes} bytes does not fit one extent of "
-                                     f"{self.pool.geometry.extent_bytes} bytes: raise extent_size")
-            self._add_extent(cls, e, n, fresh=True)
-            return cls.free.pop()
-        victim_id = cls.lru.oldest(self._is_pinned)
-        victim = self._slots[victim_id] if victim_id is not None else None
-        extent, age = self._reclaimable_extent(cls)
-        if extent is not None and (victim is None or age < victim.last_use):
-            self._reclaim_extent(extent)
-            n = self.pool.assign_extent(extent, slot_bytes)
-            self._add_extent(cls, extent, n, fresh=True)
-            return cls.free.pop()
-        while victim is not None:
-            self._evict(victim)
-            if cls.free:
-                return cls.free.pop()
-            # The victim sat in an extent being drained for another size: it did not come back
-            # to this size's free list. Evict the next one.
-            victim_id = cls.lru.oldest(self._is_pinned)
-            victim = self._slots[victim_id] if victim_id is not None else None
-        self._drain_for(cls)
-        return cls.free.pop() if cls.free else None
-
-    def _is_pinned(self, slot_id: int) -> bool:
-        return self._slots[slot_id].pins > 0
-
-    def _reclaimable_extent(self, wanting: SizeClass) -> tuple[int | None, int]:
-        """The extent of another size whose slots are all free or evictable, newest use
-        oldest; (None, 0) if none. Only scanned when several slot sizes share the pool."""
-        best, best_age = None, 0
-        if len(self._classes) < 2:
-            return best, best_age
-        for cls in self._classes.values():
-            if cls is wanting:
-                continue
-            for e in cls.extents:
-                if e in self._draining:
-                    continue
-                age = 0
-                for s in self._extent_slots(e):
-                    if s.state == WRITING or s.pins:
-                        break
-                    age = max(age, s.last_use)
-                else:
-                    if best is None or age < best_age:
-                        best, best_age = e, age
-        return best, best_age
-
-    # ---- draining an extent for another size ------------------------------------------------
-    # An extent goes to another slot size only when all of it is free or evictable. A busy model
-    # nearly always has some block being written or read in every one of its extents, so a
-    # second model could be refused (POOL_FULL) for as long as the first stays busy (found by
-    # the soak campaign). When a size finds no room at all, the extent of the least recently
-    # used block of another size is drained: its free slots leave that size's free list, its
-    # unpinned blocks are evicted, its other blocks hidden (new lookups miss them, freed when the
-    # transfer or lease holding them ends: at most lease_ttl_s; a lease keeps its promise and
-    # still loads). The last one freed hands the extent to the size that asked, which meanwhile
-    # gets SLOT_NO_SPACE. One at a time.
-
-    def _drain_for(self, wanting: SizeClass) -> None:
-        if self._draining or len(self._classes) < 2:
-            return
-        # The extent of the least recently used evictable block of another size: no scan of
-        # the pool, and a size with nothing evictable (all pinned or written) is left alone.
-        oldest = None
-        for cls in self._classes.values():
-            victim = cls.lru.oldest(self._is_pinned) if cls is not wanting else None
-            if victim is not None and (oldest is None
-                                       or self._slots[victim].last_use < oldest.last_use):
-                oldest = self._slots[victim]
-        if oldest is None:
-            return
-        best = oldest.extent
-        self._draining[best] = wanting
-        owner = self._extent_class[best]
-        slots = self._extent_slots(best)
-        ids = {s.id for s in slots}
-        owner.free = [s for s in owner.free if s.id not in ids]
-        for s in slots:
-            if best not in self._draining:
-                break
-            if s.state == COMMITTED and not s.pins:
-                self._evict(s)
-            elif s.state == COMMITTED:
-                # Leased or being loaded: new lookups miss it (a hot block cannot hold the
-                # extent forever), but the lease still loads it; freed when the last pin ends.
-                self.stats.evictions += 1
-                if self._unmap(s):
-                    self._forget_committed(s)
-                    if self.events is not None:
-                        self.events.append(("removed", s.ns, s.key[16:]))
-            elif s.state == WRITING or s.state == FILLING:
-                # A store into it is refused, or lands unseen.
-                self._drop(s)
-        self._finish_drain(best)
-
-    def _finish_drain(self, extent: int) -> None:
-        """Hand a drained extent to the size that asked for it, once every slot is free."""
-        wanting = self._draining.get(extent)
-        if wanting is None or any(s.state != FREE for s in self._extent_slots(extent)):
-            return
-        del self._draining[extent]
-        self._reclaim_extent(extent)
-        n = self.pool.assign_extent(extent, wanting.slot_bytes)
-        if n:
-            self._add_extent(wanting, extent, n, fresh=True)
-        else:
-            self.pool.release_extent(extent)
-            self._free_extents.append(extent)
-
-    def _extent_slots(self, extent: int) -> list[Slot]:
-        base = extent * self.pool.slot_id_stride
-        n = int(self.pool.extents[extent]["num_slots"])
-        return [self._slots[base + i] for i in range(n)]
-
-    def _reclaim_extent(self, extent: int) -> None:
-        cls = self._extent_class.pop(extent)
-        slots = self._extent_slots(extent)
-        for s in slots:
-            if s.state == COMMITTED:
-                self._evict(s)
-        ids = {s.id for s in slots}
-        cls.free = [s for s in cls.free if s.id not in ids]
-        cls.extents.remove(extent)
-        for s in slots:
-            del self._slots[s.id]
-        self.pool.release_extent(extent)
 
     def _commit(self, slots: list[Slot]) -> None:
         """Make landed slots visible: records first (one vectorised write per extent), then
@@ -1242,6 +932,15 @@ class Index:
         self.stats.evictions += 1
         self._free(s)
 
+    def _hide(self, s: Slot) -> None:
+        """Evict a pinned committed slot as far as lookups can tell; freed when its last pin
+        goes (an extent being drained asks this)."""
+        self.stats.evictions += 1
+        if self._unmap(s):
+            self._forget_committed(s)
+            if self.events is not None:
+                self.events.append(("removed", s.ns, s.key[16:]))
+
     def _drop(self, s: Slot) -> None:
         """Make ``s`` unreachable now and free it once unpinned."""
         if s.void:
@@ -1273,10 +972,7 @@ class Index:
         s.doomed = s.void = False
         s.landed = s.writing = 0
         self.pool.write_state(s.id, FREE)
-        if s.extent in self._draining:
-            self._finish_drain(s.extent)
-        else:
-            s.size_class.free.append(s)
+        self.extents.release(s)
 
     def _forget_committed(self, s: Slot) -> None:
         """Take a committed slot out of the LRUs that may evict it."""
@@ -1300,8 +996,8 @@ class Index:
             s.pins -= 1
             if s.doomed and s.pins == 0 and s.state != FREE:
                 self._free(s)
-            elif (s.pins == 0 and s.state == COMMITTED and self._draining
-                  and s.extent in self._draining):
+            elif (s.pins == 0 and s.state == COMMITTED and self.extents.draining
+                  and s.extent in self.extents.draining):
                 self._free(s)       # hidden when its extent began to drain
 
 
@@ -1326,38 +1022,3 @@ _STALE = Slot(-1, -1, -1, 0, SizeClass(0), state=FREE, doomed=True)
 _OVER_QUOTA = Slot(-2, -1, -1, 0, SizeClass(0), state=FREE, doomed=True)
 # The size class of void placeholders: they hold no pool space, so no real class counts them.
 _VOID_CLASS = SizeClass(0)
-
-
-class _TicketRefs:
-    """Ticket refs: slot refs whose index lies in [first, 2**32), above every slot id of the
-    pool, so a ticket never names a slot and a slot ref never a ticket. A sequence number runs
-    through that range and on into the generation (31 bits, so refs stay positive int64): a
-    ticket ref repeats only after 2**31 passes through the range. The sequence starts at a
-    random pass, as the pool's generations do, so a restarted daemon does not hand out the
-    refs of the previous one (the server also refuses a store naming another daemon's grant).
-    One grant's refs are consecutive integers (a ``range``), never split across passes."""
-
-    def __init__(self, first: int) -> None:
-        self.first = first
-        # A pool has fewer than 2**32 records (daemon/pool.py); a pool so close to that
-        # leaves a short range, which only makes the passes more frequent.
-        self.span = max(1, (1 << 32) - first)
-        self.seq = self.start = random.getrandbits(31) * self.span
-
-    def take(self, n: int) -> range:
-        n = min(n, self.span)
-        off = self.seq % self.span
-        if off + n > self.span:
-            self.seq += self.span - off
-            off = 0
-        generation = (self.seq // self.span) & GENERATION_MASK
-        self.seq += n
-        lo = make_slot_ref(self.first + off, generation)
-        return range(lo, lo + n)
-
-    def issued(self, ref: int) -> bool:
-        """Whether ``ref`` is a ticket ref this daemon has handed out (bound, spent or not):
-        a store naming one that is gone is told it expired, any other is out of range."""
-        index = ref & 0xFFFF_FFFF
-        return (index >= self.first
-                and self.start <= (ref >> 32) * self.span + index - self.first < self.seq)

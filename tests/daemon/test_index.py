@@ -151,8 +151,8 @@ def test_a_new_layout_gets_room_from_a_busy_one(index):
     def busy_everywhere():
         """One block pinned in each BIG extent (a load in flight, say): none is idle."""
         leases = []
-        for e in list(index._classes[BIG.slot_bytes].extents):
-            s = next(s for s in index._extent_slots(e) if s.state == 2)
+        for e in list(index.extents.classes[BIG.slot_bytes].extents):
+            s = next(s for s in index.extents.extent_slots(e) if s.state == 2)
             leases += index.lookup(NS_BIG, [[s.key[16:]]], True, OTHER, 0)[1]
         return leases
     pins = busy_everywhere()
@@ -162,7 +162,7 @@ def test_a_new_layout_gets_room_from_a_busy_one(index):
     # The busy model keeps being busy elsewhere: new pins, old ones released.
     fresh = busy_everywhere()
     # A lease taken before the drain still loads what it pinned.
-    drained = next(lid for lid in pins if index._leases[lid].slots[0].extent in index._draining)
+    drained = next(lid for lid in pins if index._leases[lid].slots[0].extent in index.extents.draining)
     held = index._leases[drained].slots
     index.end_load(index.begin_load(NS_BIG, [x.ref for x in held]), True)
     index.release_leases(pins, OTHER)
@@ -774,16 +774,16 @@ def test_one_store_binding_two_owners_tickets_counts_each_owner_its_own(pool):
     slots = ix.begin_store(NS_SMALL, refs, 0, keys=ks + ks[:1])    # the last: a duplicate
     assert [s.void for s in slots] == [False] * 5 + [True]
     assert ix.used_bytes_of(NS_SMALL) == 5 * SMALL.slot_bytes
-    assert ix._tickets_held == {(OWNER, SMALL.slot_bytes): 17, (OTHER, SMALL.slot_bytes): 17}
+    assert ix.tickets.held == {(OWNER, SMALL.slot_bytes): 17, (OTHER, SMALL.slot_bytes): 17}
     assert ix.ticket_count == 34
     assert ix.end_store(slots, 0, True) == 5
     assert ix.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [5]
     ix.abort_store(mine[3:], OWNER)
-    assert ix._tickets_held == {(OTHER, SMALL.slot_bytes): 17}
+    assert ix.tickets.held == {(OTHER, SMALL.slot_bytes): 17}
     ix.release_owner(OWNER)
     ix.release_owner(OTHER)
     assert ix.ticket_count == 0 and ix.used_bytes_of(NS_SMALL) == 5 * SMALL.slot_bytes
-    assert ix._tickets_held == {} and not ix._grants
+    assert ix.tickets.held == {} and not ix.tickets.grants
 
 
 def test_a_store_job_ended_chunk_by_chunk_commits_only_what_landed(index):
@@ -872,7 +872,7 @@ def test_open_store_leaves_pins_and_only_bindings_that_cannot_void_a_slot_for_la
     job.finish()
     assert all(s.pins == 1 and s.writing == 1 and not s.void for s in job.slots)
     assert ix.ticket_count == 0 and ix.slot_counts()[0] == 6
-    assert ix.used_bytes_of(NS_SMALL) == 6 * SMALL.slot_bytes and ix._tickets_held == {}
+    assert ix.used_bytes_of(NS_SMALL) == 6 * SMALL.slot_bytes and ix.tickets.held == {}
     assert ix.prepare_store(NS_SMALL, ks, OTHER, 0) == [SLOT_PRESENT] * 6
     assert ix.end_store(job.slots, 0, True) == 6
     _records_match_slots(ix)
@@ -1041,7 +1041,7 @@ def test_ticket_refs_are_no_slot_refs_and_stale_expired_or_aborted_ones_are_refu
     assert index.expire(now=index.reserve_ttl_s) == (0, 0, 1)
     with pytest.raises(UnknownId, match="expired"):
         index.begin_store(NS_SMALL, tickets[3:], 0, keys=keys(1, b"x"), now=20)
-    assert index.ticket_count == 0 and not index._grants and not index._tickets_held
+    assert index.ticket_count == 0 and not index.tickets.grants and not index.tickets.held
 
 
 def test_an_owner_gone_takes_its_tickets_and_what_they_bound(index):

@@ -540,6 +540,6 @@ def test_a_keyed_store_binds_its_slots_in_its_dispatch_whether_its_copy_starts_o
         assert done.code == int(ErrorCode.ABORTED)
         assert ix.ticket_count == 0 and ix.slot_counts()[0] == 0
         assert ix.used_bytes_of(ns) == used and ix.leading(ns, more) == 0
-        assert ix._tickets_held == {} and ix.pinned_count() == 0
+        assert ix.tickets.held == {} and ix.pinned_count() == 0
 
     asyncio.run(run())
