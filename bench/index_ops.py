@@ -75,7 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     n = args.blocks
 
-    # Room for the reservation share (1/8 of the pool per owner) and several batches.
+    # Room for several batches of --blocks slots.
     pool_bytes = max(64 << 20, 16 * n * SLOT_BYTES)
     cfg = DaemonConfig(pool_name=f"kvpool-idxbench-{os.getpid()}-{secrets.token_hex(4)}",
                        pool_size=f"{pool_bytes >> 20}MiB", extent_size="2MiB")
