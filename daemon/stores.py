@@ -272,20 +272,26 @@ class StorePath:
         bound to its key: the common case, and the one check every store path shares, in one
         pass that changes nothing. Else None, for ``_check_store`` to say why (or to take a
         job that mixes unbound tickets with bound refs)."""
-        get, bound = self._slots.get, self._bound.get
+        get = self._slots.get
+        slots = [get(ref & 0xFFFF_FFFF) for ref in refs]
+        if self._bound and None in slots:
+            # Ticket refs name no pool slot: those a first rank bound resolve through it.
+            bound = self._bound.get
+            slots = [s if s is not None else bound(ref) for s, ref in zip(slots, refs)]
         writing = WRITING
-        slots = []
-        add = slots.append
-        for i, ref in enumerate(refs):
-            s = bound(ref)
-            if s is None:
-                s = get(ref & 0xFFFF_FFFF)
-                if s is None or s.ref != ref:
+        # Two loops rather than one with a per-slot test of ``keys``: this is the per-slot cost
+        # of every store. (A bound ticket's slot answers to the ticket ref: ``s.ticket``.)
+        if keys is None:
+            for s, ref in zip(slots, refs):
+                if (s is None or (s.ref != ref and s.ticket != ref) or s.state != writing
+                        or s.doomed or s.ns != ns or (s.landed | s.writing) & bit):
                     return None
-            if (s.state != writing or s.doomed or s.ns != ns or (s.landed | s.writing) & bit
-                    or (keys is not None and s.key[16:] != keys[i])):
-                return None
-            add(s)
+        else:
+            for s, ref, k in zip(slots, refs, keys):
+                if (s is None or (s.ref != ref and s.ticket != ref) or s.state != writing
+                        or s.doomed or s.ns != ns or (s.landed | s.writing) & bit
+                        or s.key[16:] != k):
+                    return None
         return slots
 
     def _fresh_keys(self, ns: bytes, keys: list[bytes]) -> bool:
@@ -390,6 +396,7 @@ class StorePath:
             voids = [self._void(ns, k, g.owner, r, deadline)
                      for r, g, k in zip(refs[n:], grants[n:], keys[n:])]
             _pin_store(voids, bit)
+            self._bound.update(zip(refs[n:], voids))     # later ranks must find them void too
             slots = slots + voids
         self.tickets.spend(refs)
         return slots

@@ -7,6 +7,7 @@ import pytest
 from kvpool.daemon.index import Index
 from kvpool.daemon.pool import Pool
 from kvpool.shared.errors import OutOfRange, ProtocolError, UnknownId
+from kvpool.shared.layout import Layout
 from kvpool.shared.protocol import MAX_RESERVE, SLOT_PRESENT
 from tests.daemon.indexkit import (BIG, NS_A, NS_B, NS_BIG, NS_SMALL, NS_TP2, OTHER, OWNER, SMALL,
                                    TP2, bound_tp2, fill_pool, head_layout, pinned_total,
@@ -520,3 +521,27 @@ def test_an_owner_gone_takes_its_tickets_and_what_they_bound(index):
     index.end_store(slots, 0, True)
     index.end_store(index.begin_store(NS_TP2, theirs, 1, keys=keys(2, b"o"), now=0), 1, True)
     assert index.lookup(NS_TP2, [keys(2, b"o")], False, OWNER, 0)[0] == [2]
+
+
+def test_tickets_without_room_are_void_for_every_tp_rank(index):
+    """A TP2 store of fresh keys finds room for some tickets only: the rest are void for rank
+    0, rank 1 finds the same slots and the same voids, and once both ranks reported, the
+    stored blocks commit and the voids are gone."""
+    n = capacity(index, BIG, NS_BIG)                       # every slot leased but one extent
+    index.release_leases(list(range(1, 5)), OWNER)          # one extent's worth (4 BIG) freed
+    index.reset(NS_BIG)                                     # the unleased blocks go now
+    free = len(index.extents.classes[BIG.slot_bytes].free)
+    assert 0 < free < n
+    index.register_namespace(b"W" * 16, Layout(16, 2, "f16", (128 << 10,), "big2"))  # BIG's size
+    ns = b"W" * 16
+    tickets = index.reserve(ns, free + 2, OWNER, now=0)
+    ks = keys(free + 2, b"tp")
+    r0 = index.begin_store(ns, tickets, 0, keys=ks, now=0)
+    assert [s.void for s in r0] == [False] * free + [True, True]
+    assert index.stats.no_room_blocks == 2
+    r1 = index.begin_store(ns, tickets, 1, keys=ks, now=0)
+    assert r1 == r0
+    index.end_store(r0, 0, True)
+    assert index.end_store(r1, 1, True) == free
+    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [free] and not index._bound
+
