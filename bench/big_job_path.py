@@ -17,7 +17,8 @@ the first chunk goes out and after the last one lands. This times that work in p
   loop's wake-up (here a same-thread ``call_soon_threadsafe``).
 
 Stores take slots from ``prepare_store`` (what bench/gpu_transfer.py does) or, with ``--keys``,
-from ``reserve`` and bind them by the store's keys (the vLLM connector's path). Each figure is
+name tickets from ``reserve`` that the store gives slots by its keys (the vLLM connector's path;
+on a full pool, ``to_submit`` then includes evicting a slot per block). Each figure is
 the median over ``--jobs`` jobs (the first 10% not counted), in microseconds.
 """
 
@@ -194,14 +195,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=1024)
     ap.add_argument("--jobs", type=int, default=200)
-    ap.add_argument("--keys", action="store_true", help="reserved slots bound by the store")
+    ap.add_argument("--keys", action="store_true", help="tickets bound to slots by the store")
     ap.add_argument("--out", default="", help="directory for the JSON (default: none)")
     args = ap.parse_args()
     res = {"device": f"cpu {platform.machine()}, {os.cpu_count()} cores",
            "date": datetime.date.today().isoformat(), "blocks": args.blocks, "jobs": args.jobs,
            "keys": args.keys, "us": run(args.blocks, args.jobs, args.keys)}
     print(f"daemon Python around a {args.blocks}-block job ({res['device']}, "
-          f"{'reserved+keys' if args.keys else 'prepared'}), median us")
+          f"{'tickets+keys' if args.keys else 'prepared'}), median us")
     for k, v in res["us"].items():
         print(f"  {k:20s} {v:8.1f}")
     if args.out:

@@ -5,9 +5,9 @@
 Builds an ``Index`` on a real ``Pool`` in POSIX shm, as the daemon does, and times each hot
 operation on ``--blocks`` blocks (lookups on 256 keys, as a scheduler step asks):
 
-- ``reserve``: a scheduler's stock refill (RESERVED slots, no key);
-- ``begin_store_keys`` / ``end_store_keys``: the first (only) rank's store binding those slots
-  to keys, then its completion committing them;
+- ``reserve``: a scheduler's stock refill (tickets: no slot, no key);
+- ``begin_store_keys`` / ``end_store_keys``: the first (only) rank's store giving those tickets
+  slots for their keys, then its completion committing them;
 - ``prepare_store`` / ``begin_store`` / ``end_store``: the round-trip path, slots bound by
   ``prepare_store``;
 - ``prepare_store_evict``: ``prepare_store`` into a full pool, each slot taken by evicting the
@@ -75,7 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     n = args.blocks
 
-    # Room for the reservation share (1/8 of the pool per owner) and several batches.
+    # Room for several batches of --blocks slots.
     pool_bytes = max(64 << 20, 16 * n * SLOT_BYTES)
     cfg = DaemonConfig(pool_name=f"kvpool-idxbench-{os.getpid()}-{secrets.token_hex(4)}",
                        pool_size=f"{pool_bytes >> 20}MiB", extent_size="2MiB")

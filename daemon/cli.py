@@ -203,8 +203,9 @@ def format_info(info) -> str:
         f"  used     {_human(info.used_bytes)}",
         f"  free     {_human(info.free_bytes)}",
         f"slots      committed {info.slots_committed}   writing {info.slots_writing}"
-        f"   pinned {info.slots_pinned}   reserved {info.slots_reserved}"
-        f"   namespaces {info.namespaces}",
+        f"   pinned {info.slots_pinned}   namespaces {info.namespaces}",
+        f"tickets    outstanding {info.slots_reserved}   duplicates {info.duplicate_blocks}"
+        f"   not stored for want of room {info.no_room_blocks}",
         f"lookups    hits {info.hit_blocks} blocks ({info.hit_tokens} tokens)   misses "
         f"{info.miss_blocks} blocks ({info.miss_tokens} tokens)"
         f"   hit rate {info.hit_blocks / total:.1%}" if total else

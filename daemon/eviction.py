@@ -8,7 +8,8 @@ anything: the index evicts the victims and then calls ``remove``.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from itertools import islice
 from typing import Callable
 
 
@@ -49,10 +50,26 @@ class LruPolicy:
     def remove(self, slot: int) -> None:
         self._order.pop(slot, None)
 
+    def remove_many(self, slots: list[int]) -> None:
+        """``remove`` of each of ``slots`` (all in the policy), in one C-level pass."""
+        deque(map(self._order.pop, slots), 0)
+
     def oldest(self, is_pinned: Callable[[int], bool]) -> int | None:
         """The least recently used slot that is not pinned, or None."""
         found = self._scan(1, is_pinned)
         return found[0] if found else None
+
+    def head(self, n: int) -> tuple[list[int], list[int]]:
+        """The first ``n`` slots in the queue and the stamps they were queued with, as they
+        stand (no promotion, no pin check): for a caller that checks a whole batch at C speed
+        and calls ``oldest_many`` only when one of them was used since or is pinned."""
+        head = list(islice(self._order.items(), n))
+        return [s for s, _ in head], [t for _, t in head]
+
+    def oldest_many(self, n: int, is_pinned: Callable[[int], bool]) -> list[int]:
+        """Up to ``n`` least recently used unpinned slots, oldest first (fewer if fewer
+        exist)."""
+        return self._scan(n, is_pinned)
 
     def choose_victims(self, n: int, is_pinned: Callable[[int], bool]) -> list[int] | None:
         """The ``n`` least recently used unpinned slots, or None if fewer exist. Choosing

@@ -1,4 +1,4 @@
-"""The block index: key → slot, slot states, per-rank landing, leases, owners, extents.
+"""The block index: key → slot, slot states, per-rank landing, leases, owners, tickets.
 
 Everything here runs on the daemon's event loop thread and never blocks: no I/O besides writing
 slot records into the mapped pool, no waiting. Time is passed in (``now``) so tests control it.
@@ -9,8 +9,8 @@ Slot lifecycle (Plasma's CREATED → SEALED, with TP):
                                └── abort / owner gone / write timeout / failed rank --> FREE
     FREE --reserve_fills--> FILLING --end_fill(ok)--> COMMITTED
                                └── end_fill(failed) / reset --> FREE
-    FREE --reserve--> RESERVED --first rank's keyed store--> WRITING (bound to its key)
-                         └── abort / owner gone / reservation TTL / extent drained --> FREE
+    ticket --first rank's keyed store--> FREE --(allocated)--> WRITING (bound to its key)
+       └── abort / owner gone / reservation TTL --> gone (it never held a slot)
 
 - A WRITING slot is invisible to lookups; it becomes COMMITTED only when every unit of its
   layout has landed (``Layout.full_mask``: every KV head of a head-split layout, whatever TP
@@ -19,25 +19,28 @@ Slot lifecycle (Plasma's CREATED → SEALED, with TP):
 - ``pins`` counts leases and in-flight jobs. Eviction takes only COMMITTED, unpinned slots.
   A slot dropped while pinned is *doomed*: unreachable at once, freed when the last pin goes.
 - Slot refs carry the slot's generation, so a stale ref never touches a reused slot.
-- RESERVED is a slot granted to a scheduler ahead of its stores (``reserve``), bound to no key,
-  invisible to lookups, taking pool space but not its namespace's quota (a stock must not
-  crowd out a small quota's blocks). The scheduler assigns it to a key without asking, and the
-  first rank's store (``begin_store`` with keys) binds it: to the key if nobody holds that key
-  (the quota applies now, as for ``prepare_store``), else *void* (``Slot.void``): a duplicate, or
-  over a quota with nothing of its own left to evict. A void slot is written by no rank (the
-  server skips its copy), never mapped, and freed once every rank has reported it. So dedup
-  happens at bind time, in one place, and a key is never visible twice nor torn. Unused
-  reservations expire after ``reserve_ttl_s``; a restarted daemon knows none of them (their
-  pool records say WRITING, which adoption frees).
+- A reservation (``reserve``) is a *ticket*: a ref handed to a scheduler ahead of its stores,
+  bound to nothing, taking no pool space and evicting nothing (a scheduler's stock for a few
+  steps of stores must not push committed blocks out: with slots claimed at ``reserve``, a full
+  64 MiB pool lost 505 of its 3968 blocks to each client's stock). The scheduler assigns a
+  ticket to a key without asking; the first rank's store (``open_store`` with keys) gives it a
+  slot for its key, evicting as ``prepare_store`` would and applying the namespace's quota, or
+  makes it *void* (``Slot.void``, a placeholder outside the pool): a duplicate (its key is
+  held, being written or named twice in the job) or a block with no room (every slot written
+  or pinned, or the quota's own blocks all pinned; ``IndexStats.no_room_blocks``). A void
+  ticket is written by no rank (the server skips its copy) and forgotten once every rank has
+  reported it. Later ranks naming the ticket get what the first one bound, so dedup happens
+  at bind time, in one place, and a key is never visible twice nor torn. Ticket refs are slot
+  refs whose index lies above every slot id of the pool, with a generation (``daemon/tickets.py``),
+  so they never name a slot and a stale one is refused. Unused tickets expire after
+  ``reserve_ttl_s``; a restarted daemon knows none (they never touched a pool record).
 - FILLING is a slot a lower tier is bringing back (``daemon/tiering.py``): lookups count it
   as a hit and loads may name it, but the caller must not copy out of it before ``end_fill``.
   It is pinned by its fill, recorded as WRITING in the pool (a crash drops it), and becomes
   COMMITTED like a store. The index knows nothing of where the bytes come from.
 
-Space: the pool's extents are handed to one slot size at a time. Room for a slot comes from a
-free slot of its size, then a free extent, then eviction: the least recently used slot of the same
-size, or a whole extent of another size whose newest use is older than that (so a new model can
-take space from an idle one without a static split). ``PoolFull`` only when neither exists.
+Space: the extents, free lists and the search for room (eviction, taking an idle size's extent,
+draining one) are ``daemon/extents.py``'s; it asks this module to evict, hide or drop a slot.
 
 Quotas: a namespace may have a byte cap (declared by its engines, bounded by the daemon's
 ``namespace_quota``). Its prepared and committed slots count against it; a store that would pass
@@ -49,65 +52,20 @@ pressure still evicts by the pool-wide LRU.
 from __future__ import annotations
 
 import itertools
-from functools import partial
-from dataclasses import dataclass, field
-from operator import attrgetter
+from dataclasses import dataclass
 from typing import Callable
 
 from kvpool.daemon.eviction import LruPolicy
-from kvpool.daemon.pool import COMMITTED, FREE, GENERATION_MASK, WRITING, Pool
-from kvpool.shared.errors import (LayoutMismatch, LeaseExpired, OutOfRange, PoolFull,
-                                  ProtocolError, UnknownId)
+from kvpool.daemon.extents import FILLING, Extents, SizeClass, Slot
+from kvpool.daemon.namespaces import EMPTY_TABLE, NamespaceTable
+from kvpool.daemon.pool import COMMITTED, FREE, Pool
+from kvpool.daemon.stores import OVER_QUOTA, OpenedStore, StorePath
+from kvpool.daemon.tickets import Tickets
+from kvpool.shared.errors import LeaseExpired, OutOfRange
 from kvpool.shared.layout import Layout
-from kvpool.shared.protocol import (MAX_RESERVE, SLOT_NO_SPACE, SLOT_PRESENT, NamespaceInfo,
-                                    make_slot_ref)
+from kvpool.shared.protocol import make_slot_ref
 
-# Index-only states (the pool record says WRITING): a lower tier is filling the slot; the slot
-# is reserved for a scheduler's stores and bound to no key yet.
-FILLING = 3
-RESERVED = 4
-# One client may hold at most this share of the pool's bytes as unbound reservations: a stock
-# for a few steps of stores, never a way to take the pool from the others.
-RESERVE_SHARE = 8
-
-
-@dataclass(slots=True, eq=False)
-class Slot:
-    id: int
-    extent: int
-    index: int
-    offset: int                 # pool byte offset of rank 0's shard
-    size_class: "SizeClass"
-    state: int = FREE
-    generation: int = 0
-    ns: bytes = b""
-    key: bytes = b""            # ns + block hash (32 bytes), as in the slot record
-    ref: int = 0                # slot ref for the current generation
-    pins: int = 0
-    landed: int = 0             # bit u: unit u (a head, or a rank's shard) is in
-    writing: int = 0            # bit u: a store job of unit u is in flight
-    owner: int = 0              # who prepared it (while WRITING)
-    deadline: float = 0.0       # WRITING: dropped if not landed by then
-    last_use: int = 0           # LRU tick of the last commit or hit
-    doomed: bool = False
-    void: bool = False          # bound as a duplicate or over its quota: never written nor mapped
-
-
-@dataclass(slots=True, eq=False)
-class SizeClass:
-    slot_bytes: int
-    extents: list[int] = field(default_factory=list)
-    free: list[Slot] = field(default_factory=list)
-    lru: LruPolicy = field(default_factory=LruPolicy)
-
-
-@dataclass(slots=True)
-class OpenedStore:
-    """A store job ``Index.open_store`` let through."""
-
-    slots: list[Slot]
-    finish: Callable[[], None] | None   # its pins (and bindings) left to do, see open_store
-    has_voids: bool                     # whether any slot is void (nobody copies into those)
+__all__ = ["COMMITTED", "FILLING", "Index", "OpenedStore", "Slot"]
 
 
 @dataclass(slots=True)
@@ -127,11 +85,15 @@ class IndexStats:
     adopted_blocks: int = 0
     hit_tokens: int = 0
     miss_tokens: int = 0
-    duplicate_blocks: int = 0   # reserved slots bound to a key already held (freed unwritten)
+    duplicate_blocks: int = 0   # tickets bound to a key already held (void: never written)
+    no_room_blocks: int = 0     # tickets that found no slot (all written or pinned): not stored
 
 
-class Index:
-    """All slot state. Callers: the server's dispatch (event-loop thread only)."""
+class Index(NamespaceTable, StorePath):
+    """All slot state. Callers: the server's dispatch (event-loop thread only). Its
+    namespaces (``daemon/namespaces.py``) and its store path (``daemon/stores.py``) are in
+    base classes of their own; lookups, leases, loads, fills, housekeeping and the slot state
+    transitions are here."""
 
     def __init__(self, pool: Pool, lease_ttl_s: float, write_timeout_s: float,
                  namespace_quota: int = 0, reserve_ttl_s: float = 10.0) -> None:
@@ -140,19 +102,17 @@ class Index:
         self.lease_ttl_s = lease_ttl_s
         self.write_timeout_s = write_timeout_s
         self.reserve_ttl_s = reserve_ttl_s
-        self._reserved: dict[int, Slot] = {}
-        self._reserved_bytes: dict[int, int] = {}   # owner -> bytes of its RESERVED slots
+        self.tickets = Tickets(pool.geometry.num_extents * pool.slot_id_stride)
+        # Tickets a first rank bound -> the slot (or void placeholder) later ranks must get,
+        # until that slot leaves WRITING.
+        self._bound: dict[int, Slot] = {}
         self.stats = IndexStats()
-        self._slots: dict[int, Slot] = {}
+        self.extents = Extents(pool, self._evict, self._hide, self._drop)
+        self._slots = self.extents.slots      # slot id -> slot, read on every hot path
         # namespace -> block hash -> slot (WRITING or COMMITTED). Per-namespace tables keep a
         # lookup to one dict probe per key with no key concatenation.
         self._tables: dict[bytes, dict[bytes, Slot]] = {}
         self._writing: dict[int, Slot] = {}
-        self._classes: dict[int, SizeClass] = {}
-        self._extent_class: dict[int, SizeClass] = {}
-        # Extent being emptied for another size -> that size (see _drain_for).
-        self._draining: dict[int, SizeClass] = {}
-        self._free_extents = list(range(pool.geometry.num_extents - 1, -1, -1))
         self._layouts: dict[bytes, Layout] = {}
         # Space per namespace: bytes of its WRITING and COMMITTED slots; for namespaces with a
         # quota, the cap and an LRU of their own committed slots (the victims the cap may take).
@@ -169,71 +129,6 @@ class Index:
         # Told about every batch of slots that became COMMITTED (the lower tiers' feed).
         self.on_commit: Callable[[list[Slot]], None] | None = None
 
-    # ---- namespaces ------------------------------------------------------------------------
-
-    def register_namespace(self, ns: bytes, layout: Layout, quota_bytes: int = 0) -> None:
-        """Bind a namespace to its layout's canonical form; ``LayoutMismatch`` if it is bound
-        to another one.
-
-        ``quota_bytes`` (0: none) is the engine's cap for the namespace. The latest registration
-        decides (engines of one namespace serve one model with one config), bounded by the
-        daemon's ``namespace_quota``.
-        """
-        layout.check()
-        layout = layout.canonical()   # engines of every TP size of a head-split layout agree
-        if quota_bytes < 0:
-            raise OutOfRange(f"quota_bytes must be >= 0, got {quota_bytes}")
-        known = self._layouts.get(ns)
-        if known is None:
-            self._layouts[ns] = layout
-            self.pool.save_layouts(self._layouts)
-        elif known != layout:
-            raise LayoutMismatch(f"namespace {ns.hex()} is registered with another layout "
-                                 f"({known.description or known.segment_bytes[:4]}...)")
-        caps = [q for q in (quota_bytes, self.namespace_quota) if q > 0]
-        if caps:
-            self._set_quota(ns, min(caps))
-        else:
-            self._quota.pop(ns, None)
-            self._ns_lru.pop(ns, None)
-
-    def quota_of(self, ns: bytes) -> int:
-        return self._quota.get(ns, 0)
-
-    def used_bytes_of(self, ns: bytes) -> int:
-        return self._ns_bytes.get(ns, 0)
-
-    def namespace_usage(self) -> list[NamespaceInfo]:
-        """Per registered namespace: blocks, bytes and quota (for `kvpool info` and metrics)."""
-        return [NamespaceInfo(ns, layout.description, 0 if layout.kv_heads else layout.tp_size,
-                              self._ns_blocks.get(ns, 0), self._ns_bytes.get(ns, 0),
-                              self._quota.get(ns, 0))
-                for ns, layout in self._layouts.items()]
-
-    def _set_quota(self, ns: bytes, quota: int) -> None:
-        self._quota[ns] = quota
-        if ns not in self._ns_lru:
-            slots = self._slots
-            lru = self._ns_lru[ns] = LruPolicy(lambda sid: slots[sid].last_use)
-            held = sorted((s for s in self._tables.get(ns, _EMPTY).values()
-                           if s.state == COMMITTED), key=lambda s: s.last_use)
-            for s in held:
-                lru.insert(s.id)
-
-    def layout_of(self, ns: bytes) -> Layout:
-        try:
-            return self._layouts[ns]
-        except KeyError:
-            raise UnknownId(f"namespace {ns.hex()} has no registered layout: no worker of "
-                            f"that model and layout has registered") from None
-
-    def has_layout(self, ns: bytes) -> bool:
-        return ns in self._layouts
-
-    @property
-    def namespaces(self) -> int:
-        return len(self._layouts)
-
     # ---- adoption --------------------------------------------------------------------------
 
     def adopt(self) -> int:
@@ -245,18 +140,9 @@ class Index:
         pool = self.pool
         self._layouts = pool.load_layouts()
         kept = 0
-        self._free_extents = []
-        for e in range(pool.geometry.num_extents - 1, -1, -1):
-            slot_bytes = int(pool.extents[e]["slot_bytes"])
-            if slot_bytes and not pool.extent_is_sane(e):
-                pool.release_extent(e)     # torn by a crash mid-assignment, or not ours
-                slot_bytes = 0
-            if not slot_bytes:
-                self._free_extents.append(e)
-                continue
-            cls = self._class(slot_bytes)
-            recs = pool.records(e)
-            slots = self._add_extent(cls, e, int(pool.extents[e]["num_slots"]), fresh=False)
+        for cls, slots in self.extents.adopt():
+            slot_bytes = cls.slot_bytes
+            recs = pool.records(slots[0].extent)
             for slot, rec in zip(slots, recs):
                 key = bytes(rec["key"])
                 layout = self._layouts.get(key[:16])
@@ -290,7 +176,7 @@ class Index:
         Hit slots become most recently used (stamped here, reordered lazily by the LRU when it
         next looks for victims, so a hit costs one attribute write).
         """
-        get = self._tables.get(ns, _EMPTY).get
+        get = self._tables.get(ns, EMPTY_TABLE).get
         tick = next(self._tick)
         hits, leases, refs = [], [], []
         n_hit = n_keys = 0
@@ -348,7 +234,7 @@ class Index:
     def leading(self, ns: bytes, keys: list[bytes]) -> int:
         """How many of ``keys``, from the first on, a lookup would count as hits now
         (COMMITTED or FILLING). Changes nothing."""
-        get = self._tables.get(ns, _EMPTY).get
+        get = self._tables.get(ns, EMPTY_TABLE).get
         n = 0
         for k in keys:
             s = get(k)
@@ -360,7 +246,7 @@ class Index:
     def committed_hashes(self, ns: bytes) -> list[bytes]:
         """Block hashes of the committed blocks of ``ns`` (for the KV event feed of an engine
         that starts or stops being able to load them). O(blocks of ns)."""
-        return [h for h, s in self._tables.get(ns, _EMPTY).items() if s.state == COMMITTED]
+        return [h for h, s in self._tables.get(ns, EMPTY_TABLE).items() if s.state == COMMITTED]
 
     def pinned_count(self) -> int:
         """Committed blocks held by a lease or an in-flight load (not evictable now)."""
@@ -372,358 +258,6 @@ class Index:
 
     def leases_of(self, owner: int) -> int:
         return sum(1 for lease in self._leases.values() if lease.owner == owner)
-
-    # ---- stores ----------------------------------------------------------------------------
-
-    def prepare_store(self, ns: bytes, keys: list[bytes], owner: int, now: float) -> list[int]:
-        """A slot ref to write for each key not committed or in flight, else ``SLOT_PRESENT``;
-        ``SLOT_NO_SPACE`` where nothing could be evicted. ``PoolFull`` if no key got room."""
-        layout = self.layout_of(ns)
-        out: list[int] = []
-        full = over_quota = 0
-        table = self._tables.setdefault(ns, {})
-        quota = self._quota.get(ns, 0)
-        slot_bytes = layout.slot_bytes
-        deadline = now + self.write_timeout_s
-        writing = self._writing
-        claimed: list[Slot] = []
-        try:
-            for k in keys:
-                s = table.get(k)
-                if s is not None:
-                    out.append(SLOT_PRESENT)
-                    continue
-                s = self._claim(ns, table, k, slot_bytes, quota)
-                if s is None or s is _OVER_QUOTA:
-                    out.append(SLOT_NO_SPACE)
-                    full += 1
-                    over_quota += s is _OVER_QUOTA
-                    continue
-                s.state, s.owner, s.deadline = WRITING, owner, deadline
-                writing[s.id] = s
-                out.append(s.ref)
-                claimed.append(s)
-        finally:
-            self._record_claims(claimed)
-        allocated = len(claimed)
-        if full and not allocated and not any(r == SLOT_PRESENT for r in out):
-            if over_quota:
-                raise PoolFull(f"namespace {ns.hex()} is at its quota of {quota} bytes and every "
-                               f"block of it is being written or pinned")
-            raise PoolFull(f"no room for {full} blocks of {layout.slot_bytes} bytes: every slot "
-                           f"is being written or pinned by a lease or a transfer")
-        return out
-
-    def _claim(self, ns: bytes, table: dict[bytes, Slot] | None, k: bytes, slot_bytes: int,
-               quota: int) -> Slot | None:
-        """A slot for key ``k`` of ``ns``, counted, and mapped unless ``table`` is None (a
-        reservation: no key yet), its state for the caller to set; None where nothing could be
-        evicted, ``_OVER_QUOTA`` where the quota stops it. Its pool record is the caller's to
-        write, with ``_record_claims``, before the slot's ref leaves the daemon."""
-        if quota and not self._fits_quota(ns, slot_bytes, quota):
-            return _OVER_QUOTA
-        s = self._allocate(slot_bytes)
-        if s is None:
-            return None
-        s.ns, s.key, s.owner = ns, ns + k if k else b"", 0
-        s.generation = (s.generation + 1) & GENERATION_MASK
-        s.ref = make_slot_ref(s.id, s.generation)
-        s.landed = s.writing = 0
-        s.doomed = s.void = False
-        if table is not None:   # a reservation counts for its namespace once bound
-            table[k] = s
-            self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
-        return s
-
-    def _record_claims(self, slots: list[Slot]) -> None:
-        """Write the WRITING records (new generations first) of slots ``_claim`` gave out, in
-        one write: per slot, record writes cost more than the rest of a claim. Safe to do after
-        the claims: until the reply leaves, no ref of theirs is out, and nothing in a claiming
-        call frees a slot it claimed (a victim's FREE record, written when it was evicted, is
-        overwritten here in the right order)."""
-        if slots:
-            self.pool.write_states([s.id for s in slots], WRITING,
-                                   [s.generation for s in slots])
-
-    # ---- reservations (stores planned without a round trip) --------------------------------
-
-    def reserve(self, ns: bytes, count: int, owner: int, now: float) -> list[int]:
-        """Up to ``count`` RESERVED slot refs of ``ns`` for ``owner``, bound to no key, taken
-        back at ``now + reserve_ttl_s`` unless a store binds them first. Fewer (possibly none)
-        where the pool or the namespace's quota has no room (evicting LRU blocks as a store
-        would), or where ``owner`` already holds its share (1/RESERVE_SHARE of the pool). Quotas
-        apply when a store binds the slots, not here."""
-        if not 0 <= count <= MAX_RESERVE:
-            raise OutOfRange(f"a reservation asks for 0..{MAX_RESERVE} slots, not {count}")
-        layout = self.layout_of(ns)
-        slot_bytes = layout.slot_bytes
-        held = self._reserved_bytes.get(owner, 0)
-        count = min(count, max(0, self.pool.nbytes // RESERVE_SHARE - held) // slot_bytes)
-        out: list[int] = []
-        claimed: list[Slot] = []
-        deadline = now + self.reserve_ttl_s
-        reserved = self._reserved
-        try:
-            for _ in range(count):
-                s = self._claim(ns, None, b"", slot_bytes, 0)
-                if s is None:
-                    break
-                s.state, s.owner, s.deadline = RESERVED, owner, deadline
-                reserved[s.id] = s
-                out.append(s.ref)
-                claimed.append(s)
-        finally:
-            self._record_claims(claimed)
-        if out:
-            self._reserved_bytes[owner] = held + len(out) * slot_bytes
-        return out
-
-    @property
-    def reserved_count(self) -> int:
-        return len(self._reserved)
-
-    def _unreserve(self, s: Slot) -> None:
-        """``s`` stops being RESERVED (bound, aborted, expired or freed): its owner's share."""
-        del self._reserved[s.id]
-        left = self._reserved_bytes[s.owner] - s.size_class.slot_bytes
-        if left:
-            self._reserved_bytes[s.owner] = left
-        else:
-            del self._reserved_bytes[s.owner]
-
-    def _fits_quota(self, ns: bytes, slot_bytes: int, quota: int) -> bool:
-        """Make room for one more slot under ``ns``'s quota by evicting its own least recently
-        used blocks; False if its unpinned blocks cannot make enough."""
-        lru = self._ns_lru[ns]
-        while self._ns_bytes.get(ns, 0) + slot_bytes > quota:
-            victim = lru.oldest(self._is_pinned)
-            if victim is None:
-                return False
-            self._evict(self._slots[victim])
-        return True
-
-    def abort_store(self, refs: list[int], owner: int) -> int:
-        """Drop prepared or reserved slots that will not be written. Unknown or stale refs are
-        skipped (an abort may cross the slot's expiry)."""
-        n = 0
-        for ref in refs:
-            s = self._resolve(ref)
-            if s is not None and (s.state == WRITING or s.state == RESERVED) \
-                    and s.owner == owner:
-                self._drop(s)
-                n += 1
-        return n
-
-    def begin_store(self, ns: bytes, refs: list[int], rank: int, mask: int | None = None, *,
-                    keys: list[bytes] | None = None, now: float = 0.0) -> list[Slot]:
-        """Validate a store job's slots and pin them; all or nothing. ``mask`` is the units the
-        job lands (``Layout.rank_mask``; default: rank ``rank``'s shard, ``1 << rank``).
-
-        With ``keys`` (one block hash per ref), RESERVED slots are bound here: to their key, or
-        as duplicates (``Slot.void``: the caller copies nothing into them) where the key is
-        already committed, being written or filled, or named twice. Slots bound earlier (by
-        another rank's store, or by ``prepare_store``) must be bound to the same key.
-        """
-        job = self.open_store(ns, refs, rank, mask, keys=keys, now=now)
-        if job.finish is not None:
-            job.finish()
-        return job.slots
-
-    def open_store(self, ns: bytes, refs: list[int], rank: int, mask: int | None = None, *,
-                   keys: list[bytes] | None = None, now: float = 0.0) -> "OpenedStore":
-        """``begin_store`` with what can wait left for after the job's copy has gone out: its
-        checks are done (it raises as ``begin_store``, with nothing changed), but its pins,
-        and the binding of its reserved slots where that cannot make any slot void (every slot
-        RESERVED, its keys distinct and none held, no quota on ``ns``), may come back as
-        ``finish``. The caller (the server's dispatch) must call it once it has handed the copy
-        to its engine, before anything else touches the index: before it ends the job and
-        before it gives the event loop back (until then nothing else runs there, so nothing can
-        evict, reuse or see the slots). So a big store's copy starts after its checks alone:
-        for 1024 slots on a 2-core host, ~210 us of checks, where pins and bindings take
-        another ~50 and ~300 (bench/big_job_path.py)."""
-        bit = 1 << rank if mask is None else mask
-        if keys is not None and len(keys) != len(refs):
-            raise ProtocolError(f"{len(keys)} keys for {len(refs)} slots")
-        if bit and len(set(refs)) == len(refs):     # (a slot named twice: _check_store says)
-            if keys is None:
-                slots = self._check_prepared(ns, refs, bit)
-                if slots is not None:
-                    return OpenedStore(slots, partial(_pin_store, slots, bit), False)
-            else:
-                got = self._check_keyed(ns, refs, bit, keys)
-                if got is not None:
-                    slots, binds = got
-                    if not binds:      # bound by an earlier rank: some may be void
-                        return OpenedStore(slots, partial(_pin_store, slots, bit),
-                                           any(map(_SLOT_VOID, slots)))
-                    every = binds == len(slots)
-                    if every and self._fresh_keys(ns, keys):
-                        return OpenedStore(slots, partial(self._pin_and_bind, ns, slots, bit,
-                                                          keys, now), False)
-                    _pin_store(slots, bit)
-                    self._bind(ns, slots, keys, now, every)
-                    return OpenedStore(slots, None, any(map(_SLOT_VOID, slots)))
-        slots = self._check_store(ns, refs, rank, bit, keys)
-        if len(set(slots)) != len(slots):
-            raise ProtocolError("a store job names the same slot twice")
-        if keys is not None:
-            self._bind(ns, slots, keys, now)
-        _pin_store(slots, bit)
-        return OpenedStore(slots, None, keys is not None and any(map(_SLOT_VOID, slots)))
-
-    def _check_prepared(self, ns: bytes, refs: list[int], bit: int) -> list[Slot] | None:
-        """The slots of ``refs`` (distinct) if each is WRITING for ``ns`` and free of ``bit``
-        (slots ``prepare_store`` granted: the common case, checked in one pass that changes
-        nothing); else None, for ``_check_store`` to say why."""
-        get = self._slots.get
-        slots = [get(ref & 0xFFFF_FFFF) for ref in refs]
-        writing = WRITING
-        for s, ref in zip(slots, refs):
-            if (s is None or s.ref != ref or s.state != writing or s.doomed or s.ns != ns
-                    or (s.landed | s.writing) & bit):
-                return None
-        return slots
-
-    def _check_keyed(self, ns: bytes, refs: list[int], bit: int, keys: list[bytes]
-                     ) -> tuple[list[Slot], int] | None:
-        """The slots of ``refs`` (distinct), and how many are RESERVED (the caller binds them),
-        if each is RESERVED for ``ns``, or WRITING for ``ns`` and bound to its key, and free of
-        ``bit`` (the vLLM connector's stores: reserved slots, bound by the first rank); else
-        None, for ``_check_store`` to say why. One pass that changes nothing."""
-        get = self._slots.get
-        slots = [get(ref & 0xFFFF_FFFF) for ref in refs]
-        reserved, writing = RESERVED, WRITING
-        binds = 0
-        for s, ref, k in zip(slots, refs, keys):
-            if (s is None or s.ref != ref or s.doomed or s.ns != ns
-                    or (s.landed | s.writing) & bit
-                    or (s.state != reserved and (s.state != writing or s.key[16:] != k))):
-                return None
-            binds += s.state == reserved
-        return slots, binds
-
-    def _fresh_keys(self, ns: bytes, keys: list[bytes]) -> bool:
-        """Whether ``keys`` can go into ``ns``'s table whole: distinct, none held, no quota."""
-        return (not self._quota.get(ns, 0) and len(set(keys)) == len(keys)
-                and self._tables.setdefault(ns, {}).keys().isdisjoint(keys))
-
-    def _pin_and_bind(self, ns: bytes, slots: list[Slot], bit: int, keys: list[bytes],
-                      now: float) -> None:
-        _pin_store(slots, bit)
-        self._bind(ns, slots, keys, now, True, True)
-
-    def _check_store(self, ns: bytes, refs: list[int], rank: int, bit: int,
-                     keys: list[bytes] | None) -> list[Slot]:
-        """``begin_store``'s checks one slot at a time, each failure with its own error."""
-        slots = []
-        resolve = self._resolve
-        for i, ref in enumerate(refs):
-            s = resolve(ref)
-            if s is None:
-                raise OutOfRange(f"slot ref {ref:#x} names no slot of this pool")
-            # (A WRITING slot's ``ns`` is its key's namespace: no slice of the key needed.)
-            if s.state == RESERVED and not s.doomed and s.ns == ns:
-                if keys is None:
-                    raise UnknownId(f"slot ref {ref:#x} is reserved, not bound to a key: a store "
-                                    f"into a reserved slot must name its key")
-            elif s.state != WRITING or s.doomed or s.ns != ns:
-                raise UnknownId(f"slot ref {ref:#x} is not prepared or reserved for this "
-                                f"namespace (aborted, reset, expired, timed out or never "
-                                f"granted)")
-            elif keys is not None and s.key[16:] != keys[i]:
-                raise ProtocolError(f"slot ref {ref:#x} is bound to another key than the one "
-                                    f"this store names")
-            if (s.landed | s.writing) & bit:
-                raise ProtocolError(f"rank {rank} stores units {bit:#x} of slot ref {ref:#x}, "
-                                    f"which overlap units already stored or being stored "
-                                    f"({s.landed | s.writing:#x}): overlapping head ranges, or "
-                                    f"the same rank twice")
-            slots.append(s)
-        return slots
-
-    def _bind(self, ns: bytes, slots: list[Slot], keys: list[bytes], now: float,
-              every: bool = False, fresh: bool = False) -> None:
-        """Bind the RESERVED ones of a validated store's ``slots`` to their ``keys`` (see
-        ``begin_store``); ``every``: the caller knows all of them are; ``fresh``: that their
-        keys are distinct, none is held and the namespace has no quota. Owners' reserved bytes
-        and the namespace's bytes are counted once per call, not per slot, and a batch of
-        distinct keys none of which is held goes into the table in one update. (Still ~300 us
-        for 1024 slots on a 2-core host, the per-slot state: why ``open_store`` defers it.)"""
-        if not every:
-            pairs = [(s, k) for s, k in zip(slots, keys) if s.state == RESERVED]
-            if not pairs:
-                return
-            slots, keys = [s for s, _ in pairs], [k for _, k in pairs]
-        table = self._tables.setdefault(ns, {})
-        deadline = now + self.write_timeout_s
-        reserved, writing = self._reserved, self._writing
-        state = WRITING
-        owners: dict[int, int] = {}           # owner -> its slots bound here
-        for s, key in zip(slots, map(ns.__add__, keys)):
-            sid = s.id
-            del reserved[sid]
-            writing[sid] = s
-            s.state = state
-            s.key = key
-            s.deadline = deadline
-            owners[s.owner] = owners.get(s.owner, 0) + 1
-        quota = self._quota.get(ns, 0)
-        slot_bytes = slots[0].size_class.slot_bytes     # a namespace's slots are of one size
-        counted = 0                           # slots mapped to their key, quota-free ns
-        if fresh or self._fresh_keys(ns, keys):
-            table.update(zip(keys, slots))
-            counted = len(keys)
-        else:
-            for s, k in zip(slots, keys):
-                if k in table:                # held already, or named earlier in this job
-                    s.void = True
-                    self.stats.duplicate_blocks += 1
-                elif quota:
-                    # Counted one by one: each quota check reads the bytes counted before it.
-                    if self._fits_quota(ns, slot_bytes, quota):
-                        table[k] = s
-                        self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + slot_bytes
-                    else:
-                        s.void = True      # as SLOT_NO_SPACE: this block is not pooled
-                else:
-                    table[k] = s
-                    counted += 1
-        if counted:
-            self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + counted * slot_bytes
-        for owner, n in owners.items():
-            left = self._reserved_bytes[owner] - n * slot_bytes
-            if left:
-                self._reserved_bytes[owner] = left
-            else:
-                del self._reserved_bytes[owner]
-
-    def end_store(self, slots: list[Slot], rank: int, ok: bool, mask: int | None = None) -> int:
-        """A store job finished (or failed): commit slots whose every unit has landed; drop
-        the others of a failed job. ``mask`` as given to ``begin_store``. Returns how many
-        slots committed."""
-        bit = 1 << rank if mask is None else mask
-        ready: list[Slot] = []
-        full = self._layouts[slots[0].ns].full_mask if slots else 0
-        for s in slots:
-            s.writing &= ~bit
-            s.pins -= 1
-            if not ok:
-                s.doomed = True
-            elif not s.doomed:
-                s.landed |= bit
-                if s.landed == full:
-                    ready.append(s)
-            if s.doomed:
-                self._drop(s)
-        if any(s.void for s in ready):
-            dups = [s for s in ready if s.void]
-            ready = [s for s in ready if not s.void]
-            # Every rank has reported a duplicate: nothing to show, its slot goes back.
-            for s in dups:
-                self._drop(s)
-        if ready:
-            self._commit(ready)
-        return len(ready)
 
     # ---- loads -----------------------------------------------------------------------------
 
@@ -788,7 +322,7 @@ class Index:
                 if k in table:
                     break
                 s = self._claim(ns, table, k, layout.slot_bytes, quota)
-                if s is None or s is _OVER_QUOTA:
+                if s is None or s is OVER_QUOTA:
                     break
                 s.state = FILLING
                 s.pins = 1
@@ -832,45 +366,48 @@ class Index:
     # ---- housekeeping ----------------------------------------------------------------------
 
     def expire(self, now: float) -> tuple[int, int, int]:
-        """Drop leases past their TTL, prepared slots past their write timeout and reserved
-        slots past their reservation TTL; returns how many of each."""
+        """Drop leases past their TTL, prepared or bound slots past their write timeout and
+        tickets past their reservation TTL; returns how many of each. Called by the server's
+        housekeeping loop."""
         dead = [lid for lid, lease in self._leases.items() if lease.expires <= now]
         for lid in dead:
             self._unpin(self._leases.pop(lid).slots)
         late = [s for s in self._writing.values() if s.deadline <= now]
         for s in late:
             self._drop(s)
-        unused = [s for s in self._reserved.values() if s.deadline <= now]
-        for s in unused:
-            self._drop(s)
-        return len(dead), len(late), len(unused)
+        voids = [s for s in self._bound.values() if s.void and s.deadline <= now]
+        for s in voids:
+            self._forget_void(s)
+        unused = self.tickets.expire(now)
+        return len(dead), len(late) + len(voids), unused
 
     def release_owner(self, owner: int) -> None:
-        """Everything a vanished client held: its leases and the slots it prepared or
-        reserved."""
+        """Everything a vanished client held (the server's disconnect and timeout paths): its
+        leases, the slots it prepared, its tickets and the slots they were bound to."""
         self.release_leases([lid for lid, lease in self._leases.items() if lease.owner == owner],
                             owner)
         for s in [s for s in self._writing.values() if s.owner == owner]:
             self._drop(s)
-        for s in [s for s in self._reserved.values() if s.owner == owner]:
-            self._drop(s)
+        for s in [s for s in self._bound.values() if s.void and s.owner == owner]:
+            self._forget_void(s)
+        self.tickets.release_owner(owner)
 
     def reset(self, ns: bytes) -> int:
         """Forget every block of ``ns``: lookups miss at once; pinned ones are freed when their
         last pin goes. Returns how many blocks were forgotten."""
-        victims = list(self._tables.get(ns, _EMPTY).values())
+        victims = list(self._tables.get(ns, EMPTY_TABLE).values())
         for s in victims:
             self._drop(s)
         return len(victims)
 
     def slot_counts(self) -> tuple[int, int, int]:
-        """(writing, committed, used bytes)."""
+        """(writing, committed, used bytes); tickets take none."""
         writing = len(self._writing) + len(self._filling)
-        committed = sum(len(c.lru) for c in self._classes.values())
+        classes = self.extents.classes.values()
+        committed = sum(len(c.lru) for c in classes)
         used = sum(s.size_class.slot_bytes for s in self._writing.values())
         used += sum(s.size_class.slot_bytes for s in self._filling.values())
-        used += sum(s.size_class.slot_bytes for s in self._reserved.values())
-        used += sum(len(c.lru) * c.slot_bytes for c in self._classes.values())
+        used += sum(len(c.lru) * c.slot_bytes for c in classes)
         return writing, committed, used
 
     # ---- internals -------------------------------------------------------------------------
@@ -881,168 +418,6 @@ class Index:
             return None if s is None else _STALE
         return s
 
-    def _class(self, slot_bytes: int) -> SizeClass:
-        cls = self._classes.get(slot_bytes)
-        if cls is None:
-            slots = self._slots
-            cls = self._classes[slot_bytes] = SizeClass(
-                slot_bytes, lru=LruPolicy(lambda sid: slots[sid].last_use))
-        return cls
-
-    def _add_extent(self, cls: SizeClass, extent: int, n: int, fresh: bool) -> list[Slot]:
-        cls.extents.append(extent)
-        self._extent_class[extent] = cls
-        base = extent * self.pool.slot_id_stride
-        first = self.pool.slot_offset(extent, 0)
-        # Generations continue from the records: a slot id that served another size, or the
-        # previous daemon, never repeats a generation (and so a slot ref) it handed out.
-        gens = self.pool.generations(extent, n).tolist()
-        slots = [Slot(base + i, extent, i, first + i * cls.slot_bytes, cls, generation=gens[i])
-                 for i in range(n)]
-        for s in slots:
-            self._slots[s.id] = s
-        if fresh:
-            cls.free.extend(reversed(slots))
-        return slots
-
-    def _allocate(self, slot_bytes: int) -> Slot | None:
-        cls = self._class(slot_bytes)
-        if cls.free:
-            return cls.free.pop()
-        if self._free_extents:
-            e = self._free_extents.pop()
-            n = self.pool.assign_extent(e, slot_bytes)
-            if n == 0:
-                self._free_extents.append(e)
-                raise LayoutMismatch(f"a slot of {slot_bytes} bytes does not fit one extent of "
-                                     f"{self.pool.geometry.extent_bytes} bytes: raise extent_size")
-            self._add_extent(cls, e, n, fresh=True)
-            return cls.free.pop()
-        victim_id = cls.lru.oldest(self._is_pinned)
-        victim = self._slots[victim_id] if victim_id is not None else None
-        extent, age = self._reclaimable_extent(cls)
-        if extent is not None and (victim is None or age < victim.last_use):
-            self._reclaim_extent(extent)
-            n = self.pool.assign_extent(extent, slot_bytes)
-            self._add_extent(cls, extent, n, fresh=True)
-            return cls.free.pop()
-        while victim is not None:
-            self._evict(victim)
-            if cls.free:
-                return cls.free.pop()
-            # The victim sat in an extent being drained for another size: it did not come back
-            # to this size's free list. Evict the next one.
-            victim_id = cls.lru.oldest(self._is_pinned)
-            victim = self._slots[victim_id] if victim_id is not None else None
-        self._drain_for(cls)
-        return cls.free.pop() if cls.free else None
-
-    def _is_pinned(self, slot_id: int) -> bool:
-        return self._slots[slot_id].pins > 0
-
-    def _reclaimable_extent(self, wanting: SizeClass) -> tuple[int | None, int]:
-        """The extent of another size whose slots are all free or evictable, newest use
-        oldest; (None, 0) if none. Only scanned when several slot sizes share the pool."""
-        best, best_age = None, 0
-        if len(self._classes) < 2:
-            return best, best_age
-        for cls in self._classes.values():
-            if cls is wanting:
-                continue
-            for e in cls.extents:
-                if e in self._draining:
-                    continue
-                age = 0
-                for s in self._extent_slots(e):
-                    if s.state == WRITING or s.state == RESERVED or s.pins:
-                        break
-                    age = max(age, s.last_use)
-                else:
-                    if best is None or age < best_age:
-                        best, best_age = e, age
-        return best, best_age
-
-    # ---- draining an extent for another size ------------------------------------------------
-    # An extent goes to another slot size only when all of it is free or evictable. A busy model
-    # nearly always has some block being written or read in every one of its extents, so a
-    # second model could be refused (POOL_FULL) for as long as the first stays busy (found by
-    # the soak campaign). When a size finds no room at all, the extent of the least recently
-    # used block of another size is drained: its free slots leave that size's free list, its
-    # unpinned blocks are evicted, its other blocks hidden (new lookups miss them, freed when the
-    # transfer or lease holding them ends: at most lease_ttl_s; a lease keeps its promise and
-    # still loads). The last one freed hands the extent to the size that asked, which meanwhile
-    # gets SLOT_NO_SPACE. One at a time.
-
-    def _drain_for(self, wanting: SizeClass) -> None:
-        if self._draining or len(self._classes) < 2:
-            return
-        # The extent of the least recently used evictable block of another size: no scan of
-        # the pool, and a size with nothing evictable (all pinned or written) is left alone.
-        oldest = None
-        for cls in self._classes.values():
-            victim = cls.lru.oldest(self._is_pinned) if cls is not wanting else None
-            if victim is not None and (oldest is None
-                                       or self._slots[victim].last_use < oldest.last_use):
-                oldest = self._slots[victim]
-        if oldest is None:
-            return
-        best = oldest.extent
-        self._draining[best] = wanting
-        owner = self._extent_class[best]
-        slots = self._extent_slots(best)
-        ids = {s.id for s in slots}
-        owner.free = [s for s in owner.free if s.id not in ids]
-        for s in slots:
-            if best not in self._draining:
-                break
-            if s.state == COMMITTED and not s.pins:
-                self._evict(s)
-            elif s.state == COMMITTED:
-                # Leased or being loaded: new lookups miss it (a hot block cannot hold the
-                # extent forever), but the lease still loads it; freed when the last pin ends.
-                self.stats.evictions += 1
-                if self._unmap(s):
-                    self._forget_committed(s)
-                    if self.events is not None:
-                        self.events.append(("removed", s.ns, s.key[16:]))
-            elif s.state == WRITING or s.state == FILLING or s.state == RESERVED:
-                # A store into it is refused (a reserved one too: its scheduler's store of
-                # that block fails, the block is not pooled), or lands unseen.
-                self._drop(s)
-        self._finish_drain(best)
-
-    def _finish_drain(self, extent: int) -> None:
-        """Hand a drained extent to the size that asked for it, once every slot is free."""
-        wanting = self._draining.get(extent)
-        if wanting is None or any(s.state != FREE for s in self._extent_slots(extent)):
-            return
-        del self._draining[extent]
-        self._reclaim_extent(extent)
-        n = self.pool.assign_extent(extent, wanting.slot_bytes)
-        if n:
-            self._add_extent(wanting, extent, n, fresh=True)
-        else:
-            self.pool.release_extent(extent)
-            self._free_extents.append(extent)
-
-    def _extent_slots(self, extent: int) -> list[Slot]:
-        base = extent * self.pool.slot_id_stride
-        n = int(self.pool.extents[extent]["num_slots"])
-        return [self._slots[base + i] for i in range(n)]
-
-    def _reclaim_extent(self, extent: int) -> None:
-        cls = self._extent_class.pop(extent)
-        slots = self._extent_slots(extent)
-        for s in slots:
-            if s.state == COMMITTED:
-                self._evict(s)
-        ids = {s.id for s in slots}
-        cls.free = [s for s in cls.free if s.id not in ids]
-        cls.extents.remove(extent)
-        for s in slots:
-            del self._slots[s.id]
-        self.pool.release_extent(extent)
-
     def _commit(self, slots: list[Slot]) -> None:
         """Make landed slots visible: records first (one vectorised write per extent), then
         the in-memory state lookups read."""
@@ -1050,10 +425,14 @@ class Index:
         self.pool.commit_records(ids, [s.key for s in slots], [s.generation for s in slots])
         tick = next(self._tick)
         pop_writing = self._writing.pop
+        pop_bound = self._bound.pop
         for s in slots:
             pop_writing(s.id, None)
             s.state = COMMITTED
             s.last_use = tick
+            if s.ticket:
+                pop_bound(s.ticket, None)
+                s.ticket = 0
         # The LRUs and counts take the batch whole: one size and one namespace nearly always
         # (a store job's slots are of one namespace), so one call each instead of one per slot.
         first = slots[0]
@@ -1080,8 +459,20 @@ class Index:
         self.stats.evictions += 1
         self._free(s)
 
+    def _hide(self, s: Slot) -> None:
+        """Evict a pinned committed slot as far as lookups can tell; freed when its last pin
+        goes (an extent being drained asks this)."""
+        self.stats.evictions += 1
+        if self._unmap(s):
+            self._forget_committed(s)
+            if self.events is not None:
+                self.events.append(("removed", s.ns, s.key[16:]))
+
     def _drop(self, s: Slot) -> None:
         """Make ``s`` unreachable now and free it once unpinned."""
+        if s.void:
+            self._forget_void(s)
+            return
         s.doomed = True
         if self._unmap(s):
             if s.state == COMMITTED:
@@ -1099,18 +490,16 @@ class Index:
                 self.events.append(("removed", s.ns, s.key[16:]))
         self._writing.pop(s.id, None)
         self._filling.pop(s.id, None)
-        if s.state == RESERVED:
-            self._unreserve(s)
-        elif s.state != FREE and not s.void:
+        if s.ticket:
+            self._bound.pop(s.ticket, None)
+            s.ticket = 0
+        if s.state != FREE:
             self._ns_bytes[s.ns] -= s.size_class.slot_bytes
         s.state = FREE
         s.doomed = s.void = False
         s.landed = s.writing = 0
         self.pool.write_state(s.id, FREE)
-        if s.extent in self._draining:
-            self._finish_drain(s.extent)
-        else:
-            s.size_class.free.append(s)
+        self.extents.release(s)
 
     def _forget_committed(self, s: Slot) -> None:
         """Take a committed slot out of the LRUs that may evict it."""
@@ -1134,23 +523,10 @@ class Index:
             s.pins -= 1
             if s.doomed and s.pins == 0 and s.state != FREE:
                 self._free(s)
-            elif (s.pins == 0 and s.state == COMMITTED and self._draining
-                  and s.extent in self._draining):
+            elif (s.pins == 0 and s.state == COMMITTED and self.extents.draining
+                  and s.extent in self.extents.draining):
                 self._free(s)       # hidden when its extent began to drain
 
 
-_EMPTY: dict[bytes, Slot] = {}
-# A C-level getter for batch passes over slots (a generator costs ~2x more).
-_SLOT_VOID = attrgetter("void")
-
-
-def _pin_store(slots: list[Slot], bit: int) -> None:
-    """A store job's hold on its (distinct, checked) slots: units ``bit`` in flight, a pin."""
-    for s in slots:
-        s.writing |= bit
-        s.pins += 1
-
 # A sentinel for "this ref's slot exists but was reused": resolves to a slot in no valid state.
 _STALE = Slot(-1, -1, -1, 0, SizeClass(0), state=FREE, doomed=True)
-# What ``_claim`` answers when a namespace's quota, not the pool, is out of room.
-_OVER_QUOTA = Slot(-2, -1, -1, 0, SizeClass(0), state=FREE, doomed=True)

@@ -125,6 +125,10 @@ class _SnapshotCollector(Collector):
         used = g("kvpool_pool_used_bytes", "Pool bytes held by writing or committed slots.")
         slots = g("kvpool_slots", "Pool slots by state (pinned is a subset of committed).",
                   labels=["state"])
+        tickets = g("kvpool_reservation_tickets", "Tickets granted to schedulers and not bound "
+                    "to a slot yet (they take no pool space).")
+        no_room = CounterMetricFamily("kvpool_no_room_blocks", "Reserved stores that found no "
+                                      "slot (every one written or pinned): not stored.")
         namespaces = g("kvpool_namespaces", "Namespaces (model x layout) with blocks or engines.")
         leases = g("kvpool_leases", "Leases currently pinning slots for a load.")
         clients = g("kvpool_clients", "Connected client processes by role.", labels=["role"])
@@ -136,8 +140,8 @@ class _SnapshotCollector(Collector):
                      labels=["namespace"])
         uptime = g("kvpool_uptime_seconds", "Seconds since this daemon started.")
         up = g("kvpool_healthy", "1 while /healthz answers 200, else 0.")
-        families: list[Metric] = [pool, used, slots, namespaces, leases, clients, engines,
-                                  adopted, ns_used, ns_quota, uptime, up]
+        families: list[Metric] = [pool, used, slots, tickets, no_room, namespaces, leases,
+                                  clients, engines, adopted, ns_used, ns_quota, uptime, up]
         tiers = _tier_families()
         families += tiers.values()
         up.add_metric([], 1.0 if healthy else 0.0)
@@ -151,7 +155,8 @@ class _SnapshotCollector(Collector):
         slots.add_metric(["writing"], info.slots_writing)
         slots.add_metric(["committed"], info.slots_committed)
         slots.add_metric(["pinned"], info.slots_pinned)
-        slots.add_metric(["reserved"], info.slots_reserved)
+        tickets.add_metric([], info.slots_reserved)
+        no_room.add_metric([], info.no_room_blocks)
         namespaces.add_metric([], info.namespaces)
         leases.add_metric([], info.leases)
         by_role = dict.fromkeys(_ROLE_NAMES.values(), 0)

@@ -505,10 +505,14 @@ class Server:
                         reg.mapped, offsets, blocks))
                 else:
                     fut = reg.engine.submit_load(reg.mapped, offsets, blocks)
-        except KvpoolError as e:
+        except BaseException as e:
+            # The job's slots go back whatever went wrong: a store's tickets have slots by now
+            # (open_store allocated them), which only its end frees.
             if finish is not None:
                 finish()       # so that the job's end finds it as begin_store leaves it
             self._end_job(reg, slots, is_store, ok=False, landing=landing)
+            if not isinstance(e, KvpoolError):
+                raise
             self.errors += 1
             self.telemetry.error(e.code)
             self.telemetry.job_done(is_store, 0, started, len(slots), ok=False)
@@ -771,8 +775,9 @@ class Server:
                           miss_tokens=st.miss_tokens,
                           namespace_usage=self.index.namespace_usage(),
                           tiers=self.tiering.info() if self.tiering is not None else [],
-                          slots_reserved=self.index.reserved_count,
-                          duplicate_blocks=st.duplicate_blocks)
+                          slots_reserved=self.index.ticket_count,
+                          duplicate_blocks=st.duplicate_blocks,
+                          no_room_blocks=st.no_room_blocks)
 
 
 class _Landing:

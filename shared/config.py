@@ -164,10 +164,11 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "host alone and the remote tier is off until the master answers again",
         ge=1, le=60_000)] = 200
     # ---- stores without a round trip (appended) ----
-    # Schedulers ask for slots a few steps ahead; one they never name is back after this long.
+    # Schedulers ask for tickets a few steps ahead (no pool space until a store names one);
+    # one they never name is forgotten after this long.
     # Their clients drop a reservation at half of it, so a store never races the expiry.
     reservation_ttl_s: Annotated[float, _doc(
-        "slots reserved by an engine's scheduler for stores to come and not used by then are "
+        "tickets reserved by an engine's scheduler for stores to come and not used by then are "
         "taken back", gt=0, le=3600)] = 10.0
 
     @property

@@ -18,12 +18,14 @@ Conversation:
 - Every failure is an ``ErrorReply`` (or a ``JobDone`` with a non-zero code) naming an
   ``ErrorCode``; the connection stays usable.
 - Stores without a round trip on the scheduler's path: ``ReserveRequest`` grants a stock of
-  writable slots of a namespace ahead of need (unbound to any key; they expire unused after the
-  reply's ``ttl_ms``); the scheduler assigns them to keys locally, and the worker's
-  ``StoreRequest`` names each slot's key (``keys``) and the daemon life that granted it
-  (``grant``). The daemon binds a reserved slot to its key when the first rank's store arrives;
-  a key already committed or being written by anyone is a *duplicate*: its slot is written by
-  nobody and freed once every rank reported it, so no key is ever visible twice. The older
+  tickets of a namespace ahead of need (slot refs bound to no key and no pool space; they expire
+  unused after the reply's ``ttl_ms``); the scheduler assigns them to keys locally, and the
+  worker's ``StoreRequest`` names each ticket's key (``keys``) and the daemon life that granted
+  it (``grant``). The daemon gives a ticket a slot for its key when the first rank's store
+  arrives (evicting LRU blocks then, as a prepared store does), and later ranks' stores naming
+  the ticket land in that slot; a key already committed or being written by anyone is a
+  *duplicate*: nobody writes it, so no key is ever visible twice. A ticket that finds no slot
+  (every one written or pinned) is not stored either. The older
   ``PrepareStoreRequest`` (keys bound at once, one round trip) stays for tools.
 - Requests whose reply nobody waits for (``ReleaseRequest``, ``AbortStoreRequest``,
   ``ResetRequest`` sent by a scheduler that must not block) are answered like any other; the
@@ -230,9 +232,11 @@ class ByeRequest(msgspec.Struct, tag=14, **_WIRE):
 
 
 class ReserveRequest(msgspec.Struct, tag=15, **_WIRE):
-    """Writable slots of ``namespace`` for stores to come, bound to no key yet (see the module
-    docstring). The daemon may grant fewer than ``count`` (none when the pool or the
-    namespace's quota has no room, or this client already holds its share)."""
+    """Tickets for stores of ``namespace`` to come, bound to no key or slot yet (see the module
+    docstring). A ticket takes no pool space and evicts nothing: the daemon finds its slot when
+    the first rank's store names its key (a block that finds none then is not stored), so it
+    grants ``count`` unless this client would hold more tickets of the namespace's slot size
+    than the pool has slots of that size."""
 
     req_id: int
     namespace: Key
@@ -377,8 +381,9 @@ class PoolInfo(msgspec.Struct, **_WIRE):
     miss_tokens: int = 0
     namespace_usage: list[NamespaceInfo] = []
     tiers: list[TierInfo] = []   # tiers under the pool, top down (empty: the pool only)
-    slots_reserved: int = 0      # granted to schedulers ahead of their stores, not bound yet
+    slots_reserved: int = 0      # tickets granted to schedulers, not bound yet (no pool space)
     duplicate_blocks: int = 0    # stores of keys already held: freed unwritten, never shown twice
+    no_room_blocks: int = 0      # reserved stores that found no slot (all written or pinned)
 
 
 class InfoReply(msgspec.Struct, tag=72, **_WIRE):

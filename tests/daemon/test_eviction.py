@@ -54,3 +54,15 @@ def test_insert_many_is_insert_of_each_at_one_stamp():
         == [4, 1, 2, 3]
     stamps[1] = 10                                 # used since: promoted when scanned
     assert many.choose_victims(3, lambda s: False) == [4, 2, 3]
+
+
+def test_head_oldest_many_and_remove_many_serve_a_batch_of_victims():
+    used = {1: 1, 2: 1, 3: 1, 4: 1}
+    lru = LruPolicy(lambda s: used[s])
+    lru.insert_many([1, 2, 3, 4], 1)
+    assert lru.head(3) == ([1, 2, 3], [1, 1, 1])      # as queued: no promotion, no pin check
+    used[1] = 5                                         # hit since it was queued
+    assert lru.oldest_many(2, lambda s: s == 2) == [3, 4]
+    assert lru.head(4) == ([2, 3, 4, 1], [1, 1, 1, 5])  # 1 promoted by the scan
+    lru.remove_many([3, 4])
+    assert len(lru) == 2 and lru.oldest_many(5, lambda s: False) == [2, 1]

@@ -26,7 +26,7 @@ def make_info(**over) -> PoolInfo:
         clients=[ClientInfo(1, Role.SCHEDULER, "sched", 10, "engA", 0, 1, 0),
                  ClientInfo(2, Role.WORKER, "tp0", 11, "engA", 1, 0, 0),
                  ClientInfo(3, Role.WORKER, "tp0", 12, "engB", 1, 0, 0)],
-        adopted_blocks=7, slots_pinned=1,
+        adopted_blocks=7, slots_pinned=1, slots_reserved=900, no_room_blocks=3,
         namespace_usage=[NamespaceInfo(b"\x01" * 16, "m", 1, 2, 2 << 20, 8 << 20)])
     fields.update(over)
     return PoolInfo(**fields)
@@ -82,6 +82,10 @@ def test_metrics_and_gauges_from_info(served):
     assert s[("kvpool_slots", (("state", "writing"),))] == 1
     assert s[("kvpool_slots", (("state", "committed"),))] == 2
     assert s[("kvpool_slots", (("state", "pinned"),))] == 1
+    # tickets are no slots: a gauge of their own, none in kvpool_slots
+    assert s[("kvpool_reservation_tickets", ())] == 900
+    assert ("kvpool_slots", (("state", "reserved"),)) not in s
+    assert s[("kvpool_no_room_blocks_total", ())] == 3
     assert s[("kvpool_clients", (("role", "worker"),))] == 2
     assert s[("kvpool_clients", (("role", "scheduler"),))] == 1
     assert s[("kvpool_clients", (("role", "operator"),))] == 0

@@ -459,10 +459,10 @@ def test_a_big_store_whose_worker_dies_keeps_only_landed_chunks_and_frees_the_re
 
 
 def test_a_keyed_store_binds_its_slots_in_its_dispatch_whether_its_copy_starts_or_not(pool):
-    """A store into reserved slots hands its copy to the engine before the slots are bound
-    (Index.open_store); the binding still happens within the same dispatch: before the
-    dispatch returns, the slots are bound and in flight, and a chunk that lands commits.
-    An engine that refuses the job leaves neither the reservation nor the key behind."""
+    """A store of tickets hands its copy to the engine once their slots are found, before they
+    are bound (Index.open_store); the binding still happens within the same dispatch: before
+    the dispatch returns, the slots are bound and in flight, and a chunk that lands commits.
+    An engine that refuses the job leaves neither the tickets nor the key behind."""
     import asyncio
     from concurrent.futures import Future
 
@@ -487,7 +487,7 @@ def test_a_keyed_store_binds_its_slots_in_its_dispatch_whether_its_copy_starts_o
         def submit_store(self, mapped, block_ids, shard_offsets, wait_event=b"", progress=None):
             if self.refuse:
                 raise Aborted("refused")
-            self.seen = (srv.index.reserved_count, srv.index.slot_counts()[0])
+            self.seen = (srv.index.ticket_count, srv.index.slot_counts()[0])
             self.fut, self.progress = Future(), progress
             return self.fut
 
@@ -522,7 +522,7 @@ def test_a_keyed_store_binds_its_slots_in_its_dispatch_whether_its_copy_starts_o
         srv._dispatch(b"\0me", Frame(p.StoreRequest(3, reg, 1, list(range(8)), refs, keys=ks)))
         assert len(replies) == n                          # in flight: no reply yet
         assert eng.seen == (8, 0)                         # handed over before the binding
-        assert ix.reserved_count == 0 and ix.slot_counts()[0] == 8   # bound in the dispatch
+        assert ix.ticket_count == 0 and ix.slot_counts()[0] == 8   # bound in the dispatch
         eng.progress(4)
         await asyncio.sleep(0.01)
         assert ix.leading(ns, ks) == 4                    # the landed chunk committed
@@ -538,8 +538,8 @@ def test_a_keyed_store_binds_its_slots_in_its_dispatch_whether_its_copy_starts_o
         used = ix.used_bytes_of(ns)
         done = call(p.StoreRequest(4, reg, 2, list(range(4)), refs, keys=more))
         assert done.code == int(ErrorCode.ABORTED)
-        assert ix.reserved_count == 0 and ix.slot_counts()[0] == 0
+        assert ix.ticket_count == 0 and ix.slot_counts()[0] == 0
         assert ix.used_bytes_of(ns) == used and ix.leading(ns, more) == 0
-        assert ix._reserved_bytes == {} and ix.pinned_count() == 0
+        assert ix.tickets.held == {} and ix.pinned_count() == 0
 
     asyncio.run(run())

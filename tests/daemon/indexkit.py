@@ -1,0 +1,93 @@
+"""What the index's tests share: layouts, namespaces, keys and a few drivers (tests of
+daemon/index.py, daemon/stores.py and daemon/namespaces.py)."""
+
+from kvpool.daemon.index import Index
+from kvpool.shared.errors import PoolFull
+from kvpool.shared.layout import Layout
+
+BIG = Layout(16, 1, "f16", (256 << 10,), "big")        # 4 slots per 1 MiB extent
+SMALL = Layout(16, 1, "f16", (4096,), "small")
+TP2 = Layout(16, 2, "f16", (4096,), "tp2")
+NS_BIG, NS_SMALL, NS_TP2 = b"B" * 16, b"S" * 16, b"T" * 16
+NS_A, NS_B = b"A" * 16, b"Q" * 16
+OWNER, OTHER = 1, 2
+
+
+def keys(n, prefix=b""):
+    return [(prefix + b"%06d" % i).ljust(16, b"k") for i in range(n)]
+
+
+def make_index(pool):
+    ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
+    ix.register_namespace(NS_BIG, BIG)
+    ix.register_namespace(NS_SMALL, SMALL)
+    ix.register_namespace(NS_TP2, TP2)
+    return ix
+
+
+def store(ix, ns, ks, now=0.0, ranks=(0,)):
+    refs = ix.prepare_store(ns, ks, OWNER, now)
+    todo = [r for r in refs if r >= 0]
+    for rank in ranks:
+        ix.end_store(ix.begin_store(ns, todo, rank), rank, ok=True)
+    return refs
+
+
+def capacity(ix, layout, ns):
+    n = 0
+    while True:
+        try:
+            refs = ix.prepare_store(ns, keys(1, b"cap%d" % n), OWNER, 0)
+        except PoolFull:
+            return n
+        ix.end_store(ix.begin_store(ns, refs, 0), 0, True)
+        ix.lookup(ns, [keys(1, b"cap%d" % n)], True, OWNER, 0)   # pin it: never evicted
+        n += 1
+
+
+def head_layout(tp: int, heads: int = 4, row: int = 256, rows: int = 16) -> Layout:
+    """A head-split layout of ``heads`` KV heads as one rank of ``tp`` holds it."""
+    local = max(1, heads // tp)
+    return Layout(16, tp, "f16", (rows * local * row // 2,) * 2, "heads", heads, row)
+
+
+def records_match_slots(ix):
+    """Every slot's pool record says what the index would adopt: COMMITTED with its key for a
+    committed slot, WRITING for one being written or filled, FREE for a free one;
+    and the slot's current generation (the one in its ref)."""
+    from kvpool.daemon.index import FILLING
+    from kvpool.daemon.pool import COMMITTED, FREE, WRITING
+    want_state = {FREE: FREE, WRITING: WRITING, FILLING: WRITING, COMMITTED: COMMITTED}
+    for s in ix._slots.values():
+        rec = ix.pool.records(s.extent)[s.index]
+        assert int(rec["state"]) == want_state[s.state], (s.id, s.state)
+        assert int(rec["generation"]) == s.generation, s.id
+        if s.state == COMMITTED:
+            assert bytes(rec["key"]) == s.key
+
+
+def pins_of(ix, refs):
+    return [(ix._slots[r & 0xFFFF_FFFF].pins, ix._slots[r & 0xFFFF_FFFF].writing) for r in refs]
+
+
+def pinned_total(ix):
+    return sum(s.pins for s in ix._slots.values())
+
+
+def bound_tp2(ix, ks):
+    """TP2 tickets bound to ``ks`` by rank 0's store; (refs, 1) for rank 1's."""
+    refs = ix.reserve(NS_TP2, len(ks), OWNER, 0)
+    ix.begin_store(NS_TP2, refs, 0, keys=ks, now=0)
+    return refs, 1
+
+
+def pool_slots(pool, layout):
+    return pool.geometry.num_extents * pool.slots_per_extent(layout.slot_bytes)
+
+
+def fill_pool(ix, ns, n, prefix=b"full"):
+    """``n`` committed blocks of ``ns``, stored in batches; their keys."""
+    ks = keys(n, prefix)
+    for i in range(0, n, 256):
+        store(ix, ns, ks[i:i + 256])
+    return ks
