@@ -46,8 +46,8 @@ from itertools import chain, compress, islice, repeat
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from kvpool.client.vllm_keys import GroupInfo, RequestKeys
-from kvpool.client.vllm_losses import (DAEMON_UNAVAILABLE, NO_ROOM, STORE_FAILED, STORE_WAIT,
-                                       StoreLosses)
+from kvpool.client.vllm.store_losses import (DAEMON_UNAVAILABLE, NO_ROOM, STORE_FAILED,
+                                             STORE_WAIT, StoreLosses)
 from kvpool.client.vllm_meta import LoadSpec, StepMeta, StoreSpec, WorkerAcks
 from kvpool.shared.errors import DaemonUnavailable, KvpoolError
 

@@ -53,8 +53,8 @@ if TYPE_CHECKING:
 
 class KvpoolStats(KVConnectorStats):
     """What kvpool adds to vLLM's KV-transfer stats each logging interval: full blocks not
-    stored in the pool, by reason (``kvpool.client.vllm_losses``). Built by the scheduler side;
-    the workers report none."""
+    stored in the pool, by reason (``kvpool.client.vllm.store_losses``). Built by the scheduler
+    side; the workers report none."""
 
     def reset(self) -> None:
         self.data = {}
