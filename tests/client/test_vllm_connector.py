@@ -520,8 +520,10 @@ def test_a_burst_of_stores_is_planned_over_several_steps(
     from kvpool.client.vllm import store_planner
 
     # No time for planning at all: one request per step. 8 requests of 4 full blocks each
-    # fill them in one step.
+    # fill them in one step. (No overdue budget either: on a loaded 2-core machine a step can
+    # take over STORE_DEFER_MAX_S, and that budget then plans more requests in a step.)
     monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
+    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
     role = e.connector.scheduler
     planned = spy_planned_blocks(role)
@@ -550,6 +552,7 @@ def test_a_long_prompt_is_planned_in_pieces_over_several_steps(
     # No time for planning: each step plans one late piece, of 3 blocks (not a full piece of
     # 6). One prefill fills 10 blocks.
     monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
+    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)     # (see above)
     monkeypatch.setattr(store_planner, "STORE_PIECE_BLOCKS", 6)
     monkeypatch.setattr(store_planner, "STORE_LATE_PIECE_BLOCKS", 3)
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
@@ -645,6 +648,7 @@ def test_finished_requests_waiting_past_store_wait_free_their_blocks_unstored(
     from kvpool.client.vllm import store_planner
 
     monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)   # one request a step
+    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)    # and no overdue budget
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
     role = e.connector.scheduler
     role.backlog.store_wait_s = 0.0          # a finished request waits for no planning at all
