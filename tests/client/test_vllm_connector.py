@@ -330,7 +330,7 @@ def test_in_flight_stores_are_not_planned_twice(make_engine, info, async_schedul
     role.build_connector_meta = spy
     shared = prompt(64)
     e.add("a", shared + [1] * 5, max_tokens=2)
-    e.run(until=lambda: any(role.tickets.keys_in_flight))         # a's 4 blocks are planned and in flight
+    e.run(until=lambda: any(role.tickets.keys_in_flight))   # a's 4 blocks planned, in flight
     e.add("b", shared + [2] * 5, max_tokens=2)
     e.run()
     assert len(planned) == len(set(planned)), "a key was planned twice"
