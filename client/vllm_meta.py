@@ -18,37 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-
-@dataclass(slots=True)
-class LoadSpec:
-    """Copy pool ``slots`` into GPU ``block_ids`` of one group for one request.
-
-    A request's load may come in several steps (a P/D consumer loads each chunk of the
-    prefill's hand-off as it lands): the workers report the request as received only once a
-    ``final`` spec has arrived and every load job of the request has completed.
-    """
-
-    req_id: str
-    group: int          # position in the connector's group list (not vLLM's group index)
-    slots: list[int]
-    block_ids: list[int]
-    # ``block_ids`` cannot be served (``slots`` is empty): report them as load errors, so vLLM
-    # recomputes from the first of them and keeps the blocks before it.
-    failed: bool = False
-    final: bool = True  # no more specs follow for this request's load
-
-
-@dataclass(slots=True)
-class StoreSpec:
-    """Copy GPU ``block_ids`` of one group into reserved pool ``slots``, binding each slot to
-    its block hash in ``keys`` (the daemon drops a duplicate of a key it already holds)."""
-
-    ticket: int
-    group: int
-    slots: list[int]
-    block_ids: list[int]
-    keys: list[bytes] = field(default_factory=list)
-    grant: str = ""     # the daemon life that reserved the slots (StoreRequest.grant)
+# The specs are plain data, in a module without vLLM so the scheduler's parts can build them.
+from kvpool.client.vllm.specs import LoadSpec, StoreSpec
 
 
 @dataclass

@@ -63,14 +63,14 @@ def seed(e: Engine, tokens: list[int], rid: str = "seed", max_tokens: int = 1) -
 def spy_planned_blocks(role) -> list[int]:
     """Blocks the scheduler role plans to store, per step (appended as steps run)."""
     planned: list[int] = []
-    plan = role._plan_stores
+    plan = role.planner.plan
 
-    def spy(so):
-        specs = plan(so)
+    def spy(so, step_started):
+        specs = plan(so, step_started)
         planned.append(sum(len(s.keys) for s in specs))
         return specs
 
-    role._plan_stores = spy
+    role.planner.plan = spy
     return planned
 
 
@@ -171,13 +171,13 @@ def test_gpu_prefix_hit_covers_the_pool_hit_and_releases_the_lease(make_engine, 
     e.run()
     role = e.connector.scheduler
     leases = []
-    original = role._poll_lookups
+    original = role.lookups.poll
 
     def spy():
         original()
         leases.extend(x for st in role._reqs.values() for x in st.leases)
 
-    role._poll_lookups = spy
+    role.lookups.poll = spy
     # The GPU prefix cache still holds a's 4 blocks; the pool has the same 4 and no more.
     e.add("b", p + [1] * 40, max_tokens=1)
     e.run()
@@ -286,12 +286,12 @@ def test_tp2_stores_commit_only_after_every_rank(make_engine, info, async_schedu
     role = e.connector.scheduler
     # A ticket reported by one rank stays in flight; the second rank's report resolves it.
     e.add("a", prompt(40), max_tokens=1)
-    e.run(until=lambda: role._tickets)
+    e.run(until=lambda: role.tickets.by_id)
     from vllm.v1.outputs import KVConnectorOutput
-    tid = next(iter(role._tickets))
-    held = role._tickets[tid]
+    tid = next(iter(role.tickets.by_id))
+    held = role.tickets.by_id[tid]
     role.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=WorkerAcks({tid: 1})))
-    assert tid in role._tickets and held.done == 1
+    assert tid in role.tickets.by_id and held.done == 1
     held.done = 0                                   # give the real acks their say
     e.run()
     assert e.stats.finished == ["a"]
@@ -330,7 +330,7 @@ def test_in_flight_stores_are_not_planned_twice(make_engine, info, async_schedul
     role.build_connector_meta = spy
     shared = prompt(64)
     e.add("a", shared + [1] * 5, max_tokens=2)
-    e.run(until=lambda: any(role._inflight))         # a's 4 blocks are planned and in flight
+    e.run(until=lambda: any(role.tickets.keys_in_flight))   # a's 4 blocks planned, in flight
     e.add("b", shared + [2] * 5, max_tokens=2)
     e.run()
     assert len(planned) == len(set(planned)), "a key was planned twice"
@@ -483,10 +483,10 @@ def test_stores_planned_before_a_reset_never_show_up_after_it(make_engine, info,
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_a_burst_of_requests_is_looked_up_over_several_steps(
         make_engine, info, monkeypatch, async_scheduling):
-    from kvpool.client import vllm_scheduler
+    from kvpool.client.vllm import lookups
 
     # A bound far below the burst: 8 requests of 4 full blocks each arrive at once.
-    monkeypatch.setattr(vllm_scheduler, "LOOKUP_BLOCKS_PER_STEP", 6)
+    monkeypatch.setattr(lookups, "LOOKUP_BLOCKS_PER_STEP", 6)
     e = make_engine(async_scheduling=async_scheduling)
     role = e.connector.scheduler
     looked_up: list[int] = []
@@ -517,14 +517,13 @@ def test_a_burst_of_requests_is_looked_up_over_several_steps(
 @pytest.mark.parametrize("max_tokens", [1, 8], ids=["finish-at-once", "keep-running"])
 def test_a_burst_of_stores_is_planned_over_several_steps(
         make_engine, info, monkeypatch, async_scheduling, max_tokens):
-    from kvpool.client import vllm_scheduler
+    from kvpool.client.vllm import store_planner
 
     # No time for planning at all: one request per step. 8 requests of 4 full blocks each
-    # fill them in one step. Nothing counts as overdue: on a loaded machine the first steps,
-    # which wait for the first reservation (no priming), can outlast STORE_DEFER_MAX_S, and
-    # the overdue budget then plans several requests in one step (its own test covers it).
-    monkeypatch.setattr(vllm_scheduler, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(vllm_scheduler, "STORE_DEFER_MAX_S", 60.0)
+    # fill them in one step. (No overdue budget either: on a loaded 2-core machine a step can
+    # take over STORE_DEFER_MAX_S, and that budget then plans more requests in a step.)
+    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
+    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
     role = e.connector.scheduler
     planned = spy_planned_blocks(role)
@@ -548,13 +547,14 @@ def test_a_burst_of_stores_is_planned_over_several_steps(
 @pytest.mark.parametrize("max_tokens", [1, 8], ids=["finish-at-once", "keep-running"])
 def test_a_long_prompt_is_planned_in_pieces_over_several_steps(
         make_engine, info, monkeypatch, async_scheduling, max_tokens):
-    from kvpool.client import vllm_scheduler
+    from kvpool.client.vllm import store_planner
 
     # No time for planning: each step plans one late piece, of 3 blocks (not a full piece of
     # 6). One prefill fills 10 blocks.
-    monkeypatch.setattr(vllm_scheduler, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(vllm_scheduler, "STORE_PIECE_BLOCKS", 6)
-    monkeypatch.setattr(vllm_scheduler, "STORE_LATE_PIECE_BLOCKS", 3)
+    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
+    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)     # (see above)
+    monkeypatch.setattr(store_planner, "STORE_PIECE_BLOCKS", 6)
+    monkeypatch.setattr(store_planner, "STORE_LATE_PIECE_BLOCKS", 3)
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
     role = e.connector.scheduler
     planned = spy_planned_blocks(role)
@@ -574,14 +574,14 @@ def test_a_long_prompt_is_planned_in_pieces_over_several_steps(
 @pytest.mark.parametrize("overdue_budget_s", [60.0, 0.0], ids=["ample", "none"])
 def test_a_store_deferred_too_long_gets_a_second_bounded_budget(
         make_engine, info, monkeypatch, async_scheduling, overdue_budget_s):
-    from kvpool.client import vllm_scheduler
+    from kvpool.client.vllm import store_planner
 
     # No time for planning, and every wait too long: the overdue budget alone decides. With
     # none, a step plans the queue's forced piece and one overdue piece (a request of 4 blocks
     # each), never all 8 requests at once.
-    monkeypatch.setattr(vllm_scheduler, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(vllm_scheduler, "STORE_DEFER_MAX_S", 0.0)
-    monkeypatch.setattr(vllm_scheduler, "STORE_OVERDUE_BUDGET_S", overdue_budget_s)
+    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
+    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 0.0)
+    monkeypatch.setattr(store_planner, "STORE_OVERDUE_BUDGET_S", overdue_budget_s)
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
     role = e.connector.scheduler
     planned = spy_planned_blocks(role)
@@ -602,7 +602,7 @@ def test_decode_blocks_are_stored_in_runs_and_the_rest_when_the_request_ends(
         make_engine, info, async_scheduling):
     e = make_engine(async_scheduling=async_scheduling)
     role = e.connector.scheduler
-    assert role._store_run == 8          # STORE_RUN_TOKENS 128 / 16-token blocks
+    assert role.planner.store_run == 8          # STORE_RUN_TOKENS 128 / 16-token blocks
     planned = spy_planned_blocks(role)
     answers = spy_finished_answers(role)
     # 70 + 140 tokens: the prompt's 4 full blocks as the prefill fills them, then decode
@@ -617,9 +617,9 @@ def test_decode_blocks_are_stored_in_runs_and_the_rest_when_the_request_ends(
 
 
 def test_remembered_keys_are_bounded_and_the_newest_kept(make_engine, info, monkeypatch):
-    from kvpool.client import vllm_scheduler
+    from kvpool.client.vllm import tickets
 
-    monkeypatch.setattr(vllm_scheduler, "_MAX_REMEMBERED_KEYS", 3)
+    monkeypatch.setattr(tickets, "_MAX_REMEMBERED_KEYS", 3)
     e = make_engine(async_scheduling=False)
     role = e.connector.scheduler
     e.add("a", prompt(70), max_tokens=1)                 # 4 full blocks, one ticket
@@ -638,21 +638,20 @@ def test_remembered_keys_are_bounded_and_the_newest_kept(make_engine, info, monk
     a = RequestKeys(_Req(prompt(70)), role.groups)
     b = RequestKeys(_Req(prompt(40, 5000)), role.groups)
     newest = a.keys(_Req(prompt(70)), 0, 4)[3:] + b.keys(_Req(prompt(40, 5000)), 0, 2)
-    assert list(role._committed[0]) == newest
+    assert list(role.tickets.committed[0]) == newest
     e.assert_clean(info)
 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_finished_requests_waiting_past_store_wait_free_their_blocks_unstored(
         make_engine, info, monkeypatch, caplog, async_scheduling):
-    from kvpool.client import vllm_scheduler
+    from kvpool.client.vllm import store_planner
 
-    monkeypatch.setattr(vllm_scheduler, "STORE_PLAN_BUDGET_S", 0.0)   # one request a step
-    # (and none as overdue: a loaded machine's slow steps must not plan the queue whole)
-    monkeypatch.setattr(vllm_scheduler, "STORE_DEFER_MAX_S", 60.0)
+    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)   # one request a step
+    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)    # and no overdue budget
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
     role = e.connector.scheduler
-    role.store_wait_s = 0.0          # a finished request waits for no planning at all
+    role.backlog.store_wait_s = 0.0          # a finished request waits for no planning at all
     # The loss needs slots in hand while the requests finish (no stock means no planning at
     # all): step the idle engine until its first reservation is in.
     ns = role.groups[0].namespace

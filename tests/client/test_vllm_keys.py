@@ -95,7 +95,7 @@ def test_keys_do_not_depend_on_the_process_hash_seed():
 
 
 def test_importing_the_connector_loads_no_daemon_and_no_cuda_code():
-    code = ("import sys, kvpool.client.vllm\n"
+    code = ("import sys, kvpool.client.vllm.connector, kvpool.client.vllm.scheduler\n"
             "bad = [m for m in sys.modules if m.startswith('kvpool.daemon') "
             "or m.endswith('cuda_export')]\n"
             "print(bad)")

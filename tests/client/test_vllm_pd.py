@@ -119,7 +119,7 @@ def test_pd_hand_off_through_the_pool(engines, daemon, observer, async_schedulin
     pe.run(until=lambda: "r1" in pe.stats.params)
     params = pe.stats.params["r1"]
     assert params["kvpool_tokens"] == 6 * BS and params["remote_engine_id"] == "prefill"
-    assert pe.connector.scheduler._tickets, "its blocks stay allocated until the stores land"
+    assert pe.connector.scheduler.tickets.by_id, "its blocks stay allocated until the stores land"
     pe.run()
     de.add("r1", tokens, max_tokens=5, kv_transfer_params=params)
     de.run()
@@ -348,10 +348,10 @@ def test_fail_policy_waits_for_the_whole_hand_off_unless_told_to_stream(engines,
     switched = engines(daemon, engine_id="w", async_scheduling=False, kv_role="kv_consumer",
                        load_failure_policy="fail")
     default = engines(daemon, engine_id="d", async_scheduling=False, kv_role="kv_consumer")
-    assert not fail.connector.scheduler._can_stream
+    assert not fail.connector.scheduler.pd.can_stream
     assert fail.sched.recompute_kv_load_failures is False
-    assert forced.connector.scheduler._can_stream and default.connector.scheduler._can_stream
-    assert switched.connector.scheduler._can_stream
+    assert forced.connector.scheduler.pd.can_stream and default.connector.scheduler.pd.can_stream
+    assert switched.connector.scheduler.pd.can_stream
     assert switched.sched.recompute_kv_load_failures is True
 
 

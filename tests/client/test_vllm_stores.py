@@ -121,7 +121,7 @@ def test_daemon_restarted_under_an_idle_engine_stores_the_next_burst_whole(
 
     def reconnected() -> bool:
         e.step()
-        return role._pumped and all(w.conn.worker.client.is_registered(reg)
+        return role.link.pumped and all(w.conn.worker.client.is_registered(reg)
                                            for w in e.workers
                                            for reg in w.conn.worker._regs.values())
 

@@ -531,10 +531,11 @@ class Engine:
         sc, role = self.sched, self.connector.scheduler
         counts = sc.get_request_counts()
         return (f"requests={list(sc.requests)} running/waiting={counts} "
-                f"finished_ids={sc.finished_req_ids} tickets={list(role._tickets)} "
-                f"release={role._release} free_ready={role._free_ready} retry={role._retry} "
-                f"abort={role._abort_slots} reqs={list(role._reqs)} queue={len(self._queue)} "
-                f"backlog={sorted(role._backlog)} worker store jobs="
+                f"finished_ids={sc.finished_req_ids} tickets={list(role.tickets.by_id)} "
+                f"release={role.lookups.release} free_ready={role.backlog.free_ready} "
+                f"retry={role.lookups.retry} abort={role.tickets.abort_slots} "
+                f"reqs={list(role._reqs)} queue={len(self._queue)} "
+                f"backlog={sorted(role.backlog.backlog)} worker store jobs="
                 f"{[dict(w.conn.worker._store_jobs) for w in self.workers]} in flight="
                 f"{[sorted(w.conn.worker.client._in_flight) for w in self.workers]}")
 
@@ -548,7 +549,7 @@ class Engine:
         role = self.connector.scheduler
         assert role is not None
         assert not role._reqs, f"connector still tracks {list(role._reqs)}"
-        assert not role._tickets, f"connector still has tickets {list(role._tickets)}"
+        assert not role.tickets.by_id, f"connector still has tickets {list(role.tickets.by_id)}"
         if info_client is not None:
             deadline = time.monotonic() + timeout_s
             while True:

@@ -8,8 +8,9 @@ Enable it with::
                            "kv_connector_extra_config": {"socket": "/run/kvpool/kvpoold.sock"}}'
 
 This module is a facade with no logic of its own: in vLLM's scheduler process it delegates to
-``vllm_scheduler.SchedulerRole`` (lookups, leases, store planning), in each worker process to
-``vllm_worker.WorkerRole`` (registration, batched loads and stores). Importing it loads neither
+``scheduler.SchedulerRole`` (lookups, leases, store planning; its parts are the other modules
+of this package), in each worker process to ``vllm_worker.WorkerRole`` (registration, batched
+loads and stores). Importing it loads neither
 the daemon nor any CUDA code; the GPU exporter is imported only when a worker registers CUDA
 tensors.
 """
@@ -48,13 +49,13 @@ if TYPE_CHECKING:
 
     from kvpool.client.call_timing import CallTimer
     from kvpool.client.vllm_meta import WorkerAcks
-    from kvpool.client.vllm_scheduler import SchedulerRole
+    from kvpool.client.vllm.scheduler import SchedulerRole
     from kvpool.client.vllm_worker import WorkerRole
 
 class KvpoolStats(KVConnectorStats):
     """What kvpool adds to vLLM's KV-transfer stats each logging interval: full blocks not
-    stored in the pool, by reason (``kvpool.client.vllm_losses``). Built by the scheduler side;
-    the workers report none."""
+    stored in the pool, by reason (``kvpool.client.vllm.store_losses``). Built by the scheduler
+    side; the workers report none."""
 
     def reset(self) -> None:
         self.data = {}
@@ -162,7 +163,7 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
         self._timer: CallTimer | None = None
         if role == KVConnectorRole.SCHEDULER:
             from kvpool.client.scheduler import SchedulerClient
-            from kvpool.client.vllm_scheduler import SchedulerRole
+            from kvpool.client.vllm.scheduler import SchedulerRole
 
             client = SchedulerClient(config, name=f"vllm scheduler {engine_id}",
                                      engine_id=engine_id)

@@ -1,0 +1,42 @@
+"""The load and store specs the scheduler side puts in a step's metadata for its workers.
+
+Plain data (no vLLM import, no daemon calls), so the scheduler's parts build them and their
+tests read them without vLLM; ``kvpool.client.vllm_meta`` carries them to the workers inside
+``StepMeta``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Copy pool ``slots`` into GPU ``block_ids`` of one group for one request.
+
+    A request's load may come in several steps (a P/D consumer loads each chunk of the
+    prefill's hand-off as it lands): the workers report the request as received only once a
+    ``final`` spec has arrived and every load job of the request has completed.
+    """
+
+    req_id: str
+    group: int          # position in the connector's group list (not vLLM's group index)
+    slots: list[int]
+    block_ids: list[int]
+    # ``block_ids`` cannot be served (``slots`` is empty): report them as load errors, so vLLM
+    # recomputes from the first of them and keeps the blocks before it.
+    failed: bool = False
+    final: bool = True  # no more specs follow for this request's load
+
+
+@dataclass(slots=True)
+class StoreSpec:
+    """Copy GPU ``block_ids`` of one group into reserved pool ``slots``, binding each slot to
+    its block hash in ``keys`` (the daemon drops a duplicate of a key it already holds)."""
+
+    ticket: int
+    group: int
+    slots: list[int]
+    block_ids: list[int]
+    keys: list[bytes] = field(default_factory=list)
+    grant: str = ""     # the daemon life that reserved the slots (StoreRequest.grant)

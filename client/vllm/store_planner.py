@@ -1,0 +1,319 @@
+"""Store planning: which full blocks go to the pool this step, each given a reserved slot.
+
+The life of one store (described here once; the other parts point to it):
+
+1. ``SchedulerRole.build_connector_meta`` calls ``StorePlanner.plan`` with the step's
+   ``SchedulerOutput``. Requests vLLM handed new blocks this step join the planner's queue;
+   finished requests that still have full blocks to store (``tickets.Backlog.todo``) go first.
+2. The planner cuts each request's newly full blocks into runs (``_plan_request``): keys in
+   flight (``Tickets.keys_in_flight``), planned earlier this step, or remembered as committed
+   (``Tickets.committed``) are skipped, so a key is stored once.
+3. It takes writable slots for the runs from the client's stock of reservations
+   (``SchedulerClient.take_slots``; the client refills the stock in the background, never in a
+   step). Runs the stock cannot cover are cut (``_cut_runs``): planned again next step while a
+   refill is coming, else counted lost (``no_room``).
+4. ``Tickets.add`` records one ticket per group and step and returns its ``StoreSpec`` (slots,
+   GPU block ids, keys, the grant), which goes to every worker in the step's ``StepMeta``.
+5. Each worker (``vllm_worker.py``) submits a keyed store of its shard; the daemon binds each
+   reserved slot to its key when the store arrives (dropping a duplicate of a key it holds),
+   copies once the engine's compute stream reached the step, and commits a slot when every
+   rank's shard has landed.
+6. Each worker acks the ticket in ``WorkerAcks``; ``Tickets.acked`` resolves it once every rank
+   has: committed keys are remembered (and become KV events), a failed rank aborts the slots
+   and counts the blocks lost (``store_failed``), and a finished request with no ticket left is
+   freed through ``tickets.Backlog``.
+
+Owns the planning queue and its budgets (a step never spends more than about
+``STORE_PLAN_BUDGET_S`` planning; the rest waits, in order), the pieces a long prefill is cut
+into, and the question of when a request's full blocks go (``blocks_to_gather``, the store
+policy). Never waits for the daemon and never does per-block Python work on the hot path: the
+work per block is C-level list, set and dict operations over each request's run of new blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from itertools import chain, compress
+from typing import Any, Sequence
+
+from kvpool.client.vllm.daemon_link import DaemonLink
+from kvpool.client.vllm.requests import ReqState
+from kvpool.client.vllm.specs import StoreSpec
+from kvpool.client.vllm.store_losses import NO_ROOM, StoreLosses
+from kvpool.client.vllm.tickets import Backlog, Run, Tickets
+
+_NOTHING: dict[bytes, None] = {}
+# Store planning per step is bounded: a burst of prefills fills hundreds of blocks in one
+# step, and planning them all at once would add a millisecond to that step. A step plans
+# requests, in the order their blocks filled, until it has spent this much time on them (at
+# least one request); the others wait for the next step, their blocks still allocated to them
+# (a request that finishes meanwhile keeps them, in the backlog, until they are planned). While
+# the queue's front has waited STORE_DEFER_MAX_S, a step spends STORE_OVERDUE_BUDGET_S more on
+# it, in late pieces (at least one): an overload gets more planning per step, but bounded, so
+# it lags instead of slowing the engine (it used to plan every overdue request whole: steps of
+# several ms on a slow host). Finished requests' blocks are bounded by store_wait_s either way.
+STORE_PLAN_BUDGET_S = 100e-6
+STORE_DEFER_MAX_S = 0.5
+STORE_OVERDUE_BUDGET_S = 50e-6
+# A long prompt's prefill chunk fills hundreds of blocks in one step (8192 tokens: 512 blocks
+# of 16): a request is planned in pieces of at most this many blocks, so the budget is checked
+# between pieces and the rest of its blocks wait at the front of the queue.
+STORE_PIECE_BLOCKS = 32
+# A step whose budget is spent before planning starts still plans one piece, so the queue
+# always moves, but a small one: this many blocks (~25 us).
+STORE_LATE_PIECE_BLOCKS = 8
+# The planning budget ends early in a step whose other work (lookup answers taken in, the
+# next lookup batch and the step's other messages sent, all before planning) already took
+# time: it ends this long after build_connector_meta started, whichever is first.
+STORE_STEP_BUDGET_S = 150e-6
+# A decoding request's new blocks are planned once they add up to this many tokens: a decode
+# fills one block every block_size steps, so with 16-token blocks a ticket takes 8 of them
+# instead of 1, which cuts the per-request work of decode steps (hashing stays per block).
+# Prompt blocks are planned as their prefill chunk fills them. Finished requests (the
+# backlog) and P/D producers plan whatever they have.
+STORE_RUN_TOKENS = 128
+
+
+@dataclass(eq=False)
+class _StepPlan:
+    """What planning one step's stores reads and fills."""
+
+    n_sched: dict[str, int]            # SchedulerOutput.num_scheduled_tokens
+    spec_tokens: dict[str, list[int]]  # SchedulerOutput.scheduled_spec_decode_tokens
+    tables: list[dict[str, list[Any]]] | None   # see _block_tables
+    wanted: list[list[Run]]            # per group: runs to store
+    seen: list[set[bytes]]             # per group: keys planned this step
+
+
+class StorePlanner:
+    """See the module docstring. Called from vLLM's scheduler thread only, once per step
+    (``plan``); ``kv_cache_manager`` is vLLM's, bound after construction."""
+
+    def __init__(self, groups: list[Any], block_tokens: int, client: Any, link: DaemonLink,
+                 reqs: dict[str, ReqState], tickets: Tickets, backlog: Backlog,
+                 losses: StoreLosses) -> None:
+        self.groups = groups
+        self.block_tokens = block_tokens
+        self.client = client
+        self._link = link
+        self._reqs = reqs
+        self._tickets = tickets
+        self._backlog = backlog
+        self._losses = losses
+        self._namespaces = [g.namespace for g in groups]
+        self.kv_cache_manager: Any = None
+        # Blocks a running request's stores gather before they go (see STORE_RUN_TOKENS);
+        # each new request starts with this (a P/D producer with 1).
+        self.store_run = max(1, -(-STORE_RUN_TOKENS // block_tokens)) if block_tokens else 1
+        # Requests with blocks to plan, oldest first (deferred by the step budget, or waiting
+        # for slots): request id -> when it first waited.
+        self.queue: OrderedDict[str, float] = OrderedDict()
+
+    # ---- the store policy ------------------------------------------------------------------
+
+    def blocks_to_gather(self, st: ReqState) -> int:
+        """The store policy's one question: how many new full blocks ``st`` gathers before
+        they are planned. Eager: a decoding request's run (see STORE_RUN_TOKENS); 1 (every
+        full block goes the step it fills) for a prefill, prompt blocks left by a piece, or a
+        finished request. Another policy replaces this method; nothing else decides when a
+        request's blocks go."""
+        req = st.request
+        if st.finished or req.num_computed_tokens < req.num_prompt_tokens \
+                or st.lo < req.num_prompt_tokens // self.block_tokens:
+            return 1
+        return st.store_run
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def plan(self, so: Any, step_started: float) -> list[StoreSpec]:
+        """Newly full blocks of every scheduled request (and of finished ones waiting for
+        slots), minus keys in flight or known to be in the pool, each given a reserved slot
+        from the client's stock. Never waits: blocks the stock cannot cover yet are planned
+        again next step (or skipped when the pool has no room).
+
+        Only requests that vLLM handed new blocks this step are looked at (new and resumed
+        ones, prefill chunks, and a decode at the step after its block filled: vLLM allocates
+        the next block then, and the filled one's tokens are all known by then, also under
+        async scheduling); a request that finishes with a full block not yet stored is taken
+        in by the backlog (``request_finished``). They join a queue, which a step works
+        through for ``STORE_PLAN_BUDGET_S`` (see there), after the backlog's, and at most
+        until ``STORE_STEP_BUDGET_S`` after ``step_started`` (perf_counter)."""
+        if self.kv_cache_manager is None or not self._link.ok():
+            return []
+        queue = self.queue
+        now = time.monotonic()
+        cached = so.scheduled_cached_reqs
+        get, n_sched_of, bt = self._reqs.get, so.num_scheduled_tokens, self.block_tokens
+        # Only those with a run of blocks to store join (most decodes that got a new block
+        # have not gathered one yet); a rough test, _plan_request decides.
+        for rid in chain((r.req_id for r in so.scheduled_new_reqs),
+                         compress(cached.req_ids, cached.new_block_ids)):
+            if rid in queue:
+                continue
+            st = get(rid)
+            if st is None:
+                continue
+            filled = (st.request.num_computed_tokens + n_sched_of.get(rid, 0)) // bt - st.lo
+            if filled > 0 and (filled >= st.store_run or self.blocks_to_gather(st) == 1):
+                queue[rid] = now
+        todo = self._backlog.todo
+        if not queue and not todo:
+            return []
+        if not any(map(self.client.stock, self._namespaces)) \
+                and any(map(self.client.reserving, self._namespaces)):
+            # No slot in hand, a refill on its way: the queue waits for the next step,
+            # without doing the work per request now.
+            self.client.take_slots(self.groups[0].namespace, 0)     # (asks, if not yet)
+            return []
+        step = _StepPlan(so.num_scheduled_tokens, so.scheduled_spec_decode_tokens,
+                         self._block_tables(), [[] for _ in self.groups],
+                         [set() for _ in self.groups])
+        stop_at = min(time.perf_counter() + STORE_PLAN_BUDGET_S,
+                      step_started + STORE_STEP_BUDGET_S)
+        # Finished requests hold GPU blocks for these stores: they go first. Those the budget
+        # leaves wait in the backlog (bounded by store_wait_s, see Backlog.end).
+        finished = self._plan_from(todo, step, stop_at, True)
+        self._plan_from(queue, step, stop_at, not finished)
+        # The rest wait for the next step, in order; those at the front that have waited too
+        # long get a second, bounded budget (at least a late piece).
+        overdue = now - STORE_DEFER_MAX_S
+        if queue and next(iter(queue.values())) <= overdue:
+            self._plan_from(queue, step, time.perf_counter() + STORE_OVERDUE_BUDGET_S, True,
+                            waited_since=overdue, piece=STORE_LATE_PIECE_BLOCKS)
+        specs: list[StoreSpec] = []
+        for gi, g in enumerate(self.groups):
+            runs = step.wanted[gi]
+            if not runs:
+                continue
+            total = sum(len(keys) for _, _, keys, _ in runs)
+            refs, grant = self.client.take_slots(g.namespace, total)
+            if len(refs) < total:
+                runs = self._cut_runs(gi, g.namespace, runs, len(refs), now)
+            if not runs:
+                continue
+            specs.append(self._tickets.add(gi, runs, refs, grant))
+        for st in finished:
+            if st.request.request_id in todo:
+                continue            # cut short by the stock: planned again next step
+            self._backlog.planned.append(st.request.request_id)
+        return specs
+
+    def _plan_from(self, fifo: OrderedDict, step: _StepPlan, stop_at: float,
+                   one_at_least: bool, waited_since: float | None = None,
+                   piece: int | None = None) -> list[ReqState]:
+        """Plan the requests at the front of ``fifo`` (taking them out) until ``stop_at``, a
+        piece (``STORE_PIECE_BLOCKS``) at a time, the first whatever the time if
+        ``one_at_least``; a request with blocks left after its piece stays at the front.
+        With ``waited_since``, only requests queued by then; ``piece`` overrides the piece
+        size. Returns those planned, still known."""
+        planned: list[ReqState] = []
+        while fifo:
+            if waited_since is not None and next(iter(fifo.values())) > waited_since:
+                break
+            late = time.perf_counter() > stop_at
+            if late and not one_at_least:
+                break
+            one_at_least = False
+            rid, since = fifo.popitem(last=False)
+            st = self._reqs.get(rid)
+            if st is not None:
+                if self._plan_request(st, step, piece or (STORE_LATE_PIECE_BLOCKS if late
+                                                          else STORE_PIECE_BLOCKS)):
+                    fifo[rid] = since
+                    fifo.move_to_end(rid, last=False)
+                if not planned or planned[-1] is not st:
+                    planned.append(st)
+        return planned
+
+    def _plan_request(self, st: ReqState, step: _StepPlan, piece: int | None = None) -> bool:
+        """Add ``st``'s newly full blocks to ``step.wanted`` (if they make a run of
+        ``blocks_to_gather``), at most ``piece`` of them (all if None); True if more are left
+        to plan."""
+        if not st.keys.cacheable or st.loading:
+            return False
+        req = st.request
+        rid = req.request_id
+        done = req.num_computed_tokens + step.n_sched.get(rid, 0)
+        spec_tokens = step.spec_tokens
+        if spec_tokens and rid in spec_tokens:
+            done -= len(spec_tokens[rid])
+        n_full = min(done, req.num_tokens) // self.block_tokens
+        if n_full < st.lo + self.blocks_to_gather(st):
+            return False
+        more = piece is not None and n_full > st.lo + piece
+        if more:
+            n_full = st.lo + piece
+        tables = step.tables
+        for gi, g in enumerate(self.groups):
+            lo = st.cursor[gi]
+            if n_full <= lo:
+                continue
+            st.cursor[gi] = n_full
+            if tables is not None:
+                blocks = tables[g.index].get(rid) or ()
+                hi = min(n_full, len(blocks))
+                bids = [b.block_id for b in blocks[lo:hi]]
+            else:
+                ids = self.kv_cache_manager.get_block_ids(rid)[g.index]
+                hi = min(n_full, len(ids))
+                bids = ids[lo:hi]
+            if hi <= lo:
+                continue
+            keys = st.keys.range(req, gi, lo, hi)
+            inflight, taken = self._tickets.keys_in_flight[gi], step.seen[gi]
+            # A P/D hand-off stores every block: the decode side must find each one.
+            known = self._tickets.committed[gi] if not st.producer else _NOTHING
+            if 0 in bids or not inflight.keys().isdisjoint(keys) \
+                    or not taken.isdisjoint(keys) or not known.keys().isdisjoint(keys):
+                keep = [j for j, (k, b) in enumerate(zip(keys, bids))
+                        if b and k not in inflight and k not in taken and k not in known]
+                if not keep:
+                    continue
+                index: Sequence[int] = [lo + j for j in keep]
+                keys = [keys[j] for j in keep]
+                bids = [bids[j] for j in keep]
+            else:
+                index = range(lo, hi)
+            taken.update(keys)
+            step.wanted[gi].append((st, index, keys, bids))
+        st.lo = min(st.cursor)
+        return more
+
+    def _block_tables(self) -> list[dict[str, list[Any]]] | None:
+        """Per vLLM KV-cache group, the request -> blocks map of its manager, so a run of new
+        blocks costs its length rather than the request's whole table
+        (``KVCacheManager.get_block_ids`` lists every block of every group); None where the
+        manager is shaped otherwise (then that public call is used)."""
+        try:
+            managers = self.kv_cache_manager.coordinator.single_type_managers
+            maps = [m.req_to_blocks for m in managers]
+        except AttributeError:
+            return None
+        return maps
+
+    def _cut_runs(self, gi: int, namespace: bytes, runs: list[Run], n: int,
+                  now: float) -> list[Run]:
+        """The stock covers only ``n`` blocks: keep the runs' first ``n``; the others are
+        planned again next step while slots are coming, else (no room in the pool) skipped."""
+        coming = self.client.reserving(namespace)
+        out = []
+        for st, index, keys, bids in runs:
+            if n >= len(keys):
+                out.append((st, index, keys, bids))
+                n -= len(keys)
+                continue
+            if coming:
+                st.cursor[gi] = min(st.cursor[gi], index[n])
+                st.lo = min(st.cursor)
+                if st.finished:
+                    self._backlog.todo[st.request.request_id] = None
+                else:
+                    self.queue.setdefault(st.request.request_id, now)
+            else:
+                self._losses.add(NO_ROOM, len(keys) - n)
+            if n:
+                out.append((st, index[:n], keys[:n], bids[:n]))
+                n = 0
+        return out

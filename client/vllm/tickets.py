@@ -1,0 +1,314 @@
+"""Store tickets until every rank acked them, and finished requests kept for their stores.
+
+The end of the store path described in ``store_planner.py``: a ticket is one group's stores of
+one step. ``Tickets`` owns the tickets in flight and the worker acks that resolve them (done
+when every rank reported it; committed only if none failed, else its slots are aborted and its
+blocks counted lost), the keys in flight and the keys remembered as committed (so neither is
+planned again), which ticket last read each GPU block (a block handed to another request must
+be flushed first), and the KV events built from committed tickets when vLLM asks for them.
+``Backlog`` owns the finished requests that keep their GPU blocks (vLLM's delayed free) while
+stores are in flight or their last blocks wait for slots, bounded by ``store_wait_s``, and
+which of them vLLM may free now (``free_ready``, handed over as ``StepMeta.free_now``).
+
+Never waits, and never calls vLLM's code except to build its KV event structs, imported only
+when events are asked for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from itertools import islice, repeat
+from typing import Any, Iterable, Sequence
+
+from kvpool.client.vllm.daemon_link import DaemonLink
+from kvpool.client.vllm.requests import ReqState
+from kvpool.client.vllm.specs import StoreSpec
+from kvpool.client.vllm.store_losses import (DAEMON_UNAVAILABLE, NO_ROOM, STORE_FAILED,
+                                             STORE_WAIT, StoreLosses)
+
+# Keys remembered as committed: to report BlockRemoved on reset, and to plan no store of a key
+# the pool holds (a GPU prefix hit, a recomputed preempted request). Bounded so a long-lived
+# engine does not grow without limit; the daemon is the source of truth for presence (it
+# dedups what this misses) and a lookup that misses a remembered key forgets it.
+_MAX_REMEMBERED_KEYS = 1 << 20
+
+# A run: (request, block indices, keys, GPU block ids), as the store planner cuts them.
+Run = tuple[ReqState, Sequence[int], list[bytes], list[int]]
+
+
+@dataclass(eq=False)
+class _Run:
+    """The blocks of one request in a ticket."""
+
+    req: ReqState
+    indices: Sequence[int]     # block positions in the request (a range when contiguous)
+    keys: list[bytes]
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One store: the blocks of one group planned in one step, for every request (the workers
+    copy them in one job per group and step anyway, so finer tickets would buy nothing)."""
+
+    group: int
+    runs: list[_Run]
+    keys: list[bytes]
+    slots: list[int]
+    block_ids: list[int]
+    done: int = 0              # ranks that reported it
+    failed: int = 0            # ranks that reported a failure
+    stale: bool = False        # a cache reset happened since: never counts as committed
+
+
+class Backlog:
+    """Finished requests keeping their blocks for their stores. Called from vLLM's scheduler
+    thread only."""
+
+    def __init__(self, block_tokens: int, client: Any, link: DaemonLink,
+                 reqs: dict[str, ReqState], namespaces: list[bytes], losses: StoreLosses,
+                 store_wait_s: float = 2.0) -> None:
+        self.block_tokens = block_tokens
+        self.client = client
+        self._link = link
+        self._reqs = reqs
+        self._namespaces = namespaces
+        self._losses = losses
+        # A finished request waits this long at most for slots to store its last blocks.
+        self.store_wait_s = store_wait_s
+        # Finished requests keeping their blocks for their stores, in the order they finished
+        # (which is their backlog_until order); those with blocks still to plan, in that order
+        # (the store planner takes them first); and those whose blocks all got planned since
+        # the last step (they leave the backlog).
+        self.backlog: dict[str, None] = {}
+        self.todo: OrderedDict[str, None] = OrderedDict()
+        self.planned: list[str] = []
+        self.free_ready: list[str] = []   # finished requests vLLM may free now
+
+    def keeps(self, st: ReqState) -> bool:
+        """``st`` finished (and loads nothing): True if it keeps its blocks because full ones
+        are not stored yet and slots may still come; otherwise those blocks are counted lost."""
+        bt = self.block_tokens
+        if not (st.has_unstored_blocks(bt) and st.keys.cacheable):
+            return False
+        if not self._link.ok():
+            self._losses.add(DAEMON_UNAVAILABLE, st.full_blocks(bt) - st.lo)
+        elif not any(map(self.client.reserving, self._namespaces)):
+            self._losses.add(NO_ROOM, st.full_blocks(bt) - st.lo)
+        else:
+            # Full blocks wait for slots from the stock: keep them until they are stored.
+            rid = st.request.request_id
+            st.backlog_until = time.monotonic() + self.store_wait_s
+            self.backlog[rid] = None
+            self.todo[rid] = None
+            return True
+        return False
+
+    def ticket_done(self, st: ReqState) -> None:
+        """One of ``st``'s tickets resolved: a finishing request with none left and nothing
+        in the backlog may be freed."""
+        if st.finishing and not st.tickets:
+            rid = st.request.request_id
+            if rid not in self.backlog and self._reqs.get(rid) is st:
+                self.free_ready.append(rid)
+                self._reqs.pop(rid, None)
+
+    def take_free(self) -> list[str]:
+        out, self.free_ready = self.free_ready, []
+        return out
+
+    def end(self) -> None:
+        """Finished requests whose blocks are all planned (or that waited long enough, or
+        whose daemon is gone) let vLLM free their blocks once their stores have landed.
+        Costs what changed, not the backlog's length: it runs every step."""
+        if not self._link.ok():
+            leaving, reason = list(self.backlog), DAEMON_UNAVAILABLE
+        elif not any(map(self.client.reserving, self._namespaces)):
+            leaving, reason = list(self.backlog), NO_ROOM
+        else:
+            reason = STORE_WAIT
+            leaving, self.planned = self.planned, []
+            now = time.monotonic()
+            for rid in self.backlog:          # the oldest first: stop at one still in time
+                st = self._reqs.get(rid)
+                if st is not None and now < st.backlog_until:
+                    break
+                leaving.append(rid)
+        bt = self.block_tokens
+        for rid in leaving:
+            if rid not in self.backlog:
+                continue        # (left already)
+            del self.backlog[rid]
+            self.todo.pop(rid, None)
+            st = self._reqs.get(rid)
+            if st is not None and st.keys.cacheable and st.has_unstored_blocks(bt):
+                self._losses.add(reason, st.full_blocks(bt) - st.lo)
+            if st is not None and not st.tickets:
+                self.free_ready.append(rid)
+                self._reqs.pop(rid, None)
+        self._losses.maybe_log()
+
+
+class Tickets:
+    """Store tickets in flight and what their resolution leaves behind. Called from vLLM's
+    scheduler thread only."""
+
+    def __init__(self, groups: list[Any], block_tokens: int, world_size: int, client: Any,
+                 link: DaemonLink, backlog: Backlog, losses: StoreLosses,
+                 events_enabled: bool = True) -> None:
+        self.groups = groups
+        self.block_tokens = block_tokens
+        self.world_size = world_size
+        self.client = client
+        self._link = link
+        self._backlog = backlog
+        self._losses = losses
+        self.by_id: dict[int, Ticket] = {}
+        self._next_ticket = 1
+        # Per group: key -> ticket storing it. Per GPU block: the ticket that last read it
+        # (entries of resolved tickets stay, and are ignored: the map is bounded by the number
+        # of GPU blocks, and nothing is deleted per block on the hot path).
+        self.keys_in_flight: list[dict[bytes, int]] = [{} for _ in groups]
+        self.block_reader: dict[int, int] = {}
+        # Per group, keys known to be in the pool (see _MAX_REMEMBERED_KEYS). The dicts are
+        # shared with lookups.py, which forgets a key a lookup missed: never rebound.
+        self.committed: list[dict[bytes, None]] = [{} for _ in groups]
+        self.abort_slots: list[int] = []    # slots of failed tickets, aborted next step
+        # KV events are built only if vLLM publishes them, and only when it asks for them
+        # (take_events), from the tickets that committed.
+        self.events_enabled = events_enabled
+        self._stored: list[Ticket] = []
+        self._events: list[Any] = []
+
+    def add(self, gi: int, runs: list[Run], refs: list[int], grant: str) -> StoreSpec:
+        """A ticket for group ``gi``'s ``runs``, stored into the reserved slots ``refs`` (at
+        least as many as the runs' keys); its spec for the workers."""
+        tid = self._next_ticket
+        self._next_ticket += 1
+        all_keys: list[bytes] = []
+        all_bids: list[int] = []
+        parts = []
+        for st, index, keys, bids in runs:
+            all_keys += keys
+            all_bids += bids
+            parts.append(_Run(st, index, keys))
+            st.tickets.add(tid)
+        refs = refs[:len(all_keys)]
+        self.by_id[tid] = Ticket(gi, parts, all_keys, refs, all_bids)
+        self.keys_in_flight[gi].update(dict.fromkeys(all_keys, tid))
+        self.block_reader.update(dict.fromkeys(all_bids, tid))
+        return StoreSpec(tid, gi, refs, all_bids, all_keys, grant)
+
+    def reading(self, handed: Iterable[int]) -> set[int]:
+        """Tickets in flight still reading any of the GPU blocks ``handed`` to a request this
+        step (preempted requests' blocks; sliding-window blocks freed and reused): the workers
+        must finish them before the step's forward runs."""
+        flush: set[int] = set()
+        tickets, last = self.by_id, self.block_reader
+        for b in last.keys() & handed:
+            if last[b] in tickets:
+                flush.add(last[b])
+        return flush
+
+    def acked(self, done: dict[int, int], failed: dict[int, int]) -> None:
+        """Workers reported these tickets (``WorkerAcks``, summed over the ranks that
+        reported this step): a ticket every rank reported is resolved."""
+        for tid, n in done.items():
+            t = self.by_id.get(tid)
+            if t is None:
+                continue
+            t.done += n
+            t.failed += failed.get(tid, 0)
+            if t.done >= self.world_size:
+                self._resolve(tid, t)
+
+    def _resolve(self, tid: int, t: Ticket) -> None:
+        del self.by_id[tid]
+        if not t.stale:     # (a reset emptied the in-flight map; others may use it since)
+            deque(map(self.keys_in_flight[t.group].pop, t.keys, repeat(None)), maxlen=0)
+        if t.failed:
+            self.abort_slots.extend(t.slots)
+            if not t.stale:
+                self._losses.add(STORE_FAILED, len(t.keys))
+        elif not t.stale:
+            remembered = self.committed[t.group]
+            remembered.update(dict.fromkeys(t.keys))
+            excess = len(remembered) - _MAX_REMEMBERED_KEYS
+            if excess > 0:      # the oldest first (a dict keeps insertion order)
+                for key in list(islice(remembered, excess)):
+                    del remembered[key]
+            if self.events_enabled:
+                self._stored.append(t)
+        for run in t.runs:
+            run.req.tickets.discard(tid)
+            self._backlog.ticket_done(run.req)
+
+    def send_aborts(self) -> None:
+        if self.abort_slots:
+            slots, self.abort_slots = self.abort_slots, []
+            self._link.nowait(self.client.abort_nowait, slots)
+
+    def send_reset(self) -> bool:
+        """Give back the slots of every ticket in flight, then forget every block of this
+        engine's namespaces in the pool, on one connection and without waiting, so a store
+        that reaches the daemon later finds its slot gone and commits nothing; False if
+        either could not be sent."""
+        ok = True
+        stale = [ref for t in self.by_id.values() for ref in t.slots]
+        if stale:
+            ok = self._link.nowait(self.client.abort_nowait, stale)
+        for g in self.groups:
+            ok = ok and self._link.nowait(self.client.reset_nowait, g.namespace)
+        return ok
+
+    def reset(self) -> None:
+        """The pool forgot this engine's blocks: tickets in flight never count as committed,
+        no key is in flight or remembered any more, and vLLM hears of every remembered key's
+        removal (after the stores it has not heard of yet)."""
+        from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
+
+        self._build_events()
+        for t in self.by_id.values():
+            t.stale = True
+        for inflight in self.keys_in_flight:
+            inflight.clear()
+        for gi, remembered in enumerate(self.committed):
+            if remembered:
+                self._events.append(BlockRemoved(block_hashes=list(remembered),
+                                                 medium=MEDIUM_CPU,
+                                                 group_idx=self.groups[gi].index))
+                remembered.clear()
+
+    def take_events(self) -> list[Any]:
+        if self._stored:
+            self._build_events()
+        events, self._events = self._events, []
+        return events
+
+    def _build_events(self) -> None:
+        stored, self._stored = self._stored, []
+        for t in stored:
+            for run in t.runs:
+                self._committed_event(t, run)
+
+    def _committed_event(self, t: Ticket, run: _Run) -> None:
+        from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+
+        st = run.req
+        if not run.indices:
+            return
+        g = self.groups[t.group]
+        bt = self.block_tokens
+        first = run.indices[0]
+        chain = st.keys.range(st.request, t.group, max(first - 1, 0), run.indices[-1] + 1)
+        base = max(first - 1, 0)
+        for i, key in zip(run.indices, run.keys):
+            parent = chain[i - 1 - base] if i else None
+            lora = st.request.lora_request
+            self._events.append(BlockStored(
+                block_hashes=[key], parent_block_hash=parent,
+                token_ids=list(st.request.all_token_ids[i * bt:(i + 1) * bt]), block_size=bt,
+                lora_id=None, medium=MEDIUM_CPU,
+                lora_name=getattr(lora, "lora_name", None) if lora else None,
+                group_idx=g.index))

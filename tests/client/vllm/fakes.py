@@ -1,0 +1,164 @@
+"""Small stand-ins for what the scheduler side's parts talk to, so they are tested without
+vLLM and without a daemon: a ``SchedulerClient`` with a stock of slots and lookups answered by
+the test, vLLM requests as plain objects, a KV-cache manager and a ``SchedulerOutput``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from kvpool.client.vllm.daemon_link import DaemonLink
+from kvpool.client.vllm.requests import ReqState
+from kvpool.client.vllm.store_losses import StoreLosses
+from kvpool.client.vllm.tickets import Backlog, Tickets
+from kvpool.client.vllm_keys import GroupInfo, RequestKeys
+from kvpool.shared.errors import DaemonUnavailable
+
+BT = 16
+NS = b"ns-full"
+GROUP = GroupInfo(index=0, namespace=NS, identity="test model", block_tokens=BT,
+                  layer_names=("layer.0",), sliding_window=None)
+
+
+class FakeCall:
+    """A lookup in flight: ``result()`` is None until the test answers it."""
+
+    def __init__(self, namespace: bytes, key_lists: list[list[bytes]]) -> None:
+        self.namespace, self.key_lists = namespace, key_lists
+        self.reply: Any = None
+        self.error: Exception | None = None
+
+    def answer(self, hits: list[int], slots: list[list[int]], leases: list[int]) -> None:
+        self.reply = SimpleNamespace(hits=hits, slots=slots, leases=leases)
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.reply
+
+
+class FakeClient:
+    """A ``SchedulerClient`` as the parts use it: a stock of slot refs per namespace (filled
+    by the test), lookups answered by the test, and the no-wait sends recorded."""
+
+    def __init__(self, slots: int = 0, reserving: bool = True, up: bool = True) -> None:
+        self.slots: dict[bytes, list[int]] = {NS: list(range(100, 100 + slots))}
+        self.is_reserving = reserving
+        self.up = up
+        self.calls: list[FakeCall] = []
+        self.taken: list[tuple[bytes, int]] = []
+        self.released: list[list[int]] = []
+        self.aborted: list[list[int]] = []
+        self.resets: list[bytes] = []
+
+    def _check(self) -> None:
+        if not self.up:
+            raise DaemonUnavailable("fake daemon down")
+
+    def ready(self) -> bool:
+        self._check()
+        return True
+
+    def poll(self, just_ready: bool = False) -> None:
+        self._check()
+
+    def keep_stock(self, namespace: bytes) -> None:
+        self.slots.setdefault(namespace, [])
+
+    def stock(self, namespace: bytes) -> int:
+        return len(self.slots.get(namespace, ()))
+
+    def reserving(self, namespace: bytes) -> bool:
+        return self.is_reserving
+
+    def take_slots(self, namespace: bytes, n: int) -> tuple[list[int], str]:
+        self.taken.append((namespace, n))
+        have = self.slots.setdefault(namespace, [])
+        out, have[:] = have[:n], have[n:]
+        return out, "grant-1"
+
+    def lookup_start(self, namespace: bytes, key_lists: list[list[bytes]],
+                     pin: bool = False) -> FakeCall:
+        self._check()
+        call = FakeCall(namespace, [list(k) for k in key_lists])
+        self.calls.append(call)
+        return call
+
+    def release_nowait(self, leases: list[int]) -> None:
+        self._check()
+        self.released.append(list(leases))
+
+    def abort_nowait(self, slots: list[int]) -> None:
+        self._check()
+        self.aborted.append(list(slots))
+
+    def reset_nowait(self, namespace: bytes) -> None:
+        self._check()
+        self.resets.append(namespace)
+
+
+def request(rid: str, tokens: list[int], computed: int = 0, prompt: int | None = None,
+            **params: Any) -> SimpleNamespace:
+    """What the parts read of a vLLM ``Request``."""
+    return SimpleNamespace(request_id=rid, all_token_ids=list(tokens), num_tokens=len(tokens),
+                           num_computed_tokens=computed,
+                           num_prompt_tokens=len(tokens) if prompt is None else prompt,
+                           cache_salt=None, lora_request=None, mm_features=None,
+                           prompt_embeds=None, kv_transfer_params=params or None)
+
+
+def state(reqs: dict[str, ReqState], req: SimpleNamespace, groups=(GROUP,),
+          store_run: int = 1) -> ReqState:
+    st = ReqState(req, RequestKeys(req, list(groups)), cursor=[0] * len(groups),
+                  store_run=store_run)
+    reqs[req.request_id] = st
+    return st
+
+
+def keys(req: SimpleNamespace, start: int, stop: int) -> list[bytes]:
+    """The pool keys of ``req``'s blocks [start, stop) in GROUP, computed afresh."""
+    return RequestKeys(req, [GROUP]).range(req, 0, start, stop)
+
+
+class FakeManager:
+    """vLLM's KV-cache manager as the planner reads it (no ``coordinator``: the public
+    ``get_block_ids``)."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[int]] = {}
+
+    def get_block_ids(self, rid: str) -> tuple[list[int], ...]:
+        return (self.tables.get(rid, []),)
+
+
+def step_output(new: dict[str, int] = {}, cached: dict[str, int] = {},  # noqa: B006
+                ) -> SimpleNamespace:
+    """A ``SchedulerOutput``: ``new``/``cached`` map request ids to tokens scheduled (cached
+    requests all got a new block)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=([],)) for r in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached),
+                                              new_block_ids=[([1],)] * len(cached)),
+        num_scheduled_tokens={**new, **cached}, scheduled_spec_decode_tokens={},
+        preempted_req_ids=set())
+
+
+class Parts:
+    """The store side's parts wired as ``SchedulerRole`` wires them, for one full-attention
+    group."""
+
+    def __init__(self, client: FakeClient, world_size: int = 1,
+                 store_wait_s: float = 2.0) -> None:
+        from kvpool.client.vllm.store_planner import StorePlanner
+
+        self.client = client
+        self.reqs: dict[str, ReqState] = {}
+        self.losses = StoreLosses()
+        self.link = DaemonLink(client)
+        self.backlog = Backlog(BT, client, self.link, self.reqs, [NS], self.losses,
+                               store_wait_s)
+        self.tickets = Tickets([GROUP], BT, world_size, client, self.link, self.backlog,
+                               self.losses, events_enabled=False)
+        self.planner = StorePlanner([GROUP], BT, client, self.link, self.reqs, self.tickets,
+                                    self.backlog, self.losses)
+        self.manager = self.planner.kv_cache_manager = FakeManager()
