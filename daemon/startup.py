@@ -7,6 +7,7 @@ Kept apart from the CLI so tests and embedders can start a daemon from a ``Daemo
 from __future__ import annotations
 
 import logging
+import os
 import resource
 
 from kvpool.daemon.copy_engine import CopyEngine
@@ -89,4 +90,11 @@ def run_daemon(config: DaemonConfig) -> int:
     except BaseException:
         pool.close(unlink=not config.keep_pool)
         raise
-    return run(config, pool, engines, lowers)
+    code = run(config, pool, engines, lowers)
+    if any(lower.has_lingering_work for lower in lowers):
+        # The pool, socket and lock are released already; what is left would only make the
+        # interpreter's exit join threads stuck on a remote peer (see RemoteTier.close).
+        logging.getLogger("kvpoold").info("exiting without waiting for the remote tier")
+        logging.shutdown()
+        os._exit(code)
+    return code

@@ -2,7 +2,8 @@
 "hosts" with their own pools and sockets. Blocks stored through one load byte-exact through the
 other; the tiers are asked in order (pool, disk, remote); a master killed, stopped (slow) or
 absent at start leaves each daemon serving alone, without waiting, until it answers again;
-a bad URL stops the start with a clear message; a corrupted value is a miss."""
+a bad URL stops the start with a clear message; a corrupted value is a miss; SIGTERM stops a
+daemon within 2 s whatever the master's state."""
 
 from __future__ import annotations
 
@@ -238,3 +239,25 @@ def test_corrupted_value_is_a_miss_never_loaded(daemon_factory, mooncake_master)
     finally:
         ea.close()
         eb.close()
+
+
+@pytest.mark.parametrize("noticed", [False, True], ids=["tier-still-up", "tier-off"])
+def test_sigterm_stops_the_daemon_within_2s_after_the_master_died(daemon_factory,
+                                                                   mooncake_master, noticed):
+    """Whatever the tier's state when the master died (its calls hanging in Mooncake's
+    retries, or the outage already seen), a stop must not wait on the master."""
+    a = host(daemon_factory, mooncake_master)
+    ea = engine(a)
+    try:
+        ea.store(0, 8, seed=1)
+        wait_published(ea, 8)
+        mooncake_master.kill()
+        if noticed:
+            wait_for(lambda: not ea.tier("remote").is_enabled, 30, "the tier to turn off")
+    finally:
+        ea.close()
+    t0 = time.monotonic()
+    code = a.stop(timeout_s=30)
+    took = time.monotonic() - t0
+    assert code == 0, a.log()[-3000:]
+    assert took < 2.0, f"SIGTERM took {took:.1f} s:\n{a.log()[-3000:]}"
