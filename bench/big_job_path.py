@@ -88,7 +88,7 @@ class _Frame:
 
 def run(blocks: int, jobs: int, keys: bool) -> dict[str, dict[str, float]]:
     from kvpool.daemon import copy_engine
-    from kvpool.daemon.copy_engine import chunk_blocks_setting, chunk_bounds
+    from kvpool.daemon.copy_engine import chunk_bounds
     cfg = DaemonConfig(pool_name=f"kvpool-bench-big-{os.getpid()}-{secrets.token_hex(3)}",
                        pool_size=f"{max(64, 16 * blocks * SLOT >> 20)}MiB", extent_size="2MiB")
     pool = Pool.open(cfg)
@@ -124,7 +124,7 @@ def run(blocks: int, jobs: int, keys: bool) -> dict[str, dict[str, float]]:
             # The chunks the CUDA engine would report (a store's end with a small tail
             # where it has TAIL_BLOCKS).
             tail = getattr(copy_engine, "TAIL_BLOCKS", 0) if eng.progress is not None else 0
-            bounds = chunk_bounds(eng.n, chunk_blocks_setting(), *([tail] if tail else []))
+            bounds = chunk_bounds(eng.n, cfg.chunk_blocks, *([tail] if tail else []))
             for end in bounds[1:-1]:
                 if eng.progress is not None:
                     eng.progress(end)

@@ -21,7 +21,9 @@ log = logging.getLogger("kvpoold")
 
 
 def build_engines(config: DaemonConfig, pool: Pool) -> dict[type, CopyEngine]:
-    engines: dict[type, CopyEngine] = {HostRegion: HostCopyEngine(pool, config.copy_threads)}
+    trace = bool(config.trace)
+    engines: dict[type, CopyEngine] = {HostRegion: HostCopyEngine(
+        pool, config.copy_threads, chunk_blocks=config.chunk_blocks, trace=trace)}
     if config.cuda == "off":
         return engines
     from kvpool.daemon import cuda
@@ -46,7 +48,7 @@ def build_engines(config: DaemonConfig, pool: Pool) -> dict[type, CopyEngine]:
             raise
         log.warning("CUDA copy engine unavailable (%s): serving the host path only", e)
         return engines
-    engines[CudaRegion] = CudaCopyEngine(pool)
+    engines[CudaRegion] = CudaCopyEngine(pool, chunk_blocks=config.chunk_blocks, trace=trace)
     return engines
 
 

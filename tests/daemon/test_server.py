@@ -363,9 +363,9 @@ def _hits(sched, kv, ks) -> int:
 
 
 def test_a_big_store_becomes_visible_chunk_by_chunk_and_only_landed_blocks_load(
-        daemon_factory, monkeypatch):
-    monkeypatch.setenv("KVPOOL_CHUNK_BLOCKS", str(CHUNK))
-    d = daemon_factory(pool_size="640MiB", extra=["--extent-size", "32MiB"])
+        daemon_factory):
+    d = daemon_factory(pool_size="640MiB",
+                       extra=["--extent-size", "32MiB", "--chunk-blocks", str(CHUNK)])
     cfg = d.client_config(timeout_ms=20000)
     writer, reader = HostKv(blocks=96, **LLAMA), HostKv(blocks=CHUNK, **LLAMA)
     w, wreg = writer.register(cfg)
@@ -419,9 +419,9 @@ time.sleep(120)
 
 
 def test_a_big_store_whose_worker_dies_keeps_only_landed_chunks_and_frees_the_rest(
-        daemon_factory, monkeypatch):
-    monkeypatch.setenv("KVPOOL_CHUNK_BLOCKS", str(CHUNK))
-    d = daemon_factory(pool_size="640MiB", extra=["--extent-size", "32MiB"])
+        daemon_factory):
+    d = daemon_factory(pool_size="640MiB",
+                       extra=["--extent-size", "32MiB", "--chunk-blocks", str(CHUNK)])
     child = subprocess.Popen([sys.executable, "-c", _DYING_WORKER, str(ROOT), d.socket],
                              stdout=subprocess.PIPE, cwd=ROOT)
     kv = HostKv(blocks=96, **LLAMA)
