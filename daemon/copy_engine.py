@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 # A CUDA store that reports its chunks ends with one of at most this many items: what is left
 # after its last copy is that chunk's commit, not a whole chunk's (~75 -> ~30 us on a 2-core host,
-# bench/big_job_path.py), while its copy (64 MiB of 2 MiB blocks: ~1.3 ms on PCIe 5) still
+# bench/investigations/big_job_path.py), while its copy (64 MiB of 2 MiB blocks: ~1.3 ms on PCIe 5) still
 # hides the commit of the chunk before it, and the extra chunk's launch runs on the lane's
 # thread under earlier chunks' copies. Not for the host engine, which pays each chunk's fixed
 # cost in line with its copy (1024 4 KiB blocks: +0.3-0.7 ms of copy for -60 us after it), nor

@@ -37,7 +37,7 @@ Ordering: a store must not copy before the worker's step has written the KV: the
 the handle of an interprocess event it recorded on its compute stream, and the lane's thread
 polls that event on the host (``cuEventQuery``) before it enqueues the copy. It never makes the
 lane's stream wait on it on the GPU: such a wait slows the engine's kernels in the other process
-as much as a kernel would (bench/gemm_probe.py: a GEMM 1.16x slower beside copies that each wait
+as much as a kernel would (bench/investigations/gemm_probe.py: a GEMM 1.16x slower beside copies that each wait
 on one, 1.00x beside the same copies without). A load is reported done (``JobDone``) only after
 the lane's thread saw its copy finish, so the engine reads loaded blocks without waiting on
 anything either. Jobs of one lane run in submission order; stores and loads run concurrently

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 BATCH_BYTES = 4 << 20
 # A job of at most this many bytes is copied on the caller's thread (the event loop) when its
 # registration has nothing queued: one 2 MiB block costs about as much loop time as the two
-# thread hand-offs it saves (bench/single_block.py).
+# thread hand-offs it saves (bench/investigations/single_block.py).
 INLINE_BYTES = 2 << 20
 # Above this many runs of adjacent shards a job takes the gather/scatter path instead.
 MAX_RUNS = 16

@@ -28,7 +28,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_transfer import BLOCK_BYTES, GB, gemm_alone_and_with, start_daemon  # noqa: E402

@@ -1,6 +1,6 @@
 """Where a GEMM loses time beside an offload (issue 15): one cause at a time, side by side.
 
-    python bench/gemm_probe.py [--out DIR] [--iters 300] [--reps 3] [--chunk-mib 2]
+    python bench/investigations/gemm_probe.py [--out DIR] [--iters 300] [--reps 3] [--chunk-mib 2]
 
 A bf16 8192^3 GEMM loop runs in one process (the engine); a second process (the daemon's
 place) does one thing at a time while it runs, and the GEMM's time is divided by its time
@@ -246,7 +246,7 @@ def main() -> None:
     device = e_conn.recv()
     results: dict = {"device": device,
                      "date": datetime.date.today().isoformat(),
-                     "command": "python bench/gemm_probe.py " + " ".join(
+                     "command": "python bench/investigations/gemm_probe.py " + " ".join(
                          f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v),
                      "gemm": "bf16 8192x8192 @ 8192x8192", "iters": args.iters,
                      "chunk_bytes": chunk, "modes": {}}
@@ -284,7 +284,7 @@ def main() -> None:
         c_conn.send(None)
         eng.join(60)
         cop.join(60)
-    out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    out_dir = args.out or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
     os.makedirs(out_dir, exist_ok=True)
     name = results["device"].replace(" ", "_")
     path = os.path.join(out_dir, f"gemm-probe-{name}-{results['date']}.json")

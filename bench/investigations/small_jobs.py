@@ -1,6 +1,6 @@
 """The daemon's own Python per single-block job, on CPU, without a GPU or a socket (issue 15).
 
-    python bench/small_jobs.py [--jobs 3000] [--out DIR]
+    python bench/investigations/small_jobs.py [--jobs 3000] [--out DIR]
 
 Two parts, each the median over ``--jobs`` jobs of one 2 MiB block (the first 10% not counted):
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "daemon"))
 
 BLOCK = 2 << 20

@@ -1,6 +1,6 @@
 """What a scheduler's non-blocking send costs, with kvpool's zmq thread policy and without.
 
-    python bench/zmq_send.py [--reps 300] [--rounds 2] [--out DIR]
+    python bench/investigations/zmq_send.py [--reps 300] [--rounds 2] [--out DIR]
 
 Starts a real kvpoold, then for each variant (``KVPOOL_ZMQ_SCHED_BATCH`` 1 and 0, alternating
 ``--rounds`` times, each in a fresh process since the policy is fixed when a context starts)
@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from control_plane import start_daemon, timed_calls  # noqa: E402
 
 SIZES = (16, 256, 512)
