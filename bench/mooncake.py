@@ -1,4 +1,4 @@
-"""Test helper: a real ``mooncake_master`` process on loopback (the one the kvpool[mooncake]
+"""Shared by tests and benchmarks: a real ``mooncake_master`` process on loopback (the one the kvpool[mooncake]
 extra installs), on free ports, that tests can kill and restart on the same ports."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
+from bench.soak.common import wait_for
 
 
 def master_binary() -> Path | None:
@@ -86,13 +86,6 @@ class MooncakeMaster:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-
-
-@pytest.fixture
-def mooncake_master(tmp_path):
-    m = MooncakeMaster(tmp_path).start()
-    yield m
-    m.cleanup()
 
 
 _CORRUPT = r"""

@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 from kvpool.client.host_memory import SharedHostMemory  # noqa: E402
 from kvpool.daemon.host_copy import HostCopyEngine  # noqa: E402
 from kvpool.shared.protocol import RegisterRequest  # noqa: E402
-from tests.kvtest import HeadKv  # noqa: E402
+from bench.kvtest import HeadKv  # noqa: E402
 
 
 class _Pool:

@@ -22,7 +22,7 @@ from kvpool.daemon.disk_store import RECORD_DTYPE
 from kvpool.shared.errors import ErrorCode
 from tests.conftest import wait_for
 from tests.daemon.httptest import fetch, free_port
-from tests.kvtest import HostKv, PoolEngine
+from bench.kvtest import HostKv, PoolEngine
 
 # 128 KiB blocks: an 8 MiB pool holds about 48 of them, so a few hundred blocks are mostly on disk.
 KV = dict(layers=4, blocks=64, heads=8, head_dim=64)

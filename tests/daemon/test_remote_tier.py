@@ -17,10 +17,8 @@ import pytest
 from kvpool.daemon.mooncake_store import remote_key
 from kvpool.shared.errors import ErrorCode
 from tests.conftest import stop_process, wait_for
-from tests.kvtest import PoolEngine
-from tests.mooncake import MooncakeMaster, corrupt_value, mooncake_master, require_mooncake
-
-__all__ = ["mooncake_master"]      # the fixture, used by name
+from bench.kvtest import PoolEngine
+from bench.mooncake import MooncakeMaster, corrupt_value, require_mooncake
 
 # 128 KiB blocks: an 8 MiB pool holds about 48 of them.
 KV = dict(layers=4, blocks=64, heads=8, head_dim=64)

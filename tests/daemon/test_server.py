@@ -17,7 +17,7 @@ from kvpool.daemon.server import _Landing
 from kvpool.shared import protocol as p
 from kvpool.shared.errors import ErrorCode, PoolFull, TooLarge, VersionMismatch
 from tests.conftest import wait_for
-from tests.kvtest import HostKv
+from bench.kvtest import HostKv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -406,7 +406,7 @@ import sys, time
 sys.path.insert(0, sys.argv[1])
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.config import ClientConfig
-from tests.kvtest import HostKv
+from bench.kvtest import HostKv
 cfg = ClientConfig(socket=sys.argv[2], timeout_ms=20000)
 kv = HostKv(blocks=96, layers=32, heads=8, head_dim=128)
 w, reg = kv.register(cfg)

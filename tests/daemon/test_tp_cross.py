@@ -10,7 +10,7 @@ from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.errors import LayoutMismatch
 from kvpool.shared.layout import Layout
 from tests.conftest import wait_for
-from tests.kvtest import HeadKv
+from bench.kvtest import HeadKv
 
 SEED = 7
 
