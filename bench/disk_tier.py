@@ -265,7 +265,7 @@ def kill_loop(work: Path, rounds: int, seed: int) -> dict:
     try:
         d.start()
         for r in range(rounds + 1):
-            # A new shm per daemon life: an old name may be gone (see tests/daemon/test_disk_tier).
+            # A new shm per daemon life: an old name may be gone (see tests/integration/test_disk_tier).
             kv = HostKv(**shape)
             cfg = d.client_config(timeout_ms=30_000)
             worker, reg = kv.register(cfg)
