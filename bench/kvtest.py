@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from bench.soak.common import wait_for
+from bench.soak.common import LoggedProcess, wait_for
 from kvpool.client.host_memory import SharedHostMemory
 from kvpool.client.kv_layout import head_split, plan_kv_memory
 from kvpool.client.worker import WorkerClient
@@ -34,7 +34,7 @@ def unless_unavailable(fn: Callable[[], object]):
         return None
 
 
-class DaemonProcess:
+class DaemonProcess(LoggedProcess):
     """A kvpoold subprocess. ``start``/``stop``/``kill``/``restart`` keep socket and pool name."""
 
     def __init__(self, tmp: Path, pool_size: str = "64MiB", extra: list[str] | None = None) -> None:
@@ -105,13 +105,8 @@ class DaemonProcess:
             os.unlink(self.socket)
         return self.start(extra)
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
     def cleanup(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.kill_if_running()
         import posix_ipc
         try:
             posix_ipc.unlink_shared_memory("/" + self.pool_name)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak.common import wait_for
+from bench.soak.common import LoggedProcess, wait_for
 
 
 def master_binary() -> Path | None:
@@ -43,7 +43,7 @@ def _accepts(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-class MooncakeMaster:
+class MooncakeMaster(LoggedProcess):
     """``mooncake_master`` with its HTTP metadata server; ``url`` is kvpoold's --remote-store."""
 
     def __init__(self, tmp: Path) -> None:
@@ -79,13 +79,8 @@ class MooncakeMaster:
         self.proc.wait(10)
         wait_for(lambda: not _accepts(self.rpc_port), 10, "the master's port to close")
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
     def cleanup(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.kill_if_running()
 
 
 _CORRUPT = r"""
