@@ -62,15 +62,15 @@ sys.path.insert(0, str(ROOT))
 
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 from kvpool.daemon.disk_store import DiskStore  # noqa: E402
-from tests.conftest import DaemonProcess, wait_for  # noqa: E402
-import tests.kvtest  # noqa: E402
+from bench.kvtest import DaemonProcess, HostKv  # noqa: E402
+from bench.soak.common import wait_for  # noqa: E402
+import bench.kvtest  # noqa: E402
 from kvpool.client.host_memory import SharedHostMemory  # noqa: E402
-from tests.kvtest import HostKv  # noqa: E402
 from kvpool.shared.protocol import ENGINE_SHM_PREFIX  # noqa: E402
 
 # The engine's KV memory under a name of its own (seen reaped on a shared host before the
 # liveness lock), still with the engine prefix: the daemon opens no other name.
-tests.kvtest.SharedHostMemory = lambda nbytes: SharedHostMemory(
+bench.kvtest.SharedHostMemory = lambda nbytes: SharedHostMemory(
     nbytes, f"{ENGINE_SHM_PREFIX}bench-{os.getpid()}-{os.urandom(4).hex()}")
 
 GB = 1e9
@@ -265,7 +265,7 @@ def kill_loop(work: Path, rounds: int, seed: int) -> dict:
     try:
         d.start()
         for r in range(rounds + 1):
-            # A new shm per daemon life: an old name may be gone (see tests/daemon/test_disk_tier).
+            # A new shm per daemon life: an old name may be gone (see tests/integration/test_disk_tier).
             kv = HostKv(**shape)
             cfg = d.client_config(timeout_ms=30_000)
             worker, reg = kv.register(cfg)

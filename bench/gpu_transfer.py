@@ -7,12 +7,10 @@ per-layer layout of Llama-3.1-8B (32 layers, 8 KV heads, head dim 128, bf16, 16-
 (H2D, D2H, both at once); a bf16 8192^3 GEMM loop alone and while kvpool offloads at full
 speed (GEMM in its own process, as in vLLM); the p50 of single-block stores and loads.
 
-Every job's hops are timed through the daemon's ``KVPOOL_TRACE`` file (client send -> daemon
+Every job's hops are timed through the daemon's ``trace`` file (``KVPOOL_TRACE``) (client send -> daemon
 dispatch -> engine launch -> copy done -> event loop -> reply -> client), reported as medians for
-single-block jobs (``single_breakdown_us``) and as launch / copy times for the big jobs; the
-single-block latency is measured again on a second daemon with inline launching off
-(``KVPOOL_CUDA_INLINE_OPS=0``) as an A/B. The GEMM is run both in its own process and in the
-offloading worker's process (the vLLM situation: ``gemm_slowdown_same_process``).
+single-block jobs (``single_breakdown_us``) and as launch / copy times for the big jobs. The
+GEMM is run both in its own process and in the offloading worker's process (the vLLM situation: ``gemm_slowdown_same_process``).
 
 ``--engine-compare`` adds a side table that drives the copy engine directly (no daemon) with
 each backend forced, to show what the automatic choice picks between.
@@ -204,45 +202,6 @@ def seen_p50_us(stamps: dict, kind_jobs: int, first: bool) -> float:
     return statistics.median([(seen - n0) / 1e3 for _, n0, seen, _ in jobs])
 
 
-def single_ab(args, res: dict) -> None:
-    for inline in ("256", "0"):
-        single_ab_one(args, res, inline)
-
-
-def single_ab_one(args, res: dict, inline: str) -> None:
-    """Single-block latency on a small fresh daemon with inline launching on or off."""
-    tmp = Path(args.tmp)
-    trace_path = tmp / f"trace-inline{inline}.txt"
-    proc, sock = start_daemon(tmp, "1GiB", {"KVPOOL_CUDA_INLINE_OPS": inline,
-                                            "KVPOOL_TRACE": str(trace_path)}, tag=f"-ab{inline}")
-    out = res[f"single_inline_ops_{inline}"] = {}
-    try:
-        for layout in ("block_outer", "per_layer"):
-            w = Worker(0, layout, 8)
-            try:
-                w.call("connect", sock, (layout + inline).encode().ljust(16, b"\0")[:16], 0, 1)
-                w.call("fill", 1)
-                w.call("bench", "single", 0, 20, timeout_s=120)      # warm
-                sst, sld, stamps = w.call("bench", "single", 0, args.single_reps, timeout_s=300)
-                tr = read_trace(trace_path)
-                out[layout] = {"store_p50_us": statistics.median(sst) * 1e6,
-                               "load_p50_us": statistics.median(sld) * 1e6,
-                               "store_seen_p50_us": seen_p50_us(stamps, len(sst), True),
-                               "load_seen_p50_us": seen_p50_us(stamps, len(sst), False),
-                               "store_breakdown_us": breakdown(tr, stamps, "store"),
-                               "load_breakdown_us": breakdown(tr, stamps, "load")}
-                print(f"[single inline_ops={inline}] {layout}: {json.dumps(out[layout])}",
-                      flush=True)
-            finally:
-                w.close()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 def daemon_run(args, res: dict) -> None:
     tmp = Path(args.tmp)
     tmp.mkdir(parents=True, exist_ok=True)
@@ -313,8 +272,6 @@ def daemon_run(args, res: dict) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
         res["daemon_log_tail"] = (tmp / "kvpoold.log").read_text(errors="replace")[-4000:]
-    if args.single_ab:
-        single_ab(args, res)
 
 
 def engine_compare(args, res: dict) -> None:
@@ -453,7 +410,6 @@ def main() -> None:
     ap.add_argument("--pool-size", default="12GiB")
     ap.add_argument("--engine-compare", action="store_true")
     ap.add_argument("--no-daemon", action="store_true")
-    ap.add_argument("--no-single-ab", dest="single_ab", action="store_false")
     ap.add_argument("--variant", action="append", default=[],
                     help="engine-compare variant backend:ctas:batch_copies:streams "
                          "(e.g. dma:0:4096:2, kernel:32:0:1); repeatable")

@@ -56,13 +56,13 @@ os.environ.setdefault("GLOG_minloglevel", "2")   # before Mooncake loads (this p
 
 from kvpool.client.host_memory import SharedHostMemory  # noqa: E402
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
-from tests.conftest import DaemonProcess, stop_process, wait_for  # noqa: E402
-import tests.kvtest  # noqa: E402
-from tests.kvtest import HostKv  # noqa: E402
-from tests.mooncake import MooncakeMaster  # noqa: E402
+from bench.kvtest import DaemonProcess, HostKv  # noqa: E402
+from bench.soak.common import stop_process, wait_for  # noqa: E402
+import bench.kvtest  # noqa: E402
+from bench.mooncake import MooncakeMaster  # noqa: E402
 
 # The engine's KV memory under a name of its own (see bench/disk_tier.py).
-tests.kvtest.SharedHostMemory = lambda nbytes: SharedHostMemory(
+bench.kvtest.SharedHostMemory = lambda nbytes: SharedHostMemory(
     nbytes, f"kvbench-{os.getpid()}-{os.urandom(4).hex()}")
 
 GB = 1e9

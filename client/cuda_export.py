@@ -2,8 +2,8 @@
 
 Owns: finding each KV tensor's backing allocation (one ``cudaMalloc`` per KV-cache tensor in
 vLLM 0.33; every per-layer tensor is a strided view into one of them), exporting one
-``CudaRegion`` per allocation (device UUID, IPC handle, offset), the placement of every segment
-(through ``kvpool.client.kv_layout.plan_kv_memory``) and the ring of interprocess events the
+``CudaRegion`` per allocation (device UUID, IPC handle, offset) with the spans that
+``kvpool.client.kv_layout.plan_kv_memory`` places segments in, and the ring of interprocess events the
 daemon polls before a store copies.
 
 Layouts: any strided view works (LBNHC, LBHNC, LHBNC, BLHNC, BLNHC, BHLNC, MLA's one latent per
@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvpool.shared.errors import ConfigError
-from kvpool.shared.layout import SegmentPlacement
 from kvpool.shared.protocol import CudaRegion
 
 _IS_LEGACY_CUDA_IPC_CAPABLE = 18
@@ -100,16 +98,6 @@ def device_uuid(device: Any) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-@dataclass(frozen=True)
-class CudaExport:
-    """What ``WorkerClient.register`` needs for GPU KV memory."""
-
-    regions: list[CudaRegion]
-    placement: list[SegmentPlacement]
-    segment_bytes: tuple[int, ...]
-    num_blocks: int
-
-
 def export_regions(tensors: Sequence[Any]) -> tuple[list[CudaRegion], list[tuple[int, int]]]:
     """One ``CudaRegion`` per backing allocation of ``tensors`` (in first-seen order) and, for
     the planner, each region's (start address, nbytes). A region spans only the bytes the
@@ -135,17 +123,6 @@ def export_regions(tensors: Sequence[Any]) -> tuple[list[CudaRegion], list[tuple
                                   nbytes=hi - lo, offset_bytes=lo - base))
         bounds.append((lo, hi - lo))
     return regions, bounds
-
-
-def export_kv_caches(tensors: Sequence[Any], block_dims: Sequence[int]) -> CudaExport:
-    """Export vLLM KV-cache tensors (per-layer views) for registration. ``block_dims[i]`` is
-    the dimension of ``tensors[i]`` that indexes blocks (1 for FlashAttention's
-    ``[2, num_blocks, ...]``, 0 for MLA and block-outermost caches)."""
-    from kvpool.client.kv_layout import plan_kv_memory
-
-    regions, bounds = export_regions(tensors)
-    plan = plan_kv_memory(tensors, block_dims, bounds)
-    return CudaExport(regions, list(plan.placement), tuple(plan.segment_bytes), plan.num_blocks)
 
 
 class StoreEvents:

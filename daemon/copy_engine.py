@@ -14,7 +14,7 @@ Contract for every engine:
 - One batched operation per job (one kernel launch, one batched DMA call, or one vectorised host
   copy per run of equal-sized segments): never a Python call per block or per layer.
 - ``detach`` waits for that registration's jobs, then releases its mappings (and GPU memory).
-- A big job runs as chunks of at most ``CHUNK_BLOCKS`` items, so the first chunk's copy starts
+- A big job runs as chunks of at most ``chunk_blocks`` items (``DaemonConfig.chunk_blocks``), so the first chunk's copy starts
   after a small launch. A store's ``progress(n)``, when given, is called from the engine's thread
   each time the first ``n`` items (in the order given) have landed, before the future resolves;
   never for the last chunk (the future says that) and never for items that did not land. The
@@ -25,7 +25,6 @@ Contract for every engine:
 from __future__ import annotations
 
 import abc
-import os
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -38,14 +37,10 @@ if TYPE_CHECKING:
     from kvpool.daemon.peer import Peer
 
 
-# Items per chunk of a big job: 128 blocks of 2 MiB are ~5 ms of PCIe copy, long enough to hide
-# the next chunk's launch and the previous chunk's commit (~60 us each at this size), while a
-# 1024-block job still takes only 8 chunk events. KVPOOL_CHUNK_BLOCKS overrides it (0: no chunks).
-CHUNK_BLOCKS = 128
 
 # A CUDA store that reports its chunks ends with one of at most this many items: what is left
 # after its last copy is that chunk's commit, not a whole chunk's (~75 -> ~30 us on a 2-core host,
-# bench/big_job_path.py), while its copy (64 MiB of 2 MiB blocks: ~1.3 ms on PCIe 5) still
+# bench/investigations/big_job_path.py), while its copy (64 MiB of 2 MiB blocks: ~1.3 ms on PCIe 5) still
 # hides the commit of the chunk before it, and the extra chunk's launch runs on the lane's
 # thread under earlier chunks' copies. Not for the host engine, which pays each chunk's fixed
 # cost in line with its copy (1024 4 KiB blocks: +0.3-0.7 ms of copy for -60 us after it), nor
@@ -66,11 +61,6 @@ def chunk_bounds(n: int, chunk: int, tail: int = 0) -> list[int]:
         return chunk_bounds(n - tail, chunk) + [n]
     k = -(-n // chunk)
     return [n * i // k for i in range(k + 1)]
-
-
-def chunk_blocks_setting(default: int = CHUNK_BLOCKS) -> int:
-    """Items per chunk: ``KVPOOL_CHUNK_BLOCKS`` (benchmarks' A/B runs), else ``default``."""
-    return int(os.environ.get("KVPOOL_CHUNK_BLOCKS", default))
 
 
 @dataclass(frozen=True)

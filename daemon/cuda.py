@@ -60,9 +60,6 @@ class CudaUnavailable(RuntimeError):
 class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_ubyte * IPC_HANDLE_BYTES)]
 
-    def raw(self) -> bytes:
-        return ctypes.string_at(ctypes.addressof(self), IPC_HANDLE_BYTES)
-
 
 class _CUuuid(ctypes.Structure):
     _fields_ = [("bytes", ctypes.c_ubyte * 16)]
@@ -103,10 +100,8 @@ _SIGNATURES: dict[str, list] = {
     "cuMemGetInfo": [ctypes.POINTER(_SZ), ctypes.POINTER(_SZ)],
     "cuMemGetAddressRange": [ctypes.POINTER(_U64), ctypes.POINTER(_SZ), _U64],
     "cuPointerGetAttribute": [_P, _I, _U64],
-    "cuIpcGetMemHandle": [ctypes.POINTER(_IpcHandle), _U64],
     "cuIpcOpenMemHandle": [ctypes.POINTER(_U64), _IpcHandle, _UI],
     "cuIpcCloseMemHandle": [_U64],
-    "cuIpcGetEventHandle": [ctypes.POINTER(_IpcHandle), _P],
     "cuIpcOpenEventHandle": [ctypes.POINTER(_P), _IpcHandle],
     "cuEventCreate": [ctypes.POINTER(_P), _UI],
     "cuEventDestroy": [_P],
@@ -430,13 +425,6 @@ def address_range(devptr: int) -> tuple[int, int]:
     return base.value, size.value
 
 
-def ipc_get_mem_handle(devptr: int) -> bytes:
-    d = driver()
-    h = _IpcHandle()
-    d.check("cuIpcGetMemHandle", d.cuIpcGetMemHandle(ctypes.byref(h), devptr))
-    return h.raw()
-
-
 # ---- events and streams ---------------------------------------------------------------------
 
 def event_create(interprocess: bool = False) -> int:
@@ -450,13 +438,6 @@ def event_create(interprocess: bool = False) -> int:
 def event_destroy(ev: int) -> None:
     d = driver()
     d.check("cuEventDestroy", d.cuEventDestroy(ev))
-
-
-def event_ipc_handle(ev: int) -> bytes:
-    d = driver()
-    h = _IpcHandle()
-    d.check("cuIpcGetEventHandle", d.cuIpcGetEventHandle(ctypes.byref(h), ev))
-    return h.raw()
 
 
 def event_open_ipc(handle: bytes) -> int:

@@ -5,7 +5,7 @@ waiting thread, so a long store never delays a load's completion. Owns the pool'
 registration (``cuda.HostRegistration``, started at construction, background) and each
 registration's IPC mappings, reference-counted by handle.
 
-Per job (per chunk of a big job: ``CHUNK_BLOCKS``, one event after each, so the first chunk copies
+Per job (per chunk of a big job: ``chunk_blocks``, one event after each, so the first chunk copies
 while the next is enqueued and each chunk's slots can commit as it lands), exactly one batched
 operation runs on the lane's stream, chosen per job:
 
@@ -30,14 +30,14 @@ built in Python) are launched on the caller's thread (the event loop) when the l
 queued, saving the hop to the submit thread (H100 run 20: ~75 us from dispatch to launch start
 of a single block). It was off by default while a single block's launch cost 40-150 us of
 Python on the loop (runs 4-5: no gain); the templates cut that to ~15 us on CPU.
-``KVPOOL_CUDA_INLINE_OPS=0`` turns it off for A/B runs. ``KVPOOL_TRACE`` (any value) makes every
-job carry monotonic timestamps of its hops (``Future.kvpool_trace``) for latency breakdowns.
+With ``trace`` (the daemon's ``trace`` setting) every job carries monotonic timestamps of its
+hops (``Future.kvpool_trace``) for latency breakdowns.
 
 Ordering: a store must not copy before the worker's step has written the KV: the worker sends
 the handle of an interprocess event it recorded on its compute stream, and the lane's thread
 polls that event on the host (``cuEventQuery``) before it enqueues the copy. It never makes the
 lane's stream wait on it on the GPU: such a wait slows the engine's kernels in the other process
-as much as a kernel would (bench/gemm_probe.py: a GEMM 1.16x slower beside copies that each wait
+as much as a kernel would (bench/investigations/gemm_probe.py: a GEMM 1.16x slower beside copies that each wait
 on one, 1.00x beside the same copies without). A load is reported done (``JobDone``) only after
 the lane's thread saw its copy finish, so the engine reads loaded blocks without waiting on
 anything either. Jobs of one lane run in submission order; stores and loads run concurrently
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import queue
 import threading
 import time
@@ -65,9 +64,10 @@ import numpy as np
 
 from kvpool.daemon import cuda
 from kvpool.daemon.cuda import BATCH3D_OP_DTYPE
-from kvpool.daemon.copy_engine import (CHUNK_BLOCKS, TAIL_BLOCKS, CopyEngine, JobResult, Mapped,
-                                       Progress, chunk_blocks_setting, chunk_bounds, part_span,
+from kvpool.daemon.copy_engine import (TAIL_BLOCKS, CopyEngine, JobResult, Mapped,
+                                       Progress, chunk_bounds, part_span,
                                        segment_address_table)
+from kvpool.shared.config import CHUNK_BLOCKS
 from kvpool.shared.errors import (Aborted, InternalError, KvpoolError, LayoutMismatch,
                                   OutOfRange, UnknownId)
 from kvpool.shared.layout import check_placement
@@ -609,9 +609,7 @@ class _Lane:
         if job.wait_event:
             ev = eng._open_event(m, job.wait_event)
             if not cuda.event_query(ev):
-                if eng.store_wait == "gpu":
-                    cuda.stream_wait_event(self.stream, ev)
-                elif inline:
+                if inline:
                     return False
                 else:
                     self._await_worker(m, ev)
@@ -883,10 +881,7 @@ class CudaCopyEngine(CopyEngine):
                  register_piece_bytes: int = 1 << 30, kernel_words: int = 4096,
                  kernel_warps: int = 16, dma_2d: bool | None = None,
                  dma_2d_batch_ops: int = 256, inline_max_ops: int = SMALL_OPS,
-                 chunk_blocks: int = CHUNK_BLOCKS) -> None:
-        # Benchmark and debugging knobs from the environment (A/B runs of one daemon build).
-        env = os.environ
-        backend = env.get("KVPOOL_CUDA_BACKEND", backend)   # type: ignore[assignment]
+                 chunk_blocks: int = CHUNK_BLOCKS, trace: bool = False) -> None:
         if backend not in ("auto", "dma", "kernel"):
             raise ValueError(f"backend must be auto, dma or kernel, not {backend!r}")
         self.pool = pool
@@ -900,29 +895,19 @@ class CudaCopyEngine(CopyEngine):
         self.dma_calls_s = 0.0    # CPU seconds inside cuMemcpyBatchAsync (benchmarks)
         self.kernel_words = kernel_words
         self.kernel_warps = kernel_warps
-        if "KVPOOL_CUDA_DMA_2D" in env:
-            dma_2d = env["KVPOOL_CUDA_DMA_2D"] not in ("0", "off", "false")
         # pitched copies: True/False forced, None until the first lane has checked them
         self.pitched: bool | None = dma_2d
         # 3D pitched copies (a rank's head range of a per-layer cache in one copy per block):
         # None until checked like the 2D ones; False cuts each into its 2D layers.
         self.pitched_3d: bool | None = None if dma_2d is not False else False
-        if env.get("KVPOOL_CUDA_DMA_3D", "") in ("0", "off", "false"):
-            self.pitched_3d = False
         self.dma_2d_batch_ops = dma_2d_batch_ops
-        self.inline_max_ops = int(env.get("KVPOOL_CUDA_INLINE_OPS", inline_max_ops))
-        self.chunk_blocks = chunk_blocks_setting(chunk_blocks)
+        self.inline_max_ops = inline_max_ops
+        self.chunk_blocks = chunk_blocks
         # A big job's first chunk launched on the event loop's thread when its lane is idle:
         # the copy then starts without waiting for the submit thread to be scheduled (H100
         # run 17: 0.5 ms from submit to launch start for a 2 GiB store).
-        self.inline_first_chunk = env.get("KVPOOL_CUDA_INLINE_FIRST", "1") not in ("0", "off",
-                                                                                  "false")
-        self.trace = bool(env.get("KVPOOL_TRACE"))
-        # "gpu": the old wait (cuStreamWaitEvent on the worker's event) for A/B runs
-        self.store_wait = env.get("KVPOOL_CUDA_STORE_WAIT", "host")
-        if self.store_wait not in ("host", "gpu"):
-            raise ValueError(f"KVPOOL_CUDA_STORE_WAIT must be host or gpu, not "
-                             f"{self.store_wait!r}")
+        self.inline_first_chunk = True
+        self.trace = trace
         self._pitched_lock = threading.Lock()
         self.registration: cuda.HostRegistration | None = None
         self.kernel_broken = False

@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import posix_ipc
 
-from kvpool.daemon.copy_engine import (CopyEngine, JobResult, Mapped, Progress, chunk_blocks_setting,
+from kvpool.daemon.copy_engine import (CopyEngine, JobResult, Mapped, Progress,
                                        chunk_bounds, segment_address_table)
 from kvpool.daemon.peer import Peer, check_may_open
 from kvpool.daemon.pool import Pool
+from kvpool.shared.config import CHUNK_BLOCKS
 from kvpool.shared.errors import Aborted, LayoutMismatch, ProtocolError, TooLarge, UnknownId
 from kvpool.shared.layout import check_placement
 from kvpool.shared.protocol import ENGINE_SHM_PREFIX, HostRegion, RegisterRequest
@@ -53,8 +54,7 @@ log = logging.getLogger(__name__)
 BATCH_BYTES = 4 << 20
 # A job of at most this many bytes is copied on the caller's thread (the event loop) when its
 # registration has nothing queued: one 2 MiB block costs about as much loop time as the two
-# thread hand-offs it saves (bench/single_block.py). KVPOOL_HOST_INLINE_BYTES overrides it;
-# 0 sends every job to the registration's thread.
+# thread hand-offs it saves (bench/investigations/single_block.py).
 INLINE_BYTES = 2 << 20
 # Above this many runs of adjacent shards a job takes the gather/scatter path instead.
 MAX_RUNS = 16
@@ -107,7 +107,8 @@ class HostMapped(Mapped):
 class HostCopyEngine(CopyEngine):
     name = "host"
 
-    def __init__(self, pool: Pool, threads: int = 2, inline_bytes: int = INLINE_BYTES) -> None:
+    def __init__(self, pool: Pool, threads: int = 2, inline_bytes: int = INLINE_BYTES,
+                 chunk_blocks: int = CHUNK_BLOCKS, trace: bool = False) -> None:
         self._pool_u8 = pool.view()
         self._pool_rows: dict[int, np.ndarray] = {}
         self._pool_name = pool.name.lstrip("/")
@@ -115,11 +116,12 @@ class HostCopyEngine(CopyEngine):
         # A job is cut into ``threads`` parts run by our own pool (see ``_load_torch``).
         self._threads = threads
         self._fanout = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvpool-copy")
-        # KVPOOL_TRACE (any value): jobs carry monotonic ns stamps (submitted, copy started,
-        # copy done, done) as ``Future.kvpool_trace``, as the CUDA engine's do.
-        self.trace = bool(os.environ.get("KVPOOL_TRACE"))
-        self.inline_bytes = int(os.environ.get("KVPOOL_HOST_INLINE_BYTES", inline_bytes))
-        self.chunk_blocks = chunk_blocks_setting()
+        # With ``trace`` (the daemon's trace setting), jobs carry monotonic ns stamps
+        # (submitted, copy started, copy done, done) as ``Future.kvpool_trace``, as the CUDA
+        # engine's do; 0 ``inline_bytes`` sends every job to the registration's thread.
+        self.trace = trace
+        self.inline_bytes = inline_bytes
+        self.chunk_blocks = chunk_blocks
 
     def start(self) -> None:
         # Not a daemon thread: interpreter exit waits for it rather than freeze it inside the

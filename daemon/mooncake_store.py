@@ -43,6 +43,8 @@ assert TRAILER_BYTES == 32
 # into registered memory, so it only needs to exist.
 LOCAL_BUFFER_BYTES = 16 << 20
 CONNECT_TIMEOUT_S = 2.0
+# A stop's look at the master before leaving the store (RemoteTier.CLOSE_S bounds the stop).
+CLOSE_CHECK_TIMEOUT_S = 0.2
 # Mooncake store error codes (mooncake-store/include/types.h) that this module tells apart.
 OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900
@@ -97,20 +99,11 @@ class MooncakeStore:
         register the pool and the trailers. Raises ``RemoteFault``; ``ImportError`` when the
         ``kvpool[mooncake]`` extra is missing."""
         from mooncake.store import MooncakeDistributedStore
-        u = self.url
         # Mooncake's setup holds the GIL, hence the daemon's event loop, for as long as it
         # retries: 20 tries of ~4 s against an absent master (measured). So it only runs once
         # the master's ports take connections; against a live master it returns in ~50 ms.
-        endpoints = [("master", u.master_host, u.rpc_port)]
-        if u.metadata.startswith("http://"):
-            m = urlsplit(u.metadata)
-            endpoints.append(("metadata server", m.hostname, m.port or 80))
-        for what, host, port in endpoints:
-            try:
-                socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
-            except OSError as e:
-                raise RemoteFault(f"the Mooncake {what} at {host}:{port} is not reachable: "
-                                  f"{e.strerror or e}") from None
+        self._check_reachable(CONNECT_TIMEOUT_S)
+        u = self.url
         store = MooncakeDistributedStore()
         rc = store.setup(u.local_host, u.metadata, self.segment_bytes, LOCAL_BUFFER_BYTES,
                          u.protocol, u.device, u.master)
@@ -128,13 +121,31 @@ class MooncakeStore:
 
     def close(self) -> None:
         """Unregister the pool and leave the store (this host's segment and what it held go).
-        No call may be in flight."""
-        store, self._store = self._store, None
-        if store is None:
+        No call may be in flight. Raises ``RemoteFault``, still connected, when the master's
+        ports take no connection: leaving retries against it for 1.5 s and more with the GIL
+        held (measured), which would stop the daemon's event loop as long."""
+        if self._store is None:
             return
+        self._check_reachable(CLOSE_CHECK_TIMEOUT_S)
+        store, self._store = self._store, None
         store.unregister_buffer(self._pool_base)
         store.unregister_buffer(self._trailers.ctypes.data)
         store.close()
+
+    def _check_reachable(self, timeout_s: float) -> None:
+        """Raise ``RemoteFault`` unless the master's RPC port (and an HTTP metadata server's)
+        take a TCP connection within ``timeout_s``."""
+        u = self.url
+        endpoints = [("master", u.master_host, u.rpc_port)]
+        if u.metadata.startswith("http://"):
+            m = urlsplit(u.metadata)
+            endpoints.append(("metadata server", m.hostname, m.port or 80))
+        for what, host, port in endpoints:
+            try:
+                socket.create_connection((host, port), timeout=timeout_s).close()
+            except OSError as e:
+                raise RemoteFault(f"the Mooncake {what} at {host}:{port} is not reachable: "
+                                  f"{e.strerror or e}") from None
 
     @property
     def is_connected(self) -> bool:

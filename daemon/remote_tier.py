@@ -68,12 +68,17 @@ PROBE_MAX_KEYS = 512
 # What this host remembers the store holds (a 32-byte key and its size: ~170 B each).
 PRESENT_MAX = 1 << 18
 MONITOR_PERIOD_S = 0.5
+# The most a stop waits on the store. Against a dead master, leaving it (unmounting this host's
+# segment) retries for 1.5 s and more, and calls in flight hang in Mooncake's retries; a stop
+# waited 10-20 s for them. Past this, they are left behind and the daemon ends without them.
+CLOSE_S = 0.5
 
 CONNECTING, UP, DOWN, CLOSED = "connecting", "up", "down", "closed"
 
 
 class RemoteTier(LowerTier):
     name = "remote"
+    flushes_at_exit = False
 
     def __init__(self, store: MooncakeStore, timeout_s: float, pool_bytes: int) -> None:
         self.store = store
@@ -352,28 +357,38 @@ class RemoteTier(LowerTier):
         self._state = CLOSED
         if self._monitor is not None:
             self._monitor.cancel()
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + min(timeout_s, CLOSE_S)
+        log.debug("remote tier: closing (%s, %d transfers in flight)",
+                  "up" if reachable else "down", len(self._data_inflight))
         if self._data_inflight:
             await asyncio.wait([asyncio.wrap_future(f) for f in set(self._data_inflight)],
-                               timeout=timeout_s)
+                               timeout=max(0.0, deadline - time.monotonic()))
         if self._data_inflight:
-            log.warning("remote tier: %d Mooncake transfers still running at exit",
-                        len(self._data_inflight))
-            self._shutdown_threads(cancel=True)
+            log.warning("remote tier: %d Mooncake transfers still running at exit; left "
+                        "behind", len(self._data_inflight))
+            self._leave_behind(cancel=True)
             return
         if not reachable or self._ctl_busy:
             # Leaving would wait on the master (a hung one for minutes); it drops this host
             # by itself once its pings stop (mooncake_master --client_ttl).
             log.info("remote tier: leaving the Mooncake Store without telling the master")
-            self._shutdown_threads(cancel=False)
+            self._leave_behind(cancel=False)
             return
         # Leaving the store unmounts this host's segment through the master: bounded too.
         closing = asyncio.wrap_future(self._ctl.submit(self.store.close))
         try:
-            await asyncio.wait_for(closing, max(0.1, deadline - time.monotonic()))
+            await asyncio.wait_for(closing, max(0.05, deadline - time.monotonic()))
         except (asyncio.TimeoutError, Exception) as e:
             log.warning("remote tier: leaving the Mooncake Store did not finish: %r", e)
+            self._leave_behind(cancel=False)
+            return
         self._shutdown_threads(cancel=False)
+
+    def _leave_behind(self, cancel: bool) -> None:
+        """Stop without waiting: the threads may be inside Mooncake calls, and a store client
+        that was not closed would leave the master in its destructor (the same wait)."""
+        self.has_lingering_work = True
+        self._shutdown_threads(cancel)
 
     def _shutdown_threads(self, cancel: bool) -> None:
         for pool in (self._data, self._fetch, self._ctl):

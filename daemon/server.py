@@ -96,9 +96,8 @@ class Server:
         self._exits: dict[int, tuple[int, set[int]]] = {}
         # Replaced by Telemetry.start() in _startup; hooks are safe to call before that.
         self.telemetry = Telemetry.disabled()
-        # KVPOOL_TRACE=<file>: one line per job with the monotonic ns of each hop (benchmarks)
-        trace = os.environ.get("KVPOOL_TRACE")
-        self._trace = open(trace, "a", buffering=1) if trace else None
+        # One line per job with the monotonic ns of each hop (latency breakdowns)
+        self._trace = open(config.trace, "a", buffering=1) if config.trace else None
         if pool.adopted:
             kept = self.index.adopt()
             log.info("adopted %d committed blocks from the existing pool", kept)

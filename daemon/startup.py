@@ -7,6 +7,7 @@ Kept apart from the CLI so tests and embedders can start a daemon from a ``Daemo
 from __future__ import annotations
 
 import logging
+import os
 import resource
 
 from kvpool.daemon.copy_engine import CopyEngine
@@ -20,7 +21,9 @@ log = logging.getLogger("kvpoold")
 
 
 def build_engines(config: DaemonConfig, pool: Pool) -> dict[type, CopyEngine]:
-    engines: dict[type, CopyEngine] = {HostRegion: HostCopyEngine(pool, config.copy_threads)}
+    trace = bool(config.trace)
+    engines: dict[type, CopyEngine] = {HostRegion: HostCopyEngine(
+        pool, config.copy_threads, chunk_blocks=config.chunk_blocks, trace=trace)}
     if config.cuda == "off":
         return engines
     from kvpool.daemon import cuda
@@ -45,7 +48,7 @@ def build_engines(config: DaemonConfig, pool: Pool) -> dict[type, CopyEngine]:
             raise
         log.warning("CUDA copy engine unavailable (%s): serving the host path only", e)
         return engines
-    engines[CudaRegion] = CudaCopyEngine(pool)
+    engines[CudaRegion] = CudaCopyEngine(pool, chunk_blocks=config.chunk_blocks, trace=trace)
     return engines
 
 
@@ -89,4 +92,11 @@ def run_daemon(config: DaemonConfig) -> int:
     except BaseException:
         pool.close(unlink=not config.keep_pool)
         raise
-    return run(config, pool, engines, lowers)
+    code = run(config, pool, engines, lowers)
+    if any(lower.has_lingering_work for lower in lowers):
+        # The pool, socket and lock are released already; what is left would only make the
+        # interpreter's exit join threads stuck on a remote peer (see RemoteTier.close).
+        logging.getLogger("kvpoold").info("exiting without waiting for the remote tier")
+        logging.shutdown()
+        os._exit(code)
+    return code

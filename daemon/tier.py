@@ -42,6 +42,12 @@ class LowerTier(abc.ABC):
     name: str
     # Set by the caller; called on the event loop when the tier serves again after a fault.
     on_restored: Callable[[], None] | None = None
+    # Whether queued blocks are still written down when the daemon stops (the pool may be
+    # unlinked next). The remote tier says no: a publish while stopping waits on the network.
+    flushes_at_exit: bool = True
+    # Set by ``close`` when calls it could not stop (or a client whose teardown would wait on
+    # a remote peer) are left behind: the process must then end without joining its threads.
+    has_lingering_work: bool = False
     # Set by the caller; called on the event loop when ``can_demote`` turned True other than
     # by a ``demote`` future resolving (a tier that makes blocks durable after that).
     on_ready: Callable[[], None] | None = None

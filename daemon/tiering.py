@@ -214,9 +214,10 @@ class Tiering:
         """Write down what is still queued (the pool may be unlinked next), then close the
         tiers, for at most ``timeout_s`` in all."""
         deadline = time.monotonic() + timeout_s
-        for lane in self._lanes:
+        flushing = [lane for lane in self._lanes if lane.tier.flushes_at_exit]
+        for lane in flushing:
             self._pump(lane)
-        while (any(lane.queue and lane.tier.is_enabled for lane in self._lanes)
+        while (any(lane.queue and lane.tier.is_enabled for lane in flushing)
                and time.monotonic() < deadline):
             await asyncio.sleep(0.01)
         for lane in self._lanes:

@@ -50,6 +50,11 @@ def default_socket_path() -> str:
     return str(base / "kvpoold.sock")
 
 
+# Items per chunk of a big copy job: 128 blocks of 2 MiB are ~5 ms of PCIe copy, long enough to
+# hide the next chunk's launch and the previous chunk's commit (~60 us each at this size), while
+# a 1024-block job still takes only 8 chunk events.
+CHUNK_BLOCKS = 128
+
 _SIZE_ONLY = r"^\s*\d+(\.\d+)?\s*([KMGTkmgt]i?[Bb]?|[Bb])?\s*$"
 _SIZE_PATTERN = r"^(auto|\s*\d+(\.\d+)?\s*([KMGTkmgt]i?[Bb]?|[Bb])?\s*)$"
 
@@ -170,6 +175,14 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     reservation_ttl_s: Annotated[float, _doc(
         "tickets reserved by an engine's scheduler for stores to come and not used by then are "
         "taken back", gt=0, le=3600)] = 10.0
+    # ---- copies and diagnosis (appended) ----
+    chunk_blocks: Annotated[int, _doc(
+        "blocks per chunk of a big copy job; each chunk is usable (loads) or visible (stores) "
+        "as soon as it lands; 0: one chunk per job", ge=0, le=1 << 20)] = CHUNK_BLOCKS
+    # One write per job; meant for latency breakdowns (bench/gpu_transfer.py reads it).
+    trace: Annotated[str, _doc(
+        "file to append one line per copy job to, with the monotonic ns of each hop (received, "
+        "submitted, copy started and done, replied); empty: off")] = ""
 
     @property
     def socket_path(self) -> str:

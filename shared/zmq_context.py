@@ -40,10 +40,9 @@ def shared_context() -> zmq.Context:
 
 
 def new_context() -> zmq.Context:
-    """A context whose I/O thread runs under ``SCHED_BATCH`` where this host allows it
-    (``KVPOOL_ZMQ_SCHED_BATCH=0`` keeps the default policy, for side-by-side runs)."""
+    """A context whose I/O thread runs under ``SCHED_BATCH`` where this host allows it."""
     ctx = zmq.Context()
-    if os.environ.get("KVPOOL_ZMQ_SCHED_BATCH", "1") != "0" and batch_policy_allowed():
+    if batch_policy_allowed():
         ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
         ctx.set(zmq.THREAD_PRIORITY, 0)     # the only priority SCHED_BATCH takes
     return ctx

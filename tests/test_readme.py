@@ -38,3 +38,20 @@ def test_every_connector_key_is_documented():
     want = set(CONNECTOR_KEYS) | set(ClientConfig.__struct_fields__)
     assert documented == want, (f"undocumented: {sorted(want - documented)}, "
                                 f"documented but unknown: {sorted(documented - want)}")
+
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_every_file_in_the_module_map_exists():
+    section = README[README.index("**Module map.**"):README.index("**Life of one store.**")]
+    named = set(re.findall(r"`((?:shared|daemon|client|bench|deploy|tests)/[\w./]*)`", section))
+    assert len(named) > 30, sorted(named)
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"the README's module map names files that do not exist: {missing}"
+
+
+def test_a_newcomer_reaches_the_first_command_early():
+    first = README.split("\n").index("```bash") + 1
+    assert first <= 40, f"the first command is on line {first + 1}"
+    assert "kvpoold" in README[:README.index("## Architecture")]

@@ -50,6 +50,21 @@ def wait_for(cond: Callable[[], object], timeout_s: float, what: str | Callable[
         time.sleep(every_s)
 
 
+class LoggedProcess:
+    """A helper's subprocess (``proc``) writing to ``log_path``, for tests and benchmarks."""
+
+    log_path: Path
+    proc: subprocess.Popen | None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill_if_running(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
 def is_stopped(pid: int) -> bool:
     """Whether every thread of ``pid`` is in the stopped state (or gone)."""
     try:

@@ -29,6 +29,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import msgspec
+
 from bench.soak.common import ROOT, Daemon, ShmBlocks, key, unlink_shm, wait_for
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared import protocol as p
@@ -36,12 +38,15 @@ from kvpool.shared.errors import ErrorCode, PoolFull
 
 NOBODY = 65534          # exists everywhere (nobody:nogroup)
 STRANGER = 65533        # a uid and gid with no account at all
-VENV_SITE = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" \
-    / "site-packages"
+# What code run as another uid imports: kvpool's client side and its two dependencies. The
+# checkout and its venv may sit under a directory only root can enter (root's home, a
+# ``mktemp -d``), so they are copied to a world-readable place, never read where they are.
+_OTHER_UID_PACKAGES = {"kvpool": "kvpool", "kvpool/shared": "shared", "kvpool/client": "client"}
+_OTHER_UID_DEPENDENCIES = ("msgspec", "zmq")
 
 
 def _system_python() -> str | None:
-    """A Python another uid can run with our site-packages (the venv's may sit under /root)."""
+    """A Python another uid can run (the venv's interpreter may sit where it cannot reach)."""
     want = f"{sys.version_info.major}.{sys.version_info.minor}"
     for cand in (f"/usr/bin/python{want}", "/usr/bin/python3"):
         if os.access(cand, os.X_OK):
@@ -52,13 +57,35 @@ def _system_python() -> str | None:
     return None
 
 
-def as_user(uid: int, gid: int, code: str, timeout_s: float = 60) -> dict:
-    """Run ``code`` as ``uid``:``gid`` (no supplementary groups); it prints one JSON line."""
+def stage_for_other_uids(dest: Path) -> Path:
+    """Copy what ``as_user`` code imports into ``dest`` (world-readable); returns the folder to
+    put on that code's ``sys.path``."""
+    import importlib.util
+    site = dest / "site"
+    for target, source in _OTHER_UID_PACKAGES.items():
+        shutil.copytree(ROOT / source, site / target,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in _OTHER_UID_DEPENDENCIES:
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.submodule_search_locations, f"{name} is not installed"
+        pkg = Path(list(spec.submodule_search_locations)[0])
+        # Wheels repaired by auditwheel keep their shared libraries beside the package.
+        for part in (pkg, pkg.parent / f"{name}.libs", pkg.parent / f"py{name}.libs"):
+            if part.is_dir():
+                shutil.copytree(part, site / part.name,
+                                ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for path in [dest, *dest.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return site
+
+
+def as_user(uid: int, gid: int, code: str, site: Path, timeout_s: float = 60) -> dict:
+    """Run ``code`` as ``uid``:``gid`` (no supplementary groups) with ``site`` (from
+    ``stage_for_other_uids``) as its only import path of ours; it prints one JSON line."""
     py = _system_python()
     assert py, "no system Python of our version for another uid"
-    prelude = (f"import site, sys, json, os; site.addsitedir({str(VENV_SITE)!r}); "
-               f"sys.path.insert(0, {str(ROOT)!r})\n")
-    r = subprocess.run([py, "-c", prelude + textwrap.dedent(code)], capture_output=True,
+    prelude = f"import sys, json, os; sys.path.insert(0, {str(site)!r})\n"
+    r = subprocess.run([py, "-s", "-c", prelude + textwrap.dedent(code)], capture_output=True,
                        text=True, timeout=timeout_s, user=uid, group=gid, extra_groups=[],
                        env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"}, cwd="/tmp")
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
@@ -100,6 +127,7 @@ def access(workdir: Path) -> dict:
     pub = _public_dir()
     out: dict = {}
     try:
+        site = stage_for_other_uids(pub / "py")
         # 1. Defaults: socket 0600, pool 0600.
         d = Daemon(pub / "default")
         d.workdir.chmod(0o755)
@@ -118,8 +146,8 @@ def access(workdir: Path) -> dict:
                         os.close(os.open("/dev/shm/{d.pool_name}", flags)); out["pool"] = "opened"
                     except OSError as e:
                         out.setdefault("pool", errno.errorcode[e.errno])
-                print(json.dumps(out))""")
-            client = as_user(NOBODY, NOBODY, _TRY_CLIENT.format(sock=d.socket))
+                print(json.dumps(out))""", site)
+            client = as_user(NOBODY, NOBODY, _TRY_CLIENT.format(sock=d.socket), site)
         finally:
             d.stop()
             d.cleanup()
@@ -131,14 +159,14 @@ def access(workdir: Path) -> dict:
         d.workdir.chmod(0o755)
         d.start()
         try:
-            refused = as_user(NOBODY, NOBODY, _TRY_CLIENT.format(sock=d.socket))
-            admitted = as_user(STRANGER, STRANGER, _TRY_CLIENT.format(sock=d.socket))
+            refused = as_user(NOBODY, NOBODY, _TRY_CLIENT.format(sock=d.socket), site)
+            admitted = as_user(STRANGER, STRANGER, _TRY_CLIENT.format(sock=d.socket), site)
             own = SchedulerClient(d.client_config(timeout_ms=3000), "owner", heartbeat=False)
             own.ping()
             own.close()
             out["allow_uid_refuses_other"] = refused["ping"]
             out["allow_uid_admits_listed"] = admitted["ping"] + "/" + admitted["info"]
-            out.update(_confused_deputy(d))
+            out.update(_confused_deputy(d, site))
         finally:
             d.stop()
             d.cleanup()
@@ -149,9 +177,9 @@ def access(workdir: Path) -> dict:
         d.start()
         try:
             out["allow_gid_admits_member"] = as_user(
-                NOBODY, NOBODY, _TRY_CLIENT.format(sock=d.socket))["ping"]
+                NOBODY, NOBODY, _TRY_CLIENT.format(sock=d.socket), site)["ping"]
             out["allow_gid_refuses_other"] = as_user(
-                STRANGER, STRANGER, _TRY_CLIENT.format(sock=d.socket))["ping"]
+                STRANGER, STRANGER, _TRY_CLIENT.format(sock=d.socket), site)["ping"]
         finally:
             d.stop()
             d.cleanup()
@@ -169,7 +197,7 @@ def access(workdir: Path) -> dict:
     return {"security_other_uid_refused": int(refused_all), "security_access_detail": out}
 
 
-def _confused_deputy(d: Daemon) -> dict:
+def _confused_deputy(d: Daemon, site: Path) -> dict:
     """An admitted uid (STRANGER) names root's engine segment, and resets root's namespace."""
     from bench.soak.client import Engine
     eng = Engine(d.socket, 8, "root engine", model="soak-root-model")
@@ -178,20 +206,21 @@ def _confused_deputy(d: Daemon) -> dict:
         eng.fill(ids, eng.keys(ids))
         refs = eng.sched.prepare_store(eng.ns, eng.keys(ids))
         assert eng.worker.wait([eng.worker.submit_store(eng.reg, ids, refs)], 30)[0].ok
+        layout_json = msgspec.json.encode(eng.layout_)
         res = as_user(STRANGER, STRANGER, f"""
-            from bench.soak.common import layout, namespace
+            import msgspec
             from kvpool.client.scheduler import SchedulerClient
             from kvpool.client.worker import WorkerClient
             from kvpool.shared.config import ClientConfig
             from kvpool.shared.errors import KvpoolError
             from kvpool.shared.protocol import HostRegion
-            from kvpool.shared.layout import SegmentPlacement
+            from kvpool.shared.layout import Layout, SegmentPlacement
             cfg = ClientConfig(socket={d.socket!r}, timeout_ms=3000)
             w = WorkerClient(cfg, "stranger", heartbeat=False)
             s = SchedulerClient(cfg, "stranger", heartbeat=False)
             out = {{}}
             try:
-                w.register(namespace("soak-root-model"), layout(), 0, 8,
+                w.register({eng.ns!r}, msgspec.json.decode({layout_json!r}, type=Layout), 0, 8,
                            [HostRegion({eng.mem.name!r}, 8 * 4096)], [SegmentPlacement(0, 0, 4096)])
                 out["register"] = "registered"
             except KvpoolError as e:
@@ -201,7 +230,7 @@ def _confused_deputy(d: Daemon) -> dict:
             except KvpoolError as e:
                 out["reset"] = type(e).__name__ + ": " + e.message
             w.close(); s.close()
-            print(json.dumps(out))""")
+            print(json.dumps(out))""", site)
         hits = eng.sched.lookup(eng.ns, [eng.keys(ids)]).hits[0]
     finally:
         eng.close()

@@ -10,7 +10,7 @@ from kvpool.client.worker import WorkerClient
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.errors import DaemonUnavailable, ErrorCode
 from tests.conftest import stop_process, unless_unavailable, wait_for
-from tests.kvtest import HostKv
+from bench.kvtest import HostKv
 
 
 def test_absent_daemon_raises_quickly_and_never_hangs(tmp_path):

@@ -62,7 +62,7 @@ def test_tensors_outside_regions_or_disagreeing_are_refused():
 
 def _layer_views(order: str, heads: int = H, blocks: int = N) -> list[torch.Tensor]:
     """vLLM 0.33's per-layer ``[B, H, N, C]`` views (C: a token's K and V of a head)."""
-    from tests.kvtest import STRIDE_ORDERS
+    from bench.kvtest import STRIDE_ORDERS
     so = STRIDE_ORDERS[order]
     shape = (L, blocks, heads, T, 2 * D)
     whole = torch.empty([shape[d] for d in so], dtype=torch.float16)

@@ -10,7 +10,7 @@ import posix_ipc
 
 from kvpool.client.scheduler import SchedulerClient
 from tests.conftest import wait_for
-from tests.kvtest import HostKv
+from bench.kvtest import HostKv
 
 
 def kvpool(*args: str) -> subprocess.CompletedProcess:

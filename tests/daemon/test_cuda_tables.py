@@ -180,7 +180,7 @@ def test_tp_cross_pitched_plan_moves_exactly_the_ranks_heads(order, tp, rank, he
     from kvpool.daemon.cuda_copy import (flatten_plan, pitched_plan, pitched_table,
                                          strided_runs)
     from kvpool.shared.protocol import RegisterRequest
-    from tests.kvtest import HeadKv
+    from bench.kvtest import HeadKv
 
     kv = HeadKv(tp, rank, heads=heads, layers=3, blocks=6, block_tokens=4, cell=8, order=order)
     try:
@@ -268,7 +268,7 @@ def test_templates_give_the_same_copies_as_the_full_tables(order, tp, rank):
     from kvpool.daemon.cuda_copy import (PitchedOps, block_runs, flatten_plan, pitched_plan,
                                          pitched_table, small_table, strided_runs)
     from kvpool.shared.protocol import RegisterRequest
-    from tests.kvtest import HeadKv
+    from bench.kvtest import HeadKv
 
     kv = HeadKv(tp, rank, heads=4, layers=3, blocks=6, block_tokens=4, cell=8, order=order)
     try:

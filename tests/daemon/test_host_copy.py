@@ -163,7 +163,7 @@ def test_tp_cross_rank_rows_paths_are_bit_exact(pool, order, slot_order):
     """A TP=2 rank's head range: the strided one-pass path (adjacent slots; per-layer caches
     load their rows a segment at a time) and the gather/scatter path move exactly its heads of
     each slot, and leave the other rank's heads alone."""
-    from tests.kvtest import HeadKv
+    from bench.kvtest import HeadKv
     kv = HeadKv(2, 1, heads=4, layers=4, blocks=40, block_tokens=8, cell=32, order=order)
     engine = HostCopyEngine(pool)
     reg = RegisterRequest(1, kv.namespace, kv.layout, 1, kv.blocks, [kv.mem.region],

@@ -9,7 +9,7 @@ import torch
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.errors import DaemonUnavailable, ErrorCode
 from tests.conftest import stop_process, unless_unavailable, wait_for
-from tests.kvtest import HostKv
+from bench.kvtest import HostKv
 
 
 def _engine(config, name: str = "worker"):

@@ -178,7 +178,7 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int, tp_size: int = 
                 a @ b
             sync()
             # The same pause before every timed loop: a GEMM loop right after other GPU work
-            # runs at lower clocks than one after a pause (bench/gemm_probe.py, run 10).
+            # runs at lower clocks than one after a pause (bench/investigations/gemm_probe.py, run 10).
             time.sleep(0.3)
             conn.send("ready")
             conn.recv()
@@ -435,7 +435,7 @@ class _DaemonBench:
         """Store and load back to back, two jobs in flight each way, for ``seconds``; returns
         blocks/s moved (both directions together). ``kinds`` "stores" or "loads" keeps four
         jobs of one direction in flight; ``events=False`` sends stores without an event,
-        ``"side"`` records them on a stream of their own (bench/gemm_breakdown.py: which
+        ``"side"`` records them on a stream of their own (bench/investigations/gemm_breakdown.py: which
         ingredient slows a GEMM elsewhere)."""
         side = None
         if events == "side":

@@ -6,8 +6,8 @@
 # (pd: the two-GPU tests and bench/pd_handoff.py; pd+bench also runs bench/gpu_transfer.py;
 #  tests+pd: every GPU test, then bench/pd_handoff.py; PD_ARGS: extra pd_handoff.py args;
 #  tp: the cross-TP GPU tests, then bench/pd_handoff.py --mode cross;
-#  probe: bench/gemm_probe.py, also run last by all; PROBE_ARGS: its extra args;
-#  breakdown: bench/gemm_breakdown.py; BREAKDOWN_ARGS: its extra args;
+#  probe: bench/investigations/gemm_probe.py, also run last by all; PROBE_ARGS: its extra args;
+#  breakdown: bench/investigations/gemm_breakdown.py; BREAKDOWN_ARGS: its extra args;
 #  scale: the many-GPU tests, then bench/host_scale.py on every GPU (one GPU: 1, 2 and 4
 #  engines sharing it); SCALE_ARGS replaces its default arguments, extra args are appended)
 set -uo pipefail
@@ -62,10 +62,10 @@ if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = pd+bench ]; then
   timeout ${BENCH_TIMEOUT:-480} python3 "$REPO/bench/gpu_transfer.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" || rc=1
 fi
 if [ "$what" = probe ] || [ "$what" = all ]; then
-  timeout ${PROBE_TIMEOUT:-240} python3 "$REPO/bench/gemm_probe.py" --out "$OUT" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" || rc=1
+  timeout ${PROBE_TIMEOUT:-240} python3 "$REPO/bench/investigations/gemm_probe.py" --out "$OUT" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" || rc=1
 fi
 if [ "$what" = breakdown ]; then
-  timeout ${BREAKDOWN_TIMEOUT:-300} python3 "$REPO/bench/gemm_breakdown.py" --out "$OUT" ${BREAKDOWN_ARGS:-} 2>&1 | tee "$OUT/breakdown.log" || rc=1
+  timeout ${BREAKDOWN_TIMEOUT:-300} python3 "$REPO/bench/investigations/gemm_breakdown.py" --out "$OUT" ${BREAKDOWN_ARGS:-} 2>&1 | tee "$OUT/breakdown.log" || rc=1
 fi
 if [ "$what" = scale ]; then
   timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \

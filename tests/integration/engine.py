@@ -17,7 +17,7 @@ import time
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.protocol import SLOT_PRESENT
-from tests.kvtest import HostKv
+from bench.kvtest import HostKv
 
 
 def main() -> None:

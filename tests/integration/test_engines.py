@@ -12,7 +12,7 @@ import torch
 
 from kvpool.client.scheduler import SchedulerClient
 from tests.conftest import wait_for
-from tests.kvtest import HostKv
+from bench.kvtest import HostKv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

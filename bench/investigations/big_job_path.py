@@ -1,0 +1,217 @@
+"""The daemon's own Python around a big job's copy, on CPU, without a GPU or a socket (issue 15).
+
+    python bench/investigations/big_job_path.py [--blocks 1024] [--jobs 200] [--keys] [--out DIR]
+
+A 1024-block store on an H100 copies for ~40 ms; what no copy hides is the daemon's work before
+the first chunk goes out and after the last one lands. This times that work in process: a
+``Server`` on a real ``Pool`` (16 KiB slots in 2 MiB extents: 128 slots per extent, the ratio of
+2 MiB blocks in 256 MiB extents) with an engine that holds each job until told, so that:
+
+- ``decode``: ``decode_request`` of the job's frame alone;
+- ``to_submit``: ``Server._dispatch`` of the frame until the engine's ``submit_*`` is called
+  (decode, checks, ``begin_store``/``begin_load``, offsets; the engine's own launch is not in it);
+- ``chunk``: each leading chunk's commit as the engine reports it landed (``_landed``, hidden by
+  the next chunk's copy on a GPU);
+- ``job_done``: ``_job_done`` (the last chunk's commit, counters, the JobDone) and
+  ``done_to_sent``: the engine's future resolved -> the reply handed to the socket, which adds the
+  loop's wake-up (here a same-thread ``call_soon_threadsafe``).
+
+Stores take slots from ``prepare_store`` (what bench/gpu_transfer.py does) or, with ``--keys``,
+name tickets from ``reserve`` that the store gives slots by its keys (the vLLM connector's path;
+on a full pool, ``to_submit`` then includes evicting a slot per block). Each figure is
+the median over ``--jobs`` jobs (the first 10% not counted), in microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import secrets
+import statistics
+import time
+from concurrent.futures import Future
+
+from kvpool.daemon.copy_engine import CopyEngine, JobResult, Mapped
+from kvpool.daemon.pool import Pool
+from kvpool.daemon.server import Server
+from kvpool.shared import protocol as p
+from kvpool.shared.config import DaemonConfig
+from kvpool.shared.layout import Layout, SegmentPlacement
+from kvpool.shared.protocol import CudaRegion
+
+SLOT = 16 << 10
+
+
+class _Mapped(Mapped):
+    def __init__(self, registration) -> None:
+        self.registration = registration
+
+
+class _Held(CopyEngine):
+    """Hands back an unresolved future per job and remembers when it was asked."""
+
+    name = "held"
+
+    def __init__(self) -> None:
+        self.t_submit = 0
+        self.fut: Future | None = None
+
+    def attach(self, registration, peer=None):
+        return _Mapped(registration)
+
+    def detach(self, mapped) -> None:
+        pass
+
+    def _hold(self) -> Future:
+        self.t_submit = time.perf_counter_ns()
+        self.fut = Future()
+        return self.fut
+
+    def submit_store(self, mapped, block_ids, shard_offsets, wait_event=b"", progress=None):
+        t = self._hold()
+        self.progress, self.n = progress, len(block_ids)
+        return t
+
+    def submit_load(self, mapped, shard_offsets, block_ids):
+        t = self._hold()
+        self.progress, self.n = None, len(block_ids)
+        return t
+
+
+class _Frame:
+    def __init__(self, data: bytes) -> None:
+        self.buffer = memoryview(data)
+
+
+def run(blocks: int, jobs: int, keys: bool) -> dict[str, dict[str, float]]:
+    from kvpool.daemon import copy_engine
+    from kvpool.daemon.copy_engine import chunk_bounds
+    cfg = DaemonConfig(pool_name=f"kvpool-bench-big-{os.getpid()}-{secrets.token_hex(3)}",
+                       pool_size=f"{max(64, 16 * blocks * SLOT >> 20)}MiB", extent_size="2MiB")
+    pool = Pool.open(cfg)
+    times: dict[str, list[int]] = {}
+    add = lambda k, v: times.setdefault(k, []).append(v)  # noqa: E731
+    try:
+        eng = _Held()
+        srv = Server(cfg, pool, {CudaRegion: eng})
+        replies: list = []
+        sent: list[int] = []
+
+        def send(_identity, reply) -> None:
+            sent.append(time.perf_counter_ns())
+            replies.append(reply)
+        srv._send = send                                  # no socket
+        for name in ("_landed", "_job_done"):
+            inner = getattr(srv, name)
+
+            def timed(*a, _inner=inner, _name=name):
+                t0 = time.perf_counter_ns()
+                _inner(*a)
+                add(f"{kind}_{_name.strip('_')}", time.perf_counter_ns() - t0)
+            setattr(srv, name, timed)
+        ident = b"\0bench"
+        req = iter(range(1, 1 << 40))
+
+        def call(msg) -> object:
+            srv._dispatch(ident, _Frame(p.encode(msg)))
+            return replies[-1]
+
+        async def finish(nbytes: int) -> None:
+            """Land every chunk but the last (their commits run on the loop), then the job."""
+            # The chunks the CUDA engine would report (a store's end with a small tail
+            # where it has TAIL_BLOCKS).
+            tail = getattr(copy_engine, "TAIL_BLOCKS", 0) if eng.progress is not None else 0
+            bounds = chunk_bounds(eng.n, cfg.chunk_blocks, *([tail] if tail else []))
+            for end in bounds[1:-1]:
+                if eng.progress is not None:
+                    eng.progress(end)
+                    await asyncio.sleep(0)
+            n_sent = len(sent)
+            t0 = time.perf_counter_ns()
+            eng.fut.set_result(JobResult(nbytes))
+            while len(sent) == n_sent:
+                await asyncio.sleep(0)
+            add(f"{kind}_done_to_sent", sent[-1] - t0)
+            assert replies[-1].code == 0, replies[-1]
+
+        async def main() -> None:
+            nonlocal kind
+            call(p.Hello(next(req), p.PROTOCOL_VERSION, p.Role.WORKER, "bench", os.getpid()))
+            ns = b"n" * 16
+            lay = Layout(16, 1, "bfloat16", (SLOT,), "bench")
+            reg = call(p.RegisterRequest(next(req), ns, lay, 0, blocks,
+                                         [CudaRegion("GPU-0", b"h" * 64, blocks * SLOT)],
+                                         [SegmentPlacement(0, 0, SLOT)])).registration_id
+            idx = srv.index
+            ids = list(range(blocks))
+            for i in range(jobs):
+                ks = [b"%08d%08d" % (i, j) for j in range(blocks)]
+                if keys:
+                    slots = idx.reserve(ns, blocks, 99, 0.0)
+                    msg = p.StoreRequest(next(req), reg, i, ids, slots, keys=ks)
+                else:
+                    slots = idx.prepare_store(ns, ks, 99, 0.0)
+                    msg = p.StoreRequest(next(req), reg, i, ids, slots)
+                assert len(slots) == blocks and min(slots) >= 0
+                frame = p.encode(msg)
+                t0 = time.perf_counter_ns()
+                p.decode_request(frame)
+                add("store_decode", time.perf_counter_ns() - t0)
+                kind = "store"
+                t0 = time.perf_counter_ns()
+                srv._dispatch(ident, _Frame(frame))
+                add("store_to_submit", eng.t_submit - t0)
+                await finish(blocks * SLOT)
+                hit = idx.lookup(ns, [ks], True, 99, 0.0)
+                frame = p.encode(p.LoadRequest(next(req), reg, i, hit[2][0], ids))
+                t0 = time.perf_counter_ns()
+                p.decode_request(frame)
+                add("load_decode", time.perf_counter_ns() - t0)
+                kind = "load"
+                t0 = time.perf_counter_ns()
+                srv._dispatch(ident, _Frame(frame))
+                add("load_to_submit", eng.t_submit - t0)
+                await finish(blocks * SLOT)
+                idx.release_leases(hit[1], 99)
+                idx.reset(ns)
+
+        kind = ""
+        try:
+            import uvloop
+            uvloop.run(main())
+        except ImportError:
+            asyncio.run(main())
+    finally:
+        pool.close(unlink=True)
+    skip = lambda v: v[len(v) // 10:]  # noqa: E731
+    return {k: round(statistics.median(skip(v)) / 1e3, 1) for k, v in sorted(times.items())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blocks", type=int, default=1024)
+    ap.add_argument("--jobs", type=int, default=200)
+    ap.add_argument("--keys", action="store_true", help="tickets bound to slots by the store")
+    ap.add_argument("--out", default="", help="directory for the JSON (default: none)")
+    args = ap.parse_args()
+    res = {"device": f"cpu {platform.machine()}, {os.cpu_count()} cores",
+           "date": datetime.date.today().isoformat(), "blocks": args.blocks, "jobs": args.jobs,
+           "keys": args.keys, "us": run(args.blocks, args.jobs, args.keys)}
+    print(f"daemon Python around a {args.blocks}-block job ({res['device']}, "
+          f"{'tickets+keys' if args.keys else 'prepared'}), median us")
+    for k, v in res["us"].items():
+        print(f"  {k:20s} {v:8.1f}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"big-job-path-cpu-{res['date']}.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=2)
+        print(f"  written to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""``client/transport.py`` against a stand-in daemon: a ROUTER socket on a thread that answers
+Hello and, unless told to stay silent, Ping. What is checked is the transport's own contract:
+one Hello per connection, replies matched to their calls, a bounded wait, and fast failure with
+a backoff when no daemon listens."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from kvpool.client.transport import Transport
+from kvpool.shared import protocol as p
+from kvpool.shared.config import ClientConfig
+from kvpool.shared.errors import DaemonUnavailable
+
+
+class FakeDaemon:
+    """Answers every Hello; answers Ping unless ``silent``. Counts what it received by type."""
+
+    def __init__(self, path: str, silent: bool = False) -> None:
+        self.path = path
+        self.silent = silent
+        self.seen: dict[str, int] = {}
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.bind(f"ipc://{path}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(20):
+                continue
+            identity, frame = self._sock.recv_multipart()
+            msg = p.decode_request(frame)
+            name = type(msg).__name__
+            self.seen[name] = self.seen.get(name, 0) + 1
+            if isinstance(msg, p.Hello):
+                reply = p.HelloReply(msg.req_id, p.PROTOCOL_VERSION, "fake", 7, 1 << 20, 1000,
+                                     1 << 20)
+            elif isinstance(msg, p.Ping) and not self.silent:
+                reply = p.Pong(msg.req_id, "fake", 1.0)
+            else:
+                continue
+            self._sock.send_multipart([identity, p.encode(reply)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+@pytest.fixture
+def sock_path(tmp_path):
+    return str(tmp_path / "kvpoold.sock")
+
+
+def transport(path: str, **kw) -> Transport:
+    cfg = ClientConfig(socket=path, **{"timeout_ms": 1000, "reconnect_backoff_ms": 500, **kw})
+    return Transport(cfg, p.Role.SCHEDULER, "test", heartbeat=False)
+
+
+def test_calls_get_their_replies_over_one_connection(sock_path):
+    daemon = FakeDaemon(sock_path)
+    t = transport(sock_path)
+    try:
+        replies = [t.call(lambda rid: p.Ping(rid)) for _ in range(3)]
+        assert all(isinstance(r, p.Pong) for r in replies)
+        assert len({r.req_id for r in replies}) == 3
+        assert daemon.seen == {"Hello": 1, "Ping": 3}
+        assert t.is_connected and t.owner_id == 7 and t.daemon_id == "fake" and t.epoch == 1
+    finally:
+        t.close()
+        daemon.close()
+
+
+def test_no_daemon_fails_at_once_then_within_the_backoff(sock_path):
+    t = transport(sock_path)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable, match="nothing listens"):
+            t.call(lambda rid: p.Ping(rid))
+        assert time.monotonic() - t0 < 0.5          # not a timeout: nobody is there
+        with pytest.raises(DaemonUnavailable, match="next try in"):
+            t.call(lambda rid: p.Ping(rid))
+        assert not t.is_connected
+    finally:
+        t.close()
+
+
+def test_a_silent_daemon_costs_one_timeout_not_more(sock_path):
+    daemon = FakeDaemon(sock_path, silent=True)
+    t = transport(sock_path, timeout_ms=300)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable):
+            t.call(lambda rid: p.Ping(rid))
+        waited = time.monotonic() - t0
+        assert 0.3 <= waited < 2.0, waited
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable, match="next try in"):
+            t.call(lambda rid: p.Ping(rid))
+        assert time.monotonic() - t0 < 0.1
+    finally:
+        t.close()
+        daemon.close()
