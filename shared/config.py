@@ -202,6 +202,15 @@ class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # After a failure, wait at least this long before trying the daemon again (doubles to max).
     reconnect_backoff_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 200
     reconnect_backoff_max_ms: Annotated[int, msgspec.Meta(ge=0, le=600_000)] = 5000
+    # When a computed full block goes to the pool. "eager": at once, paying PCIe, pool room
+    # and lower-tier writes for every block. "lazy": only when vLLM's GPU prefix cache is about
+    # to evict it, or when the engine goes idle or drains for shutdown, so blocks that are
+    # reused or dropped while still on the GPU cost nothing. P/D hand-offs stay eager.
+    store_policy: Literal["eager", "lazy"] = "eager"
+    # Requests shorter than this many tokens store nothing: a short prompt is cheap to
+    # recompute and rarely a prefix of another one. 0 stores every request. The upper bound
+    # (16 Mi tokens) is past any model's context: a larger value could only be a mistake.
+    store_min_prefix_tokens: Annotated[int, msgspec.Meta(ge=0, le=16_777_216)] = 0
 
     @property
     def socket_path(self) -> str:

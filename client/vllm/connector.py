@@ -174,6 +174,8 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
                 engine_id=engine_id, tp_size=pc.tensor_parallel_size,
                 pd_wait_s=float(extra.get("pd_wait_s", 3.0)), pd_stream=pd_stream,
                 store_wait_s=config.timeout_ms / 1000,
+                store_policy=config.store_policy,
+                store_min_prefix_tokens=config.store_min_prefix_tokens,
                 events_enabled=bool(getattr(vllm_config.kv_events_config,
                                             "enable_kv_cache_events", False)))
             from kvpool.client.call_timing import maybe_time

@@ -55,3 +55,30 @@ def test_default_socket_path_follows_xdg_runtime_dir(monkeypatch):
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     assert DaemonConfig().socket_path in ("/run/kvpool/kvpoold.sock",
                                           f"/tmp/kvpool-{os.geteuid()}/kvpoold.sock")
+
+
+def test_store_policy_and_min_prefix_default_to_storing_everything_at_once():
+    cfg = ClientConfig()
+    assert (cfg.store_policy, cfg.store_min_prefix_tokens) == ("eager", 0)
+
+
+def test_store_settings_come_from_env_and_the_extra_config_wins():
+    env = env_layer(ClientConfig, {"KVPOOL_STORE_POLICY": "lazy",
+                                   "KVPOOL_STORE_MIN_PREFIX_TOKENS": "256"})
+    assert env == {"store_policy": "lazy", "store_min_prefix_tokens": "256"}
+    cfg = build_config(ClientConfig, env)
+    assert (cfg.store_policy, cfg.store_min_prefix_tokens) == ("lazy", 256)
+    cfg = build_config(ClientConfig, env, {"store_policy": "eager", "store_min_prefix_tokens": 0})
+    assert (cfg.store_policy, cfg.store_min_prefix_tokens) == ("eager", 0)
+
+
+@pytest.mark.parametrize("layer,key", [({"store_policy": "sometimes"}, "store_policy"),
+                                       ({"store_policy": "Lazy"}, "store_policy"),
+                                       ({"store_min_prefix_tokens": -1}, "store_min_prefix_tokens"),
+                                       ({"store_min_prefix_tokens": 1 << 25},
+                                        "store_min_prefix_tokens"),
+                                       ({"store_min_prefix_tokens": "many"},
+                                        "store_min_prefix_tokens")])
+def test_bad_store_settings_name_the_key(layer, key):
+    with pytest.raises(ConfigError, match=key):
+        build_config(ClientConfig, layer)

@@ -1,0 +1,1 @@
+"""Tests of the connector parts that vLLM's scheduler drives."""
