@@ -220,7 +220,7 @@ class StorePath:
         the copy to its engine, before anything else touches the index: before it ends the job
         and before it gives the event loop back (until then nothing else runs there, so nothing
         can evict, reuse or see the slots). So a big store's copy starts after its checks and
-        allocation alone (bench/big_job_path.py times both)."""
+        allocation alone (bench/investigations/big_job_path.py times both)."""
         bit = 1 << rank if mask is None else mask
         if keys is not None and len(keys) != len(refs):
             raise ProtocolError(f"{len(keys)} keys for {len(refs)} slots")

@@ -44,7 +44,7 @@ ROOT = Path(__file__).parent.parent
 
 
 def test_every_file_in_the_module_map_exists():
-    section = README[README.index("**Module map.**"):README.index("**Life of one store.**")]
+    section = README[README.index("**Module map.**"):README.index("**Life of one store**")]
     named = set(re.findall(r"`((?:shared|daemon|client|bench|deploy|tests)/[\w./]*)`", section))
     assert len(named) > 30, sorted(named)
     missing = sorted(p for p in named if not (ROOT / p).exists())

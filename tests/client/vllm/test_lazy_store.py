@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noq
                                         KVCacheGroupSpec)
 from vllm.v1.request import Request  # noqa: E402
 
-from kvpool.client.vllm_lazy_store import (EVICTED, RESET, Due, LazyStore,  # noqa: E402
+from kvpool.client.vllm.lazy_store import (EVICTED, RESET, Due, LazyStore,  # noqa: E402
                                            eviction_horizon, horizon_for)
 
 pytestmark = pytest.mark.vllm
