@@ -163,6 +163,7 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
         self._timer: CallTimer | None = None
         if role == KVConnectorRole.SCHEDULER:
             from kvpool.client.scheduler import SchedulerClient
+            from kvpool.client.vllm.lazy_store import horizon_for
             from kvpool.client.vllm.scheduler import SchedulerRole
 
             client = SchedulerClient(config, name=f"vllm scheduler {engine_id}",
@@ -175,6 +176,8 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
                 pd_wait_s=float(extra.get("pd_wait_s", 3.0)), pd_stream=pd_stream,
                 store_wait_s=config.timeout_ms / 1000,
                 store_policy=config.store_policy,
+                lazy_horizon_blocks=horizon_for(vllm_config, kv_cache_config)
+                if config.store_policy == "lazy" else 0,
                 store_min_prefix_tokens=config.store_min_prefix_tokens,
                 events_enabled=bool(getattr(vllm_config.kv_events_config,
                                             "enable_kv_cache_events", False)))

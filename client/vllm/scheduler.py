@@ -43,7 +43,8 @@ from kvpool.client.vllm.pd_stream import PdStream
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import LoadSpec
 from kvpool.client.vllm.store_losses import StoreLosses
-from kvpool.client.vllm.store_planner import StorePlanner
+from kvpool.client.vllm.lazy_store import LazyStore
+from kvpool.client.vllm.store_planner import StorePlanner, handed_blocks
 from kvpool.client.vllm.tickets import Backlog, Tickets
 from kvpool.client.vllm_keys import GroupInfo, RequestKeys
 from kvpool.client.vllm_meta import StepMeta, WorkerAcks
@@ -66,7 +67,9 @@ class SchedulerRole:
                  backoff_s: float = 0.2, backoff_max_s: float = 5.0, *,
                  kv_producer: bool = False, engine_id: str = "", tp_size: int = 1,
                  pd_wait_s: float = 3.0, pd_stream: bool = True,
-                 store_wait_s: float = 2.0, events_enabled: bool = True) -> None:
+                 store_wait_s: float = 2.0, events_enabled: bool = True,
+                 store_policy: str = "eager", store_min_prefix_tokens: int = 0,
+                 lazy_horizon_blocks: int = 0) -> None:
         self.groups = groups
         self.world_size = world_size
         self.kv_producer = kv_producer
@@ -99,8 +102,15 @@ class SchedulerRole:
         self.lookups = Lookups(groups, bt, client, self.link, self._reqs, self.pd,
                                self.tickets.committed)
         self.loads = Loads(groups, bt, self._reqs, self._step_loads, self.lookups)
+        # store_policy "lazy": blocks are remembered, and stored when vLLM's prefix cache is
+        # about to evict them (store_planner.py says how); lazy_horizon_blocks is how far one
+        # schedule() reaches into vLLM's free queue (lazy_store.horizon_for).
+        if store_policy not in ("eager", "lazy"):
+            raise ValueError(f"store_policy must be eager or lazy, not {store_policy!r}")
+        self.lazy = LazyStore(max(1, lazy_horizon_blocks)) if store_policy == "lazy" else None
         self.planner = StorePlanner(groups, bt, client, self.link, self._reqs, self.tickets,
-                                    self.backlog, self.losses)
+                                    self.backlog, self.losses, self.lazy,
+                                    store_min_prefix_tokens)
         if self.enabled:
             # Connect and start stocking slots now (start-up, not a step: this may wait up to
             # timeout_ms once), so the first steps find them.
@@ -211,7 +221,7 @@ class SchedulerRole:
         # first (preempted requests' blocks; sliding-window blocks freed and reused).
         flush: set[int] = set()
         if self.tickets.by_id:
-            handed = self._handed_blocks(so)
+            handed = handed_blocks(so)
             if handed:
                 flush = self.tickets.reading(handed)
         for rid in so.preempted_req_ids or ():
@@ -237,19 +247,6 @@ class SchedulerRole:
         self._steps += 1
         return meta
 
-    @staticmethod
-    def _handed_blocks(so: "SchedulerOutput") -> list[int]:
-        """GPU blocks given to requests this step (vLLM 0.32/0.33 ``SchedulerOutput``)."""
-        out: list[int] = []
-        for r in so.scheduled_new_reqs:
-            for ids in r.block_ids:
-                out += ids
-        # (most running requests get no new block in a step: None, skipped at C level)
-        for groups in filter(None, so.scheduled_cached_reqs.new_block_ids):
-            for ids in groups:
-                out += ids
-        return out
-
     # ---- completions ---------------------------------------------------------------------------
 
     def update_connector_output(self, out: "KVConnectorOutput") -> None:
@@ -274,6 +271,8 @@ class SchedulerRole:
             return False, params
         # A lookup reply that lands later finds the request gone and releases its leases.
         self.lookups.consume(st, keep_leases=False)
+        if self.planner.below_min_prefix(st):
+            st.set_cursor(st.full_blocks(self.block_tokens))    # nothing of it is stored
         if self.backlog.keeps(st) or st.tickets:
             st.finishing = True
             return True, params
@@ -290,9 +289,14 @@ class SchedulerRole:
                 "kvpool_tp": self.tp_size}
 
     def has_pending_push_work(self) -> bool:
+        # Remembered blocks (lazy) keep an engine with nothing left to do stepping once more:
+        # that step has nothing to compute, so it stores them (the engine is idle, or shutting
+        # down cleanly) and the cache outlives the engine as under eager.
+        lazy = self.lazy
         return bool(self.tickets.by_id or self.backlog.free_ready or self.lookups.release
                     or self.tickets.abort_slots or self.lookups.retry or self.pd.streams
-                    or self.backlog.backlog)
+                    or self.backlog.backlog
+                    or (lazy is not None and (lazy.num_pending or lazy.num_in_flight)))
 
     def reset_cache(self) -> bool:
         """Forget every block of this engine's namespaces in the pool, without waiting for the
@@ -307,6 +311,8 @@ class SchedulerRole:
         if ok:
             ok = self.tickets.send_reset()
         self.tickets.reset()
+        if self.lazy is not None:
+            self.lazy.reset()            # remembered KV is stale after a reset
         for st in self._reqs.values():
             if not st.loading:
                 self.lookups.consume(st, keep_leases=False)

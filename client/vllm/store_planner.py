@@ -23,6 +23,16 @@ The life of one store (described here once; the other parts point to it):
    and counts the blocks lost (``store_failed``), and a finished request with no ticket left is
    freed through ``tickets.Backlog``.
 
+The store policy (``store_policy``): ``eager`` stores a full block as soon as it is computed,
+as above. ``lazy`` runs steps 1-2 the same way but, for requests that are not P/D hand-offs,
+step 3 becomes "remember": ``lazy_store.LazyStore`` keeps (GPU block, key), and the block is
+stored only when vLLM's prefix cache is about to evict it (``LazyStore.due``: it is within the
+next step's reach from the head of vLLM's free queue, and pinned until its store lands), when
+the engine has nothing to compute (an idle step: every remembered block), or at once when the
+free queue is shorter than that reach (blocks freed then could be evicted before the next
+step sees them). ``store_min_prefix_tokens``: requests shorter than that store nothing (P/D
+hand-offs excepted).
+
 Owns the planning queue and its budgets (a step never spends more than about
 ``STORE_PLAN_BUDGET_S`` planning; the rest waits, in order), the pieces a long prefill is cut
 into, and the question of when a request's full blocks go (``blocks_to_gather``, the store
@@ -35,10 +45,11 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from itertools import chain, compress
+from itertools import chain, compress, repeat
 from typing import Any, Sequence
 
 from kvpool.client.vllm.daemon_link import DaemonLink
+from kvpool.client.vllm.lazy_store import Due, LazyStore
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import StoreSpec
 from kvpool.client.vllm.store_losses import NO_ROOM, StoreLosses
@@ -87,13 +98,27 @@ class _StepPlan:
     seen: list[set[bytes]]             # per group: keys planned this step
 
 
+def handed_blocks(so: Any) -> list[int]:
+    """GPU blocks given to requests this step (vLLM 0.32/0.33 ``SchedulerOutput``)."""
+    out: list[int] = []
+    for r in so.scheduled_new_reqs:
+        for ids in r.block_ids:
+            out += ids
+    # (most running requests get no new block in a step: None, skipped at C level)
+    for groups in filter(None, so.scheduled_cached_reqs.new_block_ids):
+        for ids in groups:
+            out += ids
+    return out
+
+
 class StorePlanner:
     """See the module docstring. Called from vLLM's scheduler thread only, once per step
     (``plan``); ``kv_cache_manager`` is vLLM's, bound after construction."""
 
     def __init__(self, groups: list[Any], block_tokens: int, client: Any, link: DaemonLink,
                  reqs: dict[str, ReqState], tickets: Tickets, backlog: Backlog,
-                 losses: StoreLosses) -> None:
+                 losses: StoreLosses, lazy: LazyStore | None = None,
+                 min_prefix_tokens: int = 0) -> None:
         self.groups = groups
         self.block_tokens = block_tokens
         self.client = client
@@ -110,6 +135,14 @@ class StorePlanner:
         # Requests with blocks to plan, oldest first (deferred by the step budget, or waiting
         # for slots): request id -> when it first waited.
         self.queue: OrderedDict[str, float] = OrderedDict()
+        # store_policy "lazy" (None: eager), and what it needs to store a remembered block: per
+        # GPU block id, the request and block index it holds (for the ticket and its KV event;
+        # overwritten when the block id is remembered again, so bounded by the GPU's blocks),
+        # and per lazy ticket, the GPU blocks it pins until it resolves.
+        self.lazy = lazy
+        self._lazy_owner: dict[int, tuple[ReqState, int]] = {}
+        self._lazy_tickets: dict[int, list[int]] = {}
+        self.min_prefix_tokens = min_prefix_tokens
 
     # ---- the store policy ------------------------------------------------------------------
 
@@ -124,6 +157,12 @@ class StorePlanner:
                 or st.lo < req.num_prompt_tokens // self.block_tokens:
             return 1
         return st.store_run
+
+    def below_min_prefix(self, st: ReqState) -> bool:
+        """``st`` is too short to be stored at all (``store_min_prefix_tokens``; never a P/D
+        hand-off). Judged on its tokens so far: a short prompt that grows past the threshold
+        stores from its first block."""
+        return not st.producer and st.request.num_tokens < self.min_prefix_tokens
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -140,8 +179,18 @@ class StorePlanner:
         in by the backlog (``request_finished``). They join a queue, which a step works
         through for ``STORE_PLAN_BUDGET_S`` (see there), after the backlog's, and at most
         until ``STORE_STEP_BUDGET_S`` after ``step_started`` (perf_counter)."""
+        if self._lazy_tickets:
+            self._release_lazy()
         if self.kv_cache_manager is None or not self._link.ok():
             return []
+        if self.lazy is not None:
+            return self._plan_lazy(so, step_started)
+        return self._plan_eager(so, step_started)
+
+    def _plan_eager(self, so: Any, step_started: float,
+                    remember: LazyStore | None = None) -> list[StoreSpec]:
+        """``plan`` for the queue and the backlog; with ``remember``, the runs of requests that
+        are not P/D hand-offs are remembered there instead of stored (the lazy policy)."""
         queue = self.queue
         now = time.monotonic()
         cached = so.scheduled_cached_reqs
@@ -182,6 +231,8 @@ class StorePlanner:
         if queue and next(iter(queue.values())) <= overdue:
             self._plan_from(queue, step, time.perf_counter() + STORE_OVERDUE_BUDGET_S, True,
                             waited_since=overdue, piece=STORE_LATE_PIECE_BLOCKS)
+        if remember is not None:
+            self._remember(remember, step)
         specs: list[StoreSpec] = []
         for gi, g in enumerate(self.groups):
             runs = step.wanted[gi]
@@ -199,6 +250,84 @@ class StorePlanner:
                 continue            # cut short by the stock: planned again next step
             self._backlog.planned.append(st.request.request_id)
         return specs
+
+    # ---- the lazy policy -------------------------------------------------------------------
+
+    def _plan_lazy(self, so: Any, step_started: float) -> list[StoreSpec]:
+        """A lazy step: new full blocks are remembered (stored at once while the free queue is
+        shorter than the eviction horizon); remembered blocks about to be evicted, or all of
+        them on a step with nothing to compute, are stored."""
+        lazy = self.lazy
+        assert lazy is not None
+        pool = self.kv_cache_manager.block_pool
+        if lazy.num_pending:
+            lazy.note_allocated(pool, handed_blocks(so))
+        specs = self._plan_eager(so, step_started,
+                                 None if lazy.at_risk(pool) else lazy)
+        if not lazy.num_pending:
+            return specs
+        idle = not so.total_num_scheduled_tokens
+        due = lazy.all_pending(pool) if idle else lazy.due(pool)
+        if due:
+            specs += self._store_due(pool, due)
+        return specs
+
+    def _remember(self, lazy: LazyStore, step: _StepPlan) -> None:
+        """Take the runs of requests that are not P/D hand-offs out of ``step.wanted`` and
+        remember their blocks; blocks it cannot track (no prefix-cache hash) stay planned."""
+        pool = self.kv_cache_manager.block_pool
+        owner = self._lazy_owner
+        for gi, runs in enumerate(step.wanted):
+            kept: list[Run] = []
+            for st, index, keys, bids in runs:
+                if st.producer:
+                    kept.append((st, index, keys, bids))
+                    continue
+                owner.update(zip(bids, zip(repeat(st), index)))
+                untracked = lazy.remember(pool, gi, bids, keys)
+                if untracked:
+                    now = {d.block_id for d in untracked}
+                    pick = [j for j, b in enumerate(bids) if b in now]
+                    kept.append((st, [index[j] for j in pick], [keys[j] for j in pick],
+                                 [bids[j] for j in pick]))
+            step.wanted[gi] = kept
+
+    def _store_due(self, pool: Any, due: list[Due]) -> list[StoreSpec]:
+        """Tickets for remembered blocks ``due`` (pinned by the lazy part), one per group.
+        Blocks the stock cannot cover go back to being remembered (unpinned, still cached)."""
+        per_group: list[list[Due]] = [[] for _ in self.groups]
+        for d in due:
+            per_group[d.group].append(d)
+        specs: list[StoreSpec] = []
+        lazy = self.lazy
+        for gi, blocks in enumerate(per_group):
+            if not blocks:
+                continue
+            refs, grant = self.client.take_slots(self.groups[gi].namespace, len(blocks))
+            short = blocks[len(refs):]
+            if short:
+                bids = [d.block_id for d in short]
+                lazy.release(pool, bids)
+                lazy.remember(pool, gi, bids, [d.key for d in short])
+                blocks = blocks[:len(refs)]
+            if not blocks:
+                continue
+            runs: list[Run] = []
+            for d in blocks:
+                st, index = self._lazy_owner[d.block_id]
+                runs.append((st, (index,), [d.key], [d.block_id]))
+            spec = self._tickets.add(gi, runs, refs, grant)
+            self._lazy_tickets[spec.ticket] = [d.block_id for d in blocks]
+            specs.append(spec)
+        return specs
+
+    def _release_lazy(self) -> None:
+        """Unpin the GPU blocks of lazy tickets every rank has reported (stored or failed)."""
+        live = self._tickets.by_id
+        done = [tid for tid in self._lazy_tickets if tid not in live]
+        if done and self.kv_cache_manager is not None:
+            pool = self.kv_cache_manager.block_pool
+            self.lazy.release(pool, [b for tid in done for b in self._lazy_tickets.pop(tid)])
 
     def _plan_from(self, fifo: OrderedDict, step: _StepPlan, stop_at: float,
                    one_at_least: bool, waited_since: float | None = None,
@@ -231,7 +360,7 @@ class StorePlanner:
         """Add ``st``'s newly full blocks to ``step.wanted`` (if they make a run of
         ``blocks_to_gather``), at most ``piece`` of them (all if None); True if more are left
         to plan."""
-        if not st.keys.cacheable or st.loading:
+        if not st.keys.cacheable or st.loading or self.below_min_prefix(st):
             return False
         req = st.request
         rid = req.request_id

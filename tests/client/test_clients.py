@@ -202,6 +202,10 @@ def test_a_stopped_daemon_keeps_its_clients(daemon):
 def test_jobs_in_flight_when_the_daemon_dies_fail_instead_of_hanging(daemon):
     kv = HostKv(blocks=256, layers=8, heads=8, head_dim=64)      # 256 KiB per block
     worker, reg = kv.register(daemon.client_config(timeout_ms=500))
+    # On a loaded machine the first Hello can take longer than 500 ms: the registration is
+    # then kept and sent by a later poll, which is not what this test is about.
+    wait_for(lambda: worker.poll() is not None and worker.is_registered(reg), 10,
+             "the worker's registration")
     sched = SchedulerClient(daemon.client_config())
     slots = sched.prepare_store(kv.namespace, kv.keys(list(range(16 * 128))))
     jobs = [worker.submit_store(reg, list(range(i, i + 16)), slots[i:i + 16])
