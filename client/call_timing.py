@@ -1,7 +1,7 @@
 """Per-call latency of the connector's scheduler-side methods, for benchmarks.
 
-``KVPOOL_CONNECTOR_TIMING=PATH`` in the engine's environment makes ``KVPoolConnector`` time
-every call vLLM's scheduler makes into it and write ``PATH.<pid>.json`` at shutdown (and at
+``connector_timing=PATH`` (``ClientConfig``; ``KVPOOL_CONNECTOR_TIMING`` in the engine's
+environment) makes ``KVPoolConnector`` time every call vLLM's scheduler makes into it and write ``PATH.<pid>.json`` at shutdown (and at
 exit): per method, the call count and p50/p99/max in microseconds of wall time, and the p50/p99
 of the thread's CPU time over the same calls (what the method itself costs; the difference is
 time the thread was not running: preemption on a busy host, waits for the GIL). Off by default:
@@ -17,7 +17,6 @@ import os
 import time
 from typing import Any, Iterable
 
-ENV = "KVPOOL_CONNECTOR_TIMING"
 
 
 def percentile(sorted_values: list[int], q: float) -> int:
@@ -70,8 +69,9 @@ class CallTimer:
                       f)
 
 
-def maybe_time(obj: Any, names: Iterable[str]) -> CallTimer | None:
-    path = os.environ.get(ENV)
+def maybe_time(obj: Any, names: Iterable[str], path: str) -> CallTimer | None:
+    """Time ``obj``'s methods ``names`` into ``path`` (``ClientConfig.connector_timing``);
+    None when that is empty."""
     if not path:
         return None
     timer = CallTimer(path)

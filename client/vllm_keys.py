@@ -188,8 +188,4 @@ class RequestKeys:
             self._extend(request, slot, stop)
         return have[start:stop]
 
-    def truncate(self, num_blocks: int) -> None:
-        """Forget keys past ``num_blocks`` (tokens there changed: streaming input, resumes)."""
-        for k in self._keys:
-            del k[num_blocks:]
 

@@ -211,6 +211,10 @@ class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # recompute and rarely a prefix of another one. 0 stores every request. The upper bound
     # (16 Mi tokens) is past any model's context: a larger value could only be a mistake.
     store_min_prefix_tokens: Annotated[int, msgspec.Meta(ge=0, le=16_777_216)] = 0
+    # Debug: a path prefix; the connector then times every call vLLM's scheduler makes into it
+    # and writes PATH.<pid>.json at shutdown (client/call_timing.py). Empty: off, since two
+    # clock reads per call are cheap but not free on the scheduler's thread.
+    connector_timing: str = ""
 
     @property
     def socket_path(self) -> str:

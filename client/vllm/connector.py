@@ -183,7 +183,7 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
                                             "enable_kv_cache_events", False)))
             from kvpool.client.call_timing import maybe_time
 
-            self._timer = maybe_time(self, SCHEDULER_METHODS)
+            self._timer = maybe_time(self, SCHEDULER_METHODS, config.connector_timing)
         else:
             from kvpool.client.vllm_worker import WorkerRole
             from kvpool.client.worker import WorkerClient
