@@ -25,10 +25,10 @@ pytestmark = pytest.mark.vllm
 SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
 STEP_SPEEDS = [pytest.param(0.0, id="empty-steps"), pytest.param(0.005, id="5ms-steps"),
                pytest.param(0.05, id="50ms-steps")]
-# The harness's blocks are 4 KiB (2 layers x K,V x 16 tokens x 2 heads x 16 x fp16): a 1 MiB
-# pool of 256 KiB extents holds 256 of them, and one client's old reservation share was 32.
-SMALL_POOL = dict(pool_size="1MiB", extra=["--extent-size", "256KiB"])
-POOL_SLOTS = 256
+# The harness's blocks are 4 KiB (2 layers x K,V x 16 tokens x 2 heads x 16 x fp16): a 2 MiB
+# pool of 256 KiB extents holds 192 of them once its tables are taken, and one client's old
+# reservation share was 1/8 of the pool, 32 blocks.
+SMALL_POOL = dict(pool_size="2MiB", extra=["--extent-size", "256KiB"])
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_a_burst_larger_than_an_eighth_of_the_pool_is_stored_whole(
     d = daemon_factory(**SMALL_POOL)
     e = engines(d.socket, async_scheduling=async_scheduling, step_s=step_s,
                 max_num_batched_tokens=2048, num_blocks=512)
-    batch = prompts(6, 11)                      # 66 blocks: 2x the old share of 32
+    batch = prompts(6, 11)                      # 66 blocks: twice the old share of 32
     run_all_and_reload(e, batch, "burst")
     assert stored(d) == 66
     assert e.connector.scheduler.losses.total == 0, e.connector.scheduler.losses.totals
