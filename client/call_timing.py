@@ -3,9 +3,10 @@
 ``connector_timing=PATH`` (``ClientConfig``; ``KVPOOL_CONNECTOR_TIMING`` in the engine's
 environment) makes ``KVPoolConnector`` time every call vLLM's scheduler makes into it and write
 ``PATH.<pid>.json`` at shutdown (and at exit): per method, the call count and p50/p99/max in
-microseconds of wall time, and the p50/p99 of the thread's CPU time over the same calls (what the method itself costs; the difference is
-time the thread was not running: preemption on a busy host, waits for the GIL). Off by default:
-two clock reads of each kind per call are cheap, but not free on the scheduler's thread.
+microseconds of wall time, and the p50/p99 of the thread's CPU time over the same calls (what
+the method itself costs; the difference is time the thread was not running: preemption on a
+busy host, waits for the GIL). Off by default: two clock reads of each kind per call are cheap,
+but not free on the scheduler's thread.
 """
 
 from __future__ import annotations
