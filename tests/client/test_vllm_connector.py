@@ -22,33 +22,6 @@ pytestmark = pytest.mark.vllm
 SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
 
 
-@pytest.fixture(scope="module")
-def model_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("vllm-model")
-
-
-@pytest.fixture
-def info(daemon):
-    c = SchedulerClient(daemon.client_config(), name="test observer")
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def make_engine(model_root, daemon):
-    made: list[Engine] = []
-
-    def make(**kw) -> Engine:
-        kw.setdefault("engine_id", f"engine-{len(made)}")
-        e = Engine(model_root, kw.pop("socket", daemon.socket), **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-
-
 def prompt(n: int, start: int = 100) -> list[int]:
     return list(range(start, start + n))
 

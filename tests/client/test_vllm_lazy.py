@@ -9,7 +9,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 
 from .vllm_harness import BS, Engine  # noqa: E402
 
@@ -19,33 +18,6 @@ SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncS
 STEP_SPEEDS = [pytest.param(0.0, id="empty-steps"), pytest.param(0.005, id="5ms-steps"),
                pytest.param(0.05, id="50ms-steps")]
 LAZY = {"store_policy": "lazy"}
-
-
-@pytest.fixture(scope="module")
-def model_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("vllm-model")
-
-
-@pytest.fixture
-def info(daemon):
-    c = SchedulerClient(daemon.client_config(), name="test observer")
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def make_engine(model_root, daemon):
-    made: list[Engine] = []
-
-    def make(**kw) -> Engine:
-        kw.setdefault("engine_id", f"engine-{len(made)}")
-        e = Engine(model_root, daemon.socket, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
 
 
 def prompt(blocks: int, start: int) -> list[int]:

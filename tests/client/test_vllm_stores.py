@@ -31,26 +31,6 @@ STEP_SPEEDS = [pytest.param(0.0, id="empty-steps"), pytest.param(0.005, id="5ms-
 SMALL_POOL = dict(pool_size="2MiB", extra=["--extent-size", "256KiB"])
 
 
-@pytest.fixture(scope="module")
-def model_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("vllm-model")
-
-
-@pytest.fixture
-def engines(model_root):
-    made: list[Engine] = []
-
-    def make(socket: str, **kw) -> Engine:
-        kw.setdefault("engine_id", f"engine-{len(made)}")
-        e = Engine(model_root, socket, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-
-
 def prompts(n: int, blocks: int) -> list[list[int]]:
     """``n`` prompts sharing nothing, each of ``blocks`` full blocks plus one token."""
     return [list(range(10_000 * (i + 1), 10_000 * (i + 1) + blocks * BS + 1)) for i in range(n)]
@@ -84,9 +64,9 @@ def run_all_and_reload(e: Engine, batch: list[list[int]], tag: str) -> None:
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 @pytest.mark.parametrize("step_s", STEP_SPEEDS)
 def test_a_burst_larger_than_an_eighth_of_the_pool_is_stored_whole(
-        engines, daemon_factory, async_scheduling, step_s):
+        make_engine, daemon_factory, async_scheduling, step_s):
     d = daemon_factory(**SMALL_POOL)
-    e = engines(d.socket, async_scheduling=async_scheduling, step_s=step_s,
+    e = make_engine(socket=d.socket, async_scheduling=async_scheduling, step_s=step_s,
                 max_num_batched_tokens=2048, num_blocks=512)
     batch = prompts(6, 11)                      # 66 blocks: twice the old share of 32
     run_all_and_reload(e, batch, "burst")
@@ -97,8 +77,8 @@ def test_a_burst_larger_than_an_eighth_of_the_pool_is_stored_whole(
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 @pytest.mark.parametrize("step_s", STEP_SPEEDS)
 def test_a_scheduler_built_before_its_workers_registered_stores_the_first_request_whole(
-        engines, daemon, async_scheduling, step_s):
-    e = engines(daemon.socket, async_scheduling=async_scheduling, step_s=step_s,
+        make_engine, daemon, async_scheduling, step_s):
+    e = make_engine(async_scheduling=async_scheduling, step_s=step_s,
                 scheduler_first=True)
     run_all_and_reload(e, prompts(1, 7), "first")
     assert stored(daemon) == 7
@@ -107,9 +87,9 @@ def test_a_scheduler_built_before_its_workers_registered_stores_the_first_reques
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 @pytest.mark.parametrize("step_s", STEP_SPEEDS)
 def test_daemon_restarted_under_an_idle_engine_stores_the_next_burst_whole(
-        engines, daemon_factory, async_scheduling, step_s):
+        make_engine, daemon_factory, async_scheduling, step_s):
     d = daemon_factory(**SMALL_POOL)
-    e = engines(d.socket, async_scheduling=async_scheduling, step_s=step_s,
+    e = make_engine(socket=d.socket, async_scheduling=async_scheduling, step_s=step_s,
                 max_num_batched_tokens=2048, num_blocks=512)
     role = e.connector.scheduler
     # Idle: the engine core steps with nothing scheduled while the daemon goes and comes back.
