@@ -176,8 +176,7 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
                 pd_wait_s=float(extra.get("pd_wait_s", 3.0)), pd_stream=pd_stream,
                 store_wait_s=config.timeout_ms / 1000,
                 store_policy=config.store_policy,
-                lazy_horizon_blocks=horizon_for(vllm_config, kv_cache_config)
-                if config.store_policy == "lazy" else 0,
+                horizon_blocks=horizon_for(vllm_config, kv_cache_config),
                 store_min_prefix_tokens=config.store_min_prefix_tokens,
                 events_enabled=bool(getattr(vllm_config.kv_events_config,
                                             "enable_kv_cache_events", False)))

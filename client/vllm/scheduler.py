@@ -69,7 +69,7 @@ class SchedulerRole:
                  pd_wait_s: float = 3.0, pd_stream: bool = True,
                  store_wait_s: float = 2.0, events_enabled: bool = True,
                  store_policy: str = "eager", store_min_prefix_tokens: int = 0,
-                 lazy_horizon_blocks: int = 0) -> None:
+                 horizon_blocks: int = 0) -> None:
         self.groups = groups
         self.world_size = world_size
         self.kv_producer = kv_producer
@@ -103,14 +103,15 @@ class SchedulerRole:
                                self.tickets.committed)
         self.loads = Loads(groups, bt, self._reqs, self._step_loads, self.lookups)
         # store_policy "lazy": blocks are remembered, and stored when vLLM's prefix cache is
-        # about to evict them (store_planner.py says how); lazy_horizon_blocks is how far one
-        # schedule() reaches into vLLM's free queue (lazy_store.horizon_for).
+        # about to evict them (store_planner.py says how); horizon_blocks is how far one
+        # schedule() reaches into vLLM's free queue (lazy_store.horizon_for; 0: unknown), which
+        # also tells the eager planner when preemption is near.
         if store_policy not in ("eager", "lazy"):
             raise ValueError(f"store_policy must be eager or lazy, not {store_policy!r}")
-        self.lazy = LazyStore(max(1, lazy_horizon_blocks)) if store_policy == "lazy" else None
+        self.lazy = LazyStore(max(1, horizon_blocks)) if store_policy == "lazy" else None
         self.planner = StorePlanner(groups, bt, client, self.link, self._reqs, self.tickets,
                                     self.backlog, self.losses, self.lazy,
-                                    store_min_prefix_tokens)
+                                    store_min_prefix_tokens, horizon_blocks)
         if self.enabled:
             # Connect and start stocking slots now (start-up, not a step: this may wait up to
             # timeout_ms once), so the first steps find them.
@@ -224,12 +225,11 @@ class SchedulerRole:
             handed = handed_blocks(so)
             if handed:
                 flush = self.tickets.reading(handed)
-        for rid in so.preempted_req_ids or ():
-            st = self._reqs.get(rid)
-            if st is not None:
-                flush.update(st.tickets)
-                self.lookups.consume(st, keep_leases=False)
-                st.set_cursor(0)
+        preempted = [st for st in map(self._reqs.get, so.preempted_req_ids or ())
+                     if st is not None]
+        for st in preempted:
+            flush.update(st.tickets)
+            self.lookups.consume(st, keep_leases=False)
         meta.flush_tickets = sorted(flush)
         # The step's messages go before store planning, whose budget runs from the step's
         # start: planning gets what they left of it, so a step that sends a lookup batch
@@ -237,7 +237,9 @@ class SchedulerRole:
         self.tickets.send_aborts()
         self.lookups.send_releases()
         self.lookups.send()
-        meta.stores = self.planner.plan(so, started)
+        meta.stores = self.planner.plan(so, started, preempted)
+        for st in preempted:
+            st.set_cursor(0)        # it resumes from token 0 (keys stored now are skipped)
         meta.free_now = self.backlog.take_free()
         if self.backlog.backlog:
             self.backlog.end()

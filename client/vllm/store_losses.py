@@ -21,12 +21,15 @@ NO_ROOM = "no_room"                  # the daemon granted no slot: every one is 
 STORE_WAIT = "store_wait"            # a finished request waited store_wait_s for slots/planning
 DAEMON_UNAVAILABLE = "daemon_unavailable"   # the daemon was down or backing off
 STORE_FAILED = "store_failed"        # a worker reported the store job failed
-REASONS = (NO_ROOM, STORE_WAIT, DAEMON_UNAVAILABLE, STORE_FAILED)
+PREEMPTED = "preempted"              # vLLM reused a preempted request's block before its store
+REASONS = (NO_ROOM, STORE_WAIT, DAEMON_UNAVAILABLE, STORE_FAILED, PREEMPTED)
 
 _WHY = {NO_ROOM: "the pool had no slot to give (every slot written or pinned)",
         STORE_WAIT: "a finished request waited store_wait_s for slots or planning time",
         DAEMON_UNAVAILABLE: "kvpoold was unreachable",
-        STORE_FAILED: "a worker's store job failed"}
+        STORE_FAILED: "a worker's store job failed",
+        PREEMPTED: "vLLM gave a preempted request's block to another request before its store "
+                   "was planned"}
 
 
 class StoreLosses:

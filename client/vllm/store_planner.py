@@ -23,6 +23,12 @@ The life of one store (described here once; the other parts point to it):
    and counts the blocks lost (``store_failed``), and a finished request with no ticket left is
    freed through ``tickets.Backlog``.
 
+A request vLLM preempts loses its GPU blocks inside ``schedule()``, before the connector hears
+of it, and resumes from token 0: its full blocks not yet planned (the planning queue lags on a
+busy step) are planned in the step of the preemption (``plan``'s ``preempted``), whatever the
+budget, found by their vLLM block hashes in the prefix cache they stay in until reused; those
+vLLM already handed to another request in that step are counted lost (``preempted``).
+
 The store policy (``store_policy``): ``eager`` stores a full block as soon as it is computed,
 as above. ``lazy`` runs steps 1-2 the same way but, for requests that are not P/D hand-offs,
 step 3 becomes "remember": ``lazy_store.LazyStore`` keeps (GPU block, key), and the block is
@@ -34,7 +40,8 @@ step sees them). ``store_min_prefix_tokens``: requests shorter than that store n
 hand-offs excepted).
 
 Owns the planning queue and its budgets (a step never spends more than about
-``STORE_PLAN_BUDGET_S`` planning; the rest waits, in order), the pieces a long prefill is cut
+``STORE_PLAN_BUDGET_S`` planning, ``STORE_PRESSURE_BUDGET_S`` when vLLM is short of free
+blocks; the rest waits, in order), the pieces a long prefill is cut
 into, and the question of when a request's full blocks go (``blocks_to_gather``, the store
 policy). Never waits for the daemon and never does per-block Python work on the hot path: the
 work per block is C-level list, set and dict operations over each request's run of new blocks.
@@ -52,7 +59,7 @@ from kvpool.client.vllm.daemon_link import DaemonLink
 from kvpool.client.vllm.lazy_store import Due, LazyStore
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import StoreSpec
-from kvpool.client.vllm.store_losses import NO_ROOM, StoreLosses
+from kvpool.client.vllm.store_losses import NO_ROOM, PREEMPTED, StoreLosses
 from kvpool.client.vllm.tickets import Backlog, Run, Tickets
 
 _NOTHING: dict[bytes, None] = {}
@@ -85,6 +92,11 @@ STORE_STEP_BUDGET_S = 150e-6
 # Prompt blocks are planned as their prefill chunk fills them. Finished requests (the
 # backlog) and P/D producers plan whatever they have.
 STORE_RUN_TOKENS = 128
+# Under memory pressure (vLLM's free blocks fewer than one schedule() can take), the next
+# schedule() may preempt a running request and hand its blocks to another before its store is
+# planned: the step plans the queue for up to this long instead (the engine is about to
+# recompute anyway; a block stored now is one it need not recompute).
+STORE_PRESSURE_BUDGET_S = 1e-3
 
 
 @dataclass(eq=False)
@@ -96,6 +108,7 @@ class _StepPlan:
     tables: list[dict[str, list[Any]]] | None   # see _block_tables
     wanted: list[list[Run]]            # per group: runs to store
     seen: list[set[bytes]]             # per group: keys planned this step
+    preempted: frozenset[str] = frozenset()     # ids of requests preempted this step
 
 
 def handed_blocks(so: Any) -> list[int]:
@@ -118,7 +131,7 @@ class StorePlanner:
     def __init__(self, groups: list[Any], block_tokens: int, client: Any, link: DaemonLink,
                  reqs: dict[str, ReqState], tickets: Tickets, backlog: Backlog,
                  losses: StoreLosses, lazy: LazyStore | None = None,
-                 min_prefix_tokens: int = 0) -> None:
+                 min_prefix_tokens: int = 0, horizon_blocks: int = 0) -> None:
         self.groups = groups
         self.block_tokens = block_tokens
         self.client = client
@@ -143,6 +156,9 @@ class StorePlanner:
         self._lazy_owner: dict[int, tuple[ReqState, int]] = {}
         self._lazy_tickets: dict[int, list[int]] = {}
         self.min_prefix_tokens = min_prefix_tokens
+        # Free blocks below which a step is under memory pressure (STORE_PRESSURE_BUDGET_S);
+        # 0: never.
+        self.pressure_blocks = horizon_blocks
 
     # ---- the store policy ------------------------------------------------------------------
 
@@ -166,7 +182,8 @@ class StorePlanner:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def plan(self, so: Any, step_started: float) -> list[StoreSpec]:
+    def plan(self, so: Any, step_started: float,
+             preempted: Sequence[ReqState] = ()) -> list[StoreSpec]:
         """Newly full blocks of every scheduled request (and of finished ones waiting for
         slots), minus keys in flight or known to be in the pool, each given a reserved slot
         from the client's stock. Never waits: blocks the stock cannot cover yet are planned
@@ -178,17 +195,20 @@ class StorePlanner:
         async scheduling); a request that finishes with a full block not yet stored is taken
         in by the backlog (``request_finished``). They join a queue, which a step works
         through for ``STORE_PLAN_BUDGET_S`` (see there), after the backlog's, and at most
-        until ``STORE_STEP_BUDGET_S`` after ``step_started`` (perf_counter)."""
+        until ``STORE_STEP_BUDGET_S`` after ``step_started`` (perf_counter). ``preempted``:
+        requests vLLM preempted in this step's ``schedule()``, their cursors not yet reset;
+        their unplanned full blocks go first, whatever the budget (see the module's docstring)."""
         if self._lazy_tickets:
             self._release_lazy()
         if self.kv_cache_manager is None or not self._link.ok():
             return []
         if self.lazy is not None:
-            return self._plan_lazy(so, step_started)
-        return self._plan_eager(so, step_started)
+            return self._plan_lazy(so, step_started, preempted)
+        return self._plan_eager(so, step_started, preempted=preempted)
 
     def _plan_eager(self, so: Any, step_started: float,
-                    remember: LazyStore | None = None) -> list[StoreSpec]:
+                    remember: LazyStore | None = None,
+                    preempted: Sequence[ReqState] = ()) -> list[StoreSpec]:
         """``plan`` for the queue and the backlog; with ``remember``, the runs of requests that
         are not P/D hand-offs are remembered there instead of stored (the lazy policy)."""
         queue = self.queue
@@ -208,9 +228,9 @@ class StorePlanner:
             if filled > 0 and (filled >= st.store_run or self.blocks_to_gather(st) == 1):
                 queue[rid] = now
         todo = self._backlog.todo
-        if not queue and not todo:
+        if not queue and not todo and not preempted:
             return []
-        if not any(map(self.client.stock, self._namespaces)) \
+        if not preempted and not any(map(self.client.stock, self._namespaces)) \
                 and any(map(self.client.reserving, self._namespaces)):
             # No slot in hand, a refill on its way: the queue waits for the next step,
             # without doing the work per request now.
@@ -218,9 +238,16 @@ class StorePlanner:
             return []
         step = _StepPlan(so.num_scheduled_tokens, so.scheduled_spec_decode_tokens,
                          self._block_tables(), [[] for _ in self.groups],
-                         [set() for _ in self.groups])
-        stop_at = min(time.perf_counter() + STORE_PLAN_BUDGET_S,
-                      step_started + STORE_STEP_BUDGET_S)
+                         [set() for _ in self.groups],
+                         frozenset(st.request.request_id for st in preempted))
+        for st in preempted:
+            self._plan_preempted(st, step)
+        if self.pressure_blocks and \
+                self.kv_cache_manager.block_pool.get_num_free_blocks() < self.pressure_blocks:
+            stop_at = time.perf_counter() + STORE_PRESSURE_BUDGET_S
+        else:
+            stop_at = min(time.perf_counter() + STORE_PLAN_BUDGET_S,
+                          step_started + STORE_STEP_BUDGET_S)
         # Finished requests hold GPU blocks for these stores: they go first. Those the budget
         # leaves wait in the backlog (bounded by store_wait_s, see Backlog.end).
         finished = self._plan_from(todo, step, stop_at, True)
@@ -241,7 +268,7 @@ class StorePlanner:
             total = sum(len(keys) for _, _, keys, _ in runs)
             refs, grant = self.client.take_slots(g.namespace, total)
             if len(refs) < total:
-                runs = self._cut_runs(gi, g.namespace, runs, len(refs), now)
+                runs = self._cut_runs(gi, g.namespace, runs, len(refs), now, step.preempted)
             if not runs:
                 continue
             specs.append(self._tickets.add(gi, runs, refs, grant))
@@ -253,7 +280,8 @@ class StorePlanner:
 
     # ---- the lazy policy -------------------------------------------------------------------
 
-    def _plan_lazy(self, so: Any, step_started: float) -> list[StoreSpec]:
+    def _plan_lazy(self, so: Any, step_started: float,
+                   preempted: Sequence[ReqState] = ()) -> list[StoreSpec]:
         """A lazy step: new full blocks are remembered (stored at once while the free queue is
         shorter than the eviction horizon); remembered blocks about to be evicted, or all of
         them on a step with nothing to compute, are stored."""
@@ -263,7 +291,7 @@ class StorePlanner:
         if lazy.num_pending:
             lazy.note_allocated(pool, handed_blocks(so))
         specs = self._plan_eager(so, step_started,
-                                 None if lazy.at_risk(pool) else lazy)
+                                 None if lazy.at_risk(pool) else lazy, preempted)
         if not lazy.num_pending:
             return specs
         idle = not so.total_num_scheduled_tokens
@@ -410,6 +438,52 @@ class StorePlanner:
         st.lo = min(st.cursor)
         return more
 
+    def _plan_preempted(self, st: ReqState, step: _StepPlan) -> None:
+        """Add the full blocks of ``st``, preempted in this step, that were never planned to
+        ``step.wanted``. vLLM freed its blocks (``req_to_blocks`` no longer has them) and set
+        its computed tokens to 0; a full block it computed stays in vLLM's prefix cache, under
+        its block hash, until it is handed out again, so the hash finds it. A block found
+        there is computed, or computed by this step's forward, which the store's copy waits
+        for. Blocks missing there that the request had computed were reused by this step's
+        allocations: counted lost."""
+        if not st.keys.cacheable or st.loading or self.below_min_prefix(st):
+            return
+        req = st.request
+        hashes = req.block_hashes
+        n = len(hashes)
+        if n != req.num_tokens // self.block_tokens:
+            # vLLM hashed at another block size (a hybrid model's groups): the blocks cannot
+            # be matched to hashes one to one here; the request resumes from what was stored.
+            return
+        pool = self.kv_cache_manager.block_pool
+        # A decoding request had computed every token but the last sampled one; a request cut
+        # off mid-prefill, what its last block found shows.
+        computed = (req.num_tokens - 1) // self.block_tokens if req.num_output_tokens else 0
+        lost = 0
+        for gi, g in enumerate(self.groups):
+            lo = st.cursor[gi]
+            if n <= lo:
+                continue
+            found = [pool.get_cached_block(h, [g.index]) for h in hashes[lo:n]]
+            keys = st.keys.range(req, gi, lo, n)
+            inflight, taken = self._tickets.keys_in_flight[gi], step.seen[gi]
+            known = self._tickets.committed[gi] if not st.producer else _NOTHING
+            keep = [j for j, (k, b) in enumerate(zip(keys, found))
+                    if b and b[0].block_id and k not in inflight and k not in taken
+                    and k not in known]
+            last = max((j for j, b in enumerate(found) if b), default=-1)
+            missing = [j for j, b in enumerate(found) if not b]
+            lost = max(lost, sum(1 for j in missing if j < max(last, computed - lo)))
+            st.cursor[gi] = n
+            if not keep:
+                continue
+            keys = [keys[j] for j in keep]
+            taken.update(keys)
+            step.wanted[gi].append((st, [lo + j for j in keep], keys,
+                                    [found[j][0].block_id for j in keep]))
+        st.lo = min(st.cursor)
+        self._losses.add(PREEMPTED, lost)
+
     def _block_tables(self) -> list[dict[str, list[Any]]] | None:
         """Per vLLM KV-cache group, the request -> blocks map of its manager, so a run of new
         blocks costs its length rather than the request's whole table
@@ -423,7 +497,7 @@ class StorePlanner:
         return maps
 
     def _cut_runs(self, gi: int, namespace: bytes, runs: list[Run], n: int,
-                  now: float) -> list[Run]:
+                  now: float, preempted: frozenset[str] = frozenset()) -> list[Run]:
         """The stock covers only ``n`` blocks: keep the runs' first ``n``; the others are
         planned again next step while slots are coming, else (no room in the pool) skipped."""
         coming = self.client.reserving(namespace)
@@ -433,7 +507,10 @@ class StorePlanner:
                 out.append((st, index, keys, bids))
                 n -= len(keys)
                 continue
-            if coming:
+            if st.request.request_id in preempted:
+                # Its blocks are free in vLLM: they cannot wait for the next step's slots.
+                self._losses.add(PREEMPTED, len(keys) - n)
+            elif coming:
                 st.cursor[gi] = min(st.cursor[gi], index[n])
                 st.lo = min(st.cursor)
                 if st.finished:

@@ -38,8 +38,8 @@ def spy_planned_blocks(role) -> list[int]:
     planned: list[int] = []
     plan = role.planner.plan
 
-    def spy(so, step_started):
-        specs = plan(so, step_started)
+    def spy(so, step_started, preempted=()):
+        specs = plan(so, step_started, preempted)
         planned.append(sum(len(s.keys) for s in specs))
         return specs
 
@@ -496,6 +496,7 @@ def test_a_burst_of_stores_is_planned_over_several_steps(
     # fill them in one step. (No overdue budget either: on a loaded 2-core machine a step can
     # take over STORE_DEFER_MAX_S, and that budget then plans more requests in a step.)
     monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
+    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 0.0)
     monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
     role = e.connector.scheduler
@@ -525,6 +526,7 @@ def test_a_long_prompt_is_planned_in_pieces_over_several_steps(
     # No time for planning: each step plans one late piece, of 3 blocks (not a full piece of
     # 6). One prefill fills 10 blocks.
     monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
+    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 0.0)
     monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)     # (see above)
     monkeypatch.setattr(store_planner, "STORE_PIECE_BLOCKS", 6)
     monkeypatch.setattr(store_planner, "STORE_LATE_PIECE_BLOCKS", 3)
@@ -553,6 +555,7 @@ def test_a_store_deferred_too_long_gets_a_second_bounded_budget(
     # none, a step plans the queue's forced piece and one overdue piece (a request of 4 blocks
     # each), never all 8 requests at once.
     monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
+    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 0.0)
     monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 0.0)
     monkeypatch.setattr(store_planner, "STORE_OVERDUE_BUDGET_S", overdue_budget_s)
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
@@ -621,6 +624,7 @@ def test_finished_requests_waiting_past_store_wait_free_their_blocks_unstored(
     from kvpool.client.vllm import store_planner
 
     monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)   # one request a step
+    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 0.0)
     monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)    # and no overdue budget
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
     role = e.connector.scheduler

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
+from kvpool.client.vllm import store_planner  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402
 
 from .vllm_harness import BS, Engine  # noqa: E402
@@ -42,6 +43,23 @@ def stored(daemon) -> int:
         return c.info().stored_blocks
     finally:
         c.close()
+
+
+def preempting_engine(make_engine, monkeypatch, async_scheduling: bool, step_s: float,
+                      pressure_budget_s: float) -> Engine:
+    """Store planning starved to one late piece (8 blocks) a step, except for the pressure
+    budget; 4 prompts of 12 full blocks + 15 tokens added: one decode token fills a 13th
+    block, the next needs a 14th, and 53 GPU blocks hold 4 x 13 + 1, so vLLM preempts a
+    request two steps after the prefill."""
+    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
+    monkeypatch.setattr(store_planner, "STORE_STEP_BUDGET_S", 0.0)
+    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)
+    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", pressure_budget_s)
+    e = make_engine(async_scheduling=async_scheduling, step_s=step_s, num_blocks=54,
+                    max_num_batched_tokens=1024)
+    for i, p in enumerate(prompts(4, 13)):
+        e.add(f"r{i}", p[:12 * BS + 15], max_tokens=40)
+    return e
 
 
 def run_all_and_reload(e: Engine, batch: list[list[int]], tag: str) -> None:
@@ -109,3 +127,75 @@ def test_daemon_restarted_under_an_idle_engine_stores_the_next_burst_whole(
                                             "reconnect to the restarted daemon")
     run_all_and_reload(e, prompts(6, 11), "after-restart")
     assert stored(d) == 66
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+@pytest.mark.parametrize("step_s", STEP_SPEEDS)
+def test_a_preempted_requests_blocks_are_stored_though_planning_lagged(
+        make_engine, daemon, info, monkeypatch, async_scheduling, step_s):
+    # Planning starved: when vLLM preempts a request two steps after the prefill, most
+    # prompts' blocks were never planned, and vLLM frees the
+    # preempted one's blocks inside schedule(), before the connector hears of it. It resumes
+    # from token 0, so what is not stored then is recomputed (the real CPU engine lost every
+    # resumed hit this way on a slow host).
+    e = preempting_engine(make_engine, monkeypatch, async_scheduling, step_s, 0.0)
+    role = e.connector.scheduler
+    pool = e.sched.kv_cache_manager.block_pool
+    held: dict[str, list[bytes]] = {}     # preempted request -> keys of blocks vLLM still held
+    build = role.build_connector_meta
+
+    def spy(so):
+        for rid in so.preempted_req_ids or ():
+            req = e.sched.requests[rid]
+            if rid in held or req.num_preemptions > 1:
+                continue
+            keys = role._reqs[rid].keys.range(req, 0, 0, len(req.block_hashes))
+            held[rid] = [k for k, h in zip(keys, req.block_hashes)
+                         if pool.get_cached_block(h, [0])]
+        return build(so)
+
+    role.build_connector_meta = spy
+    e.run(until=lambda: bool(held) and not role.tickets.by_id, timeout_s=60)
+    resumed = [rid for rid in held if e.sched.requests[rid].num_computed_tokens]
+    assert not resumed, f"{resumed} resumed before the check: the test proves nothing"
+    ns = role.groups[0].namespace
+    for rid, keys in held.items():
+        assert len(keys) >= 8, f"{rid}: vLLM held only {len(keys)} of its blocks"
+        hits = info.lookup(ns, [[k] for k in keys]).hits
+        assert sum(hits) == len(keys), (
+            f"{rid}: {sum(hits)} of the {len(keys)} blocks vLLM still held at its preemption "
+            f"are in the pool (unstored by reason: {role.losses.totals})")
+    e.run(timeout_s=90)
+    assert sorted(e.stats.finished) == [f"r{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+@pytest.mark.parametrize("step_s", STEP_SPEEDS)
+def test_under_memory_pressure_prompt_blocks_are_planned_before_a_preemption(
+        make_engine, daemon, monkeypatch, async_scheduling, step_s):
+    # The same starved planning as above, but vLLM's free blocks are fewer than one schedule()
+    # can take from the first step on: the planner spends its pressure budget, so a request
+    # preempted two steps after its prefill had every prompt block planned already, including
+    # those vLLM hands to another request inside the preempting schedule().
+    e = preempting_engine(make_engine, monkeypatch, async_scheduling, step_s, 60.0)
+    role = e.connector.scheduler
+    planned_at_preemption: dict[str, int] = {}
+    preemptions = 0
+    build = role.build_connector_meta
+
+    def spy(so):
+        nonlocal preemptions
+        for rid in so.preempted_req_ids or ():
+            planned_at_preemption.setdefault(rid, role._reqs[rid].cursor[0])
+            preemptions += 1
+        return build(so)
+
+    role.build_connector_meta = spy
+    e.run(timeout_s=90)
+    assert planned_at_preemption, "nothing was preempted: the test proves nothing"
+    assert all(n >= 12 for n in planned_at_preemption.values()), (
+        f"prompt blocks planned when vLLM preempted (of 12): {planned_at_preemption}")
+    # At most the block its last decode filled (planned once vLLM gives the request its next
+    # block, which the preemption took instead) is gone with each preemption.
+    assert role.losses.totals["preempted"] <= preemptions, (role.losses.totals, preemptions)
+    assert sorted(e.stats.finished) == [f"r{i}" for i in range(4)]

@@ -120,12 +120,29 @@ def keys(req: SimpleNamespace, start: int, stop: int) -> list[bytes]:
     return RequestKeys(req, [GROUP]).range(req, 0, start, stop)
 
 
+class FakeBlockPool:
+    """vLLM's ``BlockPool`` as the planner asks it: the prefix cache, block hash -> GPU block
+    id (one group), for a preempted request's blocks; its count of free blocks."""
+
+    def __init__(self) -> None:
+        self.cached: dict[Any, int] = {}
+        self.free = 1000
+
+    def get_num_free_blocks(self) -> int:
+        return self.free
+
+    def get_cached_block(self, block_hash: Any, group_ids: list[int]) -> list[Any] | None:
+        bid = self.cached.get(block_hash)
+        return None if bid is None else [SimpleNamespace(block_id=bid)] * len(group_ids)
+
+
 class FakeManager:
     """vLLM's KV-cache manager as the planner reads it (no ``coordinator``: the public
     ``get_block_ids``)."""
 
     def __init__(self) -> None:
         self.tables: dict[str, list[int]] = {}
+        self.block_pool = FakeBlockPool()
 
     def get_block_ids(self, rid: str) -> tuple[list[int], ...]:
         return (self.tables.get(rid, []),)

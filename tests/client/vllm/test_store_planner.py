@@ -148,3 +148,67 @@ def test_nothing_is_planned_while_the_daemon_backs_off(ample):
     p.link.failed(RuntimeError("down"))
     assert plan(p, step_output(new={"a": 40})) == []
     assert p.client.taken == []
+
+
+def preempt(p: Parts, req, cached: dict[int, int]):
+    """vLLM preempted ``req`` in this step's schedule(): its blocks are freed (its table gone,
+    its computed tokens 0); ``cached`` maps its block indexes to the GPU blocks still in the
+    prefix cache. Returns the step's ``SchedulerOutput``."""
+    req.block_hashes = [f"h{req.request_id}{j}" for j in range(req.num_tokens // BT)]
+    req.num_computed_tokens = 0
+    p.manager.tables.pop(req.request_id, None)
+    p.manager.block_pool.cached.update(
+        {req.block_hashes[j]: bid for j, bid in cached.items()})
+    return step_output()
+
+
+def test_a_preempted_requests_unplanned_blocks_are_stored_from_the_prefix_cache(monkeypatch):
+    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
+    monkeypatch.setattr(store_planner, "STORE_STEP_BUDGET_S", 0.0)
+    p = Parts(FakeClient(slots=10))
+    a = request("a", list(range(50)), prompt=49)   # 3 full blocks: decoding
+    a.num_output_tokens = 1
+    st = state(p.reqs, a)
+    st.cursor, st.lo = [1], 1                     # block 0 was planned in an earlier step
+    # Block 1 went to another request in the step that preempted a; blocks 2 and 0 are cached.
+    so = preempt(p, a, {0: 10, 2: 13})
+    [spec] = p.planner.plan(so, time.perf_counter(), [st])
+    assert spec.block_ids == [13] and spec.keys == keys(a, 2, 3)
+    assert p.losses.totals["preempted"] == 1      # block 1: reused before it was planned
+    assert st.tickets == {spec.ticket}
+
+
+def test_a_preempted_request_with_no_slot_in_hand_counts_its_blocks_lost(monkeypatch):
+    p = Parts(FakeClient(slots=1, reserving=True))
+    a = request("a", list(range(50)), prompt=49)
+    a.num_output_tokens = 1
+    st = state(p.reqs, a)
+    so = preempt(p, a, {0: 10, 1: 11, 2: 12})
+    [spec] = p.planner.plan(so, time.perf_counter(), [st])
+    # Its blocks are free in vLLM: they cannot wait in the queue for the next step's slots.
+    assert spec.block_ids == [10]
+    assert p.losses.totals["preempted"] == 2 and not p.planner.queue
+
+
+def test_under_memory_pressure_a_step_plans_the_whole_queue(monkeypatch):
+    # Budgets spent before planning starts: normally one late piece of one request a step.
+    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
+    monkeypatch.setattr(store_planner, "STORE_STEP_BUDGET_S", 0.0)
+    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 60.0)
+
+    def burst(p: Parts) -> list:
+        for r in "abcd":
+            state(p.reqs, request(r, [ord(r)] * 33))      # 2 full blocks each
+            p.manager.tables[r] = [10 * ord(r), 10 * ord(r) + 1, 10 * ord(r) + 2]
+        return plan(p, step_output(new=dict.fromkeys("abcd", 33)))
+
+    calm = Parts(FakeClient(slots=20))
+    calm.planner.pressure_blocks = 8
+    [spec] = burst(calm)
+    assert len(spec.block_ids) == 2 and len(calm.planner.queue) == 3
+    # Fewer free GPU blocks than one schedule() may take: a preemption may come next step.
+    tight = Parts(FakeClient(slots=20))
+    tight.planner.pressure_blocks = 8
+    tight.manager.block_pool.free = 7
+    [spec] = burst(tight)
+    assert len(spec.block_ids) == 8 and not tight.planner.queue
