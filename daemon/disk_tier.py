@@ -59,9 +59,15 @@ BATCH_BYTES = 32 << 20
 # Demote batches being written at once (each on its own I/O thread); batches waiting for
 # their group commit do not count, their pool slots are already free.
 MAX_DEMOTES = 3
-# Batches written or being written but not yet committed. Their blocks hold disk space the
-# LRU cannot take back until they commit, so a small tier must not fill with them.
-MAX_UNCOMMITTED = 2 * MAX_DEMOTES
+# Batches written or being written but not yet committed: at least MIN_UNCOMMITTED, more
+# while they hold at most UNCOMMITTED_SHARE of the tier's bytes (their blocks hold disk space
+# the LRU cannot take back until they commit, so a small tier must not fill with them), never
+# more than MAX_UNCOMMITTED. A small pool writes small batches (see _batch_bytes): counted in
+# batches alone, six of them let a 16-slot pool evict 8 of a 66-block burst before the disk
+# took them while a group commit ran; with 64, none.
+MIN_UNCOMMITTED = 2 * MAX_DEMOTES
+MAX_UNCOMMITTED = 64
+UNCOMMITTED_SHARE = 8
 
 WRITING, VALID = 1, 2
 
@@ -93,6 +99,8 @@ class DiskTier(LowerTier):
         self.capacity_bytes = capacity_bytes
         # Never pin more than an eighth of the pool for writing, whatever BATCH_BYTES says.
         self._batch_bytes = max(1, min(BATCH_BYTES, pool_bytes // (8 * MAX_DEMOTES)))
+        self.max_uncommitted = min(MAX_UNCOMMITTED, max(
+            MIN_UNCOMMITTED, capacity_bytes // UNCOMMITTED_SHARE // self._batch_bytes))
         self._tables: dict[bytes, dict[bytes, DiskBlock]] = {}
         self._lru: OrderedDict[DiskBlock, None] = OrderedDict()
         self._sizes: dict[int, _Size] = {}
@@ -210,7 +218,7 @@ class DiskTier(LowerTier):
 
     def can_demote(self) -> bool:
         return (self._enabled and self._demotes < MAX_DEMOTES
-                and self._uncommitted < MAX_UNCOMMITTED)
+                and self._uncommitted < self.max_uncommitted)
 
     def batch_blocks(self, slot_bytes: int) -> int:
         return max(1, self._batch_bytes // slot_bytes)
@@ -318,7 +326,7 @@ class DiskTier(LowerTier):
             self._landed.clear()
         self._commit_next()
         self._schedule_free()
-        if self.can_demote() and self.on_ready is not None:   # MAX_UNCOMMITTED may have held it
+        if self.can_demote() and self.on_ready is not None:   # max_uncommitted may have held it
             self.on_ready()
 
     def _lost(self, blocks: list[DiskBlock]) -> None:

@@ -16,6 +16,7 @@ from kvpool.daemon.disk_tier import DiskTier
 
 S = 8192
 NS = b"n" * 16
+POOL_BLOCKS = 160
 
 
 def key(i: int) -> bytes:
@@ -27,9 +28,11 @@ async def _in_thread(fn, *args):
 
 
 def test_batches_landing_during_a_commit_share_the_next_and_show_only_once_durable(tmp_path):
-    pool = mmap.mmap(-1, 64 * S)
-    pool.write(os.urandom(64 * S))
-    tier = DiskTier.open(str(tmp_path / "d"), "64MiB", pool, 64 * S)
+    pool = mmap.mmap(-1, POOL_BLOCKS * S)
+    pool.write(os.urandom(POOL_BLOCKS * S))
+    tier = DiskTier.open(str(tmp_path / "d"), "64MiB", pool, POOL_BLOCKS * S)
+    cap = tier.max_uncommitted
+    assert 2 * cap <= POOL_BLOCKS
     entered, release = threading.Event(), threading.Event()
     commits: list[int] = []
     real_commit = tier.store.commit
@@ -49,7 +52,7 @@ def test_batches_landing_during_a_commit_share_the_next_and_show_only_once_durab
             S), 30)
 
     def visible() -> int:
-        return tier.leading(NS, [key(i)[16:] for i in range(64)], S)
+        return tier.leading(NS, [key(i)[16:] for i in range(POOL_BLOCKS)], S)
 
     async def main() -> None:
         assert await demote(0, 2) == 2             # written: its pool slots may go
@@ -63,7 +66,7 @@ def test_batches_landing_during_a_commit_share_the_next_and_show_only_once_durab
         while tier.can_demote():
             assert await demote(n, 2) == 2
             n += 2
-        assert n == 2 * disk_tier.MAX_UNCOMMITTED and not tier._demotes
+        assert n == 2 * cap and not tier._demotes
         release.set()
         for _ in range(3000):                      # bounded: 30 s
             if tier.demoted_blocks == n:
@@ -71,14 +74,32 @@ def test_batches_landing_during_a_commit_share_the_next_and_show_only_once_durab
             await asyncio.sleep(0.01)
         assert tier.demoted_blocks == n and visible() == n
         # One flush for the first batch, one for everything that landed behind it.
-        assert commits == [1, disk_tier.MAX_UNCOMMITTED - 1]
+        assert commits == [1, cap - 1]
         assert ready and tier.can_demote()         # the pump was told it may go on
         await tier.close(30)
 
     asyncio.run(main())
-    again = DiskTier.open(str(tmp_path / "d"), "64MiB", pool, 64 * S)
+    again = DiskTier.open(str(tmp_path / "d"), "64MiB", pool, POOL_BLOCKS * S)
     try:
-        assert again.adopted_blocks == 2 * disk_tier.MAX_UNCOMMITTED
+        assert again.adopted_blocks == 2 * cap
     finally:
         asyncio.run(again.close(30))
         pool.close()
+
+
+def test_uncommitted_batches_are_bounded_by_the_tiers_bytes_not_only_their_count(tmp_path):
+    def cap(pool_bytes: int, tier_size: str) -> tuple[int, int]:
+        pool = mmap.mmap(-1, pool_bytes)
+        tier = DiskTier.open(str(tmp_path / tier_size), tier_size, pool, pool_bytes)
+        try:
+            return tier.max_uncommitted, tier.batch_blocks(128 << 10)
+        finally:
+            asyncio.run(tier.close(30))
+            pool.close()
+
+    # A 4 MiB pool writes one 128 KiB block per batch: 48 may await a commit on a 64 MiB disk
+    # (an eighth of it), not six.
+    assert cap(4 << 20, "64MiB") == (48, 1)
+    # A tiny tier keeps the floor; a large one the ceiling.
+    assert cap(4 << 20, "2MiB")[0] == disk_tier.MIN_UNCOMMITTED
+    assert cap(4 << 20, "1GiB")[0] == disk_tier.MAX_UNCOMMITTED
