@@ -6,7 +6,8 @@ Needs ``.venv-engine`` (``bash .ci/install.sh``) and, for the chart, matplotlib
 (``pip install -e '.[bench]'``). Runs every workload in three arms: engines with no KV connector
 (``without_kvpool``), engines with the connector but no daemon behind it (``no_daemon``: what
 the connector itself costs or changes in vLLM, with nothing to hit), and engines on one kvpoold
-(``with_kvpool``). The arms take turns within each phase, and the whole comparison runs
+(``with_kvpool``), and engines on a second kvpoold with the connector's lazy store policy
+(``with_kvpool_lazy``, ``KVPOOL_STORE_POLICY=lazy``). The arms take turns within each phase, and the whole comparison runs
 ``--runs`` times (3: on a 2-core machine one run moves by ~30%); every figure is the median
 over the runs, and each run's own figures are kept in ``runs``. Writes ``engine-cpu-DATE.json``
 and ``engine-cpu-DATE.png`` into ``--out``. The model is a dummy-weight Llama big enough that prefill
@@ -26,6 +27,12 @@ Workloads (each with its own prompts, so none feeds another through the pool):
   tokens/s of the connector with no daemon / without.
 With kvpool, every call vLLM's scheduler makes into the connector is timed
 (``KVPOOL_CONNECTOR_TIMING``): ``connector_methods`` has p50/p99 microseconds per method.
+Eager against lazy: each workload of the two kvpool arms records the bytes its daemon stored
+and loaded and the blocks it hit meanwhile (``stored_bytes``, ``loaded_bytes``,
+``hit_blocks``); ``lazy_no_repeat_bytes_ratio`` = bytes stored by lazy / eager in the no-repeat
+workload, ``lazy_multiturn_ttft_ratio`` and ``lazy_restart_ttft_ratio`` = lazy / eager mean
+TTFT. (Lazy stores whatever is still on the GPU when the engine goes idle, and an offline
+``LLM.generate`` leaves the engine idle after each batch.)
 """
 
 from __future__ import annotations
@@ -61,7 +68,8 @@ def rand_prompts(n: int, tokens: int, rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(tokens)] for _ in range(n)]
 
 
-ARMS = ("without_kvpool", "no_daemon", "with_kvpool")
+ARMS = ("without_kvpool", "no_daemon", "with_kvpool", "with_kvpool_lazy")
+POOL_ARMS = ("with_kvpool", "with_kvpool_lazy")
 
 
 class Absent:
@@ -72,12 +80,12 @@ class Absent:
 
 
 class Daemon:
-    def __init__(self, workdir: Path, pool_size: str) -> None:
-        self.socket = str(workdir / "kvpoold.sock")
-        self.log = open(workdir / "kvpoold.log", "ab")
+    def __init__(self, workdir: Path, pool_size: str, name: str = "kvpoold") -> None:
+        self.socket = str(workdir / f"{name}.sock")
+        self.log = open(workdir / f"{name}.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvpool.daemon", "--socket", self.socket, "--pool-name",
-             f"kvpool-bench-{os.getpid()}", "--pool-size", pool_size, "--cuda", "off",
+             f"kvpool-bench-{os.getpid()}-{name}", "--pool-size", pool_size, "--cuda", "off",
              "--metrics-port", "0", "--peer-timeout-ms", "5000"], stdout=self.log,
             stderr=self.log)
         deadline = time.monotonic() + 60
@@ -91,13 +99,26 @@ class Daemon:
     def info(self) -> dict:
         i = self.client.info()
         return {"stored_blocks": i.stored_blocks, "loaded_blocks": i.loaded_blocks,
-                "hit_blocks": i.hit_blocks, "evictions": i.evictions}
+                "hit_blocks": i.hit_blocks, "evictions": i.evictions,
+                "stored_bytes": i.stored_bytes, "loaded_bytes": i.loaded_bytes}
 
     def stop(self) -> None:
         self.client.close()
         self.proc.terminate()
         self.proc.wait(30)
         self.log.close()
+
+
+def snapshot(daemon: "Daemon | Absent | None") -> dict | None:
+    return daemon.info() if isinstance(daemon, Daemon) else None
+
+
+def moved(daemon: "Daemon | Absent | None", before: dict | None) -> dict:
+    """What the daemon stored, loaded and hit since ``before`` (nothing without a daemon)."""
+    if before is None:
+        return {}
+    now = daemon.info()
+    return {k: now[k] - before[k] for k in ("stored_bytes", "loaded_bytes", "hit_blocks")}
 
 
 def mean_ttft(step: dict) -> float:
@@ -125,6 +146,7 @@ def chat_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan: d
     try:
         out = {"startup_s": e1.wait_ready()["startup_s"]}
         e1.next()                                       # warm-up
+        before = snapshot(daemon)
         convs: list[list[int]] = [[] for _ in turns[0]]
         ttfts, walls = [], []
         for new in turns:
@@ -136,9 +158,12 @@ def chat_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan: d
             walls.append(r["wall_s"])
             convs = [p + ans for p, ans in zip(prompts, r["tokens"])]
         out["multiturn"] = {"mean_ttft_s": statistics.fmean(ttfts), "turn_wall_s": walls,
-                            "requests": len(ttfts)}
+                            "requests": len(ttfts), **moved(daemon, before)}
+        before = snapshot(daemon)
         e1.next()                                       # restart workload, first pass
         e1.finish()
+        # (lazy stores what the engine still held when it went idle and shut down)
+        out["restart_first_pass"] = moved(daemon, before)
     finally:
         e1.close()
     return out
@@ -166,8 +191,11 @@ def restart_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan
         e3.wait_ready()
         e2.next()
         e3.next()
+        before = snapshot(daemon)
         r = e2.next()
-        out["restart"] = {"mean_ttft_s": mean_ttft(r), "wall_s": r["wall_s"]}
+        out["restart"] = {"mean_ttft_s": mean_ttft(r), "wall_s": r["wall_s"],
+                          **moved(daemon, before)}
+        before = snapshot(daemon)
         tokens = wall = preemptions = 0
         walls, ttfts = [], []
         for _ in plan["no_repeat"]:
@@ -179,12 +207,14 @@ def restart_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan
             preemptions += r["preemptions"]
         out["no_repeat"] = {"tokens_per_s": tokens / wall, "wall_s": wall,
                             "preemptions": preemptions, "batch_wall_s": walls,
-                            "batch_mean_ttft_s": ttfts}
+                            "batch_mean_ttft_s": ttfts, **moved(daemon, before)}
         e2.next()                                       # the shared prompts, first engine
         assert e3.next()["waiting"] == "shared"
+        before = snapshot(daemon)
         e3.go()
         r = e3.next()
-        out["shared"] = {"mean_ttft_s": mean_ttft(r), "wall_s": r["wall_s"]}
+        out["shared"] = {"mean_ttft_s": mean_ttft(r), "wall_s": r["wall_s"],
+                         **moved(daemon, before)}
         e2.finish()
         e3.finish()
     finally:
@@ -230,7 +260,7 @@ def chart(res: dict, path: Path) -> None:
     ax.legend()
     ax.set_title(f"vLLM CPU engine, Llama h1024 x 8 layers, medians of {res['runs']} runs")
     tp = [res[arm]["no_repeat"]["tokens_per_s"] for arm in ARMS]
-    ax2.bar(["alone", "no daemon", "+ kvpool"], tp, color=["C0", "C1", "C2"])
+    ax2.bar(["alone", "no daemon", "+ kvpool", "lazy"], tp, color=["C0", "C1", "C2", "C3"])
     ax2.set_title(f"no repeated prefix: {tp[2] / tp[0]:.2f}x")
     ax2.set_ylabel("tokens/s")
     fig.tight_layout()
@@ -247,7 +277,10 @@ def one_run(plan: dict, cfg: dict, run: int) -> dict:
         timing = str(work / "timing")
         env = {"KVPOOL_CONNECTOR_TIMING": timing}
         daemon = Daemon(work, plan["pool_size"])
-        backends = {"without_kvpool": None, "no_daemon": Absent(work), "with_kvpool": daemon}
+        lazy = Daemon(work, plan["pool_size"], "kvpoold-lazy")
+        backends = {"without_kvpool": None, "no_daemon": Absent(work), "with_kvpool": daemon,
+                    "with_kvpool_lazy": lazy}
+        envs = {"with_kvpool": env, "with_kvpool_lazy": {"KVPOOL_STORE_POLICY": "lazy"}}
         out: dict = {arm: {} for arm in ARMS}
         try:
             for phase in (chat_phase, restart_phase):
@@ -256,13 +289,15 @@ def one_run(plan: dict, cfg: dict, run: int) -> dict:
                 # The arms' order turns with the run: the plain arm ran first in every phase of
                 # every run before, and two runs of 2026-11-25 could not tell an arm's effect
                 # from its place (the no-daemon arm ran no-repeat 1.61x faster than plain).
-                for arm in ARMS[run % 3:] + ARMS[:run % 3]:
-                    out[arm].update(phase(backends[arm], model, work, plan,
-                                          env if arm == "with_kvpool" else {},
+                turn = run % len(ARMS)
+                for arm in ARMS[turn:] + ARMS[:turn]:
+                    out[arm].update(phase(backends[arm], model, work, plan, envs.get(arm, {}),
                                           f"{arm}-{run}"))
-            out["with_kvpool"]["daemon"] = daemon.info()
+            for arm in POOL_ARMS:
+                out[arm]["daemon"] = backends[arm].info()
         finally:
             daemon.stop()
+            lazy.stop()
         out["connector_methods"] = methods = connector_timing(timing)
         out["connector_method_p99_us"] = max((m["p99_us"] for m in methods.values()),
                                              default=0.0)
@@ -272,6 +307,7 @@ def one_run(plan: dict, cfg: dict, run: int) -> dict:
 def headline(arms: dict) -> dict:
     """The ratios of one run's (or the medians') figures."""
     plain, pool, absent = arms["without_kvpool"], arms["with_kvpool"], arms["no_daemon"]
+    lazy = arms["with_kvpool_lazy"]
     return {
         "multiturn_ttft_speedup": plain["multiturn"]["mean_ttft_s"]
         / pool["multiturn"]["mean_ttft_s"],
@@ -283,17 +319,23 @@ def headline(arms: dict) -> dict:
         / plain["no_repeat"]["tokens_per_s"],
         "no_daemon_multiturn_ttft_ratio": absent["multiturn"]["mean_ttft_s"]
         / plain["multiturn"]["mean_ttft_s"],
+        "lazy_no_repeat_bytes_ratio": lazy["no_repeat"]["stored_bytes"]
+        / max(1, pool["no_repeat"]["stored_bytes"]),
+        "lazy_multiturn_ttft_ratio": lazy["multiturn"]["mean_ttft_s"]
+        / pool["multiturn"]["mean_ttft_s"],
+        "lazy_restart_ttft_ratio": lazy["restart"]["mean_ttft_s"]
+        / pool["restart"]["mean_ttft_s"],
     }
 
 
 def median_of(runs: list[dict], arm: str) -> dict:
     """Per workload, the median of each scalar figure of ``arm`` over the runs."""
     out: dict = {}
-    for workload in ("multiturn", "restart", "shared", "no_repeat"):
+    for workload in ("multiturn", "restart_first_pass", "restart", "shared", "no_repeat"):
         figures = [r[arm][workload] for r in runs]
         out[workload] = {k: statistics.median(f[k] for f in figures)
                          for k, v in figures[0].items() if isinstance(v, (int, float))}
-    if arm == "with_kvpool":
+    if arm in POOL_ARMS:
         out["daemon"] = [r[arm]["daemon"] for r in runs]
     return out
 
