@@ -94,6 +94,30 @@ def test_preemption_with_a_tiny_kv_cache(daemon, engines, observer, baseline_out
     e.finish()
 
 
+def test_lazy_store_policy_stores_what_the_engine_holds_once_it_goes_idle(
+        daemon, engines, observer, baseline_outputs):
+    # Under the lazy policy nothing is stored while vLLM's GPU cache has room; the engine's
+    # idle step after the batch stores every block it still holds, and a second engine loads
+    # them as it would eager's.
+    want = baseline_outputs(P, MAX_TOKENS)
+    n = full_blocks(P)
+    a = engines(daemon.socket, [gen(), wait("checked")], name="lazy",
+                extra={"store_policy": "lazy"})
+    a.wait_ready()
+    assert_same_outputs(a.next(), want, "lazy engine")
+    wait_for(lambda: observer.info().stored_blocks == n, 30,
+             lambda: f"the idle engine to store its {n} blocks: {observer.info()}")
+    assert a.next()["waiting"] == "checked"
+    a.go()
+    a.finish()
+    b = engines(daemon.socket, [gen()], name="after-lazy")
+    b.wait_ready()
+    assert_same_outputs(b.next(), want, "loading what the lazy engine stored")
+    info = observer.info()
+    assert (info.loaded_blocks, info.stored_blocks) == (n, n), info
+    b.finish()
+
+
 def test_engine_runs_normally_without_the_daemon(tmp_path, engines, baseline_outputs):
     want = baseline_outputs(P, MAX_TOKENS)
     e = engines(str(tmp_path / "no-daemon.sock"), [gen(), {"op": "reset"}, gen()])
