@@ -420,12 +420,10 @@ class StorePlanner:
                 continue
             keys = st.keys.range(req, gi, lo, hi)
             inflight, taken = self._tickets.keys_in_flight[gi], step.seen[gi]
-            # A P/D hand-off stores every block: the decode side must find each one.
-            known = self._tickets.committed[gi] if not st.producer else _NOTHING
+            known = self._known(gi, st)
             if 0 in bids or not inflight.keys().isdisjoint(keys) \
                     or not taken.isdisjoint(keys) or not known.keys().isdisjoint(keys):
-                keep = [j for j, (k, b) in enumerate(zip(keys, bids))
-                        if b and k not in inflight and k not in taken and k not in known]
+                keep = self._to_store(gi, st, step, keys, bids)
                 if not keep:
                     continue
                 index: Sequence[int] = [lo + j for j in keep]
@@ -464,25 +462,35 @@ class StorePlanner:
             lo = st.cursor[gi]
             if n <= lo:
                 continue
-            found = [pool.get_cached_block(h, [g.index]) for h in hashes[lo:n]]
-            keys = st.keys.range(req, gi, lo, n)
-            inflight, taken = self._tickets.keys_in_flight[gi], step.seen[gi]
-            known = self._tickets.committed[gi] if not st.producer else _NOTHING
-            keep = [j for j, (k, b) in enumerate(zip(keys, found))
-                    if b and b[0].block_id and k not in inflight and k not in taken
-                    and k not in known]
-            last = max((j for j, b in enumerate(found) if b), default=-1)
-            missing = [j for j, b in enumerate(found) if not b]
-            lost = max(lost, sum(1 for j in missing if j < max(last, computed - lo)))
+            # 0 where the hash is no longer cached (as a null block: nothing to store)
+            bids = [b[0].block_id if b else 0
+                    for b in map(pool.get_cached_block, hashes[lo:n], repeat([g.index]))]
+            found_to = next((len(bids) - i for i, b in enumerate(reversed(bids)) if b), 0)
+            lost = max(lost, bids[:max(found_to, computed - lo)].count(0))
             st.cursor[gi] = n
+            keys = st.keys.range(req, gi, lo, n)
+            keep = self._to_store(gi, st, step, keys, bids)
             if not keep:
                 continue
             keys = [keys[j] for j in keep]
-            taken.update(keys)
-            step.wanted[gi].append((st, [lo + j for j in keep], keys,
-                                    [found[j][0].block_id for j in keep]))
+            step.seen[gi].update(keys)
+            step.wanted[gi].append((st, [lo + j for j in keep], keys, [bids[j] for j in keep]))
         st.lo = min(st.cursor)
         self._losses.add(PREEMPTED, lost)
+
+    def _known(self, gi: int, st: ReqState) -> dict[bytes, None]:
+        """Keys of group ``gi`` that ``st`` need not store again: those known to be in the
+        pool (a P/D hand-off stores every block: the decode side must find each one)."""
+        return self._tickets.committed[gi] if not st.producer else _NOTHING
+
+    def _to_store(self, gi: int, st: ReqState, step: _StepPlan, keys: list[bytes],
+                  bids: list[int]) -> list[int]:
+        """Indexes into ``keys``/``bids`` of the blocks to plan: a real block (not 0) whose key
+        is neither in flight, nor planned this step, nor known to be in the pool."""
+        inflight, taken, known = self._tickets.keys_in_flight[gi], step.seen[gi], \
+            self._known(gi, st)
+        return [j for j, (k, b) in enumerate(zip(keys, bids))
+                if b and k not in inflight and k not in taken and k not in known]
 
     def _block_tables(self) -> list[dict[str, list[Any]]] | None:
         """Per vLLM KV-cache group, the request -> blocks map of its manager, so a run of new
