@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import inspect
 import io
 import json
 import time
@@ -15,16 +14,12 @@ import pytest
 import torch
 import zmq
 
-import kvpool.daemon.server
 from kvpool.client import host_memory, kv_layout, scheduler, worker
 from kvpool.daemon.events import KVEventBatch
 from kvpool.daemon.top import run_top
 from kvpool.shared import keys, layout
 from tests.daemon.httptest import free_port, fetch
 
-pytestmark = pytest.mark.skipif(
-    "Telemetry" not in inspect.getsource(kvpool.daemon.server),
-    reason="daemon/server.py does not call Telemetry yet (integration pending)")
 
 
 

@@ -13,7 +13,6 @@ import torch
 import zmq
 
 from kvpool.client.scheduler import SchedulerClient
-from kvpool.daemon.server import _Landing
 from kvpool.shared import protocol as p
 from kvpool.shared.errors import ErrorCode, PoolFull, TooLarge, VersionMismatch
 from tests.conftest import wait_for
@@ -284,7 +283,7 @@ def test_layouts_and_block_ids_past_their_bounds_are_refused(daemon, committed):
 
 def test_one_request_names_a_bounded_number_of_blocks(daemon, committed):
     kv, worker, reg, sched, keys = committed
-    from kvpool.daemon.server import MAX_BLOCKS_PER_REQUEST as most
+    from kvpool.daemon.copy_jobs import MAX_BLOCKS_PER_REQUEST as most
     with pytest.raises(TooLarge, match="split it"):
         sched.prepare_store(kv.namespace, [b"%016d" % i for i in range(most + 1)])
     done = worker.wait([worker.submit_load(reg, [1] * (most + 1), [0] * (most + 1))], 10)[0]
@@ -345,17 +344,6 @@ def test_a_client_that_closes_is_released_at_once(daemon):
 # chunks of 8 of them in a daemon told so.
 LLAMA = dict(layers=32, heads=8, head_dim=128)
 CHUNK = 8
-
-
-def test_landing_ends_every_slot_once_in_chunks_then_the_rest():
-    slots = list("abcdefg")
-    keep = torch.tensor([1, 1, 0, 1, 1, 1, 0], dtype=torch.bool).numpy()
-    landing = _Landing(slots, keep)          # c and g are void: never copied
-    assert landing.take(2) == ["a", "b"]
-    assert landing.take(2) == []             # told twice: nothing more
-    assert landing.take(4) == ["d", "e"]
-    assert landing.rest() == ["f", "c", "g"]
-    assert landing.rest() == [] and landing.take(5) == []
 
 
 def _hits(sched, kv, ks) -> int:
@@ -498,7 +486,7 @@ def test_a_keyed_store_binds_its_slots_in_its_dispatch_whether_its_copy_starts_o
     eng = Held()
     srv = Server(cfg, pool, {p.CudaRegion: eng})
     replies: list = []
-    srv._send = lambda _identity, reply: replies.append(reply)
+    srv._send = srv.jobs.send = lambda _identity, reply: replies.append(reply)
     slot = 4096
     ns = b"s" * 16
 
