@@ -140,7 +140,7 @@ def connector_methods(sock: str, tmp: str, async_scheduling: bool,
 
     os.environ["KVPOOL_CONNECTOR_TIMING"] = os.path.join(tmp, "timing")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.client.vllm_harness import Engine
+    from bench.vllm_scheduler import Engine
 
     e = Engine(Path(tmp), sock, async_scheduling=async_scheduling, num_blocks=16384,
                max_num_seqs=n, max_num_batched_tokens=8192, write_kv=False, kv_events=False,

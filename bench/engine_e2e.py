@@ -56,8 +56,8 @@ sys.path.insert(0, str(ROOT))
 from kvpool.client.call_timing import percentile  # noqa: E402
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 from kvpool.shared.config import ClientConfig  # noqa: E402
-from tests.engine.model import llama_config, write_model  # noqa: E402
-from tests.engine.runner import ENGINE_PYTHON, Engine  # noqa: E402
+from bench.vllm_engine.model import llama_config, write_model  # noqa: E402
+from bench.vllm_engine.runner import ENGINE_PYTHON, Engine  # noqa: E402
 
 VOCAB = 8192
 TURN_TOKENS = 256

@@ -17,7 +17,7 @@ each backend forced, to show what the automatic choice picks between.
 
 Writes ``<out>/gpu-<device>-<date>.json`` and a PNG chart beside it.
 
-Run: ``python bench/gpu_transfer.py --out bench/results`` (needs a GPU, and tests/gpu on the path).
+Run: ``python bench/gpu_transfer.py --out bench/results`` (needs a GPU).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+sys.path.insert(0, str(ROOT))
 
-from gpu_worker import LAYOUTS, ShmPool, Worker  # noqa: E402
+from bench.gpu_worker import LAYOUTS, ShmPool, Worker  # noqa: E402
 
 from kvpool.daemon import cuda  # noqa: E402
 

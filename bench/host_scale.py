@@ -10,7 +10,7 @@ For each N of ``--engines``, with a fresh daemon:
   second against those (``cpu_efficiency``) say what its copies cost where GB/s says only
   what share of the cores it got;
 - per layout (Llama-3.1-8B, 2 MiB blocks, block-outermost and per-layer rows), N engine
-  processes (``tests/gpu/gpu_worker.py``; ``--host``: KV in shared host memory), each with its
+  processes (``bench/gpu_worker.py``; ``--host``: KV in shared host memory), each with its
   own registration, all storing, then all loading, then all doing both, four jobs in flight
   each, for ``--seconds``: aggregate GB/s, its ratio to the limit, and the daemon's CPU seconds
   per GB moved (``/proc/<pid>/stat``) with the busiest daemon thread's share of one core (the
@@ -54,12 +54,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 # The shared helpers (engine stand-in, daemon start, lookup client, P/D hand-off) are imported
 # here and only here, so that moving them elsewhere changes these lines alone.
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from control_plane import LOOKUP_KEYS, lookup_setup, lookup_worker, pct  # noqa: E402
 from gpu_transfer import PinnedBuffers, start_daemon  # noqa: E402
-from gpu_worker import ShmPool, Worker, gpu_count  # noqa: E402
+from bench.gpu_worker import ShmPool, Worker, gpu_count  # noqa: E402
 from pd_handoff import handoff  # noqa: E402
 
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402

@@ -19,7 +19,7 @@ GPU 1 (loading every head); against it, in the same run and with the same head-s
 same-TP hand-offs TP=1 (GPU 0) -> TP=1 (GPU 1) and TP=2 -> TP=2 (both GPUs). GB/s is the prompt's
 bytes over the hand-off time; target: TP=2 -> TP=1 >= 0.9 x TP=1 -> TP=1.
 
-Run: ``python bench/pd_handoff.py --out bench/results`` (needs two GPUs, tests/gpu on the path;
+Run: ``python bench/pd_handoff.py --out bench/results`` (needs two GPUs;
 ``--mode same`` the original hand-off only, ``--mode cross`` the TP comparison only).
 Target: hand-off <= 2.2 x the one-way memcpy time.
 """
@@ -38,10 +38,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_worker import LAYOUTS, ShmPool, Worker  # noqa: E402
+from bench.gpu_worker import LAYOUTS, ShmPool, Worker  # noqa: E402
 
 from kvpool.daemon import cuda  # noqa: E402
 
@@ -183,7 +183,7 @@ def handoff_tp(prefills: list[Worker], decodes: list[Worker], sched, ns: bytes, 
 
 def tp_cross(args, sock: str, sched, res: dict) -> None:
     """TP=2 -> TP=1 against TP=1 -> TP=1 and TP=2 -> TP=2, head-split slots throughout."""
-    from gpu_worker import join_parts, rank_part
+    from bench.gpu_worker import join_parts, rank_part
     nbytes = args.blocks * BLOCK_BYTES
     out = res["tp_cross"] = {}
     for layout in args.cross_layouts.split(","):

@@ -25,7 +25,7 @@ def info(daemon):
 @pytest.fixture
 def make_engine(model_root, daemon):
     """``make(**kw)``: a harness ``Engine`` on the test's daemon (``socket=`` another one)."""
-    from .vllm_harness import Engine
+    from bench.vllm_scheduler import Engine
 
     made: list[Engine] = []
 

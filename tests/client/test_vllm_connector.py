@@ -1,6 +1,6 @@
 """KVPoolConnector under vLLM's real Scheduler and AsyncScheduler, against a real kvpoold.
 
-Every test drives the engine through ``vllm_harness.Engine`` (real scheduler, fake workers on
+Every test drives the engine through ``bench.vllm_scheduler.Engine`` (real scheduler, fake workers on
 host shm tensors) and ends with ``assert_clean``: no request left, no GPU block leaked, no
 connector state, and no lease or transfer left in the daemon for the engine.
 """
@@ -15,7 +15,7 @@ from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 from kvpool.client.vllm_meta import WorkerAcks  # noqa: E402
 from tests.conftest import stop_process, wait_for  # noqa: E402
 
-from .vllm_harness import BS, Engine, fake_token  # noqa: E402
+from bench.vllm_scheduler import BS, Engine, fake_token  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("vllm")
 
 
-from .vllm_harness import BS, Engine  # noqa: E402
+from bench.vllm_scheduler import BS, Engine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 
 from .test_vllm_connector import prompt  # noqa: E402
-from .vllm_harness import BS, Engine, run_together  # noqa: E402
+from bench.vllm_scheduler import BS, Engine, run_together  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

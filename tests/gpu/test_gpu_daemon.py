@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.gpu.gpu_worker import Worker
+from bench.gpu_worker import Worker
 
 POISON = 0x5A
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.gpu.gpu_worker import Worker, gpu_count
+from bench.gpu_worker import Worker, gpu_count
 
 GPUS = gpu_count()
 POISON = 0x5A

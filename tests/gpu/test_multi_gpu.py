@@ -11,7 +11,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from tests.gpu.gpu_worker import Worker, gpu_count, join_parts, rank_part
+from bench.gpu_worker import Worker, gpu_count, join_parts, rank_part
 
 POISON = 0x3C
 

@@ -355,6 +355,30 @@ class _DaemonBench:
         self._commit(slots)
         return dt
 
+    def replay(self, steps: list[tuple[list[int], list[int]]]) -> list[float]:
+        """Each step's store of its GPU blocks and load into its GPU blocks (from slots stored
+        earlier), submitted together; seconds from the first submit to the last completion,
+        per step (0 for a step that moves nothing). For ``bench/store_policy.py``."""
+        stored: list[int] = []
+        times = []
+        for store_blocks, load_blocks in steps:
+            if not store_blocks and not load_blocks:
+                times.append(0.0)
+                continue
+            slots = self.prepare(len(store_blocks)) if store_blocks else []
+            load_slots = (stored * (-(-len(load_blocks) // max(1, len(stored)))))[:len(load_blocks)]
+            t0 = time.perf_counter()
+            ids = []
+            if store_blocks:
+                ids.append(self.client.submit_store(self.reg_id, store_blocks, slots,
+                                                    self.store_events.record()))
+            if load_blocks and load_slots:
+                ids.append(self.client.submit_load(self.reg_id, load_slots, load_blocks))
+            self._wait(ids)
+            times.append(time.perf_counter() - t0)
+            stored.extend(slots)
+        return times
+
     def single(self, block: int, reps: int) -> tuple[list[float], list[float], dict]:
         """Seconds of ``reps`` one-block stores and of ``reps`` one-block loads, and the
         client's side of each job's hop timestamps (owner id, job id, monotonic ns of: before

@@ -1,7 +1,7 @@
 """A tiny Llama for the real-engine tests and the benchmark: ``config.json`` and, optionally,
 seeded random weights.
 
-    python -m tests.engine.model DIR [--weights] [--hidden H --layers L ...]
+    python -m bench.vllm_engine.model DIR [--weights] [--hidden H --layers L ...]
 
 vLLM's ``load_format="dummy"`` fills weights with uniform(-1e-3, 1e-3): every logit is ~1e-5
 and the KV cache moves a logprob by less than float32 can show, so a test that compares outputs

