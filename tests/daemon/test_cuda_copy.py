@@ -16,7 +16,7 @@ import torch
 
 from kvpool.client.kv_layout import plan_kv_memory
 from kvpool.daemon import cuda as real_cuda
-from kvpool.daemon import copy_plan, cuda_copy
+from kvpool.daemon import copy_plan, cuda_copy, cuda_lane
 from kvpool.shared.layout import Layout
 from kvpool.shared.protocol import CudaRegion, RegisterRequest
 
@@ -24,7 +24,7 @@ BLOCKS = 24
 BLOCK_BYTES = 4096
 
 # The engine's modules that call ``kvpool.daemon.cuda``: a stand-in driver replaces it in each.
-DRIVER_USERS = (cuda_copy, copy_plan)
+DRIVER_USERS = (cuda_copy, cuda_lane, copy_plan)
 
 
 class FakeDriver:
@@ -207,7 +207,7 @@ def test_a_store_that_reports_chunks_ends_with_a_small_one_and_a_load_does_not(
     """TAIL_BLOCKS: after a store's last copy only a small chunk is left to commit; a store
     nobody follows and a load keep near-equal chunks."""
     m, kv = mapped
-    monkeypatch.setattr(cuda_copy, "TAIL_BLOCKS", 1)
+    monkeypatch.setattr(cuda_lane, "TAIL_BLOCKS", 1)
     offs = (np.arange(10) + 3) * BLOCK_BYTES
     seen = []
     engine.submit_store(m, np.arange(10), offs, b"", seen.append).result(10)
