@@ -1,13 +1,12 @@
 """The CUDA copy engine: moves KV blocks between workers' GPU memory (CUDA IPC) and the pool.
 
-Owns, per GPU: a store lane and a load lane, each a CUDA stream with a submitting thread and a
-waiting thread, so a long store never delays a load's completion. Owns the pool's host
-registration (``cuda.HostRegistration``, started at construction, background) and each
-registration's IPC mappings, reference-counted by handle.
+Owns the pool's host registration (``cuda.HostRegistration``, started at construction,
+background), each registration's IPC mappings, reference-counted by handle, and per GPU a store
+lane and a load lane (``cuda_lane``: the streams and the threads that launch and wait). The
+address tables they send come from ``copy_plan``.
 
-Per job (per chunk of a big job: ``chunk_blocks``, one event after each, so the first chunk copies
-while the next is enqueued and each chunk's slots can commit as it lands), exactly one batched
-operation runs on the lane's stream, chosen per job:
+Per job (per chunk of a big job, see ``cuda_lane``), exactly one batched operation runs on the
+lane's stream, chosen per job:
 
 - ``dma``: one ``cuMemcpyBatchAsync`` over the job's chunk table: copy engines only, no SMs, so
   the model runs at full speed beside it. Best for large chunks (block-outermost layouts).
@@ -15,58 +14,30 @@ operation runs on the lane's stream, chosen per job:
   reads or writes the registered pool over UVA. Best for many small chunks (per-layer layouts),
   where the DMA engines' per-copy cost dominates.
 
-Address tables are built with numpy over (items x segments) at once; nothing in Python runs per
-block or per layer, except for jobs of at most ``SMALL_OPS`` copies, whose tables are a few
-Python additions to per-registration templates (numpy's fixed cost per call, ~25-40 us a table,
-was most of a single block's launch). Where a registration's segments form strided runs (per-layer layouts: every
-layer's K and V of a block sit one fixed pitch apart on the GPU and back to back in the shard),
-``dma`` sends one pitched 2D operation per (block, run) through ``cuMemcpy3DBatchAsync`` rather
-than one copy per chunk: the driver's CPU cost is per operation, and at 64 chunks per block it
-was what bounded per-layer throughput. A pitched round trip is checked once per engine before
-it is trusted (``cuda.check_memcpy_2d_batch``).
-
-Small jobs (at most ``inline_max_ops`` copies, ``SMALL_OPS`` by default: those whose tables are
-built in Python) are launched on the caller's thread (the event loop) when the lane has nothing
-queued, saving the hop to the submit thread (H100 run 20: ~75 us from dispatch to launch start
-of a single block). It was off by default while a single block's launch cost 40-150 us of
-Python on the loop (runs 4-5: no gain); the templates cut that to ~15 us on CPU.
-With ``trace`` (the daemon's ``trace`` setting) every job carries monotonic timestamps of its
-hops (``Future.kvpool_trace``) for latency breakdowns.
-
-Ordering: a store must not copy before the worker's step has written the KV: the worker sends
-the handle of an interprocess event it recorded on its compute stream, and the lane's thread
-polls that event on the host (``cuEventQuery``) before it enqueues the copy. It never makes the
-lane's stream wait on it on the GPU: such a wait slows the engine's kernels in the other process
-as much as a kernel would (bench/investigations/gemm_probe.py: a GEMM 1.16x slower beside copies that each wait
-on one, 1.00x beside the same copies without). A load is reported done (``JobDone``) only after
-the lane's thread saw its copy finish, so the engine reads loaded blocks without waiting on
-anything either. Jobs of one lane run in submission order; stores and loads run concurrently
-(the index never loads into a block that is being stored, nor loads a slot that is not
-committed).
+Pitched copies (``copy_plan``: one operation per strided run) are trusted only once a round
+trip has been checked, once per engine (``cuda.check_memcpy_2d_batch``).
 
 Must never: block the event loop (``submit_*`` only enqueue; completion resolves a
-``concurrent.futures.Future`` from the waiting thread), unmap a worker's memory while a copy
-that touches it is in flight, or run a Python call per block.
+``concurrent.futures.Future`` from the waiting thread) or unmap a worker's memory while a copy
+that touches it is in flight.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from kvpool.daemon import cuda
-from kvpool.daemon.cuda import BATCH3D_OP_DTYPE
-from kvpool.daemon.copy_engine import (TAIL_BLOCKS, CopyEngine, JobResult, Mapped,
-                                       Progress, chunk_bounds, part_span,
+from kvpool.daemon.copy_engine import (CopyEngine, JobResult, Mapped, Progress, part_span,
                                        segment_address_table)
+from kvpool.daemon.copy_plan import (SMALL_OPS, PitchedOps, block_runs, chunk_table,
+                                     flatten_plan, pitched_plan, strided_runs)
+from kvpool.daemon.cuda_lane import Gpu, Job
 from kvpool.shared.config import CHUNK_BLOCKS
 from kvpool.shared.errors import (Aborted, InternalError, KvpoolError, LayoutMismatch,
                                   OutOfRange, UnknownId)
@@ -80,281 +51,6 @@ Backend = Literal["auto", "dma", "kernel"]
 # Kernel vector alignment: every chunk address and size must be a multiple of this.
 _KERNEL_ALIGN = 16
 _OPENED_EVENTS_MAX = 256   # a worker's store events we keep open (it should reuse a ring)
-
-
-# ---- address tables (pure numpy; tested on CPU) ----------------------------------------------
-
-def chunk_table(seg_dev: np.ndarray, seg_stride: np.ndarray, seg_bytes: np.ndarray,
-                seg_prefix: np.ndarray, block_ids: np.ndarray, shard_offsets: np.ndarray,
-                pool_base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(gpu address, pool address, nbytes) of every chunk of a job, as uint64 arrays, with runs
-    that are contiguous on *both* sides merged into one copy.
-
-    Item ``i`` pairs GPU block ``block_ids[i]`` with the shard at pool byte offset
-    ``shard_offsets[i]``; segment ``s`` of it lives at ``seg_dev[s] + block * seg_stride[s]`` on
-    the GPU and at ``shard_offset + seg_prefix[s]`` in the shard.
-    """
-    blocks = np.asarray(block_ids, dtype=np.int64)
-    shards = np.asarray(shard_offsets, dtype=np.int64)
-    gpu = (seg_dev[None, :] + blocks[:, None] * seg_stride[None, :]).ravel()
-    host = (pool_base + shards[:, None] + seg_prefix[None, :]).ravel()
-    size = np.broadcast_to(seg_bytes[None, :], (len(blocks), len(seg_bytes))).ravel()
-    return merge_runs(gpu, host, size)
-
-
-def merge_runs(gpu: np.ndarray, host: np.ndarray, size: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge each chunk into its predecessor where both sides continue it exactly."""
-    if len(size) == 0:
-        e = np.zeros(0, dtype=np.uint64)
-        return e, e, e
-    cont = np.empty(len(size), dtype=bool)
-    cont[0] = False
-    np.logical_and(gpu[:-1] + size[:-1] == gpu[1:], host[:-1] + size[:-1] == host[1:],
-                   out=cont[1:])
-    starts = np.flatnonzero(~cont)
-    merged = np.add.reduceat(size, starts)
-    return (gpu[starts].astype(np.uint64), host[starts].astype(np.uint64),
-            merged.astype(np.uint64))
-
-
-def split_at_boundaries(gpu: np.ndarray, host: np.ndarray, size: np.ndarray, base: int,
-                        piece: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cut chunks whose pool range crosses a multiple of ``piece`` from ``base``, so no DMA copy
-    spans two separately registered pieces of the pool. Chunks may span several pieces."""
-    if len(size) == 0:
-        return gpu, host, size
-    h = host.astype(np.int64) - base
-    s = size.astype(np.int64)
-    first = h // piece
-    last = (h + s - 1) // piece
-    n = (last - first + 1)
-    if (n == 1).all():
-        return gpu, host, size
-    idx = np.repeat(np.arange(len(s)), n)
-    # k-th sub-chunk of each chunk: k = position within its run of repeats
-    k = np.arange(len(idx)) - np.repeat(np.cumsum(n) - n, n)
-    piece_no = first[idx] + k
-    lo = np.maximum(h[idx], piece_no * piece)
-    hi = np.minimum(h[idx] + s[idx], (piece_no + 1) * piece)
-    g = gpu.astype(np.int64)[idx] + (lo - h[idx])
-    return (g.astype(np.uint64), (lo + base).astype(np.uint64), (hi - lo).astype(np.uint64))
-
-
-def strided_runs(region: np.ndarray, seg_dev: np.ndarray, seg_stride: np.ndarray,
-                 seg_bytes: np.ndarray, seg_prefix: np.ndarray | None = None,
-                 max_pitch: int = (1 << 31) - 1) -> np.ndarray:
-    """Cut pieces (in slot order) into runs a pitched copy can move at once: same region,
-    block stride and size, GPU addresses one constant pitch apart and pool offsets another
-    (each >= the size, so rows never overlap). ``seg_prefix`` None: pieces back to back in the
-    slot. Returns each run's first piece index plus a final ``len(seg_dev)``."""
-    if seg_prefix is None:
-        seg_prefix = np.zeros_like(seg_bytes)
-        np.cumsum(seg_bytes[:-1], out=seg_prefix[1:])
-    starts = [0]
-    pitch = hpitch = 0
-    for s in range(1, len(seg_dev)):
-        d = int(seg_dev[s] - seg_dev[s - 1])
-        h = int(seg_prefix[s] - seg_prefix[s - 1])
-        same = (region[s] == region[s - 1] and seg_stride[s] == seg_stride[s - 1]
-                and seg_bytes[s] == seg_bytes[s - 1] and seg_bytes[s] <= d <= max_pitch
-                and seg_bytes[s] <= h <= max_pitch)
-        if same and (s - starts[-1] == 1 or (d == pitch and h == hpitch)):
-            pitch, hpitch = d, h
-            continue
-        starts.append(s)
-        pitch = hpitch = 0
-    return np.asarray(starts + [len(seg_dev)], dtype=np.int64)
-
-
-# Columns of a pitched plan (``pitched_plan``): one row per copy of one block.
-(P_GPU, P_STRIDE, P_GPITCH, P_GLAYER, P_HOST, P_HPITCH, P_HLAYER, P_WIDTH, P_HEIGHT,
- P_DEPTH) = range(10)
-
-
-def pitched_plan(seg_dev: np.ndarray, seg_stride: np.ndarray, seg_bytes: np.ndarray,
-                 seg_prefix: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """The pitched copies of one block, as an int64 [ops, 10] table (``P_*`` columns): GPU
-    address of block 0 and block stride, GPU row pitch and rows per layer, slot offset, pool row
-    pitch and rows per layer, row bytes, rows, layers.
-
-    Runs (``strided_runs``) of more than one row that repeat with one shape at constant GPU and
-    pool distances, each a whole number of rows, become one 3D copy: a rank's head range of a
-    per-layer cache (every layer's rows at one pitch on the GPU, at another in the slot that
-    holds every head) is then one copy per block. Everything else is a 2D copy (depth 1)."""
-    first = bounds[:-1]
-    rows = np.diff(bounds)
-    nxt = np.minimum(first + 1, len(seg_dev) - 1)
-    width = seg_bytes[first]
-    gpitch = np.where(rows > 1, seg_dev[nxt] - seg_dev[first], width)
-    hpitch = np.where(rows > 1, seg_prefix[nxt] - seg_prefix[first], width)
-    ops: list[list[int]] = []
-    r = 0
-    while r < len(first):
-        op = [int(seg_dev[first[r]]), int(seg_stride[first[r]]), int(gpitch[r]), int(rows[r]),
-              int(seg_prefix[first[r]]), int(hpitch[r]), int(rows[r]), int(width[r]),
-              int(rows[r]), 1]
-        n = 1
-        if rows[r] > 1 and r + 1 < len(first):
-            dg = int(seg_dev[first[r + 1]] - seg_dev[first[r]])
-            dh = int(seg_prefix[first[r + 1]] - seg_prefix[first[r]])
-            shape = (rows[r], width[r], gpitch[r], hpitch[r], seg_stride[first[r]])
-            if (dg > 0 and dh > 0 and dg % gpitch[r] == 0 and dh % hpitch[r] == 0
-                    and dg // gpitch[r] >= rows[r] and dh // hpitch[r] >= rows[r]):
-                while (r + n < len(first)
-                       and (rows[r + n], width[r + n], gpitch[r + n], hpitch[r + n],
-                            seg_stride[first[r + n]]) == shape
-                       and seg_dev[first[r + n]] - seg_dev[first[r + n - 1]] == dg
-                       and seg_prefix[first[r + n]] - seg_prefix[first[r + n - 1]] == dh):
-                    n += 1
-                if n > 1:
-                    op[P_GLAYER], op[P_HLAYER], op[P_DEPTH] = (dg // int(gpitch[r]),
-                                                               dh // int(hpitch[r]), n)
-        ops.append(op)
-        r += n
-    return np.asarray(ops, dtype=np.int64).reshape(-1, 10)
-
-
-def flatten_plan(plan: np.ndarray) -> np.ndarray:
-    """The same copies with every 3D copy cut into its layers (2D copies only)."""
-    depth = plan[:, P_DEPTH]
-    if (depth == 1).all():
-        return plan
-    out = np.repeat(plan, depth, axis=0)
-    z = np.arange(len(out)) - np.repeat(np.cumsum(depth) - depth, depth)
-    out[:, P_GPU] += z * out[:, P_GLAYER] * out[:, P_GPITCH]
-    out[:, P_HOST] += z * out[:, P_HLAYER] * out[:, P_HPITCH]
-    out[:, P_GLAYER] = out[:, P_HEIGHT]
-    out[:, P_HLAYER] = out[:, P_HEIGHT]
-    out[:, P_DEPTH] = 1
-    return out
-
-
-def pitched_table(plan: np.ndarray, block_ids: np.ndarray, shard_offsets: np.ndarray,
-                  pool_base: int) -> tuple[np.ndarray, ...]:
-    """Every pitched copy of a job: (gpu address, gpu pitch, gpu rows per layer, pool address,
-    pool pitch, pool rows per layer, row bytes, rows, layers) as uint64 arrays, one per
-    (item, plan row). Item ``i`` pairs GPU block ``block_ids[i]`` with the slot at pool byte
-    offset ``shard_offsets[i]``."""
-    blocks = np.asarray(block_ids, dtype=np.int64)
-    shards = np.asarray(shard_offsets, dtype=np.int64)
-    n, r = len(blocks), len(plan)
-    gpu = (plan[None, :, P_GPU] + blocks[:, None] * plan[None, :, P_STRIDE]).ravel()
-    host = (pool_base + shards[:, None] + plan[None, :, P_HOST]).ravel()
-
-    def rep(col: int) -> np.ndarray:
-        return np.broadcast_to(plan[:, col], (n, r)).ravel().astype(np.uint64)
-
-    return (gpu.astype(np.uint64), rep(P_GPITCH), rep(P_GLAYER), host.astype(np.uint64),
-            rep(P_HPITCH), rep(P_HLAYER), rep(P_WIDTH), rep(P_HEIGHT), rep(P_DEPTH))
-
-
-def split_items(shard_offsets: np.ndarray, shard_bytes: int, piece: int) -> np.ndarray:
-    """Mask of the shards that span two separately registered pieces of the pool."""
-    lo = np.asarray(shard_offsets, dtype=np.int64)
-    return (lo // piece) != ((lo + shard_bytes - 1) // piece)
-
-
-def crosses_pieces(shard_offsets: np.ndarray, shard_bytes: int, piece: int) -> bool:
-    """Whether any shard spans two separately registered pieces of the pool."""
-    return bool(split_items(shard_offsets, shard_bytes, piece).any())
-
-
-# Copies at most that a job may have for its 1D table to be built in Python from the
-# registration's per-block runs (``block_runs``) rather than with numpy: ``chunk_table`` costs
-# ~25 us however small the job, ~20 Python additions cost ~5.
-SMALL_OPS = 16
-
-
-def block_runs(seg_dev: np.ndarray, seg_stride: np.ndarray, seg_bytes: np.ndarray,
-               seg_prefix: np.ndarray) -> list[tuple[int, int, int, int]]:
-    """A block's pieces merged where they are contiguous on both sides for *every* block (one
-    stride), as (GPU address in block 0, block stride, offset in the slot, bytes) Python ints:
-    what ``chunk_table`` merges inside one block, computed once per registration."""
-    runs: list[list[int]] = []
-    for d, st, n, p in zip(seg_dev.tolist(), seg_stride.tolist(), seg_bytes.tolist(),
-                           seg_prefix.tolist()):
-        last = runs[-1] if runs else None
-        if last is not None and last[1] == st and last[0] + last[3] == d \
-                and last[2] + last[3] == p:
-            last[3] += n
-        else:
-            runs.append([d, st, p, n])
-    return [(d, st, p, n) for d, st, p, n in runs]
-
-
-def small_table(runs: list[tuple[int, int, int, int]], block_ids: list[int],
-                shard_offsets: list[int], pool_base: int) -> tuple[ctypes.Array, int]:
-    """A small job's 1D copies as one ctypes uint64 array: every GPU address, then every pool
-    address, then every size (``count`` each; ``cuda.memcpy_batch_at`` takes the three by
-    address). Runs do not merge across items: at this size it saves no copy worth the work."""
-    gpu: list[int] = []
-    host: list[int] = []
-    size: list[int] = []
-    for b, o in zip(block_ids, shard_offsets):
-        o += pool_base
-        for d, st, p, n in runs:
-            gpu.append(d + b * st)
-            host.append(o + p)
-            size.append(n)
-    count = len(size)
-    return (ctypes.c_uint64 * (3 * count))(*gpu, *host, *size), count
-
-
-class PitchedOps:
-    """One direction's pitched copies of a registration's block 0 into a slot at pool address
-    0, as driver records (``BATCH3D_OP_DTYPE``) seen as rows of uint64 words: a job's
-    records are these repeated per item, each item's block and slot added to two words of
-    each (``pitched_table`` then ``cuda.pitched_ops`` cost ~40 us even for one block)."""
-
-    __slots__ = ("words", "rows", "gpu_word", "host_word", "stride", "strides")
-
-    WORDS = BATCH3D_OP_DTYPE.itemsize // 8
-
-    def __init__(self, plan: np.ndarray, to_pool: bool) -> None:
-        zero = np.zeros(1, dtype=np.int64)
-        gpu, gpitch, glayer, host, hpitch, hlayer, width, rows, depth = pitched_table(
-            plan, zero, zero, 0)
-        if to_pool:
-            ops = cuda.pitched_ops(host, hpitch, gpu, gpitch, width, rows, depth,
-                                   dst_layer=hlayer, src_layer=glayer)
-            gpu_field, host_field = "src_ptr", "dst_ptr"
-        else:
-            ops = cuda.pitched_ops(gpu, gpitch, host, hpitch, width, rows, depth,
-                                   dst_layer=glayer, src_layer=hlayer)
-            gpu_field, host_field = "dst_ptr", "src_ptr"
-        fields = BATCH3D_OP_DTYPE.fields
-        self.gpu_word = fields[gpu_field][1] // 8
-        self.host_word = fields[host_field][1] // 8
-        self.words = np.ascontiguousarray(ops).view(np.uint64).reshape(len(ops), self.WORDS)
-        self.rows = self.words.tolist()
-        self.stride = plan[:, P_STRIDE].astype(np.uint64)
-        self.strides = plan[:, P_STRIDE].tolist()
-
-    def for_items(self, block_ids: np.ndarray, shard_offsets: np.ndarray,
-                  pool_base: int) -> np.ndarray:
-        """The records of items (``block_ids[i]``, slot at ``shard_offsets[i]``), in order."""
-        r = len(self.words)
-        w = np.tile(self.words, (len(block_ids), 1))
-        w[:, self.gpu_word] += (block_ids.astype(np.uint64)[:, None]
-                                * self.stride[None, :]).ravel()
-        w[:, self.host_word] += np.repeat((shard_offsets + pool_base).astype(np.uint64), r)
-        return w.view(BATCH3D_OP_DTYPE).reshape(-1)
-
-    def small(self, block_ids: list[int], shard_offsets: list[int],
-              pool_base: int) -> tuple[ctypes.Array, int]:
-        """``for_items`` of a few items as one ctypes array, in Python (no numpy's fixed
-        costs), and its number of records."""
-        out: list[int] = []
-        g, h = self.gpu_word, self.host_word
-        for b, o in zip(block_ids, shard_offsets):
-            o += pool_base
-            for row, st in zip(self.rows, self.strides):
-                row = row.copy()
-                row[g] += b * st
-                row[h] += o
-                out += row
-        return (ctypes.c_uint64 * len(out))(*out), len(out) // self.WORDS
 
 
 # ---- registrations ---------------------------------------------------------------------------
@@ -428,439 +124,6 @@ class CudaMapped(Mapped):
             return self.closing and self.pending == 0
 
 
-@dataclass
-class _Job:
-    mapped: CudaMapped
-    to_pool: bool
-    block_ids: np.ndarray
-    shard_offsets: np.ndarray
-    wait_event: bytes
-    future: Future
-    nbytes: int = 0
-    # (event recorded after a chunk's copies, items up to its end), in launch order: the last
-    # one is the job's completion
-    marks: list[tuple[int, int]] = field(default_factory=list)
-    staging: Any = None
-    backend: str = ""
-    # monotonic ns: submitted, launch start, first chunk launched, done
-    trace: list[int] | None = None
-    progress: Progress | None = None
-    error: BaseException | None = None   # a launch that failed after some chunks went out
-    bounds: list[int] = field(default_factory=list)   # item bounds of its chunks
-    launched: int = 0                    # chunks enqueued so far
-
-
-class _Lane:
-    """One direction on one GPU: a stream, a thread that launches, a thread that waits."""
-
-    def __init__(self, engine: CudaCopyEngine, gpu: _Gpu, to_pool: bool) -> None:
-        self.engine = engine
-        self.gpu = gpu
-        self.to_pool = to_pool
-        name = f"kvpool-cuda{gpu.ordinal}-{'store' if to_pool else 'load'}"
-        cuda.use_device(gpu.ordinal)
-        self.stream = cuda.stream_create()
-        self.torch_stream: Any = None
-        self.aux: list[tuple[int, int]] = []       # extra DMA streams and their join events
-        self._fork_event = cuda.event_create()
-        self.free_events: list[int] = []
-        self.staging: list[tuple[int, int, int]] = []   # (addr, capacity bytes, last event)
-        self.staging_next = 0
-        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        # Held while a job's copies are enqueued on the stream (by either thread); ``queued``
-        # counts jobs handed to the submit thread but not launched yet, so an inline launch
-        # never overtakes one of them.
-        self.launch_lock = threading.Lock()
-        self.qlock = threading.Lock()
-        self.queued = 0
-        self.waits: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.recycled: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self.submitter = threading.Thread(target=self._submit_loop, name=name + "-submit",
-                                          daemon=True)
-        self.waiter = threading.Thread(target=self._wait_loop, name=name + "-wait", daemon=True)
-        self.submitter.start()
-        self.waiter.start()
-
-    # -- launching (caller's thread for small jobs, else the submit thread) --
-
-    def submit(self, job: _Job) -> None:
-        """Launch ``job`` now on the caller's thread where that saves a thread hop and the
-        lane is idle: a small job whole, a big one's first chunk (the GPU starts on it while
-        the submit thread, which takes the job next, enqueues the rest); else queue it."""
-        eng = self.engine
-        job.bounds = chunk_bounds(len(job.block_ids), eng.chunk_blocks,
-                                  TAIL_BLOCKS if job.progress is not None else 0)
-        small = (len(job.bounds) == 2 and len(job.block_ids) * job.mapped.copies_per_block(eng)
-                 <= eng.inline_max_ops)
-        first = eng.inline_first_chunk and len(job.bounds) > 2
-        if (small or first) and self.launch_lock.acquire(blocking=False):
-            try:
-                with self.qlock:
-                    idle = self.queued == 0
-                if idle:
-                    try:
-                        cuda.use_device(self.gpu.ordinal)
-                        launched = self._launch(job, inline=True, chunks=None if small else 1)
-                    except Exception as e:  # noqa: BLE001 - failures go back through the future
-                        eng._finish(job, e)
-                        return
-                    if launched and job.launched == len(job.bounds) - 1:
-                        self.waits.put(job)
-                        return
-                    if launched:
-                        # Queued before the lock goes: no later job overtakes its other chunks.
-                        self._queue(job)
-                        return
-            finally:
-                self.launch_lock.release()
-        self._queue(job)
-
-    def _queue(self, job: _Job) -> None:
-        with self.qlock:
-            self.queued += 1
-        self.jobs.put(job)
-
-    def _submit_loop(self) -> None:
-        cuda.use_device(self.gpu.ordinal)
-        self.engine._check_pitched(self.gpu.ordinal)
-        self._warm_kernel()
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                self.waits.put(None)
-                return
-            with self.launch_lock:
-                try:
-                    if job.launched:         # its first chunk went out on the caller's thread
-                        self._launch_chunks(job)
-                    else:
-                        self._launch(job)
-                except Exception as e:  # noqa: BLE001 - every failure goes back through the future
-                    self.engine._finish(job, e)
-                else:
-                    self.waits.put(job)
-                finally:
-                    with self.qlock:
-                        self.queued -= 1
-
-    def _warm_kernel(self) -> None:
-        """Import torch and compile this direction's kernel before the first job needs it
-        (seconds, on this thread, never on the event loop)."""
-        eng = self.engine
-        reg = eng.registration
-        if eng.backend == "dma" or reg is None or not reg.wait_until(eng.pool_base + 1):
-            return
-        if not reg.is_uva_identity:
-            return
-        try:
-            import torch
-
-            from kvpool.daemon._copy_kernel import copy_chunks_kernel
-            dev = f"cuda:{self.gpu.ordinal}"
-            torch.cuda.set_device(self.gpu.ordinal)
-            self.torch_stream = torch.cuda.ExternalStream(self.stream, device=dev)
-            seg = torch.zeros((4, 1), dtype=torch.int64, device=dev)
-            with torch.cuda.stream(self.torch_stream):
-                copy_chunks_kernel[(1,)](
-                    seg[0], 0, seg[0], seg[1], seg[2], seg[3], 1, eng.pool_base,
-                    _Ptr(eng.pool_base, torch.int32), TO_POOL=self.to_pool,
-                    WORDS=eng.kernel_words, num_warps=eng.kernel_warps)
-            cuda.stream_synchronize(self.stream)
-        except Exception as e:  # noqa: BLE001 - the DMA path still works
-            log.warning("kvpool: copy kernel unavailable on GPU %d (%s); using DMA only",
-                        self.gpu.ordinal, e)
-            eng.kernel_broken = True
-
-    def _event(self) -> int:
-        # Only launches take from ``recycled`` (under ``launch_lock``): what empty() says is
-        # there stays there, without the cost of an exception per launch.
-        recycled = self.recycled
-        while not recycled.empty():
-            self.free_events.append(recycled.get_nowait())
-        return self.free_events.pop() if self.free_events else cuda.event_create()
-
-    def _launch(self, job: _Job, inline: bool = False, chunks: int | None = None) -> bool:
-        """Enqueue the job's copies (its first ``chunks`` chunks; None: all) and their
-        events on the lane's stream; the caller holds ``launch_lock``. ``inline`` (the event
-        loop's thread) must not block: it returns False, having done nothing, for a job that
-        needs something that could (a pool piece still being registered, the kernel path's
-        first compile, the pitched-copy check, a worker's event not complete yet)."""
-        m = job.mapped
-        eng = self.engine
-        offs = job.shard_offsets
-        top = max(offs.tolist()) if len(offs) <= SMALL_OPS else int(offs.max())
-        shard_end = eng.pool_base + top + m.part_hi
-        reg = eng.registration
-        if reg is None:
-            pinned = False
-        elif inline:
-            pinned = reg.registered_end >= shard_end
-            if not pinned and not reg.is_finished:
-                return False
-        else:
-            pinned = reg.wait_until(shard_end)
-        backend = eng._choose(m, pinned)
-        if inline and (backend == "kernel" or (m.pitched_ok and (
-                eng.pitched is None or (len(m.plan) < len(m.plan_2d) and eng.pitched_3d is None)))):
-            return False
-        if job.trace is not None:
-            del job.trace[1:]     # an inline try that gave up stamped it already
-            job.trace.append(time.monotonic_ns())
-        if job.wait_event:
-            ev = eng._open_event(m, job.wait_event)
-            if not cuda.event_query(ev):
-                if inline:
-                    return False
-                else:
-                    self._await_worker(m, ev)
-        job.backend = backend
-        if backend == "kernel":
-            self._launch_kernel(job)
-            self._mark(job, len(job.block_ids))
-            job.launched = len(job.bounds) - 1
-        else:
-            self._launch_chunks(job, chunks, inline)
-        return True
-
-    def _launch_chunks(self, job: _Job, chunks: int | None = None,
-                       inline: bool = False) -> None:
-        """Enqueue the next ``chunks`` (None: all remaining) chunks of a DMA job, an event
-        after each: the GPU starts on the first chunk while this thread builds the next one's
-        table, and the waiting thread can report each chunk as it lands. A failure after some
-        chunks went out waits (on the host) for what was enqueued, then goes back through the
-        waiting thread with the chunks that did land, so no slot is dropped or reused while a
-        copy into it may still run. (Not on the event loop's thread, ``inline``: there only a
-        first chunk goes out, and a failure in it leaves no chunk to report.)"""
-        bounds = job.bounds
-        last = len(bounds) - 1
-        end = last if chunks is None else min(last, job.launched + chunks)
-        while job.launched < end:
-            lo, hi = bounds[job.launched], bounds[job.launched + 1]
-            try:
-                self._enqueue_dma(job, job.block_ids[lo:hi], job.shard_offsets[lo:hi])
-                self._mark(job, hi)
-            except Exception as e:  # noqa: BLE001 - reported through the future
-                if not inline:
-                    self._drain_streams()
-                if not job.marks:
-                    raise
-                job.error = e
-                job.launched = last
-                return
-            job.launched += 1
-
-    def _mark(self, job: _Job, end: int) -> None:
-        """Record the event that says items [0, ``end``) of ``job`` have landed."""
-        ev = self._event()
-        cuda.event_record(ev, self.stream)
-        job.marks.append((ev, end))
-        if job.trace is not None and len(job.marks) == 1:
-            job.trace.append(time.monotonic_ns())
-
-    def _drain_streams(self) -> None:
-        """Wait until nothing is in flight on this lane's streams (a failed launch)."""
-        for st in [self.stream] + [s for s, _ in self.aux]:
-            try:
-                cuda.stream_synchronize(st)
-            except Exception:  # noqa: BLE001 - the launch's own error is the one reported
-                pass
-
-    def _enqueue_dma(self, job: _Job, blocks: np.ndarray, shards: np.ndarray) -> None:
-        """One chunk's batched DMA: pitched runs where the registration has them, 1D copies
-        for the rest."""
-        m = job.mapped
-        eng = self.engine
-        reg = eng.registration
-        split = reg is not None and len(reg.registered) > 1
-        if m.pitched_ok and eng.pitched:
-            # Shards that straddle two registered pieces of the pool (a few per GiB) go
-            # as 1D chunks, split at the boundary; every other one as pitched runs.
-            cross = (split_items(shards + m.part_lo, m.part_hi - m.part_lo,
-                                 reg.piece_bytes) if split and not m.inside_pieces(
-                shards, reg.piece_bytes) else None)
-            keep = slice(None) if cross is None else ~cross
-            kind = (job.to_pool, bool(eng.pitched_3d))
-            tmpl = m.pitched_ops.get(kind)
-            if tmpl is None:
-                tmpl = m.pitched_ops[kind] = PitchedOps(m.plan if kind[1] else m.plan_2d,
-                                                        job.to_pool)
-            job.backend = "dma2d"
-            if cross is None and len(blocks) * len(tmpl.rows) <= SMALL_OPS:
-                table, count = tmpl.small(blocks.tolist(), shards.tolist(), eng.pool_base)
-                cuda.memcpy_2d_batch_at(ctypes.addressof(table), count, self.stream)
-            else:
-                ops = tmpl.for_items(blocks[keep], shards[keep], eng.pool_base)
-                self._spread(len(ops), eng.dma_2d_batch_ops,
-                             lambda a, b, st: cuda.memcpy_2d_batch_async(ops[a:b], st))
-            if cross is None or not cross.any():
-                blocks = blocks[:0]
-            else:
-                blocks, shards = blocks[cross], shards[cross]
-        if len(blocks) and len(blocks) * len(m.runs) <= SMALL_OPS and (
-                not split or m.inside_pieces(shards, reg.piece_bytes)):
-            table, count = small_table(m.runs, blocks.tolist(), shards.tolist(), eng.pool_base)
-            at = ctypes.addressof(table)
-            dst, src = (at + 8 * count, at) if job.to_pool else (at, at + 8 * count)
-            cuda.memcpy_batch_at(dst, src, at + 16 * count, count, self.stream)
-        elif len(blocks):
-            gpu, host, size = chunk_table(m.seg_dev, m.seg_stride, m.seg_bytes,
-                                          m.seg_prefix, blocks, shards, eng.pool_base)
-            if split:
-                gpu, host, size = split_at_boundaries(gpu, host, size, eng.pool_base,
-                                                      reg.piece_bytes)
-            dst, src = (host, gpu) if job.to_pool else (gpu, host)
-            self._spread(len(size), eng.dma_batch_copies,
-                         lambda a, b, st: cuda.memcpy_batch_async(dst[a:b], src[a:b],
-                                                                  size[a:b], st))
-
-    def _await_worker(self, m: CudaMapped, ev: int) -> None:
-        """Poll the worker's store event from this thread until its step's kernels are done
-        (a GPU-side wait would slow the engine: see the module's docstring). The event of a
-        worker that died mid-step may never complete: its registration closing ends the wait.
-        The first ~50 us spin: an event recorded just before the request is often that close
-        to done, and a sleep costs ~70 us however short it is asked to be."""
-        spin_end = time.perf_counter() + 50e-6
-        delay = 20e-6
-        while not cuda.event_query(ev):
-            if m.closing:
-                raise Aborted("the worker unregistered before its step's KV was written")
-            if time.perf_counter() >= spin_end:
-                time.sleep(delay)
-                delay = min(2 * delay, 500e-6)
-
-    def _spread(self, n: int, per: int, call) -> None:
-        """A job's batched DMA: ``call(lo, hi, stream)`` for batches of at most ``per``
-        operations (the GPU starts on the first while the driver still reads the next; the
-        driver's cost is per operation) spread round robin over ``dma_streams`` streams
-        (several copy engines work at once), all joined back into the lane's stream."""
-        eng = self.engine
-        t0 = time.perf_counter()
-        if n <= per or eng.dma_streams <= 1:
-            for i in range(0, n, per):
-                call(i, i + per, self.stream)
-        else:
-            while len(self.aux) < eng.dma_streams - 1:
-                self.aux.append((cuda.stream_create(), cuda.event_create()))
-            streams = [self.stream] + [s for s, _ in self.aux[:eng.dma_streams - 1]]
-            fork = self._fork_event
-            cuda.event_record(fork, self.stream)
-            for s in streams[1:]:
-                cuda.stream_wait_event(s, fork)
-            for k, i in enumerate(range(0, n, per)):
-                call(i, i + per, streams[k % len(streams)])
-            for s, ev in self.aux[:eng.dma_streams - 1]:
-                cuda.event_record(ev, s)
-                cuda.stream_wait_event(self.stream, ev)
-        eng.dma_calls_s += time.perf_counter() - t0
-
-    def _stage_items(self, job: _Job) -> int:
-        """Copy (block_id, shard_offset) pairs into a pinned ring slot the kernel reads over
-        UVA; a slot is reused only after the job that last used it has finished."""
-        items = np.empty((len(job.block_ids), 2), dtype=np.int64)
-        items[:, 0] = job.block_ids
-        items[:, 1] = job.shard_offsets
-        need = max(items.nbytes, 4096)
-        if len(self.staging) < 8:
-            self.staging.append((0, 0, 0))
-        k = self.staging_next % len(self.staging)
-        self.staging_next += 1
-        addr, cap, last = self.staging[k]
-        if last:
-            cuda.event_synchronize(last)
-        if cap < need:
-            if addr:
-                cuda.host_free(addr)
-            cap = 1 << (need - 1).bit_length()
-            addr = cuda.host_alloc(cap)
-        np.frombuffer((ctypes.c_int64 * items.size).from_address(addr), dtype=np.int64)[:] \
-            = items.ravel()
-        ev = last or cuda.event_create()
-        self.staging[k] = (addr, cap, ev)
-        job.staging = ev
-        return addr
-
-    def _launch_kernel(self, job: _Job) -> None:
-        import torch
-
-        from kvpool.daemon._copy_kernel import copy_chunks_kernel
-        eng = self.engine
-        m = job.mapped
-        if self.torch_stream is None:
-            torch.cuda.set_device(self.gpu.ordinal)
-            self.torch_stream = torch.cuda.ExternalStream(self.stream,
-                                                          device=f"cuda:{self.gpu.ordinal}")
-        if m.seg_table_gpu is None:
-            t = np.stack([m.seg_dev, m.seg_stride, m.seg_bytes, m.seg_prefix])
-            m.seg_table_gpu = torch.from_numpy(t).to(f"cuda:{self.gpu.ordinal}")
-        items = self._stage_items(job)
-        seg = m.seg_table_gpu
-        n_seg = seg.shape[1]
-        total = len(job.block_ids) * n_seg
-        grid = (max(1, min(eng.max_ctas, total)),)
-        with torch.cuda.stream(self.torch_stream):
-            copy_chunks_kernel[grid](
-                _Ptr(items, torch.int64), len(job.block_ids), seg[0], seg[1], seg[2], seg[3],
-                n_seg, eng.pool_base, _Ptr(eng.pool_base, torch.int32),
-                TO_POOL=job.to_pool, WORDS=eng.kernel_words, num_warps=eng.kernel_warps)
-        # the staging slot is free again once this launch is done
-        cuda.event_record(job.staging, self.stream)
-
-    # -- completing (wait thread) --
-
-    def _wait_loop(self) -> None:
-        cuda.use_device(self.gpu.ordinal)
-        while True:
-            job = self.waits.get()
-            if job is None:
-                return
-            err = self._await_marks(job)
-            if job.trace is not None:
-                job.trace.append(time.monotonic_ns())
-            for ev, _ in job.marks:
-                self.recycled.put(ev)
-            self.engine._finish(job, err or job.error)
-
-    @staticmethod
-    def _await_marks(job: _Job) -> BaseException | None:
-        """Wait for each chunk of ``job`` in turn, telling its ``progress`` of every one but
-        the last; after a failed chunk, only wait for the rest (none of it is reported)."""
-        err: BaseException | None = None
-        n = len(job.block_ids)
-        for ev, end in job.marks:
-            try:
-                cuda.event_synchronize(ev)
-            except Exception as e:  # noqa: BLE001
-                err = err or e
-                continue
-            if err is None and job.progress is not None and end < n:
-                try:
-                    job.progress(end)
-                except Exception:  # noqa: BLE001 - the job's own outcome still goes out
-                    log.exception("kvpool: a job's progress callback failed")
-        return err
-
-
-class _Ptr:
-    """A raw address Triton accepts as a pointer argument (it reads ``data_ptr`` and
-    ``dtype``), so the kernel sees an aligned typed pointer rather than an integer."""
-
-    __slots__ = ("addr", "dtype")
-
-    def __init__(self, addr: int, dtype: Any) -> None:
-        self.addr = addr
-        self.dtype = dtype
-
-    def data_ptr(self) -> int:
-        return self.addr
-
-
-class _Gpu:
-    def __init__(self, engine: CudaCopyEngine, ordinal: int) -> None:
-        self.ordinal = ordinal
-        self.store = _Lane(engine, self, to_pool=True)
-        self.load = _Lane(engine, self, to_pool=False)
-
-
 # ---- the engine ------------------------------------------------------------------------------
 
 class CudaCopyEngine(CopyEngine):
@@ -911,7 +174,7 @@ class CudaCopyEngine(CopyEngine):
         self._pitched_lock = threading.Lock()
         self.registration: cuda.HostRegistration | None = None
         self.kernel_broken = False
-        self._gpus: dict[int, _Gpu] = {}
+        self._gpus: dict[int, Gpu] = {}
         self._ipc: dict[bytes, list[int]] = {}   # handle -> [devptr, refs]
         self._lock = threading.Lock()
         self._closed = False
@@ -954,11 +217,11 @@ class CudaCopyEngine(CopyEngine):
         if self._init_error is not None:
             raise InternalError(f"CUDA is not usable in the daemon: {self._init_error}")
 
-    def _gpu(self, ordinal: int) -> _Gpu:
+    def _gpu(self, ordinal: int) -> Gpu:
         with self._lock:
             g = self._gpus.get(ordinal)
             if g is None:
-                g = self._gpus[ordinal] = _Gpu(self, ordinal)
+                g = self._gpus[ordinal] = Gpu(self, ordinal)
             return g
 
     # -- attach / detach --
@@ -1084,7 +347,7 @@ class CudaCopyEngine(CopyEngine):
             fut.set_exception(e)
             return fut
         nbytes = len(blocks) * mapped.registration.layout.shard_bytes
-        job = _Job(mapped, to_pool, blocks, shards, wait_event, fut, nbytes, progress=progress)
+        job = Job(mapped, to_pool, blocks, shards, wait_event, fut, nbytes, progress=progress)
         if self.trace:
             job.trace = [time.monotonic_ns()]
         if len(blocks) == 0:
@@ -1122,7 +385,7 @@ class CudaCopyEngine(CopyEngine):
             ev = m.opened_events[handle] = cuda.event_open_ipc(handle)
         return ev
 
-    def _finish(self, job: _Job, err: BaseException | None) -> None:
+    def _finish(self, job: Job, err: BaseException | None) -> None:
         m = job.mapped
         if job.trace is not None:
             job.future.kvpool_trace = job.trace  # type: ignore[attr-defined]

@@ -91,6 +91,21 @@ class DiskBlock:
     doomed: bool = False       # dropped while in flight: freed when that ends
 
 
+def _tables_of(raw: bytes, blocks: list[DiskBlock]) -> dict[bytes, dict[bytes, DiskBlock]]:
+    """The tier's tables (namespace → block hash → block) of ``blocks``, whose keys are ``raw``
+    (32 bytes each, in order): grouped with numpy, as ``DiskTier._adopt`` needs at startup."""
+    names = np.frombuffer(raw, "V16")
+    ns_of, hashes = names[0::2], names[1::2].tolist()
+    uniq, inverse = np.unique(ns_of, return_inverse=True)
+    by_ns = np.argsort(inverse, kind="stable")
+    cuts = np.flatnonzero(np.diff(inverse[by_ns])) + 1
+    tables: dict[bytes, dict[bytes, DiskBlock]] = {}
+    for ns, group in zip(uniq.tolist(), np.split(by_ns, cuts)):
+        g = group.tolist()
+        tables[ns] = dict(zip(map(hashes.__getitem__, g), map(blocks.__getitem__, g)))
+    return tables
+
+
 class DiskTier(LowerTier):
     name = "disk"
 
@@ -173,14 +188,7 @@ class DiskTier(LowerTier):
                           index[kept].tolist(), itertools.repeat(VALID, len(kept)),
                           rec["checksum"][kept].tolist(), rec["seq"][kept].tolist()))
         self._lru = OrderedDict.fromkeys(blocks)
-        names = np.frombuffer(raw, "V16")
-        ns_of, hashes = names[0::2], names[1::2].tolist()
-        uniq, inverse = np.unique(ns_of, return_inverse=True)
-        by_ns = np.argsort(inverse, kind="stable")
-        cuts = np.flatnonzero(np.diff(inverse[by_ns])) + 1
-        for ns, group in zip(uniq.tolist(), np.split(by_ns, cuts)):
-            g = group.tolist()
-            self._tables[ns] = dict(zip(map(hashes.__getitem__, g), map(blocks.__getitem__, g)))
+        self._tables = _tables_of(raw, blocks)
         self.blocks = self.adopted_blocks = len(blocks)
         self.used_bytes = int(nbytes[kept].sum())
         self._seq = int(rec["seq"].max()) + 1

@@ -16,16 +16,20 @@ import torch
 
 from kvpool.client.kv_layout import plan_kv_memory
 from kvpool.daemon import cuda as real_cuda
-from kvpool.daemon import cuda_copy
+from kvpool.daemon import copy_plan, cuda_copy, cuda_lane
 from kvpool.shared.layout import Layout
 from kvpool.shared.protocol import CudaRegion, RegisterRequest
 
 BLOCKS = 24
 BLOCK_BYTES = 4096
 
+# The engine's modules that call ``kvpool.daemon.cuda``: a stand-in driver replaces it in each.
+DRIVER_USERS = (cuda_copy, cuda_lane, copy_plan)
+
 
 class FakeDriver:
-    """What ``cuda_copy`` calls of ``kvpool.daemon.cuda`` on the DMA path, on host memory."""
+    """What the engine (``DRIVER_USERS``) calls of ``kvpool.daemon.cuda`` on the DMA path, on
+    host memory."""
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
@@ -139,11 +143,15 @@ class HostPool:
         self.nbytes = nbytes
 
 
+def use_driver(monkeypatch, drv: FakeDriver) -> FakeDriver:
+    for module in DRIVER_USERS:
+        monkeypatch.setattr(module, "cuda", drv)
+    return drv
+
+
 @pytest.fixture
 def fake(monkeypatch):
-    drv = FakeDriver()
-    monkeypatch.setattr(cuda_copy, "cuda", drv)
-    return drv
+    return use_driver(monkeypatch, FakeDriver())
 
 
 @pytest.fixture
@@ -199,7 +207,7 @@ def test_a_store_that_reports_chunks_ends_with_a_small_one_and_a_load_does_not(
     """TAIL_BLOCKS: after a store's last copy only a small chunk is left to commit; a store
     nobody follows and a load keep near-equal chunks."""
     m, kv = mapped
-    monkeypatch.setattr(cuda_copy, "TAIL_BLOCKS", 1)
+    monkeypatch.setattr(cuda_lane, "TAIL_BLOCKS", 1)
     offs = (np.arange(10) + 3) * BLOCK_BYTES
     seen = []
     engine.submit_store(m, np.arange(10), offs, b"", seen.append).result(10)
@@ -432,8 +440,7 @@ def test_each_gpu_has_its_own_lanes_and_a_stalled_one_holds_no_other_gpu(monkeyp
     """One daemon for every GPU of a host (issue 28): a registration on GPU k copies on GPU k's
     own store and load lanes, so a store waiting for one engine's step never delays another
     GPU's copies (eight engines must not queue behind one)."""
-    fake = TwoGpus()
-    monkeypatch.setattr(cuda_copy, "cuda", fake)
+    fake = use_driver(monkeypatch, TwoGpus())
     pool = HostPool(4 * BLOCKS * BLOCK_BYTES)
     eng = cuda_copy.CudaCopyEngine(pool, backend="dma", register_pool=False, dma_2d=False)
     eng.test_pool = pool

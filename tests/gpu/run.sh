@@ -42,7 +42,7 @@ cp -r tests bench pyproject.toml /tmp/pp/
 REPO=/tmp/pp; cd /tmp
 if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = tests+pd ]; then
   timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
-    -c "$REPO/pyproject.toml" --rootdir "$REPO" "$REPO/tests/daemon/test_cuda_tables.py" "$REPO/tests/gpu" 2>&1 | tee "$OUT/tests.log" || rc=1
+    -c "$REPO/pyproject.toml" --rootdir "$REPO" "$REPO/tests/daemon/test_copy_plan.py" "$REPO/tests/gpu" 2>&1 | tee "$OUT/tests.log" || rc=1
 fi
 if [ "$what" = pd ] || [ "$what" = pd+bench ]; then
   timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
@@ -54,7 +54,7 @@ if [ "$what" = pd ] || [ "$what" = pd+bench ] || [ "$what" = tests+pd ]; then
 fi
 if [ "$what" = tp ]; then
   timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
-    -c "$REPO/pyproject.toml" --rootdir "$REPO" "$REPO/tests/daemon/test_cuda_tables.py" "$REPO/tests/gpu" \
+    -c "$REPO/pyproject.toml" --rootdir "$REPO" "$REPO/tests/daemon/test_copy_plan.py" "$REPO/tests/gpu" \
     -k "tp_cross or tp2 or pitched or round_trip" 2>&1 | tee "$OUT/tests-tp.log" || rc=1
   timeout ${PD_TIMEOUT:-480} python3 "$REPO/bench/pd_handoff.py" --mode cross --out "$OUT" ${PD_ARGS:-} 2>&1 | tee "$OUT/pd-tp.log" || rc=1
 fi

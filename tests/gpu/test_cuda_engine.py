@@ -339,10 +339,10 @@ def test_a_chunked_job_reports_landed_chunks_in_order_and_moves_exact_bytes(engi
 
 def test_a_chunked_store_whose_launch_fails_halfway_reports_only_what_landed(engine, pool,
                                                                              monkeypatch):
-    from kvpool.daemon.cuda_copy import _Lane
+    from kvpool.daemon.cuda_lane import Lane
     w = Worker(0, "block_outer", NUM_BLOCKS)
     old = engine.chunk_blocks
-    enqueue = _Lane._enqueue_dma
+    enqueue = Lane._enqueue_dma
     calls = []
 
     def failing_third(self, job, blocks, shards):
@@ -355,7 +355,7 @@ def test_a_chunked_store_whose_launch_fails_halfway_reports_only_what_landed(eng
         engine.chunk_blocks = 8
         reg = w.register_request()
         m = engine.attach(reg)
-        monkeypatch.setattr(_Lane, "_enqueue_dma", failing_third)
+        monkeypatch.setattr(Lane, "_enqueue_dma", failing_third)
         src = np.arange(32)
         offs = _shard_offsets(reg, np.arange(32))
         pool.array()[:] = POISON ^ 0xFF

@@ -1,12 +1,12 @@
-"""The CUDA engine's address arithmetic, checked on CPU against a plain per-chunk loop, and the
-CUDA modules' import on a machine without CUDA."""
+"""The CUDA engine's address arithmetic (``copy_plan``), checked on CPU against a plain
+per-chunk loop, and the CUDA modules' import on a machine without CUDA."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvpool.daemon.cuda_copy import chunk_table, merge_runs, split_at_boundaries
+from kvpool.daemon.copy_plan import chunk_table, merge_runs, split_at_boundaries
 
 
 def _naive(seg_dev, seg_stride, seg_bytes, seg_prefix, blocks, shards, base):
@@ -98,7 +98,7 @@ def _expand_pitched(gpu, gpitch, glayer, host, hpitch, hlayer, width, rows, dept
 
 @pytest.mark.parametrize("case", ["per_layer", "mla", "mixed", "block_outer"])
 def test_pitched_table_moves_the_same_bytes_as_the_chunk_table(case):
-    from kvpool.daemon.cuda_copy import pitched_plan, pitched_table, strided_runs
+    from kvpool.daemon.copy_plan import pitched_plan, pitched_table, strided_runs
     nb = 9
     if case == "per_layer":     # [L, 2, NB, inner]: one run of 2L rows
         lead, inner = 8, 64
@@ -158,7 +158,7 @@ def test_pitched_ops_record_layout():
 
 
 def test_crosses_pieces():
-    from kvpool.daemon.cuda_copy import crosses_pieces
+    from kvpool.daemon.copy_plan import crosses_pieces
     assert not crosses_pieces(np.array([0, 1 << 21]), 1 << 21, 1 << 30)
     assert crosses_pieces(np.array([(1 << 30) - 4096]), 1 << 21, 1 << 30)
 
@@ -177,7 +177,7 @@ def test_tp_cross_pitched_plan_moves_exactly_the_ranks_heads(order, tp, rank, he
     pitched (2D and 3D, and 3D cut into 2D) and 1D chunks each move exactly the host path's
     pieces, and nothing else of the slot."""
     from kvpool.daemon.copy_engine import segment_address_table
-    from kvpool.daemon.cuda_copy import (flatten_plan, pitched_plan, pitched_table,
+    from kvpool.daemon.copy_plan import (flatten_plan, pitched_plan, pitched_table,
                                          strided_runs)
     from kvpool.shared.protocol import RegisterRequest
     from bench.kvtest import HeadKv
@@ -222,7 +222,7 @@ def test_tp_cross_engine_tables_for_the_benchmark_layouts():
     NHD one 2D copy of 512 rows of 2 KiB, block-outermost HND one 2D copy of 32 rows of 32 KiB;
     at TP=1 each is as before."""
     from kvpool.daemon.copy_engine import segment_address_table
-    from kvpool.daemon.cuda_copy import (P_DEPTH, P_HEIGHT, P_WIDTH, pitched_plan,
+    from kvpool.daemon.copy_plan import (P_DEPTH, P_HEIGHT, P_WIDTH, pitched_plan,
                                          strided_runs)
     from kvpool.shared.layout import Layout, SegmentPlacement
     from kvpool.shared.protocol import RegisterRequest
@@ -265,7 +265,7 @@ def test_templates_give_the_same_copies_as_the_full_tables(order, tp, rank):
 
     from kvpool.daemon import cuda
     from kvpool.daemon.copy_engine import segment_address_table
-    from kvpool.daemon.cuda_copy import (PitchedOps, block_runs, flatten_plan, pitched_plan,
+    from kvpool.daemon.copy_plan import (PitchedOps, block_runs, flatten_plan, pitched_plan,
                                          pitched_table, small_table, strided_runs)
     from kvpool.shared.protocol import RegisterRequest
     from bench.kvtest import HeadKv
@@ -308,7 +308,7 @@ def test_templates_give_the_same_copies_as_the_full_tables(order, tp, rank):
 
 
 def test_block_runs_merge_only_what_stays_contiguous_for_every_block():
-    from kvpool.daemon.cuda_copy import block_runs
+    from kvpool.daemon.copy_plan import block_runs
     a = lambda *x: np.array(x, dtype=np.int64)   # noqa: E731
     # two segments back to back on both sides with one stride: one run
     assert block_runs(a(100, 110), a(64, 64), a(10, 10), a(0, 10)) == [(100, 64, 0, 20)]
