@@ -8,16 +8,20 @@ until its answer is in, a request's lookup answers ``None`` ("ask again next ste
 its slots with leases until it is loaded or given up (``consume``); leases nobody needs go to
 ``release``, sent without waiting at the next step.
 
-Owns the queue, the batch in flight, answers nobody waits for any more (their leases get
-released), combining per-group answers into one hit, and the leases to release. Talks to the
-daemon only through ``SchedulerClient``'s non-blocking calls, behind ``DaemonLink``; a daemon
-that is down or refuses turns into zero hits (``DaemonUnavailable`` is never raised to vLLM).
-What a P/D consumer's answer means is asked of ``pd_stream.py``. Never waits.
+vLLM asks about every waiting request it walks past, which can be long before it schedules
+one: a burst of requests is looked up in its first step, and the later turns of a conversation
+queued behind the earlier ones would carry that step's misses to their schedule, past the
+stores that landed meanwhile. So an answer short of the request's prompt is dropped and asked
+again when vLLM asks about it later and the pool may hold more by then (``_stale``): this engine
+has since committed the first block the answer missed, or (for other engines' stores) the answer
+is ``LOOKUP_STALE_S`` old. An answer taken in this step or the last is never stale, so a slow
+step cannot keep a request asking forever; a full hit and a P/D hand-off's answers are kept.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Iterable
 
 from kvpool.client.vllm.daemon_link import DaemonLink
@@ -33,6 +37,10 @@ logger = logging.getLogger("kvpool.vllm")
 # anyway). A single request larger than the bound still goes whole. Stores are not bounded:
 # a block not planned in the step it fills may never be stored if the engine stops right after.
 LOOKUP_BLOCKS_PER_STEP = 512
+# An answer short of the whole prompt, taken in two or more steps before, is asked again when
+# vLLM asks about its request this long after it came (see the module's docstring): long next
+# to a step (5-50 ms on a GPU), short next to a queue that outlasts the stores beside it.
+LOOKUP_STALE_S = 0.25
 
 # One group's answer for one request: (first block asked, hit, slots, lease).
 Answer = tuple[int, int, list[int], int]
@@ -66,6 +74,8 @@ class Lookups:
         stream), 0 for none, or None until its lookup is answered. Queues the lookup the first
         time; takes in the daemon's answers once per step (``step``: build_connector_meta's
         count)."""
+        if st.hit is not None and st.hit < st.target and self._stale(st, step):
+            self.consume(st, keep_leases=False)
         if st.hit is None:
             if st.state == "idle":
                 bt = self.block_tokens
@@ -81,10 +91,21 @@ class Lookups:
                 # lookups go out together at its end (send).
                 self._polled = step
                 self._link.pump()
-                self.poll()
+                self.poll(step)
             if st.hit is None:
                 return None
         return max(st.hit, st.stream_to)
+
+    def _stale(self, st: ReqState, step: int) -> bool:
+        """Whether a partial answer may have been overtaken by stores (see the docstring)."""
+        if st.stream_end or st.expect_blocks or step - st.answered_step < 2:
+            return False
+        if time.monotonic() - st.answered_at > LOOKUP_STALE_S:
+            return True
+        req, hit = st.request, st.hit
+        return any(g.window_blocks is None and committed
+                   and st.keys.range(req, gi, hit, hit + 1)[0] in committed
+                   for gi, (g, committed) in enumerate(zip(self.groups, self._committed)))
 
     def ask(self, st: ReqState) -> None:
         """Look ``st`` up in this step's batch (its target and stream are already set)."""
@@ -191,8 +212,9 @@ class Lookups:
             st.state, st.hit = "idle", 0
             st.slots, st.leases, st.hit_start = [], [], []
 
-    def poll(self) -> None:
-        """Collect the in-flight batch if every namespace has answered; never waits."""
+    def poll(self, step: int) -> None:
+        """Collect the in-flight batch if every namespace has answered; never waits. ``step``:
+        the build_connector_meta count of the step taking the answers in."""
         if self._orphans:
             still = []
             for call in self._orphans:
@@ -277,6 +299,7 @@ class Lookups:
                 continue
             st.state = "idle"
             st.hit = hit
+            st.answered_at, st.answered_step = time.monotonic(), step
             st.leases = leases
             st.hit_start = [start for start, _, _, _ in answers]
             st.slots = [slots for _, _, slots, _ in answers]

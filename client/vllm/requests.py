@@ -25,6 +25,8 @@ class ReqState:
     target: int = 0            # block count the lookup asked for (the hit cannot exceed it)
     rounds: int = 0
     hit: int | None = None     # blocks available from the pool, from block 0
+    answered_at: float = 0.0   # when the hit came: monotonic time and the step that took it
+    answered_step: int = 0     # in (lookups._stale)
     hit_start: list[int] = field(default_factory=list)  # per group: block index of slots[g][0]
     slots: list[list[int]] = field(default_factory=list)
     leases: list[int] = field(default_factory=list)

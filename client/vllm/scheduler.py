@@ -215,7 +215,7 @@ class SchedulerRole:
             return meta
         started = time.perf_counter()
         self.link.pump()
-        self.lookups.poll()
+        self.lookups.poll(self._steps)
         if self.pd.streams:
             self.pd.expire()
         # Stores still reading blocks that are handed to a request this step must finish

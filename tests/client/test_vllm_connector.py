@@ -146,8 +146,8 @@ def test_gpu_prefix_hit_covers_the_pool_hit_and_releases_the_lease(make_engine, 
     leases = []
     original = role.lookups.poll
 
-    def spy():
-        original()
+    def spy(step):
+        original(step)
         leases.extend(x for st in role._reqs.values() for x in st.leases)
 
     role.lookups.poll = spy
@@ -645,3 +645,30 @@ def test_finished_requests_waiting_past_store_wait_free_their_blocks_unstored(
     assert role.losses.totals["store_wait"] == 32 - stored, role.losses.totals
     assert any("not stored" in r.message and "store_wait" in r.message
                for r in caplog.records)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+@pytest.mark.parametrize("step_s", [pytest.param(0.0, id="empty-steps"),
+                                    pytest.param(0.005, id="5ms-steps"),
+                                    pytest.param(0.05, id="50ms-steps")])
+def test_queued_turns_hit_what_the_turns_ahead_of_them_stored_meanwhile(
+        make_engine, async_scheduling, step_s):
+    # Two turns of 8 conversations queued at once, the second turn of each behind every
+    # first turn: vLLM looks them all up in its first step, when the pool holds nothing, and
+    # schedules the second turns after the first turns' 6-block prefixes are stored and gone
+    # from a GPU cache of 48 blocks that runs 2 at a time.
+    e = make_engine(async_scheduling=async_scheduling, num_blocks=48, max_num_seqs=2,
+                    max_num_batched_tokens=256, step_s=step_s)
+    turns = {(c, t): list(range(100_000 * (c + 1), 100_000 * (c + 1) + 6 * (t + 1) * BS + 1))
+             for t in range(2) for c in range(8)}
+    for (c, t), p in turns.items():
+        e.add(f"c{c}t{t}", p, max_tokens=4)
+    e.run(timeout_s=120)
+    # Each second turn computed at most what its first turn had not: its first 6 blocks came
+    # from vLLM's cache or the pool (the first lookup of each missed everything).
+    recomputed = {c: e.stats.scheduled[f"c{c}t1"] - (len(turns[c, 1]) - 6 * BS)
+                  for c in range(8)}
+    assert all(n <= 4 for n in recomputed.values()), (
+        f"tokens recomputed past the second half of each prompt: {recomputed}; "
+        f"loaded: {sorted(e.stats.loaded_reqs)}")
+    assert len(e.stats.loaded_reqs) >= 4, sorted(e.stats.loaded_reqs)

@@ -61,7 +61,7 @@ def test_a_step_asks_for_about_lookup_blocks_per_step(monkeypatch):
     w.lookups.send()                                      # a batch is in flight: waits
     assert len(w.client.calls) == 1
     w.client.calls[0].answer([0, 0], [[], []], [0, 0])
-    w.lookups.poll()
+    w.lookups.poll(step=1)
     w.lookups.send()
     assert [len(k) for k in w.client.calls[1].key_lists] == [4]
 
@@ -106,7 +106,7 @@ def test_an_answer_for_a_request_gone_meanwhile_releases_its_leases():
     w.lookups.send()
     del w.reqs["a"]
     w.client.calls[0].answer([4], [[1, 2, 3, 4]], [77])
-    w.lookups.poll()
+    w.lookups.poll(step=1)
     assert w.lookups.release == [77]
 
 
@@ -120,3 +120,67 @@ def test_a_miss_forgets_a_remembered_key():
     w.client.calls[0].answer([2], [[5, 6]], [9])          # block 2 was evicted
     assert w.lookups.match(a, 0, step=1) == 2
     assert list(w.committed[0]) == [ks[0], ks[1], ks[3]]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def answered(w: Wired, clock: Clock, hits: list[int]) -> list:
+    """Requests of 4 full blocks each, looked up in step 0 and answered in step 1."""
+    sts = [state(w.reqs, request(f"r{i}", list(range(100 * i, 100 * i + 70))))
+           for i in range(len(hits))]
+    for st in sts:
+        assert w.lookups.match(st, 0, step=0) is None
+    w.lookups.send()
+    w.client.calls[-1].answer(hits, [list(range(h)) for h in hits],
+                              [50 + i if h else 0 for i, h in enumerate(hits)])
+    for st, h in zip(sts, hits):
+        assert w.lookups.match(st, 0, step=1) == h
+    return sts
+
+
+def test_a_partial_answer_is_asked_again_once_this_engine_stored_the_block_it_missed(
+        monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(lookups_module, "time", clock)
+    w = Wired(FakeClient())
+    part, miss, full = answered(w, clock, [2, 0, 4])
+    # Steps later, vLLM asks again (the requests waited in its queue); nothing new stored.
+    assert [w.lookups.match(st, 0, step=9) for st in (part, miss, full)] == [2, 0, 4]
+    # This engine's stores committed the blocks both partial answers missed.
+    w.committed[0][keys(part.request, 2, 3)[0]] = None
+    w.committed[0][keys(miss.request, 0, 1)[0]] = None
+    assert w.lookups.match(part, 0, step=10) is None      # asked again, its lease released
+    assert w.lookups.match(miss, 0, step=10) is None
+    assert w.lookups.match(full, 0, step=10) == 4          # a full hit is kept
+    assert w.lookups.release == [50] and part.leases == [] and full.leases == [52]
+    w.lookups.send()
+    assert w.client.calls[-1].key_lists == [keys(part.request, 0, 4), keys(miss.request, 0, 4)]
+    w.client.calls[-1].answer([4, 1], [[1, 2, 3, 4], [9]], [60, 61])
+    # The fresh answers are used, whatever was stored since.
+    assert w.lookups.match(part, 0, step=11) == 4
+    assert w.lookups.match(miss, 0, step=11) == 1
+    w.committed[0][keys(miss.request, 1, 2)[0]] = None
+    assert w.lookups.match(miss, 0, step=12) == 1          # one step old: still fresh
+
+
+def test_a_partial_answer_is_asked_again_when_old_but_never_in_the_step_after_it_came(
+        monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(lookups_module, "time", clock)
+    w = Wired(FakeClient())
+    part, full = answered(w, clock, [1, 4])
+    clock.now += lookups_module.LOOKUP_STALE_S + 1         # another engine may have stored
+    assert w.lookups.match(part, 0, step=2) == 1           # a slow step: the answer just came
+    assert w.lookups.match(part, 0, step=3) is None
+    assert w.lookups.match(full, 0, step=3) == 4
+    w.lookups.send()
+    w.client.calls[-1].answer([3], [[1, 2, 3]], [70])
+    clock.now += 10                                        # slower steps still
+    assert w.lookups.match(part, 0, step=4) == 3           # taken in this step: used
+    assert w.lookups.match(part, 0, step=5) == 3
