@@ -5,6 +5,7 @@
 #   tests/gpu/run.sh [env|tests|bench|all|pd|pd+bench|tests+pd|tp|probe] [extra bench args...]
 # (pd: the two-GPU tests and bench/pd_handoff.py; pd+bench also runs bench/gpu_transfer.py;
 #  tests+pd: every GPU test, then bench/pd_handoff.py; PD_ARGS: extra pd_handoff.py args;
+#  policy: bench/store_policy.py --replay (eager vs lazy bytes per step); tests+policy: both;
 #  tp: the cross-TP GPU tests, then bench/pd_handoff.py --mode cross;
 #  probe: bench/investigations/gemm_probe.py, also run last by all; PROBE_ARGS: its extra args;
 #  breakdown: bench/investigations/gemm_breakdown.py; BREAKDOWN_ARGS: its extra args;
@@ -27,7 +28,7 @@ export PYTHONPATH=/tmp/pp:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 shm_kb=$(df -k --output=size /dev/shm | tail -1)
 if [ "$shm_kb" -lt $((32 * 1024 * 1024)) ]; then mount -o remount,size=48G /dev/shm 2>/dev/null || true; fi
 
-if [ "$what" = env ] || [ "$what" = all ] || [ "$what" = pd ] || [ "$what" = pd+bench ] || [ "$what" = tests+pd ] || [ "$what" = tp ] || [ "$what" = scale ]; then
+if [ "$what" = env ] || [ "$what" = all ] || [ "$what" = tests+policy ] || [ "$what" = pd ] || [ "$what" = pd+bench ] || [ "$what" = tests+pd ] || [ "$what" = tp ] || [ "$what" = scale ]; then
   { nvidia-smi --query-gpu=name,uuid,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
     nvidia-smi topo -m 2>/dev/null | head -5
     df -h /dev/shm; ulimit -l; nproc; free -g | head -2
@@ -40,7 +41,7 @@ rc=0
 # kvpool/ folder (only __init__.py) would shadow the import tree built above
 cp -r tests bench pyproject.toml /tmp/pp/
 REPO=/tmp/pp; cd /tmp
-if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = tests+pd ]; then
+if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = tests+pd ] || [ "$what" = tests+policy ]; then
   timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
     -c "$REPO/pyproject.toml" --rootdir "$REPO" "$REPO/tests/daemon/test_copy_plan.py" "$REPO/tests/gpu" 2>&1 | tee "$OUT/tests.log" || rc=1
 fi
@@ -60,6 +61,9 @@ if [ "$what" = tp ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = pd+bench ]; then
   timeout ${BENCH_TIMEOUT:-480} python3 "$REPO/bench/gpu_transfer.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" || rc=1
+fi
+if [ "$what" = policy ] || [ "$what" = tests+policy ]; then
+  timeout ${POLICY_TIMEOUT:-300} python3 "$REPO/bench/store_policy.py" --replay --out "$OUT" 2>&1 | tee "$OUT/policy.log" || rc=1
 fi
 if [ "$what" = probe ] || [ "$what" = all ]; then
   timeout ${PROBE_TIMEOUT:-240} python3 "$REPO/bench/investigations/gemm_probe.py" --out "$OUT" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" || rc=1
