@@ -6,7 +6,7 @@
 # packages); its scheduler, KV-cache manager and connector base are pure Python and run on CPU.
 # See ../shared/VLLM_CPU_TESTS.md (the recipe) and tests/client/vllm-constraints.txt (the pins).
 #
-#   .ci/install-vllm.sh && .venv-vllm/bin/python -m pytest -m vllm tests/client
+#   .ci/install-vllm.sh && .venv-vllm/bin/python -m pytest -m vllm tests/integration
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
