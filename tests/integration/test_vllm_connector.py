@@ -16,10 +16,10 @@ from kvpool.client.vllm_meta import WorkerAcks  # noqa: E402
 from tests.conftest import stop_process, wait_for  # noqa: E402
 
 from bench.vllm_scheduler import BS, Engine, fake_token  # noqa: E402
+from tests.integration.vllm_params import SCHEDULERS, STEP_SPEEDS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
 
 
 def prompt(n: int, start: int = 100) -> list[int]:
@@ -648,9 +648,7 @@ def test_finished_requests_waiting_past_store_wait_free_their_blocks_unstored(
 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
-@pytest.mark.parametrize("step_s", [pytest.param(0.0, id="empty-steps"),
-                                    pytest.param(0.005, id="5ms-steps"),
-                                    pytest.param(0.05, id="50ms-steps")])
+@pytest.mark.parametrize("step_s", STEP_SPEEDS)
 def test_queued_turns_hit_what_the_turns_ahead_of_them_stored_meanwhile(
         make_engine, async_scheduling, step_s):
     # Two turns of 8 conversations queued at once, the second turn of each behind every

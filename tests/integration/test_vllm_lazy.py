@@ -11,12 +11,10 @@ pytest.importorskip("vllm")
 
 
 from bench.vllm_scheduler import BS, Engine  # noqa: E402
+from tests.integration.vllm_params import SCHEDULERS, STEP_SPEEDS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
-STEP_SPEEDS = [pytest.param(0.0, id="empty-steps"), pytest.param(0.005, id="5ms-steps"),
-               pytest.param(0.05, id="50ms-steps")]
 LAZY = {"store_policy": "lazy"}
 
 

@@ -20,12 +20,10 @@ from kvpool.client.vllm import store_planner  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402
 
 from bench.vllm_scheduler import BS, Engine  # noqa: E402
+from tests.integration.vllm_params import SCHEDULERS, STEP_SPEEDS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
-STEP_SPEEDS = [pytest.param(0.0, id="empty-steps"), pytest.param(0.005, id="5ms-steps"),
-               pytest.param(0.05, id="50ms-steps")]
 # The harness's blocks are 4 KiB (2 layers x K,V x 16 tokens x 2 heads x 16 x fp16): a 2 MiB
 # pool of 256 KiB extents holds 192 of them once its tables are taken, and one client's old
 # reservation share was 1/8 of the pool, 32 blocks.
