@@ -222,6 +222,8 @@ class WorkerRole:
                 continue
             tickets = self._store_jobs.pop(c.job_id, None)
             if tickets is not None:
+                if not c.ok:   # (counted by the scheduler role as store_failed)
+                    logger.debug("kvpool: store job failed (%s)", c.message)
                 self._ack(tickets, c.ok)
 
     def _maybe_finish_load(self, req_id: str) -> None:

