@@ -24,7 +24,8 @@ Workloads (each with its own prompts, so none feeds another through the pool):
 - no repeat: 6 batches of 4 prompts of 1024 tokens never seen before, each batch small enough
   for the engine's KV (nothing is preempted): kvpool can only cost here.
   ``no_repeat_throughput_ratio`` = tokens/s with / without; ``no_daemon_throughput_ratio`` =
-  tokens/s of the connector with no daemon / without.
+  tokens/s of the connector with no daemon / without; ``no_repeat_vs_connector_only_ratio`` =
+  tokens/s with kvpool / the connector with no daemon (what the daemon's work costs).
 With kvpool, every call vLLM's scheduler makes into the connector is timed
 (``KVPOOL_CONNECTOR_TIMING``): ``connector_methods`` has p50/p99 microseconds per method.
 Eager against lazy: each workload of the two kvpool arms records the bytes its daemon stored
@@ -317,6 +318,8 @@ def headline(arms: dict) -> dict:
         / plain["no_repeat"]["tokens_per_s"],
         "no_daemon_throughput_ratio": absent["no_repeat"]["tokens_per_s"]
         / plain["no_repeat"]["tokens_per_s"],
+        "no_repeat_vs_connector_only_ratio": pool["no_repeat"]["tokens_per_s"]
+        / absent["no_repeat"]["tokens_per_s"],
         "no_daemon_multiturn_ttft_ratio": absent["multiturn"]["mean_ttft_s"]
         / plain["multiturn"]["mean_ttft_s"],
         "lazy_no_repeat_bytes_ratio": lazy["no_repeat"]["stored_bytes"]
