@@ -296,7 +296,7 @@ def test_an_io_error_turns_the_tier_off_loudly_and_the_pool_keeps_serving(daemon
 
 
 def test_disk_settings_are_checked_and_one_daemon_owns_a_directory(daemon_factory, tmp_path):
-    from tests.daemon.test_cli import kvpool, kvpoold, shm_exists
+    from tests.integration.test_cli import kvpool, kvpoold, shm_exists
     r = kvpoold("--disk-size", "lots", "--check-config")
     assert r.returncode == 2 and "disk_size" in r.stderr
     r = kvpoold("--check-config", env={"KVPOOL_DISK_PATH": "/x", "KVPOOL_DISK_SIZE": "1TiB"})
