@@ -10,7 +10,7 @@ the first chunk goes out and after the last one lands. This times that work in p
 - ``decode``: ``decode_request`` of the job's frame alone;
 - ``to_submit``: ``Server._dispatch`` of the frame until the engine's ``submit_*`` is called
   (decode, checks, ``begin_store``/``begin_load``, offsets; the engine's own launch is not in it);
-- ``chunk``: each leading chunk's commit as the engine reports it landed (``_landed``, hidden by
+- ``chunk``: each leading chunk's commit as the engine reports it landed (``CopyJobs._landed``, hidden by
   the next chunk's copy on a GPU);
 - ``job_done``: ``_job_done`` (the last chunk's commit, counters, the JobDone) and
   ``done_to_sent``: the engine's future resolved -> the reply handed to the socket, which adds the
@@ -104,15 +104,15 @@ def run(blocks: int, jobs: int, keys: bool) -> dict[str, dict[str, float]]:
         def send(_identity, reply) -> None:
             sent.append(time.perf_counter_ns())
             replies.append(reply)
-        srv._send = send                                  # no socket
-        for name in ("_landed", "_job_done"):
-            inner = getattr(srv, name)
+        srv._send = srv.jobs.send = send                  # no socket
+        for name in ("_landed", "_job_done"):             # (CopyJobs, daemon/copy_jobs.py)
+            inner = getattr(srv.jobs, name)
 
             def timed(*a, _inner=inner, _name=name):
                 t0 = time.perf_counter_ns()
                 _inner(*a)
                 add(f"{kind}_{_name.strip('_')}", time.perf_counter_ns() - t0)
-            setattr(srv, name, timed)
+            setattr(srv.jobs, name, timed)
         ident = b"\0bench"
         req = iter(range(1, 1 << 40))
 

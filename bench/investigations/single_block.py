@@ -130,7 +130,7 @@ def main() -> None:
 
 
 def hops(path: str) -> dict[str, dict[str, float]]:
-    """Median of each hop of the daemon's job trace (see ``Server._job_done``): received,
+    """Median of each hop of the daemon's job trace (see ``CopyJobs._job_done``, daemon/copy_jobs.py): received,
     submitted, the engine's stamps (copy started, launched, done), completion on the loop,
     reply sent."""
     out: dict[str, dict[str, float]] = {}

@@ -592,7 +592,7 @@ def max_requests(workdir: Path) -> dict:
         while len(frame) > limit:
             keys.pop()
             frame = p.encode(p.LookupRequest(2, eng.ns, [keys]))
-        from kvpool.daemon.server import MAX_BLOCKS_PER_REQUEST as most
+        from kvpool.daemon.copy_jobs import MAX_BLOCKS_PER_REQUEST as most
         results = {}
         for label, msg in (("max_lookup", frame),
                            ("max_frame_prepare", p.encode(p.PrepareStoreRequest(3, eng.ns, keys))),
