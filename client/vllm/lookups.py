@@ -16,6 +16,12 @@ again when vLLM asks about it later and the pool may hold more by then (``_stale
 has since committed the first block the answer missed, or (for other engines' stores) the answer
 is ``LOOKUP_STALE_S`` old. An answer taken in this step or the last is never stale, so a slow
 step cannot keep a request asking forever; a full hit and a P/D hand-off's answers are kept.
+
+Owns the queue, the batch in flight, answers nobody waits for any more (their leases get
+released), combining per-group answers into one hit, and the leases to release. Talks to the
+daemon only through ``SchedulerClient``'s non-blocking calls, behind ``DaemonLink``; a daemon
+that is down or refuses turns into zero hits (``DaemonUnavailable`` is never raised to vLLM).
+What a P/D consumer's answer means is asked of ``pd_stream.py``. Never waits.
 """
 
 from __future__ import annotations
