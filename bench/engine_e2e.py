@@ -3,15 +3,18 @@
     .venv/bin/python bench/engine_e2e.py [--out bench/results] [--quick] [--runs 3]
 
 Needs ``.venv-engine`` (``bash .ci/install.sh``) and, for the chart, matplotlib
-(``pip install -e '.[bench]'``). Runs every workload in three arms: engines with no KV connector
+(``pip install -e '.[bench]'``). Runs every workload in four arms: engines with no KV connector
 (``without_kvpool``), engines with the connector but no daemon behind it (``no_daemon``: what
-the connector itself costs or changes in vLLM, with nothing to hit), and engines on one kvpoold
+the connector itself costs or changes in vLLM, with nothing to hit), engines on one kvpoold
 (``with_kvpool``), and engines on a second kvpoold with the connector's lazy store policy
-(``with_kvpool_lazy``, ``KVPOOL_STORE_POLICY=lazy``). The arms take turns within each phase, and the whole comparison runs
-``--runs`` times (3: on a 2-core machine one run moves by ~30%); every figure is the median
-over the runs, and each run's own figures are kept in ``runs``. Writes ``engine-cpu-DATE.json``
-and ``engine-cpu-DATE.png`` into ``--out``. The model is a dummy-weight Llama big enough that prefill
-dominates (hidden 1024, 8 layers); the engine's own KV cache is kept small, as on a busy server.
+(``with_kvpool_lazy``, ``KVPOOL_STORE_POLICY=lazy``). The arms take turns within each phase,
+and the whole comparison runs ``--runs`` times (3: on a 2-core machine one run moves by
+~30%); every figure is the median over the runs, and each run's own figures are kept in
+``per_run``. Writes ``engine-cpu-DATE.json`` and ``engine-cpu-DATE.png`` into ``--out``. The
+model is a dummy-weight Llama big enough that prefill dominates (hidden 1024, 8 layers); the
+engine's own KV cache is kept small, as on a busy server. Every arm's engines compute on the
+same cores (``SAME_CORES``: vLLM gives an engine with any KV connector one core more than a
+plain one on this machine, which made the connector arms ~1.9x faster before).
 
 Workloads (each with its own prompts, so none feeds another through the pool):
 - multiturn: 8 conversations x 6 turns, each turn appending 256 user tokens to the history
@@ -30,10 +33,14 @@ With kvpool, every call vLLM's scheduler makes into the connector is timed
 (``KVPOOL_CONNECTOR_TIMING``): ``connector_methods`` has p50/p99 microseconds per method.
 Eager against lazy: each workload of the two kvpool arms records the bytes its daemon stored
 and loaded and the blocks it hit meanwhile (``stored_bytes``, ``loaded_bytes``,
-``hit_blocks``); ``lazy_no_repeat_bytes_ratio`` = bytes stored by lazy / eager in the no-repeat
-workload, ``lazy_multiturn_ttft_ratio`` and ``lazy_restart_ttft_ratio`` = lazy / eager mean
-TTFT. (Lazy stores whatever is still on the GPU when the engine goes idle, and an offline
-``LLM.generate`` leaves the engine idle after each batch.)
+``hit_blocks``), and, from the connectors' step logs, the bytes planned in steps that computed
+tokens and in steps that computed nothing (``busy_stored_bytes``, ``idle_stored_bytes``).
+Lazy stores whatever is still on the GPU when the engine goes idle (its promise that the cache
+survives a restart), and an offline ``LLM.generate`` leaves the engine idle after each batch,
+so its total bytes in the no-repeat workload approach eager's by design; what it saves is PCIe
+traffic while the engine works. ``lazy_no_repeat_bytes_ratio`` = busy bytes of lazy / eager in
+the no-repeat workload (``lazy_no_repeat_all_bytes_ratio``: all bytes the daemons stored),
+``lazy_multiturn_ttft_ratio`` and ``lazy_restart_ttft_ratio`` = lazy / eager mean TTFT.
 """
 
 from __future__ import annotations
@@ -70,6 +77,12 @@ def rand_prompts(n: int, tokens: int, rng: random.Random) -> list[list[int]]:
 
 
 ARMS = ("without_kvpool", "no_daemon", "with_kvpool", "with_kvpool_lazy")
+# vLLM's CPU workers bind their OpenMP threads to the cores it does not reserve for the
+# scheduler process: one core with no KV connector, one more with any connector (meant for
+# NIXL's threads; vllm/utils/ompmultiprocessing.py). On a 2-core machine that gives a plain
+# engine one compute core and an engine with a connector both (nothing left to reserve), so the
+# arms would compare thread counts, not kvpool: every arm gets vLLM's plain-engine default.
+SAME_CORES = {"VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
 POOL_ARMS = ("with_kvpool", "with_kvpool_lazy")
 
 
@@ -111,15 +124,37 @@ class Daemon:
 
 
 def snapshot(daemon: "Daemon | Absent | None") -> dict | None:
-    return daemon.info() if isinstance(daemon, Daemon) else None
+    return {**daemon.info(), "t": time.time()} if isinstance(daemon, Daemon) else None
 
 
 def moved(daemon: "Daemon | Absent | None", before: dict | None) -> dict:
-    """What the daemon stored, loaded and hit since ``before`` (nothing without a daemon)."""
+    """What the daemon stored, loaded and hit since ``before`` (nothing without a daemon), and
+    the wall-clock window (``window_s``) that ``busy_stores`` later reads the engines' logs in."""
     if before is None:
         return {}
     now = daemon.info()
-    return {k: now[k] - before[k] for k in ("stored_bytes", "loaded_bytes", "hit_blocks")}
+    return {**{k: now[k] - before[k] for k in ("stored_bytes", "loaded_bytes", "hit_blocks")},
+            "window_s": [before["t"], time.time()]}
+
+
+def busy_stores(prefix: str, arm: dict, block_bytes: int) -> None:
+    """Split each workload's stores into those planned in steps that computed tokens
+    (``busy_stored_bytes``: what competes with the engine's work for PCIe on a GPU) and in
+    steps that computed nothing (``idle_stored_bytes``: lazy's flush when the engine goes
+    idle), from the connectors' step logs (``store_steps`` of the timing files). A step
+    belongs to the workload whose window holds it; windows of one arm never overlap, and
+    only one engine computes at a time."""
+    steps = []
+    for f in Path(prefix).parent.glob(Path(prefix).name + ".*.json"):
+        steps += json.loads(f.read_text()).get("store_steps", [])
+    for figures in arm.values():
+        window = figures.get("window_s") if isinstance(figures, dict) else None
+        if window is None:
+            continue
+        t0, t1 = window
+        inside = [(tokens, blocks) for t, tokens, blocks in steps if t0 <= t <= t1]
+        figures["busy_stored_bytes"] = block_bytes * sum(b for n, b in inside if n)
+        figures["idle_stored_bytes"] = block_bytes * sum(b for n, b in inside if not n)
 
 
 def mean_ttft(step: dict) -> float:
@@ -275,31 +310,36 @@ def one_run(plan: dict, cfg: dict, run: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvpool-e2e-") as tmp:
         work = Path(tmp)
         model = write_model(str(work / "model"), cfg, weights=False)
-        timing = str(work / "timing")
-        env = {"KVPOOL_CONNECTOR_TIMING": timing}
+        timing = {arm: str(work / f"timing-{arm}") for arm in POOL_ARMS}
         daemon = Daemon(work, plan["pool_size"])
         lazy = Daemon(work, plan["pool_size"], "kvpoold-lazy")
         backends = {"without_kvpool": None, "no_daemon": Absent(work), "with_kvpool": daemon,
                     "with_kvpool_lazy": lazy}
-        envs = {"with_kvpool": env, "with_kvpool_lazy": {"KVPOOL_STORE_POLICY": "lazy"}}
+        envs = {"with_kvpool": {"KVPOOL_CONNECTOR_TIMING": timing["with_kvpool"]},
+                "with_kvpool_lazy": {"KVPOOL_CONNECTOR_TIMING": timing["with_kvpool_lazy"],
+                                     "KVPOOL_STORE_POLICY": "lazy"}}
+        envs = {arm: {**SAME_CORES, **envs.get(arm, {})} for arm in ARMS}
         out: dict = {arm: {} for arm in ARMS}
         try:
             for phase in (chat_phase, restart_phase):
                 # Every arm runs the CPU backend's one KV layout (LBHNC): vllm-cpu 0.32 refuses
                 # VLLM_KV_CACHE_LAYOUT=BLHNC, and keeps LBHNC when the connector asks for it.
-                # The arms' order turns with the run: the plain arm ran first in every phase of
-                # every run before, and two runs of 2026-11-25 could not tell an arm's effect
-                # from its place (the no-daemon arm ran no-repeat 1.61x faster than plain).
+                # The arms' order turns with the run, so no arm always runs first. (The
+                # no-daemon arm once ran no-repeat 1.6-1.9x faster than plain: not its place
+                # but its cores, see SAME_CORES.)
                 turn = run % len(ARMS)
                 for arm in ARMS[turn:] + ARMS[:turn]:
-                    out[arm].update(phase(backends[arm], model, work, plan, envs.get(arm, {}),
+                    out[arm].update(phase(backends[arm], model, work, plan, envs[arm],
                                           f"{arm}-{run}"))
             for arm in POOL_ARMS:
                 out[arm]["daemon"] = backends[arm].info()
         finally:
             daemon.stop()
             lazy.stop()
-        out["connector_methods"] = methods = connector_timing(timing)
+        for arm in POOL_ARMS:
+            busy_stores(timing[arm], out[arm], plan["block_bytes"])
+        # The method latencies are the eager arm's (the headline's configuration).
+        out["connector_methods"] = methods = connector_timing(timing["with_kvpool"])
         out["connector_method_p99_us"] = max((m["p99_us"] for m in methods.values()),
                                              default=0.0)
     return out
@@ -322,7 +362,9 @@ def headline(arms: dict) -> dict:
         / absent["no_repeat"]["tokens_per_s"],
         "no_daemon_multiturn_ttft_ratio": absent["multiturn"]["mean_ttft_s"]
         / plain["multiturn"]["mean_ttft_s"],
-        "lazy_no_repeat_bytes_ratio": lazy["no_repeat"]["stored_bytes"]
+        "lazy_no_repeat_bytes_ratio": lazy["no_repeat"]["busy_stored_bytes"]
+        / max(1, pool["no_repeat"]["busy_stored_bytes"]),
+        "lazy_no_repeat_all_bytes_ratio": lazy["no_repeat"]["stored_bytes"]
         / max(1, pool["no_repeat"]["stored_bytes"]),
         "lazy_multiturn_ttft_ratio": lazy["multiturn"]["mean_ttft_s"]
         / pool["multiturn"]["mean_ttft_s"],
@@ -399,6 +441,7 @@ def main() -> None:
     kv_per_block = 2 * layers * (heads // 2) * 64 * 4 * 128   # K and V, fp32, 128 tokens
     # The engine's own KV: 40 blocks (5120 tokens), a fraction of the 8 x ~1.7k-token histories.
     plan["kv_cache_bytes"] = 40 * kv_per_block
+    plan["block_bytes"] = kv_per_block
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"engine-cpu-{datetime.date.today().isoformat()}" + ("-quick" if quick else "")

@@ -5,7 +5,9 @@ environment) makes ``KVPoolConnector`` time every call vLLM's scheduler makes in
 ``PATH.<pid>.json`` at shutdown (and at exit): per method, the call count and p50/p99/max in
 microseconds of wall time, and the p50/p99 of the thread's CPU time over the same calls (what
 the method itself costs; the difference is time the thread was not running: preemption on a
-busy host, waits for the GIL). Off by default: two clock reads of each kind per call are cheap,
+busy host, waits for the GIL). With it, the scheduler side also logs each step that planned
+stores (``store_steps``: wall time, tokens the step scheduled, blocks planned), so a benchmark
+can tell the stores made while the engine computed from those made while it was idle. Off by default: two clock reads of each kind per call are cheap,
 but not free on the scheduler's thread.
 """
 
@@ -16,7 +18,7 @@ import functools
 import json
 import os
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 
 
@@ -31,6 +33,9 @@ class CallTimer:
         self.path = f"{path}.{os.getpid()}.json"
         self.samples: dict[str, list[int]] = {}
         self.cpu_samples: dict[str, list[int]] = {}
+        # More figures for the same file, read at each dump (name -> a function answering
+        # something JSON can hold).
+        self.extras: dict[str, Callable[[], Any]] = {}
         atexit.register(self.dump)
 
     def wrap(self, obj: Any, names: Iterable[str]) -> None:
@@ -66,8 +71,8 @@ class CallTimer:
     def dump(self) -> None:
         with open(self.path, "w") as f:
             json.dump({"pid": os.getpid(), "methods": self.summary(),
-                       "samples_us": {k: [v / 1e3 for v in ns] for k, ns in self.samples.items()}},
-                      f)
+                       "samples_us": {k: [v / 1e3 for v in ns] for k, ns in self.samples.items()},
+                       **{name: fn() for name, fn in self.extras.items()}}, f)
 
 
 def maybe_time(obj: Any, names: Iterable[str], path: str) -> CallTimer | None:

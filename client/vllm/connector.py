@@ -183,6 +183,9 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
             from kvpool.client.call_timing import maybe_time
 
             self._timer = maybe_time(self, SCHEDULER_METHODS, config.connector_timing)
+            if self._timer is not None:
+                self.scheduler.store_log = log = []
+                self._timer.extras["store_steps"] = lambda: log
         else:
             from kvpool.client.vllm_worker import WorkerRole
             from kvpool.client.worker import WorkerClient

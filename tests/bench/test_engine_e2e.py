@@ -1,0 +1,27 @@
+"""engine_e2e's accounting of stores made while the engine computed and while it was idle."""
+
+import json
+
+from bench.engine_e2e import busy_stores
+
+
+def test_steps_are_split_by_what_they_computed_and_attributed_to_the_window_holding_them(
+        tmp_path):
+    # Two engines' step logs (one per engine-core process), as the connector writes them.
+    (tmp_path / "timing-x.101.json").write_text(json.dumps(
+        {"methods": {}, "store_steps": [[10.0, 2048, 16], [11.0, 0, 4], [20.5, 512, 2]]}))
+    (tmp_path / "timing-x.102.json").write_text(json.dumps(
+        {"methods": {}, "store_steps": [[21.0, 0, 8], [30.0, 1024, 1]]}))
+    (tmp_path / "timing-y.103.json").write_text(json.dumps(   # another arm's: not read
+        {"methods": {}, "store_steps": [[10.5, 2048, 99]]}))
+    arm = {"multiturn": {"stored_bytes": 1, "window_s": [9.0, 12.0]},
+           "no_repeat": {"stored_bytes": 1, "window_s": [20.0, 22.0]},
+           "shared": {"stored_bytes": 1, "window_s": [40.0, 41.0]},
+           "daemon": [{"stored_blocks": 3}]}
+    busy_stores(str(tmp_path / "timing-x"), arm, block_bytes=100)
+    assert (arm["multiturn"]["busy_stored_bytes"], arm["multiturn"]["idle_stored_bytes"]) \
+        == (1600, 400)
+    assert (arm["no_repeat"]["busy_stored_bytes"], arm["no_repeat"]["idle_stored_bytes"]) \
+        == (200, 800)
+    assert (arm["shared"]["busy_stored_bytes"], arm["shared"]["idle_stored_bytes"]) == (0, 0)
+    assert arm["daemon"] == [{"stored_blocks": 3}]
