@@ -6,11 +6,17 @@ index, the byte counters, the one reply, the trace line).
 Every job ends exactly once, also when it fails before its copy starts or its worker leaves
 during the copy: a store's slots are ended by ``Landing`` (chunk by chunk, then the rest), a
 load's pins are dropped after its reply. ``in_flight`` is what the server's shutdown waits on.
+
+A store that would evict blocks a lower tier has yet to write waits here first (``_held``, in
+arrival order, see ``Tiering.must_hold``), and starts when the tiers' writes have made room or
+its hold ran out; it is checked again as it starts, so a worker gone meanwhile gets nothing
+copied.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from concurrent.futures import Future
 from functools import partial
 import logging
@@ -23,7 +29,7 @@ from kvpool.daemon.copy_engine import JobResult
 from kvpool.daemon.index import Index, Slot
 from kvpool.daemon.registry import Owner, Registration, Registry
 from kvpool.daemon.telemetry import Telemetry
-from kvpool.daemon.tiering import Tiering
+from kvpool.daemon.tiering import STORE_HOLD_S, Tiering
 from kvpool.shared import protocol as p
 from kvpool.shared.errors import (Aborted, BlockLost, ErrorCode, KvpoolError, OutOfRange,
                                   ProtocolError, TooLarge, UnknownId)
@@ -52,8 +58,77 @@ class CopyJobs:
         self.stored_bytes = 0
         self.loaded_bytes = 0
         self.in_flight: set[asyncio.Future] = set()
+        # Stores waiting for the lower tiers: (owner, request, monotonic deadline).
+        self._held: deque[tuple[Owner, p.StoreRequest, float]] = deque()
+        self._hold_timer: asyncio.TimerHandle | None = None
+        self.held_jobs = 0            # stores that waited, since start
+        if tiering is not None:
+            tiering.on_progress = self.start_held
 
     def start(self, owner: Owner, msg: p.StoreRequest | p.LoadRequest) -> p.Reply | None:
+        if isinstance(msg, p.StoreRequest) and self.tiering is not None and self._must_hold(msg):
+            self._held.append((owner, msg, time.monotonic() + STORE_HOLD_S))
+            self.held_jobs += 1
+            self._arm_hold_timer()
+            return None
+        return self._start(owner, msg)
+
+    def _must_hold(self, msg: p.StoreRequest) -> bool:
+        """Whether this store binds tickets to new slots (a first rank's) and would evict
+        blocks the tiers have yet to write, or others wait already (it goes behind them)."""
+        unbound = self.index.tickets.unbound
+        n = sum(map(unbound.__contains__, msg.slots))
+        if not n:
+            return False
+        if self._held:
+            return True
+        grant = unbound.get(next(r for r in msg.slots if r in unbound))
+        return self.tiering.must_hold(grant.ns, n)
+
+    def start_held(self) -> None:
+        """Start the held stores that may go, in arrival order: room was made, their hold ran
+        out (then the tiers are overloaded and the rest go too), or the daemon stops."""
+        held, tiering = self._held, self.tiering
+        now = time.monotonic()
+        while held:
+            owner, msg, deadline = held[0]
+            unbound = self.index.tickets.unbound
+            n = sum(map(unbound.__contains__, msg.slots))
+            if n and now < deadline:
+                grant = unbound[next(r for r in msg.slots if r in unbound)]
+                if tiering.must_hold(grant.ns, n):
+                    break
+            elif n:
+                tiering.hold_expired()
+            held.popleft()
+            reply = self._start(owner, msg)
+            if reply is not None and self.registry.by_identity.get(owner.identity) is owner:
+                self.send(owner.identity, reply)
+        self._arm_hold_timer()
+
+    def abort_held(self) -> None:
+        """Answer every held store with ``ABORTED`` (the daemon is stopping; nothing was
+        copied, the worker's engine keeps its blocks)."""
+        held = self._held
+        while held:
+            owner, msg, _ = held.popleft()
+            self.count_error(ErrorCode.ABORTED)
+            if self.registry.by_identity.get(owner.identity) is owner:
+                self.send(owner.identity, p.JobDone(msg.req_id, msg.job_id,
+                                                    int(ErrorCode.ABORTED), "kvpoold is stopping"))
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+
+    def _arm_hold_timer(self) -> None:
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        if self._held:
+            delay = max(0.0, self._held[0][2] - time.monotonic())
+            self._hold_timer = asyncio.get_running_loop().call_later(delay, self.start_held)
+
+    def _start(self, owner: Owner, msg: p.StoreRequest | p.LoadRequest) -> p.Reply | None:
         t_recv = time.monotonic_ns() if self.trace else 0
         is_store = isinstance(msg, p.StoreRequest)
         started = time.monotonic()

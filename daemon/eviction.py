@@ -66,6 +66,18 @@ class LruPolicy:
         head = list(islice(self._order.items(), n))
         return [s for s, _ in head], [t for _, t in head]
 
+    def head_has(self, n: int, accept: Callable[[int], bool], limit: int) -> bool:
+        """Whether ``n`` of the first ``limit`` slots in the queue pass ``accept`` (a look at
+        the next victims as they stand: no promotion)."""
+        if n <= 0:
+            return True
+        for s in islice(self._order, limit):
+            if accept(s):
+                n -= 1
+                if not n:
+                    return True
+        return False
+
     def oldest_many(self, n: int, is_pinned: Callable[[int], bool]) -> list[int]:
         """Up to ``n`` least recently used unpinned slots, oldest first (fewer if fewer
         exist)."""

@@ -227,6 +227,7 @@ class Server:
         log.info("shutting down: %d jobs in flight", len(self.jobs.in_flight))
         self.is_serving = False
         self.telemetry.stopping()
+        self.jobs.abort_held()
         for engine in set(self.engines.values()):
             engine.close()
         if self.jobs.in_flight:

@@ -14,6 +14,13 @@ reset. It never copies bytes itself and never blocks the event loop.
   before its turn is counted (``missed_blocks``, per tier); under sustained stores faster than
   a tier, that is how the tier falls behind, never by slowing a request. The tiers are
   independent: a block goes to the disk and is published to the remote store alike.
+- **A burst waits for the tiers, briefly.** A store that would have to evict blocks a tier
+  has yet to write (``must_hold``) is held by the copy jobs until the tiers' writes make clean
+  room, for at most ``STORE_HOLD_S``: a burst larger than the pool's clean room then loses
+  nothing, where it used to push the blocks queued for the disk out before their turn. A hold
+  that runs out means the tiers cannot keep up with the stores: stores stop waiting until the
+  tiers have caught up (``overloaded``), and the pool drops blocks as above, so a tier slower
+  than the stores never slows them by more than one hold.
 - **Probe.** A tier whose index is not in memory (the remote store) is asked about the keys of
   each key list past what the pool and the tiers above it hold; the server answers the lookup
   when those probes resolve (each tier bounds its own).
@@ -28,15 +35,23 @@ reset. It never copies bytes itself and never blocks the event loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import msgspec
 
 from kvpool.daemon.index import COMMITTED, Index, Slot
 from kvpool.daemon.tier import LowerTier
 from kvpool.shared.protocol import TierInfo
+
+log = logging.getLogger("kvpoold")
+
+# The longest a store waits for the lower tiers to write what it would evict (see the module
+# docstring): a few batches of any disk, and short beside a vLLM step's budget for its stores.
+STORE_HOLD_S = 0.25
 
 
 @dataclass(eq=False)
@@ -57,6 +72,14 @@ class Tiering:
         self.lowers = lowers
         self._lanes = [_Lane(t) for t in lowers]
         self._fills: dict[int, asyncio.Future[list[bool]]] = {}   # slot id -> its fill
+        # (slot id, generation) -> how many tiers still have it queued or in flight: a block
+        # the pool should not evict if it can wait (``must_hold``).
+        self._dirty: Counter[tuple[int, int]] = Counter()
+        # The tiers fell behind the stores (a hold ran out): no store waits until they have
+        # written everything queued.
+        self.overloaded = False
+        # Called when a tier's write ends (the copy jobs retry the stores they hold).
+        self.on_progress: Callable[[], None] | None = None
         index.on_commit = self._committed
         for lane in self._lanes:
             lane.tier.on_restored = lambda lane=lane: self._offer_pool(lane)
@@ -83,10 +106,25 @@ class Tiering:
         lower = lane.tier
         if not lower.is_enabled:
             return
+        dirty = self._dirty
         for s in slots:
             if lower.wants(s.key, s.size_class.slot_bytes):
                 lane.queue.append((s, s.generation))
+                dirty[s.id, s.generation] += 1
         self._schedule_pump(lane)
+
+    def _clean(self, s: Slot, generation: int) -> None:
+        """One tier is done with ``s`` (written, skipped, or it left the pool first)."""
+        key = (s.id, generation)
+        left = self._dirty[key] - 1
+        if left > 0:
+            self._dirty[key] = left
+            return
+        del self._dirty[key]
+        if not self._dirty and self.overloaded:
+            self.overloaded = False
+            log.info("lower tiers caught up: stores wait for them again when a burst would "
+                     "evict blocks they have yet to write")
 
     def _schedule_pump(self, lane: _Lane) -> None:
         if lane.queue and not lane.pump_scheduled:
@@ -104,6 +142,7 @@ class Tiering:
                 s, generation = queue[0]
                 if s.state != COMMITTED or s.generation != generation or s.doomed:
                     queue.popleft()
+                    self._clean(s, generation)
                     lane.missed_blocks += 1
                     continue
                 if batch and (s.size_class.slot_bytes != size
@@ -113,17 +152,65 @@ class Tiering:
                 size = s.size_class.slot_bytes
                 if lower.wants(s.key, size):
                     batch.append(s)
+                else:
+                    self._clean(s, generation)
             if not batch:
                 continue
             self.index.pin(batch)
             done = lower.demote([s.key for s in batch], [s.offset for s in batch], size)
             done.add_done_callback(lambda _f, batch=batch: self._demoted(lane, batch))
         if not lower.is_enabled:
+            for s, generation in queue:
+                self._clean(s, generation)
             queue.clear()
+            self._progress()
 
     def _demoted(self, lane: _Lane, batch: list[Slot]) -> None:
+        for s in batch:           # pinned while written: still the generation queued
+            self._clean(s, s.generation)
         self.index.unpin(batch)
         self._pump(lane)
+        self._progress()
+
+    def _progress(self) -> None:
+        if self.on_progress is not None:
+            self.on_progress()
+
+    def must_hold(self, ns: bytes, n: int) -> bool:
+        """Whether a store of ``n`` new blocks of ``ns`` should wait for the tiers: it would
+        evict a block one of them has yet to write, and they keep up (not ``overloaded``). The
+        pool's clean room is free slots, unassigned extents, and the unpinned blocks no tier
+        waits for at the head of the LRU (looked at as far as the blocks being written and
+        queued could reach, not promoting anything)."""
+        if not self._dirty or self.overloaded or n <= 0:
+            return False
+        index = self.index
+        if not index.has_layout(ns):
+            return False
+        extents = index.extents
+        slot_bytes = index.layout_of(ns).slot_bytes
+        cls = extents.size_class(slot_bytes)
+        room = len(cls.free) + len(extents.free_extents) * (
+            index.pool.geometry.extent_bytes // slot_bytes)
+        if room >= n:
+            return False
+        slots, dirty = extents.slots, self._dirty
+
+        def clean(sid: int) -> bool:
+            s = slots[sid]
+            return not s.pins and (sid, s.generation) not in dirty
+
+        need = n - room
+        return not cls.lru.head_has(need, clean, need + len(dirty) + 64)
+
+    def hold_expired(self) -> None:
+        """A store waited ``STORE_HOLD_S`` and the tiers did not make room: they cannot keep
+        up, so stores stop waiting for them until they have caught up."""
+        if not self.overloaded:
+            self.overloaded = True
+            log.warning("lower tiers are behind the stores (%d blocks queued): stores no longer "
+                        "wait for them, and blocks the pool evicts first are counted missed",
+                        sum(len(lane.queue) for lane in self._lanes))
 
     # ---- up --------------------------------------------------------------------------------
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 
 from kvpool.daemon.index import Index
-from kvpool.daemon.tier import LowerTier
 from kvpool.daemon.tiering import Tiering
 from kvpool.shared.layout import Layout
-from kvpool.shared.protocol import TierInfo
+from tests.daemon.tierkit import FakeTier, GatedTier
 
 LAYOUT = Layout(16, 1, "f16", (64 << 10,), "t")       # 16 slots per 1 MiB extent
 NS = b"N" * 16
@@ -19,70 +18,6 @@ SLOT = 64 << 10
 
 def keys(n, prefix=b""):
     return [(prefix + b"%06d" % i).ljust(16, b"k") for i in range(n)]
-
-
-class FakeTier(LowerTier):
-    """Holds keys in a set; demotes and promotes at once (promote checks nothing)."""
-
-    def __init__(self, name: str, held: set[bytes] | None = None, probe_adds=()) -> None:
-        self.name = name
-        self.held = set(held or ())
-        self.enabled = True
-        self.probed: list[list[list[bytes]]] = []
-        self.promoted: list[bytes] = []
-        self._probe_adds = set(probe_adds)
-
-    @property
-    def is_enabled(self) -> bool:
-        return self.enabled
-
-    def leading(self, ns, hashes, slot_bytes):
-        n = 0
-        for h in hashes:
-            if ns + h not in self.held:
-                break
-            n += 1
-        return n
-
-    def probe(self, ns, tails, slot_bytes):
-        if self.name != "remote":
-            return None
-        self.probed.append(tails)
-        self.held |= {ns + h for t in tails for h in t if ns + h in self._probe_adds}
-        f = asyncio.get_running_loop().create_future()
-        f.set_result(None)
-        return f
-
-    def wants(self, key, slot_bytes):
-        return self.enabled and key not in self.held
-
-    def can_demote(self):
-        return self.enabled
-
-    def batch_blocks(self, slot_bytes):
-        return 4
-
-    def demote(self, keys, offsets, slot_bytes):
-        self.held |= set(keys)
-        f = asyncio.get_running_loop().create_future()
-        f.set_result(len(keys))
-        return f
-
-    def promote(self, keys, offsets, slot_bytes):
-        self.promoted += keys
-        f = asyncio.get_running_loop().create_future()
-        f.set_result([True] * len(keys))
-        return f
-
-    def forget(self, ns):
-        return 0
-
-    def info(self):
-        return TierInfo(self.name, self.enabled, "", 0, 0, len(self.held), 0, 0, 0, 0, 0, 0, 0,
-                        0, 0, 0)
-
-    async def close(self, timeout_s):
-        pass
 
 
 def setup(pool, disk: FakeTier, remote: FakeTier) -> tuple[Index, Tiering]:
@@ -158,3 +93,79 @@ def test_a_tier_that_comes_back_is_offered_the_pool(pool):
         await asyncio.sleep(0.01)
     asyncio.run(run())
     assert remote.held == {NS + k for k in keys(5)}
+
+
+def gated(pool) -> tuple[Index, Tiering, GatedTier]:
+    disk = GatedTier()
+    ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
+    ix.register_namespace(NS, LAYOUT)
+    return ix, Tiering(ix, [disk]), disk
+
+
+def fill(ix) -> int:
+    """Store blocks until every slot of the pool holds one; how many."""
+    n = 0
+    while True:
+        refs = ix.prepare_store(NS, keys(16, b"%d" % n), 1, 0)
+        if not refs or any(r == 0 for r in refs):
+            return n
+        ix.end_store(ix.begin_store(NS, refs, 0), 0, ok=True)
+        n += 16
+        cls = ix.extents.size_class(SLOT)
+        if not cls.free and not ix.extents.free_extents:
+            return n
+
+
+def test_a_store_that_would_evict_blocks_not_yet_written_waits_until_the_tier_wrote_them(pool):
+    ix, t, disk = gated(pool)
+
+    async def run():
+        t.start()
+        total = fill(ix)
+        await asyncio.sleep(0)
+        assert total >= 64 and len(disk.pending) == 2
+        # Every block is queued or being written: any new block would push one out unwritten.
+        assert t.must_hold(NS, 1) and t.must_hold(NS, 8)
+        await disk.write_next()                 # 4 written: room for 4, not for 8
+        assert not t.must_hold(NS, 4) and t.must_hold(NS, 8)
+        await disk.write_next()
+        assert not t.must_hold(NS, 8) and t.must_hold(NS, 9)
+        t.hold_expired()                        # the tier is too slow: nobody waits for it
+        assert t.overloaded and not t.must_hold(NS, 9)
+        while disk.pending:
+            await disk.write_next()
+        assert not t.overloaded, "caught up: stores wait for the tier again"
+        return total
+    total = asyncio.run(run())
+    assert len(disk.held) == total and t.info()[0].missed_blocks == 0
+
+
+def test_no_store_waits_while_nothing_is_queued_for_a_tier_or_the_pool_has_free_room(pool):
+    ix, t, disk = gated(pool)
+
+    async def run():
+        t.start()
+        store(ix, keys(8))
+        await asyncio.sleep(0)
+        assert len(disk.pending) == 2          # being written, with room to spare
+        assert not t.must_hold(NS, 16)
+        while disk.pending:
+            await disk.write_next()
+        assert not t.must_hold(NS, 10 ** 6), "nothing unwritten: eviction loses nothing"
+    asyncio.run(run())
+    assert len(disk.held) == 8
+
+
+def test_a_tier_that_goes_off_frees_what_it_had_queued(pool):
+    ix, t, disk = gated(pool)
+
+    async def run():
+        t.start()
+        fill(ix)
+        await asyncio.sleep(0)
+        assert t.must_hold(NS, 1)
+        disk.enabled = False
+        while disk.pending:
+            await disk.write_next()
+        assert not t.must_hold(NS, 1), "a disabled tier holds nothing back"
+    asyncio.run(run())

@@ -63,14 +63,6 @@ def test_a_burst_larger_than_an_eighth_of_the_pool_is_stored_whole(
     assert_same_outputs(out, baseline_outputs(P, 1), "after kill -9 and restart")
 
 
-@pytest.mark.skip(reason="issue 26's 2.4N guarantee is not met yet: engine a stores all 66 "
-                         "blocks into the 16-slot pool; with the disk tier's uncommitted writes "
-                         "bounded by its bytes (48 one-block batches here, 6 before) the disk "
-                         "adopted 63 after kill -9 and restart (58 + 8 missed before) and "
-                         "engine b, one prompt at a time, loaded 58 of 66, 88% against 90% "
-                         "(2026-11-25, quiet VM; 56 before). Not yet traced: which 3 blocks "
-                         "the disk lacked at the kill though the disk tier had settled, and "
-                         "why 5 of the 63 did not load; then unskip")
 def test_a_working_set_of_2_4_pools_mostly_loads_after_kill_and_restart(
         daemon_factory, engines, observer_of, tmp_path, baseline_outputs):
     # 4 MiB in 1 MiB extents: 24 slots once the pool's tables are taken; 66 blocks are 2.75x.
