@@ -141,12 +141,12 @@ def busy_stores(prefix: str, arm: dict, block_bytes: int) -> None:
     """Split each workload's stores into those planned in steps that computed tokens
     (``busy_stored_bytes``: what competes with the engine's work for PCIe on a GPU) and in
     steps that computed nothing (``idle_stored_bytes``: lazy's flush when the engine goes
-    idle), from the connectors' step logs (``store_steps`` of the timing files). A step
+    idle), from the connectors' step logs (``PREFIX.<pid>.store_steps.jsonl``). A step
     belongs to the workload whose window holds it; windows of one arm never overlap, and
     only one engine computes at a time."""
     steps = []
-    for f in Path(prefix).parent.glob(Path(prefix).name + ".*.json"):
-        steps += json.loads(f.read_text()).get("store_steps", [])
+    for f in Path(prefix).parent.glob(Path(prefix).name + ".*.store_steps.jsonl"):
+        steps += [json.loads(line) for line in f.read_text().splitlines() if line]
     for figures in arm.values():
         window = figures.get("window_s") if isinstance(figures, dict) else None
         if window is None:
@@ -211,8 +211,11 @@ def restart_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan
     then prompts nobody saw, then the shared prompts), 3 then gets what 2 ran last."""
     warm = {"op": "generate", "prompts": plan["warmup"], "max_tokens": 2}
     common = engine_settings(model, daemon, plan)
+    # e2 waits before each measured workload, so its window opens before its first step.
     e2 = Engine(str(ENGINE_PYTHON), {**common, "steps": [
-        warm, {"op": "generate", "prompts": plan["restart"], "max_tokens": 1},
+        warm, {"op": "wait", "name": "restart"},
+        {"op": "generate", "prompts": plan["restart"], "max_tokens": 1},
+        {"op": "wait", "name": "no_repeat"},
         *({"op": "generate", "prompts": batch, "max_tokens": ANSWER_TOKENS}
           for batch in plan["no_repeat"]),
         {"op": "generate", "prompts": plan["shared"], "max_tokens": 1}]},
@@ -227,11 +230,15 @@ def restart_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan
         e3.wait_ready()
         e2.next()
         e3.next()
+        assert e2.next()["waiting"] == "restart"
         before = snapshot(daemon)
+        e2.go()
         r = e2.next()
         out["restart"] = {"mean_ttft_s": mean_ttft(r), "wall_s": r["wall_s"],
                           **moved(daemon, before)}
+        assert e2.next()["waiting"] == "no_repeat"
         before = snapshot(daemon)
+        e2.go()
         tokens = wall = preemptions = 0
         walls, ttfts = [], []
         for _ in plan["no_repeat"]:

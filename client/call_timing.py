@@ -6,8 +6,9 @@ environment) makes ``KVPoolConnector`` time every call vLLM's scheduler makes in
 microseconds of wall time, and the p50/p99 of the thread's CPU time over the same calls (what
 the method itself costs; the difference is time the thread was not running: preemption on a
 busy host, waits for the GIL). With it, the scheduler side also logs each step that planned
-stores (``store_steps``: wall time, tokens the step scheduled, blocks planned), so a benchmark
-can tell the stores made while the engine computed from those made while it was idle. Off by default: two clock reads of each kind per call are cheap,
+stores (``PATH.<pid>.store_steps.jsonl``: wall time, tokens the step scheduled, blocks
+planned), so a benchmark can tell the stores made while the engine computed from those made
+while it was idle. Off by default: two clock reads of each kind per call are cheap,
 but not free on the scheduler's thread.
 """
 
@@ -33,9 +34,7 @@ class CallTimer:
         self.path = f"{path}.{os.getpid()}.json"
         self.samples: dict[str, list[int]] = {}
         self.cpu_samples: dict[str, list[int]] = {}
-        # More figures for the same file, read at each dump (name -> a function answering
-        # something JSON can hold).
-        self.extras: dict[str, Callable[[], Any]] = {}
+        self._base = path
         atexit.register(self.dump)
 
     def wrap(self, obj: Any, names: Iterable[str]) -> None:
@@ -71,8 +70,19 @@ class CallTimer:
     def dump(self) -> None:
         with open(self.path, "w") as f:
             json.dump({"pid": os.getpid(), "methods": self.summary(),
-                       "samples_us": {k: [v / 1e3 for v in ns] for k, ns in self.samples.items()},
-                       **{name: fn() for name, fn in self.extras.items()}}, f)
+                       "samples_us": {k: [v / 1e3 for v in ns] for k, ns in self.samples.items()}},
+                      f)
+
+    def line_log(self, name: str) -> Callable[..., None]:
+        """A function writing its arguments as one JSON list per line to
+        ``PATH.<pid>.<name>.jsonl``, flushed at once: unlike the dump, it survives a process
+        killed at shutdown (vLLM kills an engine core that is slow to stop)."""
+        f = open(f"{self._base}.{os.getpid()}.{name}.jsonl", "a", buffering=1)
+        atexit.register(f.close)
+
+        def write(*values: Any) -> None:
+            f.write(json.dumps(values) + "\n")
+        return write
 
 
 def maybe_time(obj: Any, names: Iterable[str], path: str) -> CallTimer | None:

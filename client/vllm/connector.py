@@ -184,8 +184,7 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
 
             self._timer = maybe_time(self, SCHEDULER_METHODS, config.connector_timing)
             if self._timer is not None:
-                self.scheduler.store_log = log = []
-                self._timer.extras["store_steps"] = lambda: log
+                self.scheduler.store_log = self._timer.line_log("store_steps")
         else:
             from kvpool.client.vllm_worker import WorkerRole
             from kvpool.client.worker import WorkerClient

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from kvpool.client.vllm.daemon_link import DaemonLink
 from kvpool.client.vllm.loads import Loads
@@ -112,9 +112,9 @@ class SchedulerRole:
         self.planner = StorePlanner(groups, bt, client, self.link, self._reqs, self.tickets,
                                     self.backlog, self.losses, self.lazy,
                                     store_min_prefix_tokens, horizon_blocks)
-        # Benchmarks only (connector timing on): [wall time, tokens scheduled, blocks planned]
-        # of each step that planned stores.
-        self.store_log: list[tuple[float, int, int]] | None = None
+        # Benchmarks only (connector timing on): told (wall time, tokens scheduled, blocks
+        # planned) of each step that planned stores.
+        self.store_log: Callable[[float, int, int], None] | None = None
         if self.enabled:
             # Connect and start stocking slots now (start-up, not a step: this may wait up to
             # timeout_ms once), so the first steps find them.
@@ -242,8 +242,8 @@ class SchedulerRole:
         self.lookups.send()
         meta.stores = self.planner.plan(so, started, preempted)
         if self.store_log is not None and meta.stores:
-            self.store_log.append((time.time(), so.total_num_scheduled_tokens,
-                                   sum(len(s.slots) for s in meta.stores)))
+            self.store_log(time.time(), so.total_num_scheduled_tokens,
+                           sum(len(s.slots) for s in meta.stores))
         for st in preempted:
             st.set_cursor(0)        # it resumes from token 0 (keys stored now are skipped)
         meta.free_now = self.backlog.take_free()

@@ -8,12 +8,12 @@ from bench.engine_e2e import busy_stores
 def test_steps_are_split_by_what_they_computed_and_attributed_to_the_window_holding_them(
         tmp_path):
     # Two engines' step logs (one per engine-core process), as the connector writes them.
-    (tmp_path / "timing-x.101.json").write_text(json.dumps(
-        {"methods": {}, "store_steps": [[10.0, 2048, 16], [11.0, 0, 4], [20.5, 512, 2]]}))
-    (tmp_path / "timing-x.102.json").write_text(json.dumps(
-        {"methods": {}, "store_steps": [[21.0, 0, 8], [30.0, 1024, 1]]}))
-    (tmp_path / "timing-y.103.json").write_text(json.dumps(   # another arm's: not read
-        {"methods": {}, "store_steps": [[10.5, 2048, 99]]}))
+    def log(name, steps):
+        (tmp_path / name).write_text("".join(json.dumps(x) + "\n" for x in steps))
+    log("timing-x.101.store_steps.jsonl", [[10.0, 2048, 16], [11.0, 0, 4], [20.5, 512, 2]])
+    log("timing-x.102.store_steps.jsonl", [[21.0, 0, 8], [30.0, 1024, 1]])
+    log("timing-y.103.store_steps.jsonl", [[10.5, 2048, 99]])       # another arm's: not read
+    (tmp_path / "timing-x.101.json").write_text("{}")             # the latencies: not read
     arm = {"multiturn": {"stored_bytes": 1, "window_s": [9.0, 12.0]},
            "no_repeat": {"stored_bytes": 1, "window_s": [20.0, 22.0]},
            "shared": {"stored_bytes": 1, "window_s": [40.0, 41.0]},

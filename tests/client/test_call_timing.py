@@ -22,13 +22,20 @@ def test_wrapped_methods_still_answer_and_every_call_is_counted_in_the_dump(tmp_
     assert isinstance(timer, CallTimer)
     atexit.unregister(timer.dump)
     assert [obj.step(i) for i in range(5)] == [0, 2, 4, 6, 8]
-    log = [(1.0, 2048, 16)]
-    timer.extras["store_steps"] = lambda: log
-    log.append((2.0, 0, 3))      # read at dump time, not when registered
     timer.dump()
     out = json.loads(Path(timer.path).read_text())
     assert out["methods"]["step"]["calls"] == 5 and len(out["samples_us"]["step"]) == 5
-    assert out["store_steps"] == [[1.0, 2048, 16], [2.0, 0, 3]]
+
+
+def test_a_line_log_is_on_disk_line_by_line_before_any_dump(tmp_path):
+    timer = CallTimer(str(tmp_path / "timing"))
+    atexit.unregister(timer.dump)
+    write = timer.line_log("store_steps")
+    write(1.0, 2048, 16)
+    write(2.0, 0, 3)
+    [path] = tmp_path.glob("timing.*.store_steps.jsonl")
+    assert [json.loads(x) for x in path.read_text().splitlines()] == [[1.0, 2048, 16],
+                                                                       [2.0, 0, 3]]
 
 
 def test_no_path_times_nothing():
