@@ -270,8 +270,11 @@ class LazyStore:
         block_pool.touch(blocks)
         for block in blocks:
             bid = block.block_id
-            self._in_flight[bid] = self._pending[bid]
-            self._unpend(bid)
+            entry = self._in_flight[bid] = self._pending[bid]
+            # Other blocks holding the same key (two requests computed it) are not needed
+            # now: left pending they would be stored again, or counted evicted when reused.
+            for other in list(self._by_key[entry.key]):
+                self._unpend(other)
 
     def _drop(self, bid: int, reason: str) -> None:
         self._unpend(bid)

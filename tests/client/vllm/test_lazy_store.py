@@ -257,3 +257,20 @@ def test_eviction_horizon_covers_tokens_requests_and_lookahead_of_every_group():
     assert horizon_for(cfg, kv.kv_cache_config) == 16 + 4
     with pytest.raises(ValueError):
         LazyStore(0)
+
+
+def test_a_key_taken_for_a_store_from_one_block_is_not_kept_pending_in_another():
+    mgr, lazy, ids = scenario()
+    a, c, e = ids["a"], ids["c"], ids["e"]
+    # c2 holds a second copy of e0's key, ahead of e0 in the free queue.
+    lazy.remember(mgr.block_pool, 0, [c[2]], [b"e0"])
+    assert lazy.due(mgr.block_pool) == [Due(0, a[2], b"a2"), Due(0, a[1], b"a1"),
+                                        Due(0, a[0], b"a0"), Due(0, c[2], b"e0")]
+    # e0's key is on its way to the pool from c2: its own block is no longer needed.
+    assert lazy.num_pending == 2
+    new = allocate(mgr, 7)                  # reaches e0 at the queue's head
+    assert e[0] in new
+    lazy.note_allocated(mgr.block_pool, new)
+    # e2 and e1 were lost (reused before they came due); e0's key is stored from c2.
+    assert lazy.dropped == {EVICTED: 2, RESET: 0}
+    assert b"e0" not in [d.key for d in lazy.all_pending(mgr.block_pool)]
