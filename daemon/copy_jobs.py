@@ -94,13 +94,16 @@ class CopyJobs:
             owner, msg, deadline = held[0]
             unbound = self.index.tickets.unbound
             n = sum(map(unbound.__contains__, msg.slots))
+            expired = False
             if n and now < deadline:
                 grant = unbound[next(r for r in msg.slots if r in unbound)]
                 if tiering.must_hold(grant.ns, n):
                     break
             elif n:
+                expired = True
                 tiering.hold_expired()
             held.popleft()
+            self.telemetry.store_held(expired)
             reply = self._start(owner, msg)
             if reply is not None and self.registry.by_identity.get(owner.identity) is owner:
                 self.send(owner.identity, reply)

@@ -229,6 +229,11 @@ class Metrics:
 
         self._evictions = Counter(
             "kvpool_evicted_blocks", "Committed blocks evicted to make room (LRU).", registry=r)
+        holds = Counter(
+            "kvpool_store_holds", "Stores that waited for a lower tier to write blocks they "
+            "would have evicted, by how the wait ended (written: room was made; expired: the "
+            "tier is behind).", ["outcome"], registry=r)
+        self._holds_by = {o: holds.labels(o) for o in ("written", "expired")}
         self._errors = Counter(
             "kvpool_errors", "Error replies and failed jobs, by error code.", ["code"],
             registry=r)
@@ -274,6 +279,9 @@ class Metrics:
         if ok:
             nbytes_c.inc(nbytes)
             blocks_c.inc(blocks)
+
+    def count_store_hold(self, expired: bool) -> None:
+        self._holds_by["expired" if expired else "written"].inc()
 
     def count_evictions(self, blocks: int) -> None:
         if blocks:

@@ -140,6 +140,10 @@ class Telemetry:
         observe = self.metrics.observe_store if is_store else self.metrics.observe_load
         observe(nbytes, time.monotonic() - started, blocks, ok)
 
+    def store_held(self, expired: bool) -> None:
+        """A store waited for the lower tiers (``CopyJobs``); ``expired``: its wait ran out."""
+        self.metrics.count_store_hold(expired)
+
     def error(self, code: int) -> None:
         """An ErrorReply or a failed JobDone was sent with ``code``."""
         self.metrics.count_error(code)

@@ -76,6 +76,13 @@ class _Instant:
         return Instant()
 
 
+def holds(srv) -> dict[str, float]:
+    """``kvpool_store_holds_total`` by outcome, as a scrape would read it."""
+    registry = srv.jobs.telemetry.metrics.registry
+    return {o: registry.get_sample_value("kvpool_store_holds_total", {"outcome": o})
+            for o in ("written", "expired")}
+
+
 def _held_store_server(pool):
     """An in-process daemon on ``pool`` over a disk that writes only when told, its pool
     filled with blocks the disk has not written yet; (server, disk, store) where ``store(n)``
@@ -138,6 +145,7 @@ def test_a_store_that_would_push_out_blocks_the_disk_has_not_written_waits_for_t
         await disk.write_next()
         assert len(replies) == n + 1 and replies[n].code == 0, "8 written: the store went"
         assert srv.jobs.held_jobs == 1 and not srv.tiering.overloaded
+        assert holds(srv) == {"written": 1.0, "expired": 0.0}
         while disk.pending:
             await disk.write_next()
         return srv
@@ -165,6 +173,7 @@ def test_a_hold_runs_out_when_the_disk_does_not_keep_up_and_then_nobody_waits(po
             await asyncio.sleep(0.01)
         assert [r.code for r in replies[n:]] == [0, 0], replies[n:]
         assert m == n and srv.tiering.overloaded
+        assert holds(srv) == {"written": 0.0, "expired": 2.0}, "both waited their hold out"
         k = store(4)
         assert len(replies) == k + 1, "overloaded: a store no longer waits"
         while disk.pending:
