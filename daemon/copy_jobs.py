@@ -76,14 +76,19 @@ class CopyJobs:
     def _must_hold(self, msg: p.StoreRequest) -> bool:
         """Whether this store binds tickets to new slots (a first rank's) and would evict
         blocks the tiers have yet to write, or others wait already (it goes behind them)."""
+        if not self._held and not self.tiering.behind:
+            return False            # the common case, without a look at the job's refs
+        new = self._new_slots(msg)
+        return new is not None and (bool(self._held) or self.tiering.must_hold(*new))
+
+    def _new_slots(self, msg: p.StoreRequest) -> tuple[bytes, int] | None:
+        """(namespace, count) of the unbound tickets ``msg`` names: the slots its start would
+        find, evicting; None if it names none (a later rank's, or tickets gone meanwhile)."""
         unbound = self.index.tickets.unbound
         n = sum(map(unbound.__contains__, msg.slots))
         if not n:
-            return False
-        if self._held:
-            return True
-        grant = unbound.get(next(r for r in msg.slots if r in unbound))
-        return self.tiering.must_hold(grant.ns, n)
+            return None
+        return unbound[next(r for r in msg.slots if r in unbound)].ns, n
 
     def start_held(self) -> None:
         """Start the held stores that may go, in arrival order: room was made, their hold ran
@@ -92,15 +97,11 @@ class CopyJobs:
         now = time.monotonic()
         while held:
             owner, msg, deadline = held[0]
-            unbound = self.index.tickets.unbound
-            n = sum(map(unbound.__contains__, msg.slots))
-            expired = False
-            if n and now < deadline:
-                grant = unbound[next(r for r in msg.slots if r in unbound)]
-                if tiering.must_hold(grant.ns, n):
-                    break
-            elif n:
-                expired = True
+            new = self._new_slots(msg)
+            expired = new is not None and now >= deadline
+            if new is not None and not expired and tiering.must_hold(*new):
+                break
+            if expired:
                 tiering.hold_expired()
             held.popleft()
             self.telemetry.store_held(expired)
@@ -119,11 +120,10 @@ class CopyJobs:
             if self.registry.by_identity.get(owner.identity) is owner:
                 self.send(owner.identity, p.JobDone(msg.req_id, msg.job_id,
                                                     int(ErrorCode.ABORTED), "kvpoold is stopping"))
-        if self._hold_timer is not None:
-            self._hold_timer.cancel()
-            self._hold_timer = None
+        self._arm_hold_timer()
 
     def _arm_hold_timer(self) -> None:
+        """One timer, at the first held store's deadline (none while nothing is held)."""
         if self._hold_timer is not None:
             self._hold_timer.cancel()
             self._hold_timer = None

@@ -176,13 +176,19 @@ class Tiering:
         if self.on_progress is not None:
             self.on_progress()
 
+    @property
+    def behind(self) -> bool:
+        """Some tier has blocks still to write, and stores wait for the tiers (a store may
+        have to be held: ``must_hold``)."""
+        return bool(self._dirty) and not self.overloaded
+
     def must_hold(self, ns: bytes, n: int) -> bool:
         """Whether a store of ``n`` new blocks of ``ns`` should wait for the tiers: it would
         evict a block one of them has yet to write, and they keep up (not ``overloaded``). The
         pool's clean room is free slots, unassigned extents, and the unpinned blocks no tier
         waits for at the head of the LRU (looked at as far as the blocks being written and
         queued could reach, not promoting anything)."""
-        if not self._dirty or self.overloaded or n <= 0:
+        if not self.behind or n <= 0:
             return False
         index = self.index
         if not index.has_layout(ns):
