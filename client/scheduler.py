@@ -39,8 +39,8 @@ log = logging.getLogger(__name__)
 # ceiling so one engine's burst never holds much of the pool unbound (the daemon caps it too).
 STOCK_MIN = 64
 STOCK_MAX = 8192
-# After a reservation came back empty (this client holds as many tickets as the pool has slots),
-# wait this long before asking again, instead of asking every step.
+# After a reservation came back empty (this client holds as many tickets as the daemon lets
+# it) or refused, wait this long before asking again, instead of asking every step.
 RESERVE_RETRY_S = 0.02
 # A reservation refused because no worker has registered the namespace yet is asked for again
 # at the next poll: after a daemon restart the scheduler often reconnects before its workers
@@ -79,7 +79,7 @@ class _Stock:
     asked: int = 0             # req_id of the reservation in flight (0: none)
     asked_until: float = 0.0   # its answer counts as lost after this
     retry_at: float = 0.0
-    starved: bool = False      # the last answer granted nothing
+    starved: bool = False      # the last answer was an error (no slots will come)
     unregistered: bool = False  # the last answer: no worker registered the namespace yet
 
 
@@ -246,12 +246,13 @@ class SchedulerClient:
 
     def reserving(self, namespace: bytes) -> bool:
         """A reservation for ``namespace`` is in flight, or will be asked for shortly: slots
-        are coming, unless the pool has no room (``starved``)."""
+        are coming, unless the daemon refused the last one (``starved``)."""
         st = self._stocks.get(namespace)
         return st is not None and (bool(st.asked) or not st.starved)
 
     def starved(self, namespace: bytes) -> bool:
-        """The last reservation for ``namespace`` was refused or granted nothing."""
+        """The daemon refused the last reservation for ``namespace`` (an error, not an empty
+        grant: that one only means this client's tickets are at their cap)."""
         st = self._stocks.get(namespace)
         return st is not None and st.starved and not st.count
 
@@ -338,10 +339,15 @@ class SchedulerClient:
             st.starved = False
             st.retry_at = now + RESERVE_RETRY_UNREGISTERED_S
             return
-        # Nothing granted: this client holds all the tickets it may, or the reply was an error.
-        st.starved = True
         st.unregistered = False
         st.retry_at = now + RESERVE_RETRY_S
+        if isinstance(reply, p.ReserveReply):
+            # Nothing granted: this client holds as many tickets as it may. They take no
+            # room (a ticket finds its slot when its store arrives, evicting if it must), so
+            # more come as the workers' stores spend them: slots are still coming.
+            st.starved = False
+            return
+        st.starved = True
         if isinstance(reply, p.ErrorReply):
             if reply.code == ErrorCode.HELLO_REQUIRED:
                 self._t.disconnect(backoff=False)

@@ -17,14 +17,15 @@ from typing import Callable
 logger = logging.getLogger("kvpool.vllm")
 
 # Why a full block was not stored (the label of kvpool_unstored_blocks in vLLM's stats).
-NO_ROOM = "no_room"                  # the daemon granted no slot: every one is written or pinned
+RESERVE_REFUSED = "reserve_refused"  # kvpoold answered a reservation with an error
 STORE_WAIT = "store_wait"            # a finished request waited store_wait_s for slots/planning
 DAEMON_UNAVAILABLE = "daemon_unavailable"   # the daemon was down or backing off
 STORE_FAILED = "store_failed"        # a worker reported the store job failed
 PREEMPTED = "preempted"              # vLLM reused a preempted request's block before its store
-REASONS = (NO_ROOM, STORE_WAIT, DAEMON_UNAVAILABLE, STORE_FAILED, PREEMPTED)
+REASONS = (RESERVE_REFUSED, STORE_WAIT, DAEMON_UNAVAILABLE, STORE_FAILED, PREEMPTED)
 
-_WHY = {NO_ROOM: "the pool had no slot to give (every slot written or pinned)",
+_WHY = {RESERVE_REFUSED: "kvpoold refused the scheduler's reservations (the error is logged at "
+                         "debug)",
         STORE_WAIT: "a finished request waited store_wait_s for slots or planning time",
         DAEMON_UNAVAILABLE: "kvpoold was unreachable",
         STORE_FAILED: "a worker's store job failed",

@@ -11,7 +11,8 @@ The life of one store (described here once; the other parts point to it):
 3. It takes writable slots for the runs from the client's stock of reservations
    (``SchedulerClient.take_slots``; the client refills the stock in the background, never in a
    step). Runs the stock cannot cover are cut (``_cut_runs``): planned again next step while a
-   refill is coming, else counted lost (``no_room``).
+   refill is coming (an empty grant only says this client's tickets are at their cap), else
+   counted lost (``reserve_refused``: the daemon answered with an error).
 4. ``Tickets.add`` records one ticket per group and step and returns its ``StoreSpec`` (slots,
    GPU block ids, keys, the grant), which goes to every worker in the step's ``StepMeta``.
 5. Each worker (``vllm_worker.py``) submits a keyed store of its shard; the daemon binds each
@@ -59,7 +60,7 @@ from kvpool.client.vllm.daemon_link import DaemonLink
 from kvpool.client.vllm.lazy_store import Due, LazyStore
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import StoreSpec
-from kvpool.client.vllm.store_losses import NO_ROOM, PREEMPTED, StoreLosses
+from kvpool.client.vllm.store_losses import PREEMPTED, RESERVE_REFUSED, StoreLosses
 from kvpool.client.vllm.tickets import Backlog, Run, Tickets
 
 _NOTHING: dict[bytes, None] = {}
@@ -507,7 +508,7 @@ class StorePlanner:
     def _cut_runs(self, gi: int, namespace: bytes, runs: list[Run], n: int,
                   now: float, preempted: frozenset[str] = frozenset()) -> list[Run]:
         """The stock covers only ``n`` blocks: keep the runs' first ``n``; the others are
-        planned again next step while slots are coming, else (no room in the pool) skipped."""
+        planned again next step while slots are coming, else (reservations refused) skipped."""
         coming = self.client.reserving(namespace)
         out = []
         for st, index, keys, bids in runs:
@@ -526,7 +527,7 @@ class StorePlanner:
                 else:
                     self.queue.setdefault(st.request.request_id, now)
             else:
-                self._losses.add(NO_ROOM, len(keys) - n)
+                self._losses.add(RESERVE_REFUSED, len(keys) - n)
             if n:
                 out.append((st, index[:n], keys[:n], bids[:n]))
                 n = 0

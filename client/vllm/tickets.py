@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence
 from kvpool.client.vllm.daemon_link import DaemonLink
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import StoreSpec
-from kvpool.client.vllm.store_losses import (DAEMON_UNAVAILABLE, NO_ROOM, STORE_FAILED,
+from kvpool.client.vllm.store_losses import (DAEMON_UNAVAILABLE, RESERVE_REFUSED, STORE_FAILED,
                                              STORE_WAIT, StoreLosses)
 
 # Keys remembered as committed: to report BlockRemoved on reset, and to plan no store of a key
@@ -95,7 +95,7 @@ class Backlog:
         if not self._link.ok():
             self._losses.add(DAEMON_UNAVAILABLE, st.full_blocks(bt) - st.lo)
         elif not any(map(self.client.reserving, self._namespaces)):
-            self._losses.add(NO_ROOM, st.full_blocks(bt) - st.lo)
+            self._losses.add(RESERVE_REFUSED, st.full_blocks(bt) - st.lo)
         else:
             # Full blocks wait for slots from the stock: keep them until they are stored.
             rid = st.request.request_id
@@ -125,7 +125,7 @@ class Backlog:
         if not self._link.ok():
             leaving, reason = list(self.backlog), DAEMON_UNAVAILABLE
         elif not any(map(self.client.reserving, self._namespaces)):
-            leaving, reason = list(self.backlog), NO_ROOM
+            leaving, reason = list(self.backlog), RESERVE_REFUSED
         else:
             reason = STORE_WAIT
             leaving, self.planned = self.planned, []

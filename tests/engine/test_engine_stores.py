@@ -36,6 +36,11 @@ def burst_then_restart(daemon, engines, observer, tmp_path, waves: int) -> tuple
     a.wait_ready()
     a.next()
     a.finish()
+    # The engine answers before its last stores land (a held store waits up to a hold for the
+    # disk to make room): the kill comes once the burst is stored whole.
+    total = len(P) * PROMPT_BLOCKS
+    wait_for(lambda: observer.info().stored_blocks >= total, 60,
+             lambda: f"engine a's {total} blocks to be stored: {observer.info()}")
     stored = observer.info().stored_blocks
     wait_for(lambda: settled(observer, stored), 60,
              lambda: f"the disk tier to take the {stored} stored blocks: {observer.info().tiers}")

@@ -6,8 +6,10 @@ import time
 
 import torch
 
+from kvpool.client import scheduler as scheduler_module
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.errors import DaemonUnavailable, ErrorCode
+from kvpool.shared.protocol import MAX_RESERVE
 from tests.conftest import stop_process, unless_unavailable, wait_for
 from bench.kvtest import HostKv
 
@@ -127,6 +129,39 @@ def test_unused_reservations_expire_in_the_daemon_and_in_the_client(daemon_facto
     done = worker.wait([worker.submit_store(reg, [0, 1], held, keys=kv.keys(list(range(32))),
                                             grant=grant)], 10)[0]
     assert not done.ok and done.code == ErrorCode.UNKNOWN_ID and "expired" in done.message
+    sched.close(); worker.close(); kv.close()
+
+
+def test_a_client_at_its_ticket_cap_keeps_waiting_for_slots(daemon_factory, monkeypatch):
+    """A burst larger than the pool: the scheduler holds as many tickets as the daemon lets it
+    and asks for more. The empty grant is no refusal (tickets take no room, stores spend them):
+    the stock stays "reserving", so the planner keeps the burst's blocks waiting, and slots
+    come once stores spend tickets. It used to read as "no room" until the next ask, and
+    the planner gave the blocks up (a real engine's 66-block burst into a 24-slot pool
+    stored 41)."""
+    monkeypatch.setattr(scheduler_module, "RESERVE_RETRY_S", 1.0)   # the old window, wide
+    d = daemon_factory(pool_size="4MiB", extra=["--extent-size", "1MiB"])
+    kv, worker, reg, sched = _engine(d.client_config())
+    ns = kv.namespace
+    held = sched.reserve(ns, MAX_RESERVE)            # every ticket this client may hold
+    assert 0 < len(held.slots) < MAX_RESERVE
+    sched.keep_stock(ns)
+    assert sched.take_slots(ns, 1)[0] == []         # asks for more
+
+    def answered() -> bool:
+        unless_unavailable(sched.poll)
+        return not sched._stocks[ns].asked
+
+    wait_for(answered, 10, "the daemon to answer the reservation")
+    assert sched.stock(ns) == 0
+    assert sched.reserving(ns) and not sched.starved(ns), \
+        "an empty grant at the ticket cap read as a refusal"
+    keys = kv.keys(list(range(4 * kv.block_tokens)))
+    done = worker.wait([worker.submit_store(reg, [0, 1, 2, 3], held.slots[:4], keys=keys,
+                                            grant=held.daemon_id)], 10)[0]
+    assert done.ok, done.message
+    got, _ = _stocked(sched, ns, 4)                  # the spent tickets' room comes back
+    assert len(got) == 4
     sched.close(); worker.close(); kv.close()
 
 

@@ -104,14 +104,14 @@ def test_a_short_stock_cuts_the_runs_and_plans_the_rest_when_slots_come(ample):
     assert spec.block_ids == [5] and spec.slots == [200] and spec.ticket == 2
 
 
-def test_a_short_stock_with_no_room_in_the_pool_counts_the_rest_lost(ample):
+def test_a_short_stock_with_reservations_refused_counts_the_rest_lost(ample):
     p = Parts(FakeClient(slots=3, reserving=False))
     state(p.reqs, request("a", list(range(40))))
     b = state(p.reqs, request("b", list(range(500, 540))))
     p.manager.tables.update(a=[1, 2, 3], b=[4, 5, 6])
     [spec] = plan(p, step_output(new={"a": 40, "b": 40}))
     assert spec.block_ids == [1, 2, 4]
-    assert p.losses.totals["no_room"] == 1
+    assert p.losses.totals["reserve_refused"] == 1
     assert b.cursor == [2] and list(p.planner.queue) == []
 
 

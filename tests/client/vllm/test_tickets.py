@@ -127,12 +127,12 @@ def test_planned_backlog_requests_leave_at_the_next_step():
     assert p.backlog.take_free() == ["a"]
 
 
-def test_no_daemon_or_no_room_counts_a_finished_requests_blocks_at_once():
+def test_no_daemon_or_refused_reservations_count_a_finished_requests_blocks_at_once():
     p = Parts(FakeClient(reserving=False))
     st = state(p.reqs, request("a", list(range(70)), computed=70))
     st.finished = True
     assert not p.backlog.keeps(st)
-    assert p.losses.totals["no_room"] == 4
+    assert p.losses.totals["reserve_refused"] == 4
     p.client.is_reserving = True
     p.link.failed(RuntimeError("down"))
     assert not p.backlog.keeps(st)
