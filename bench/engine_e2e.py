@@ -17,14 +17,14 @@ same cores (``SAME_CORES``: vLLM gives an engine with any KV connector one core 
 plain one on this machine, which made the connector arms ~1.9x faster before).
 
 Workloads (each with its own prompts, so none feeds another through the pool):
-- multiturn: 8 conversations x 6 turns, each turn appending 256 user tokens to the history
-  (and the 16 tokens the engine answered); the engine's KV holds far less than 8 histories, so
+- multiturn: 6 conversations x 6 turns, each turn appending 256 user tokens to the history
+  (and the 16 tokens the engine answered); the engine's KV holds far less than 6 histories, so
   old turns are evicted. ``multiturn_ttft_speedup`` = mean TTFT without / with kvpool.
-- restart: 8 prompts of 2048 tokens, then the engine is restarted and gets them again.
+- restart: 4 prompts of 2048 tokens, then the engine is restarted and gets them again.
   ``restart_ttft_speedup`` = mean TTFT of the second engine without / with.
 - shared: a second engine, started beside the first on the same daemon, gets the prompts the
   first just ran. ``shared_ttft_speedup``.
-- no repeat: 6 batches of 4 prompts of 1024 tokens never seen before, each batch small enough
+- no repeat: 4 batches of 4 prompts of 1024 tokens never seen before, each batch small enough
   for the engine's KV (nothing is preempted): kvpool can only cost here.
   ``no_repeat_throughput_ratio`` = tokens/s with / without; ``no_daemon_throughput_ratio`` =
   tokens/s of the connector with no daemon / without; ``no_repeat_vs_connector_only_ratio`` =
@@ -428,8 +428,11 @@ def main() -> None:
         raise SystemExit(f"{ENGINE_PYTHON} missing: run `bash .ci/install.sh` first")
     quick = args.quick
     rng = random.Random(0)
-    n_conv, n_turns = (2, 2) if quick else (8, 6)
-    restart_len, n_restart = (256, 2) if quick else (2048, 8)
+    # Sized so that a run (four arms, every one on one core) takes about half an hour on a
+    # 2-core machine and three fit beside the rest of a working session (8 conversations, 8
+    # restart prompts and 6 no-repeat batches took 45-50 minutes a run).
+    n_conv, n_turns = (2, 2) if quick else (6, 6)
+    restart_len, n_restart = (256, 2) if quick else (2048, 4)
     plan = {
         "pool_size": "4GiB",
         "max_model_len": 4096,
@@ -439,14 +442,15 @@ def main() -> None:
         "shared": rand_prompts(n_restart, restart_len, rng),
         # Batches that fit the engine's KV (no preemption, which kvpool would make cheaper):
         # this workload measures only what kvpool costs.
-        "no_repeat": [rand_prompts(4, 256 if quick else 1024, rng) for _ in range(2 if quick else 6)],
+        "no_repeat": [rand_prompts(4, 256 if quick else 1024, rng)
+                      for _ in range(2 if quick else 4)],
     }
     hidden, layers = (256, 2) if quick else (1024, 8)
     heads = hidden // 64     # head_dim 64: one the CPU attention kernels take
     cfg = llama_config(hidden, layers, heads=heads, kv_heads=heads // 2, vocab=VOCAB,
                        intermediate=hidden * 11 // 4)
     kv_per_block = 2 * layers * (heads // 2) * 64 * 4 * 128   # K and V, fp32, 128 tokens
-    # The engine's own KV: 40 blocks (5120 tokens), a fraction of the 8 x ~1.7k-token histories.
+    # The engine's own KV: 40 blocks (5120 tokens), a fraction of the 6 x ~1.7k-token histories.
     plan["kv_cache_bytes"] = 40 * kv_per_block
     plan["block_bytes"] = kv_per_block
     out = Path(args.out)
