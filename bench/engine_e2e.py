@@ -35,6 +35,9 @@ Eager against lazy: each workload of the two kvpool arms records the bytes its d
 and loaded and the blocks it hit meanwhile (``stored_bytes``, ``loaded_bytes``,
 ``hit_blocks``), and, from the connectors' step logs, the bytes planned in steps that computed
 tokens and in steps that computed nothing (``busy_stored_bytes``, ``idle_stored_bytes``).
+Every measured workload also records the CPU seconds of the engine doing it (``cpu_s``), of
+the engines alive beside it with nothing to do (``idle_engines_cpu_s``) and of the daemon
+(``daemon_cpu_s``): an arm slower than its compute explains shows where its time went.
 Lazy stores whatever is still on the GPU when the engine goes idle (its promise that the cache
 survives a restart), and an offline ``LLM.generate`` leaves the engine idle after each batch,
 so its total bytes in the no-repeat workload approach eager's by design; what it saves is PCIe
@@ -65,7 +68,7 @@ from kvpool.client.call_timing import percentile  # noqa: E402
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 from kvpool.shared.config import ClientConfig  # noqa: E402
 from bench.vllm_engine.model import llama_config, write_model  # noqa: E402
-from bench.vllm_engine.runner import ENGINE_PYTHON, Engine  # noqa: E402
+from bench.vllm_engine.runner import ENGINE_PYTHON, Engine, process_cpu_s  # noqa: E402
 
 VOCAB = 8192
 TURN_TOKENS = 256
@@ -157,6 +160,21 @@ def busy_stores(prefix: str, arm: dict, block_bytes: int) -> None:
         figures["idle_stored_bytes"] = block_bytes * sum(b for n, b in inside if not n)
 
 
+def cpu_snapshot(busy: Engine, idle: list[Engine], daemon: "Daemon | Absent | None") -> tuple:
+    return (busy.cpu_s(), sum(e.cpu_s() for e in idle),
+            process_cpu_s(daemon.proc.pid) if isinstance(daemon, Daemon) else 0.0)
+
+
+def cpu_used(before: tuple, busy: Engine, idle: list[Engine],
+             daemon: "Daemon | Absent | None") -> dict:
+    """CPU seconds used since ``before`` by the engine doing the workload (``cpu_s``), by the
+    engines alive beside it with nothing to do (``idle_engines_cpu_s``) and by the daemon
+    (``daemon_cpu_s``): where an arm's wall time goes that its compute does not explain."""
+    now = cpu_snapshot(busy, idle, daemon)
+    return {"cpu_s": now[0] - before[0], "idle_engines_cpu_s": now[1] - before[1],
+            "daemon_cpu_s": now[2] - before[2]}
+
+
 def mean_ttft(step: dict) -> float:
     return statistics.fmean(t for t in step["first_token_s"] if t is not None)
 
@@ -182,7 +200,7 @@ def chat_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan: d
     try:
         out = {"startup_s": e1.wait_ready()["startup_s"]}
         e1.next()                                       # warm-up
-        before = snapshot(daemon)
+        before, cpu = snapshot(daemon), cpu_snapshot(e1, [], daemon)
         convs: list[list[int]] = [[] for _ in turns[0]]
         ttfts, walls = [], []
         for new in turns:
@@ -194,7 +212,8 @@ def chat_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan: d
             walls.append(r["wall_s"])
             convs = [p + ans for p, ans in zip(prompts, r["tokens"])]
         out["multiturn"] = {"mean_ttft_s": statistics.fmean(ttfts), "turn_wall_s": walls,
-                            "requests": len(ttfts), **moved(daemon, before)}
+                            "requests": len(ttfts), **moved(daemon, before),
+                            **cpu_used(cpu, e1, [], daemon)}
         before = snapshot(daemon)
         e1.next()                                       # restart workload, first pass
         e1.finish()
@@ -231,13 +250,13 @@ def restart_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan
         e2.next()
         e3.next()
         assert e2.next()["waiting"] == "restart"
-        before = snapshot(daemon)
+        before, cpu = snapshot(daemon), cpu_snapshot(e2, [e3], daemon)
         e2.go()
         r = e2.next()
         out["restart"] = {"mean_ttft_s": mean_ttft(r), "wall_s": r["wall_s"],
-                          **moved(daemon, before)}
+                          **moved(daemon, before), **cpu_used(cpu, e2, [e3], daemon)}
         assert e2.next()["waiting"] == "no_repeat"
-        before = snapshot(daemon)
+        before, cpu = snapshot(daemon), cpu_snapshot(e2, [e3], daemon)
         e2.go()
         tokens = wall = preemptions = 0
         walls, ttfts = [], []
@@ -250,14 +269,15 @@ def restart_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan
             preemptions += r["preemptions"]
         out["no_repeat"] = {"tokens_per_s": tokens / wall, "wall_s": wall,
                             "preemptions": preemptions, "batch_wall_s": walls,
-                            "batch_mean_ttft_s": ttfts, **moved(daemon, before)}
+                            "batch_mean_ttft_s": ttfts, **moved(daemon, before),
+                            **cpu_used(cpu, e2, [e3], daemon)}
         e2.next()                                       # the shared prompts, first engine
         assert e3.next()["waiting"] == "shared"
-        before = snapshot(daemon)
+        before, cpu = snapshot(daemon), cpu_snapshot(e3, [e2], daemon)
         e3.go()
         r = e3.next()
         out["shared"] = {"mean_ttft_s": mean_ttft(r), "wall_s": r["wall_s"],
-                         **moved(daemon, before)}
+                         **moved(daemon, before), **cpu_used(cpu, e3, [e2], daemon)}
         e2.finish()
         e3.finish()
     finally:

@@ -78,6 +78,12 @@ class Engine:
         assert self.ready is not None, "engine not ready yet"
         return set(self.ready["pids"])
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the engine's processes have used so far: the driver,
+        vLLM's engine core and its workers (the driver's session, children started later
+        included; those that exited are not counted)."""
+        return session_cpu_s(self.proc.pid)
+
     def finish(self, timeout_s: float = 120.0) -> None:
         msg = self.next()
         assert msg.get("done"), msg
@@ -112,3 +118,26 @@ class Engine:
             if f is not None:
                 f.close()
         self._err.close()
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of one live process, 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def session_cpu_s(sid: int) -> float:
+    """CPU seconds of every live process of session ``sid``."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    total += process_cpu_s(int(entry))
+            except OSError:
+                pass
+    return total

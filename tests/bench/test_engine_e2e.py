@@ -1,8 +1,14 @@
-"""engine_e2e's accounting of stores made while the engine computed and while it was idle."""
+"""engine_e2e's accounting: stores made while the engine computed and while it was idle, and
+the CPU seconds of an engine's processes."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 from bench.engine_e2e import busy_stores
+from bench.vllm_engine.runner import process_cpu_s, session_cpu_s
 
 
 def test_steps_are_split_by_what_they_computed_and_attributed_to_the_window_holding_them(
@@ -25,3 +31,23 @@ def test_steps_are_split_by_what_they_computed_and_attributed_to_the_window_hold
         == (200, 800)
     assert (arm["shared"]["busy_stored_bytes"], arm["shared"]["idle_stored_bytes"]) == (0, 0)
     assert arm["daemon"] == [{"stored_blocks": 3}]
+
+
+def test_a_sessions_cpu_seconds_count_its_children_and_grow_only_while_they_compute():
+    # A driver-like process (its own session) whose child burns CPU, then sleeps.
+    burn = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
+            "'import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.3: pass\\n"
+            "print(1, flush=True)\\ntime.sleep(60)'])")
+    proc = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "1"     # the child burned its 0.3 s
+        used = session_cpu_s(proc.pid)
+        assert used >= 0.25, f"{used} CPU s counted for a child that burned 0.3 s"
+        assert process_cpu_s(proc.pid) < 0.25, "the parent alone burned nothing"
+        assert session_cpu_s(proc.pid) - used < 0.1, "sleeping processes gained CPU time"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        proc.stdout.close()
+    assert process_cpu_s(proc.pid) == 0.0
