@@ -35,6 +35,10 @@ class CallTimer:
         self.samples: dict[str, list[int]] = {}
         self.cpu_samples: dict[str, list[int]] = {}
         self._base = path
+        # Lines a timed call logged (line_log): written once its sample is taken, so the
+        # log's I/O is not counted as the method's cost.
+        self._lines: list[tuple[Any, tuple]] = []
+        self._calls = 0              # timed calls running (nested ones included)
         atexit.register(self.dump)
 
     def wrap(self, obj: Any, names: Iterable[str]) -> None:
@@ -46,6 +50,7 @@ class CallTimer:
 
             @functools.wraps(fn)
             def timed(*args, __fn=fn, __bucket=bucket, __cpu=cpu, **kwargs):
+                self._calls += 1
                 c0 = time.thread_time_ns()
                 t0 = time.perf_counter_ns()
                 try:
@@ -53,6 +58,9 @@ class CallTimer:
                 finally:
                     __bucket.append(time.perf_counter_ns() - t0)
                     __cpu.append(time.thread_time_ns() - c0)
+                    self._calls -= 1
+                    if self._lines and not self._calls:
+                        self._write_lines()
 
             setattr(obj, name, timed)
 
@@ -75,14 +83,22 @@ class CallTimer:
 
     def line_log(self, name: str) -> Callable[..., None]:
         """A function writing its arguments as one JSON list per line to
-        ``PATH.<pid>.<name>.jsonl``, flushed at once: unlike the dump, it survives a process
-        killed at shutdown (vLLM kills an engine core that is slow to stop)."""
+        ``PATH.<pid>.<name>.jsonl``, flushed as soon as the timed call that logged it returns
+        (outside its sample): unlike the dump, it survives a process killed at shutdown (vLLM
+        kills an engine core that is slow to stop)."""
         f = open(f"{self._base}.{os.getpid()}.{name}.jsonl", "a", buffering=1)
         atexit.register(f.close)
 
         def write(*values: Any) -> None:
-            f.write(json.dumps(values) + "\n")
+            self._lines.append((f, values))
+            if not self._calls:
+                self._write_lines()
         return write
+
+    def _write_lines(self) -> None:
+        lines, self._lines = self._lines, []
+        for f, values in lines:
+            f.write(json.dumps(values) + "\n")
 
 
 def maybe_time(obj: Any, names: Iterable[str], path: str) -> CallTimer | None:

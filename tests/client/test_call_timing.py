@@ -47,3 +47,25 @@ def test_no_path_times_nothing():
 def test_percentile_of_an_empty_list_is_zero_and_clamps_at_the_top():
     assert percentile([], 0.99) == 0
     assert percentile([1, 2, 3], 1.0) == 3
+
+
+def test_a_line_logged_inside_a_timed_call_is_written_after_its_sample(tmp_path):
+    timer = CallTimer(str(tmp_path / "timing"))
+    atexit.unregister(timer.dump)
+    write = timer.line_log("store_steps")
+    seen_inside = []
+
+    class Planner:
+        def step(self) -> None:
+            write(3.0, 512, 2)
+            seen_inside.append(path().read_text())
+
+    def path() -> Path:
+        return next(tmp_path.glob("timing.*.store_steps.jsonl"))
+
+    obj = Planner()
+    timer.wrap(obj, ["step"])
+    obj.step()
+    assert seen_inside == [""], "the log was written inside the timed call"
+    assert [json.loads(x) for x in path().read_text().splitlines()] == [[3.0, 512, 2]]
+    assert timer.summary()["step"]["calls"] == 1
