@@ -331,6 +331,7 @@ class SchedulerRole:
         return self.tickets.take_events()
 
     def shutdown(self) -> None:
+        self.losses.maybe_log(final=True)
         self.lookups.send_releases()
         close = getattr(self.client, "close", None)
         if close is not None:

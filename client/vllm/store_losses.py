@@ -67,14 +67,14 @@ class StoreLosses:
         out, self._interval = self._interval, {}
         return out
 
-    def maybe_log(self) -> None:
+    def maybe_log(self, final: bool = False) -> None:
         """Warn with the counts since the last warning, at most once per ``interval_s``: under
         a long overload blocks are given up every step, and one line per step would drown the
-        engine's log."""
+        engine's log. ``final`` (the engine shuts down): whatever is left, now."""
         if not self._unlogged:
             return
         now = self._clock()
-        if now < self._logged_at + self.interval_s:
+        if now < self._logged_at + self.interval_s and not final:
             return
         parts = ", ".join(f"{n} because {_WHY[r]} ({r})" for r, n in self._unlogged.items())
         logger.warning("kvpool: full blocks not stored in the pool since the last report: %s; "
