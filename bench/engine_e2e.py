@@ -510,7 +510,8 @@ def main() -> None:
     # Engines 2 and 3: the restart prompts and all the no-repeat batches, with room to spare.
     held_tokens = sum(len(p) + ANSWER_TOKENS for p in plan["restart"]) \
         + sum(len(p) + ANSWER_TOKENS for batch in plan["no_repeat"] for p in batch)
-    plan["kv_cache_bytes_held"] = (held_tokens // 128 + 16) * kv_per_block
+    # (+48: past the reach of a step, within which lazy stores what the next one may evict)
+    plan["kv_cache_bytes_held"] = (held_tokens // 128 + 48) * kv_per_block
     plan["block_bytes"] = kv_per_block
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
