@@ -30,6 +30,8 @@ import os
 import sys
 import time
 
+from bench.vllm_engine.runner import session_pids
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -91,25 +93,13 @@ def generate(llm, step: dict) -> dict:
     return res
 
 
-def session_pids() -> list[int]:
-    """This process and every process of its session (the engine core and its workers)."""
-    sid, out = os.getsid(0), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getsid(int(entry)) == sid:
-                    out.append(int(entry))
-            except OSError:
-                pass
-    return out
-
-
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     t0 = time.perf_counter()
     llm = build_llm(spec)
-    emit({"ready": True, "startup_s": time.perf_counter() - t0, "pids": session_pids()})
+    emit({"ready": True, "startup_s": time.perf_counter() - t0,
+          "pids": session_pids(os.getsid(0))})
     given: dict = {}
     for i, step in enumerate(spec["steps"]):
         op = step["op"]

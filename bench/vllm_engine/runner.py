@@ -130,14 +130,19 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def session_cpu_s(sid: int) -> float:
-    """CPU seconds of every live process of session ``sid``."""
-    total = 0.0
+def session_pids(sid: int) -> list[int]:
+    """Every live process of session ``sid`` (a driver's: the engine core and its workers)."""
+    out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 if os.getsid(int(entry)) == sid:
-                    total += process_cpu_s(int(entry))
+                    out.append(int(entry))
             except OSError:
                 pass
-    return total
+    return out
+
+
+def session_cpu_s(sid: int) -> float:
+    """CPU seconds of every live process of session ``sid``."""
+    return sum(map(process_cpu_s, session_pids(sid)))
