@@ -171,7 +171,7 @@ class SchedulerClient:
             elif t.is_connecting:
                 t.connect_nowait()
         self._check_epoch()
-        for reply in t.drain():
+        for reply in t.drain(owed_only=True):
             rid = reply.req_id
             if rid in self._pending:
                 self._pending.discard(rid)

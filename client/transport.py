@@ -50,6 +50,11 @@ _PROBE_TRIES = 3
 _PROBE_RETRY_S = 0.02
 # How long ``close`` waits for the daemon to acknowledge the goodbye.
 _BYE_WAIT_MS = 200
+# ``connect_nowait`` on a connection that is up reads the monitor socket at most this often: the
+# scheduler asks every step, and in its process each read costs tens of us (cold libzmq). A
+# daemon restart is seen this much later at worst; a request sent meanwhile reaches the new
+# daemon, which answers HelloRequired, handled as a restart.
+_LOST_CHECK_S = 0.005
 
 
 class Transport:
@@ -71,6 +76,9 @@ class Transport:
         self._monitor: zmq.Socket | None = None
         self._held_monitor: HeldSocket | None = None
         self._lost = False
+        self._lost_checked_at = float("-inf")
+        # Replies the daemon owes on this connection (one per request sent; see ``drain``).
+        self._owed = 0
         self._poller = zmq.Poller()
         self._ids = itertools.count(1)
         self._retry_at = 0.0
@@ -131,12 +139,15 @@ class Transport:
             self._lost = True
         return self._lost
 
-    def drain(self) -> list[p.Reply]:
+    def drain(self, owed_only: bool = False) -> list[p.Reply]:
         """Every reply that has arrived, without waiting (the answer to a Hello sent by
-        ``connect_nowait`` is taken in here, not returned)."""
+        ``connect_nowait`` is taken in here, not returned). ``owed_only``: when every request
+        sent on this connection has had its answer, do not look: the daemon answers every
+        request exactly once and sends nothing unasked (its rule, ``daemon/server.py``), and
+        the look is a libzmq call that a scheduler step would otherwise pay for nothing."""
         out, self._unsolicited = self._unsolicited, []
         held = self._held
-        if held is None:
+        if held is None or (owed_only and self._owed <= 0):
             return out
         while True:
             try:
@@ -146,6 +157,7 @@ class Transport:
                 return out
             if frame is None:
                 return out
+            self._owed -= 1
             reply = p.decode_reply(frame)
             if self._hello_id is not None and reply.req_id == self._hello_id:
                 self._hello_answered(reply)
@@ -160,6 +172,11 @@ class Transport:
         daemon's refusal of the Hello (``VersionMismatch``). Replies that arrive meanwhile stay
         queued for ``drain``.
         """
+        if self.is_connected and not self.is_stale:
+            now = time.monotonic()
+            if now < self._lost_checked_at + _LOST_CHECK_S:
+                return True
+            self._lost_checked_at = now
         if self.is_stale or (self.is_connected and self.connection_lost()):
             self.disconnect(backoff=False)
         if self.is_connected:
@@ -367,6 +384,8 @@ class Transport:
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED
                                                 | zmq.EVENT_CONNECT_RETRIED)
         self._lost = False
+        self._lost_checked_at = float("-inf")
+        self._owed = 0
         sock.connect(f"ipc://{self.config.socket_path}")
         self._sock = sock
         self._held = HeldSocket(sock)
@@ -397,6 +416,7 @@ class Transport:
             sent = self._held.send(p.encode(msg))
         except zmq.ZMQError:
             sent = False
+        self._owed += sent
         if not sent:
             self.disconnect()
             raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} is not "
@@ -421,6 +441,7 @@ class Transport:
                 raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} did not answer "
                                         f"within {timeout_ms or self.config.timeout_ms} ms")
             reply = p.decode_reply(sock.recv())
+            self._owed -= 1
             if reply.req_id == req_id:
                 if isinstance(reply, p.ErrorReply):
                     raise error_from_code(reply.code, reply.message)

@@ -109,3 +109,53 @@ def test_a_silent_daemon_costs_one_timeout_not_more(sock_path):
     finally:
         t.close()
         daemon.close()
+
+
+def wait_for(cond, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.005)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def test_an_owed_only_drain_takes_every_reply_and_skips_the_look_when_none_is_owed(sock_path):
+    daemon = FakeDaemon(sock_path)
+    t = transport(sock_path)
+    try:
+        t.call(lambda rid: p.Ping(rid))                       # connected
+        sent = {t.send(lambda rid: p.Ping(rid)) for _ in range(2)}
+        got: set[int] = set()
+        wait_for(lambda: got.update(r.req_id for r in t.drain(owed_only=True)) or got == sent,
+                 5.0, f"both Pongs drained (got {got} of {sent})")
+
+        def looked() -> bytes | None:
+            raise AssertionError("drain read the socket with no reply owed")
+        t._held.recv = looked
+        assert t.drain(owed_only=True) == []
+    finally:
+        t.close()
+        daemon.close()
+
+
+def test_connect_nowait_still_sees_the_daemon_go_away(sock_path):
+    # The monitor is read at most every _LOST_CHECK_S on a connection that is up: a daemon
+    # that closes it is still noticed by the next steps, not only by a timeout.
+    daemon = FakeDaemon(sock_path)
+    t = transport(sock_path)
+    try:
+        t.call(lambda rid: p.Ping(rid))
+        assert t.connect_nowait()
+        daemon.close()
+
+        def gone() -> bool:
+            try:
+                return not t.connect_nowait()
+            except DaemonUnavailable:
+                return True
+        wait_for(gone, 5.0, "connect_nowait noticing the closed connection")
+        assert not t.is_connected
+    finally:
+        t.close()
