@@ -418,7 +418,10 @@ class Transport:
             sent = False
         self._owed += sent
         if not sent:
-            self.disconnect()
+            # A connection the daemon closed (a restart not yet seen: connect_nowait looks
+            # every _LOST_CHECK_S) is remade at once, as that look would have; a full queue or
+            # a missing peer backs off.
+            self.disconnect(backoff=not self.connection_lost())
             raise DaemonUnavailable(f"kvpoold at {self.config.socket_path} is not "
                                     f"accepting requests")
 

@@ -159,3 +159,22 @@ def test_connect_nowait_still_sees_the_daemon_go_away(sock_path):
         assert not t.is_connected
     finally:
         t.close()
+
+
+def test_a_send_on_a_connection_the_daemon_closed_reconnects_without_a_backoff(sock_path):
+    # A restarted daemon that connect_nowait has not looked for yet (it looks every
+    # _LOST_CHECK_S): the failed send must not make the client wait out a backoff.
+    daemon = FakeDaemon(sock_path)
+    t = transport(sock_path, reconnect_backoff_ms=60_000)
+    try:
+        t.call(lambda rid: p.Ping(rid))
+        daemon.close()
+        wait_for(t.connection_lost, 5.0, "the monitor reporting the closed connection")
+        with pytest.raises(DaemonUnavailable, match="not accepting"):
+            t.send_connected(lambda rid: p.Ping(rid))    # as a scheduler step sends
+        daemon = FakeDaemon(sock_path)
+        assert isinstance(t.call(lambda rid: p.Ping(rid)), p.Pong)
+        assert t.epoch == 2
+    finally:
+        t.close()
+        daemon.close()
