@@ -70,28 +70,50 @@ def engines(engine_python, tiny_model, tmp_path):
         e.close()
 
 
-@pytest.fixture(scope="session")
-def baseline_outputs(engine_python, tiny_model, tmp_path_factory):
-    """Outputs of the engine without kvpool, per prompt list, computed once per session."""
-    cache: dict[tuple, dict] = {}
-    workdir = tmp_path_factory.mktemp("baseline")
+class BaselineRun:
+    """The engine without kvpool on one prompt list: started when a test asks for it and read
+    when the test first compares against it, so it starts up beside the test's own engines
+    (each start-up is ~40 s of imports on one core; CI has two)."""
 
-    def get(ps: list[list[int]], max_tokens: int, **settings) -> dict:
-        key = (json.dumps(ps), max_tokens, json.dumps(settings, sort_keys=True))
-        if key not in cache:
-            e = Engine(engine_python, {"model": tiny_model, "socket": None, **settings,
-                                       "steps": [{"op": "generate", "prompts": ps,
-                                                  "max_tokens": max_tokens}]},
-                       workdir, f"baseline{len(cache)}")
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._outputs: dict | None = None
+
+    def outputs(self) -> dict:
+        if self._outputs is None:
+            e = self._engine
             try:
                 e.wait_ready()
-                cache[key] = e.next()
+                self._outputs = e.next()
                 e.finish()
             finally:
                 e.close()
+        return self._outputs
+
+    def close(self) -> None:
+        self._engine.close()
+
+
+@pytest.fixture(scope="session")
+def baseline_outputs(engine_python, tiny_model, tmp_path_factory):
+    """Outputs of the engine without kvpool, per prompt list, computed once per session (a
+    ``BaselineRun``: ``assert_same_outputs`` takes it as it is)."""
+    cache: dict[tuple, BaselineRun] = {}
+    workdir = tmp_path_factory.mktemp("baseline")
+
+    def get(ps: list[list[int]], max_tokens: int, **settings) -> BaselineRun:
+        key = (json.dumps(ps), max_tokens, json.dumps(settings, sort_keys=True))
+        if key not in cache:
+            cache[key] = BaselineRun(Engine(
+                engine_python, {"model": tiny_model, "socket": None, **settings,
+                                "steps": [{"op": "generate", "prompts": ps,
+                                           "max_tokens": max_tokens}]},
+                workdir, f"baseline{len(cache)}"))
         return cache[key]
 
-    return get
+    yield get
+    for run in cache.values():
+        run.close()
 
 
 @pytest.fixture
@@ -123,7 +145,9 @@ def segments_of(pids: set[int]) -> set[str]:
 LOGPROB_TOLERANCE = 1e-4
 
 
-def assert_same_outputs(got: dict, want: dict, what: str) -> None:
+def assert_same_outputs(got: dict, want: "dict | BaselineRun", what: str) -> None:
+    if isinstance(want, BaselineRun):
+        want = want.outputs()
     assert got["tokens"] == want["tokens"], \
         f"{what}: tokens differ from the engine without kvpool:\n{got['tokens']}\n{want['tokens']}"
     worst = max(abs(a - b) for ga, wa in zip(got["logprobs"], want["logprobs"])

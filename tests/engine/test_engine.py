@@ -32,6 +32,8 @@ def test_hits_after_reset_and_from_a_second_engine_process(daemon, engines, obse
     want = baseline_outputs(P, MAX_TOKENS)
     n = full_blocks(P)
     a = engines(daemon.socket, [gen(), {"op": "reset"}, gen()], name="a")
+    # b starts up beside a (start-ups are most of this test's time) and runs once a is gone.
+    b = engines(daemon.socket, [wait("a gone"), gen()], name="b")
     a.wait_ready()
     assert len(segments_of(a.pids)) == 1, \
         f"the worker's KV is not in one kvpool segment: {engine_segments()}"
@@ -45,8 +47,9 @@ def test_hits_after_reset_and_from_a_second_engine_process(daemon, engines, obse
     a.finish()
     assert not segments_of(a.pids), "the engine's KV segment outlived a normal exit"
 
-    b = engines(daemon.socket, [gen()], name="b")
     b.wait_ready()
+    assert b.next()["waiting"] == "a gone"
+    b.go()
     assert_same_outputs(b.next(), want, "second engine process")
     info = observer.info()
     assert (info.loaded_blocks, info.stored_blocks) == (2 * n, n), info
@@ -103,6 +106,7 @@ def test_lazy_store_policy_stores_what_the_engine_holds_once_it_goes_idle(
     n = full_blocks(P)
     a = engines(daemon.socket, [gen(), wait("checked")], name="lazy",
                 extra={"store_policy": "lazy"})
+    b = engines(daemon.socket, [wait("lazy gone"), gen()], name="after-lazy")
     a.wait_ready()
     assert_same_outputs(a.next(), want, "lazy engine")
     wait_for(lambda: observer.info().stored_blocks == n, 30,
@@ -110,8 +114,9 @@ def test_lazy_store_policy_stores_what_the_engine_holds_once_it_goes_idle(
     assert a.next()["waiting"] == "checked"
     a.go()
     a.finish()
-    b = engines(daemon.socket, [gen()], name="after-lazy")
     b.wait_ready()
+    assert b.next()["waiting"] == "lazy gone"
+    b.go()
     assert_same_outputs(b.next(), want, "loading what the lazy engine stored")
     info = observer.info()
     assert (info.loaded_blocks, info.stored_blocks) == (n, n), info

@@ -58,6 +58,7 @@ def burst_then_restart(daemon, engines, observer, tmp_path, waves: int) -> tuple
 
 def test_a_burst_larger_than_an_eighth_of_the_pool_is_stored_whole(
         daemon_factory, engines, observer_of, tmp_path, baseline_outputs):
+    want = baseline_outputs(P, 1)      # started now, beside the test's engines
     # 32 MiB: ~250 blocks of 128 KiB; one client's share used to be 1/8 of it, ~31 blocks.
     d = daemon_factory(pool_size="32MiB", extra=["--extent-size", "1MiB", "--disk-path",
                                                  str(tmp_path / "disk"), "--disk-size", "64MiB"])
@@ -65,11 +66,12 @@ def test_a_burst_larger_than_an_eighth_of_the_pool_is_stored_whole(
     stored, out = burst_then_restart(d, engines, observer, tmp_path, waves=1)
     assert stored == len(P) * PROMPT_BLOCKS, f"stored {stored} of {len(P) * PROMPT_BLOCKS}"
     assert observer.info().loaded_blocks == len(P) * PROMPT_BLOCKS, observer.info()
-    assert_same_outputs(out, baseline_outputs(P, 1), "after kill -9 and restart")
+    assert_same_outputs(out, want, "after kill -9 and restart")
 
 
 def test_a_working_set_of_2_4_pools_mostly_loads_after_kill_and_restart(
         daemon_factory, engines, observer_of, tmp_path, baseline_outputs):
+    want = baseline_outputs(P, 1)
     # 4 MiB in 1 MiB extents: 24 slots once the pool's tables are taken; 66 blocks are 2.75x.
     d = daemon_factory(pool_size="4MiB", extra=["--extent-size", "1MiB", "--disk-path",
                                                 str(tmp_path / "disk"), "--disk-size", "64MiB"])
@@ -85,4 +87,4 @@ def test_a_working_set_of_2_4_pools_mostly_loads_after_kill_and_restart(
     assert info.loaded_blocks >= 0.9 * total, (
         f"{info.loaded_blocks} of {total} blocks loaded after the restart (engine a stored "
         f"{stored}); disk tier: {info.tiers}")
-    assert_same_outputs(out, baseline_outputs(P, 1), "after kill -9 and restart")
+    assert_same_outputs(out, want, "after kill -9 and restart")
