@@ -22,6 +22,7 @@ runs on a thread once the daemon serves (``start``); a copy that comes first wai
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import mmap
 import os
@@ -418,7 +419,25 @@ def _load_torch() -> None:
         torch = module
 
 
+def _map_torch_libraries() -> None:
+    """Load torch's shared libraries (libtorch_python.so and what it needs: ~470 MB here) with
+    the GIL released, as ctypes' dlopen runs, so that ``import torch`` finds them loaded. The
+    import's own dlopen holds the GIL: with a cold page cache it held it 1.4 s here (0.6 s with
+    this first), and a daemon serving meanwhile does not run (a restarted daemon stalled
+    2-3.4 s under an attached engine, past the clients' 2 s timeout)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return
+    lib = os.path.join(os.path.dirname(spec.origin), "lib", "libtorch_python.so")
+    if os.path.exists(lib):
+        ctypes.CDLL(lib)
+
+
 def _warm_up() -> None:
+    try:
+        _map_torch_libraries()
+    except OSError as e:    # the import then loads them itself, GIL held
+        log.debug("torch's libraries not mapped ahead of the import: %s", e)
     try:
         _load_torch()
     except Exception:   # every copy will raise the same: say why once, loudly

@@ -1,6 +1,8 @@
 """The host copy engine on its own: exact bytes for several layouts, ordering, bad regions."""
 
 import os
+import subprocess
+import sys
 
 import msgspec
 import numpy as np
@@ -369,3 +371,23 @@ def test_a_store_that_fails_halfway_reports_only_the_chunks_that_landed(pool, mo
         engine.detach(mapped)
         engine.close()
         mem.close()
+
+
+def test_torchs_libraries_are_mapped_before_the_import_that_would_hold_the_gil():
+    # In a fresh interpreter (this one imported torch already): after _map_torch_libraries,
+    # libtorch_python.so and libtorch_cpu.so are mapped and torch is still not imported; the
+    # import that follows works on them.
+    code = (
+        "import sys\n"
+        "from kvpool.daemon import host_copy\n"
+        "assert 'torch' not in sys.modules, 'host_copy imported torch at import time'\n"
+        "host_copy._map_torch_libraries()\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "assert 'libtorch_python.so' in maps and 'libtorch_cpu.so' in maps, 'not mapped'\n"
+        "assert 'torch' not in sys.modules\n"
+        "host_copy._load_torch()\n"
+        "print(host_copy.torch.ones(2).sum().item())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "2.0"
