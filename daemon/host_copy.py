@@ -422,9 +422,10 @@ def _load_torch() -> None:
 def _map_torch_libraries() -> None:
     """Load torch's shared libraries (libtorch_python.so and what it needs: ~470 MB here) with
     the GIL released, as ctypes' dlopen runs, so that ``import torch`` finds them loaded. The
-    import's own dlopen holds the GIL: with a cold page cache it held it 1.4 s here (0.6 s with
-    this first), and a daemon serving meanwhile does not run (a restarted daemon stalled
-    2-3.4 s under an attached engine, past the clients' 2 s timeout)."""
+    import's own dlopen holds the GIL, and a daemon serving meanwhile does not run (a restarted
+    daemon stalled 2-3.4 s under an attached engine, past the clients' 2 s timeout). After
+    drop_caches the longest stretch without the GIL for the loop was 0.46-0.66 s here, 0.45 s
+    with this first: it shortens the stall, the import's Python part remains."""
     spec = importlib.util.find_spec("torch")
     if spec is None or spec.origin is None:
         return
