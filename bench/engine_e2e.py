@@ -15,8 +15,9 @@ and the whole comparison runs ``--runs`` times (3: on a 2-core machine one run m
 model is a dummy-weight Llama big enough that prefill dominates (hidden 1024, 8 layers); the
 first engine's own KV cache is kept small, as on a busy server (multi-turn histories are
 evicted), while the second and third hold all they compute (``kv_cache_bytes_held``). Every
-arm's engines compute on the same cores (``SAME_CORES``: vLLM gives an engine with any KV connector one core more than a
-plain one on this machine, which made the connector arms ~1.9x faster before).
+arm's engines compute on the same cores (``SAME_CORES``: vLLM gives an engine with any KV
+connector one core more than a plain one on this machine, which made the connector arms ~1.9x
+faster before).
 
 Workloads (each with its own prompts, so none feeds another through the pool):
 - multiturn: 6 conversations x 6 turns, each turn appending 256 user tokens to the history

@@ -15,6 +15,7 @@ from kvpool.client.transport import Transport
 from kvpool.shared import protocol as p
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.errors import DaemonUnavailable
+from tests.conftest import wait_for
 
 
 class FakeDaemon:
@@ -111,16 +112,6 @@ def test_a_silent_daemon_costs_one_timeout_not_more(sock_path):
         daemon.close()
 
 
-def wait_for(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.005)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
-
-
 def test_an_owed_only_drain_takes_every_reply_and_skips_the_look_when_none_is_owed(sock_path):
     daemon = FakeDaemon(sock_path)
     t = transport(sock_path)
@@ -129,7 +120,7 @@ def test_an_owed_only_drain_takes_every_reply_and_skips_the_look_when_none_is_ow
         sent = {t.send(lambda rid: p.Ping(rid)) for _ in range(2)}
         got: set[int] = set()
         wait_for(lambda: got.update(r.req_id for r in t.drain(owed_only=True)) or got == sent,
-                 5.0, f"both Pongs drained (got {got} of {sent})")
+                 5.0, lambda: f"both Pongs drained (got {got} of {sent})")
 
         def looked() -> bytes | None:
             raise AssertionError("drain read the socket with no reply owed")
