@@ -13,6 +13,13 @@ Starts a real kvpoold (host path only) on a temporary socket and prints:
 - lookup of 256 committed keys p50/p99 with 1 client and with 8 concurrent client processes,
   as multiples of the floor (targets: <= 1.5x with one client, <= 3x with eight; 8 clients
   p99 <= 1000 us);
+- where a round trip's CPU goes (``round_trip_cpu_us``): per Ping and per 256-key lookup, the
+  CPU time of the client's thread, the daemon's main thread and each side's ZeroMQ I/O thread,
+  and ``lookup256_8clients_daemon_bound_us``, eight times the daemon's main thread per lookup:
+  the p50 that 8 clients which send back to back would see even if their own CPU cost nothing
+  (the daemon answers one request at a time);
+- ``build_connector_meta`` again with store planning off in the timed phase
+  (``connector_no_store_planning``): what the method costs without it;
 - prepare_store of 256 keys p50/p99;
 - host-path store and load of ``--blocks`` Llama-3.1-8B blocks (32 layers x K/V x 16 tokens x
   8 heads x 128 x bf16 = 2 MiB each, per-layer layout), request to completion, next to a plain
@@ -97,6 +104,34 @@ def lookup_setup(cfg: ClientConfig, name: str):
     return small, sched, ns, keys
 
 
+def cpu_by_thread(pid: int) -> dict[str, float]:
+    """Seconds on CPU of ``pid``'s main thread (``main``), ZeroMQ I/O threads (``io``) and any
+    others (``other``), from the scheduler's own accounting (``schedstat``, in ns)."""
+    out = {"main": 0.0, "io": 0.0, "other": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue           # a thread that ended meanwhile
+        kind = "main" if int(tid) == pid else "io" if name.startswith("ZMQbg") else "other"
+        out[kind] += ns / 1e9
+    return out
+
+
+def round_trip_cpu(fn, n: int, daemon_pid: int) -> dict[str, float]:
+    """Per call of ``fn`` (a round trip), us of CPU on each side: this process's main thread
+    and I/O thread, the daemon's main thread and I/O thread."""
+    c0, d0 = cpu_by_thread(os.getpid()), cpu_by_thread(daemon_pid)
+    for _ in range(n):
+        fn()
+    c1, d1 = cpu_by_thread(os.getpid()), cpu_by_thread(daemon_pid)
+    return {f"{side}_{kind}_us": (b[kind] - a[kind]) / n * 1e6
+            for side, a, b in (("client", c0, c1), ("daemon", d0, d1)) for kind in ("main", "io")}
+
+
 def timed_calls(fn, n: int) -> list[float]:
     for _ in range(min(50, n)):
         fn()
@@ -125,7 +160,7 @@ CONNECTOR_REQUESTS = 256
 
 
 def connector_methods(sock: str, tmp: str, async_scheduling: bool,
-                      n: int = CONNECTOR_REQUESTS, decode: int = 256
+                      n: int = CONNECTOR_REQUESTS, decode: int = 256, plan_stores: bool = True
                       ) -> dict[str, Any]:
     """Per connector method: calls and p50/p99/max us, with ``n`` requests running at once.
 
@@ -133,7 +168,8 @@ def connector_methods(sock: str, tmp: str, async_scheduling: bool,
     timed: ``n`` requests whose first 384 tokens are those prompts' (pool hits: lookups,
     asynchronous loads) and 120 to 135 new ones (so that their blocks fill on different decode
     steps, as in a server where requests come and go), each decoding ``decode`` tokens: stores
-    of every block that fills, during prefill and decode.
+    of every block that fills, during prefill and decode. Without ``plan_stores`` the timed
+    phase plans no store (the planner answers nothing): the cost of everything else.
     """
     import gc
     from pathlib import Path
@@ -158,6 +194,8 @@ def connector_methods(sock: str, tmp: str, async_scheduling: bool,
             bucket.clear()
         gc.collect()
         gc.freeze()      # as vLLM's engine core does after start-up
+        if not plan_stores:
+            e.connector.scheduler.planner.plan = lambda *a, **k: []
         steps_before = e.stats.steps
         for i in range(n):
             start = base + 1000 * i
@@ -202,6 +240,9 @@ def main() -> None:
 
         floor = timed_calls(sched.ping, args.iters)
         look1 = timed_calls(lambda: sched.lookup(ns, [keys]), args.iters)
+        rt_cpu = {"ping": round_trip_cpu(sched.ping, args.iters, daemon.pid),
+                  "lookup256": round_trip_cpu(lambda: sched.lookup(ns, [keys]), args.iters,
+                                              daemon.pid)}
         fresh = iter(range(10**9))
         prep = timed_calls(lambda: sched.abort_store(sched.prepare_store(
             ns, [b"%016d" % next(fresh) for _ in range(LOOKUP_KEYS)])), max(200, args.iters // 5))
@@ -231,6 +272,8 @@ def main() -> None:
             "prepare_store256_p50_us": pct(prep, 50), "prepare_store256_p99_us": pct(prep, 99),
             "lookup256_1client_ratio": pct(look1, 50) / f50,
             "lookup256_8clients_ratio": pct(look8, 50) / f50,
+            "round_trip_cpu_us": rt_cpu,
+            "lookup256_8clients_daemon_bound_us": 8 * rt_cpu["lookup256"]["daemon_main_us"],
         })
         # prepare_store above includes an abort round trip; report the pair honestly.
         results["prepare_store256_note"] = "each sample is prepare_store(256) + abort_store(256)"
@@ -270,6 +313,11 @@ def main() -> None:
                             "connector_method_cpu_p99_us": worst("cpu_p99_us")[0],
                             "connector_method_cpu_p99_worst": worst("cpu_p99_us")[1],
                             "connector_methods": per,
+                            "connector_no_store_planning": {
+                                ("AsyncScheduler" if a else "Scheduler"):
+                                    connector_methods(sock, tmp, a, plan_stores=False)
+                                    ["build_connector_meta"]
+                                for a in (False, True)},
                             "connector_note": "wall time per call (the figure of record) and "
                             "the scheduler thread's CPU time per call; the difference is time "
                             "the thread did not run (other processes on a shared host)",
@@ -357,6 +405,12 @@ def main() -> None:
     print(f"  lookup 256, 8 clients    p50 {r['lookup256_8clients_p50_us']:7.0f} us  p99 "
           f"{r['lookup256_8clients_p99_us']:7.0f} us  = {r['lookup256_8clients_ratio']:.2f}x floor"
           f" (target <= 3x)")
+    print("  CPU per round trip (us)  client thread / client I/O / daemon main / daemon I/O:")
+    for what, c in r["round_trip_cpu_us"].items():
+        print(f"    {what:10s} {c['client_main_us']:6.0f} / {c['client_io_us']:5.0f} / "
+              f"{c['daemon_main_us']:6.0f} / {c['daemon_io_us']:5.0f}")
+    print(f"  8 clients' p50 bound by the daemon alone: {r['lookup256_8clients_daemon_bound_us']:.0f}"
+          f" us (8 x its main thread per lookup)")
     print(f"  prepare_store 256 (+abort) p50 {r['prepare_store256_p50_us']:5.0f} us  p99 "
           f"{r['prepare_store256_p99_us']:7.0f} us")
     print(f"  take_slots 256 (stock)   p50 {r['take_slots256_p50_us']:7.0f} us  p99 "
@@ -374,6 +428,9 @@ def main() -> None:
                     print(f"    {sched_name:15s} {meth:28s} calls {m['calls']:6d}  p50 "
                           f"{m['p50_us']:7.1f}  p99 {m['p99_us']:7.1f}  max {m['max_us']:8.1f}"
                           f"  cpu p50 {m['cpu_p50_us']:6.1f} p99 {m['cpu_p99_us']:7.1f}")
+        for sched_name, m in r["connector_no_store_planning"].items():
+            print(f"    {sched_name:15s} build_connector_meta, no store planning: p50 "
+                  f"{m['p50_us']:7.1f}  p99 {m['p99_us']:7.1f}")
         print(f"  connector_method_p99_us {r['connector_method_p99_us']:.1f} "
               f"({r['connector_method_p99_worst']}; target <= 200); cpu p99 "
               f"{r['connector_method_cpu_p99_us']:.1f} ({r['connector_method_cpu_p99_worst']})"
