@@ -15,6 +15,7 @@ Starts a real kvpoold (host path only) on a temporary socket and prints:
   p99 <= 1000 us);
 - where a round trip's CPU goes (``round_trip_cpu_us``): per Ping and per 256-key lookup, the
   CPU time of the client's thread, the daemon's main thread and each side's ZeroMQ I/O thread,
+  the same for a bare pyzmq echo server (``bare_pyzmq_echo``: the floor of Python and ZeroMQ),
   and ``lookup256_8clients_daemon_bound_us``, eight times the daemon's main thread per lookup:
   the p50 that 8 clients which send back to back would see even if their own CPU cost nothing
   (the daemon answers one request at a time);
@@ -50,6 +51,7 @@ from kvpool.client.host_memory import SharedHostMemory
 from kvpool.client.kv_layout import plan_kv_memory
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.client.worker import WorkerClient
+from kvpool.shared import protocol
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.keys import make_namespace, request_block_hashes
 from kvpool.shared.layout import Layout
@@ -130,6 +132,59 @@ def round_trip_cpu(fn, n: int, daemon_pid: int) -> dict[str, float]:
     c1, d1 = cpu_by_thread(os.getpid()), cpu_by_thread(daemon_pid)
     return {f"{side}_{kind}_us": (b[kind] - a[kind]) / n * 1e6
             for side, a, b in (("client", c0, c1), ("daemon", d0, d1)) for kind in ("main", "io")}
+
+
+def _echo_serve(addr: str, ready) -> None:
+    """A bare pyzmq ROUTER that sends every frame back: the Python-and-ZeroMQ floor of one
+    request (no event loop, no decoding), for ``round_trip_cpu_us["bare_pyzmq_echo"]``."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(addr)
+    ready.set()
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while True:
+        poller.poll()
+        while True:
+            try:
+                identity, body = sock.recv(zmq.NOBLOCK), sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if body == b"bye":
+                return
+            sock.send(identity, zmq.SNDMORE)
+            sock.send(body)
+
+
+def echo_round_trip_cpu(tmp: str, n: int, body: bytes) -> dict[str, float]:
+    """``round_trip_cpu`` of a plain DEALER against ``_echo_serve`` in a process of its own."""
+    import zmq
+
+    addr = f"ipc://{tmp}/echo.sock"
+    ctx_mp = mp.get_context("spawn")
+    ready = ctx_mp.Event()
+    server = ctx_mp.Process(target=_echo_serve, args=(addr, ready))
+    server.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        if not ready.wait(120):
+            raise RuntimeError("the echo server did not start")
+        sock.connect(addr)
+
+        def echo() -> None:
+            sock.send(body)
+            sock.recv()
+        for _ in range(200):
+            echo()
+        return round_trip_cpu(echo, n, server.pid)
+    finally:
+        sock.send(b"bye")
+        server.join(60)
+        sock.close(0)
+        ctx.term()
 
 
 def timed_calls(fn, n: int) -> list[float]:
@@ -242,7 +297,10 @@ def main() -> None:
         look1 = timed_calls(lambda: sched.lookup(ns, [keys]), args.iters)
         rt_cpu = {"ping": round_trip_cpu(sched.ping, args.iters, daemon.pid),
                   "lookup256": round_trip_cpu(lambda: sched.lookup(ns, [keys]), args.iters,
-                                              daemon.pid)}
+                                              daemon.pid),
+                  "bare_pyzmq_echo": echo_round_trip_cpu(        # a lookup request's size
+                      tmp, args.iters, bytes(len(protocol.encode(protocol.LookupRequest(
+                          1, ns, [keys])))))}
         fresh = iter(range(10**9))
         prep = timed_calls(lambda: sched.abort_store(sched.prepare_store(
             ns, [b"%016d" % next(fresh) for _ in range(LOOKUP_KEYS)])), max(200, args.iters // 5))

@@ -10,7 +10,8 @@ import time
 
 import zmq
 
-from bench.control_plane import cpu_by_thread, round_trip_cpu, start_daemon
+from bench.control_plane import (cpu_by_thread, echo_round_trip_cpu, round_trip_cpu,
+                                  start_daemon)
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.config import ClientConfig
 
@@ -63,4 +64,10 @@ def test_a_round_trip_costs_cpu_on_both_sides(tmp_path):
     assert set(per_call) == {"client_main_us", "client_io_us", "daemon_main_us",
                              "daemon_io_us"}, per_call
     for side in per_call:      # every part of a ZeroMQ round trip runs on each of them
+        assert 0 < per_call[side] < 100_000, per_call
+
+
+def test_the_bare_echo_floor_is_measured_on_both_sides(tmp_path):
+    per_call = echo_round_trip_cpu(str(tmp_path), 200, bytes(4096))
+    for side in per_call:
         assert 0 < per_call[side] < 100_000, per_call
