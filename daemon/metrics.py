@@ -8,7 +8,8 @@ Two kinds of numbers, fed two ways:
 - **Counters and histograms** are things that *happen*: a store or load finished, a lookup was
   answered, blocks were evicted, an error reply was sent. The server calls ``observe_*`` /
   ``count_*`` at the moment it happens. Each call takes a lock inside prometheus_client and
-  costs about a microsecond, so the event loop may call them inline.
+  costs about a microsecond, so the event loop may call them inline; the lookup counters,
+  updated on every lookup reply, are plain integers read at scrape (``_LookupCollector``).
 - **Gauges** are the *state* the server already summarises as a ``PoolInfo`` (what ``kvpool
   info`` prints): pool bytes, slots by state, leases, clients. The server hands a fresh
   ``PoolInfo`` to ``update_from_info`` about once a second; scrapes read that snapshot, so a
@@ -174,12 +175,40 @@ class _SnapshotCollector(Collector):
         return families
 
 
+class _LookupCollector(Collector):
+    """The lookup counters, as plain integers that the event loop adds to and a scrape reads.
+
+    A lookup is the daemon's commonest request: five locked ``Counter.inc`` calls per reply
+    cost 4.6 us in a bare interpreter (0.4 us as integer adds) and ~8% of the daemon's CPU per
+    256-key lookup in situ. One writer (the event loop) keeps the adds exact; a scrape reads a
+    copy, at worst one reply behind in some of the five."""
+
+    _FAMILIES = (
+        ("kvpool_lookup_requests", "Requests (key lists) answered by lookup."),
+        ("kvpool_lookup_hit_blocks", "Blocks found: each request's run of leading hits."),
+        ("kvpool_lookup_miss_blocks", "Blocks asked for after the first miss of a request."),
+        ("kvpool_lookup_hit_tokens", "Tokens in hit blocks (blocks x tokens per block)."),
+        ("kvpool_lookup_miss_tokens", "Tokens in missed blocks."),
+    )
+
+    def __init__(self) -> None:
+        self.totals = [0] * len(self._FAMILIES)
+
+    def describe(self) -> Iterable[Metric]:
+        return [CounterMetricFamily(name, text) for name, text in self._FAMILIES]
+
+    def collect(self) -> Iterable[Metric]:
+        return [CounterMetricFamily(name, text, value=value)
+                for (name, text), value in zip(self._FAMILIES, list(self.totals))]
+
+
 class Metrics:
     """Every metric of one daemon, in its own ``CollectorRegistry``.
 
-    Thread-safety: every method may be called from any thread. The server calls the event
-    methods from its event loop and ``update_from_info``/``beat`` at least once per
-    ``stale_after_s``; the HTTP server reads from its own threads.
+    Thread-safety: every method may be called from any thread, but ``observe_lookup`` from
+    the event loop's only. The server calls the event methods from its event loop and
+    ``update_from_info``/``beat`` at least once per ``stale_after_s``; the HTTP server reads
+    from its own threads.
     """
 
     def __init__(self, stale_after_s: float = 10.0) -> None:
@@ -191,19 +220,8 @@ class Metrics:
         self._last_beat = float("-inf")
         r = self.registry
 
-        self._lookup_requests = Counter(
-            "kvpool_lookup_requests", "Requests (key lists) answered by lookup.", registry=r)
-        self._hit_blocks = Counter(
-            "kvpool_lookup_hit_blocks", "Blocks found: each request's run of leading hits.",
-            registry=r)
-        self._miss_blocks = Counter(
-            "kvpool_lookup_miss_blocks", "Blocks asked for after the first miss of a request.",
-            registry=r)
-        self._hit_tokens = Counter(
-            "kvpool_lookup_hit_tokens", "Tokens in hit blocks (blocks x tokens per block).",
-            registry=r)
-        self._miss_tokens = Counter(
-            "kvpool_lookup_miss_tokens", "Tokens in missed blocks.", registry=r)
+        self._lookups = _LookupCollector()
+        r.register(self._lookups)
 
         self._store_bytes = Counter(
             "kvpool_store_bytes", "Bytes copied engine -> pool by finished store jobs.",
@@ -250,14 +268,16 @@ class Metrics:
     def observe_lookup(self, requests: int, hit_blocks: int, miss_blocks: int,
                        hit_tokens: int, miss_tokens: int) -> None:
         """One lookup reply: ``requests`` key lists, and their hits/misses in blocks and tokens.
+        Event-loop thread only (see ``_LookupCollector``).
 
         A request's misses are the keys after its run of leading hits (they cannot be loaded
         even if present, because a prefix is a run of leading keys)."""
-        self._lookup_requests.inc(requests)
-        self._hit_blocks.inc(hit_blocks)
-        self._miss_blocks.inc(miss_blocks)
-        self._hit_tokens.inc(hit_tokens)
-        self._miss_tokens.inc(miss_tokens)
+        totals = self._lookups.totals
+        totals[0] += requests
+        totals[1] += hit_blocks
+        totals[2] += miss_blocks
+        totals[3] += hit_tokens
+        totals[4] += miss_tokens
 
     def observe_store(self, nbytes: int, seconds: float, blocks: int = 0, ok: bool = True
                       ) -> None:

@@ -130,7 +130,7 @@ class Telemetry:
     def lookup(self, hits: list[int], key_lists: list[list[bytes]], block_tokens: int) -> None:
         """A lookup was answered: ``hits[i]`` leading hits of ``key_lists[i]``."""
         hit = sum(hits)
-        miss = sum(len(k) for k in key_lists) - hit
+        miss = sum(map(len, key_lists)) - hit
         self.metrics.observe_lookup(len(key_lists), hit, miss, hit * block_tokens,
                                     miss * block_tokens)
 

@@ -188,3 +188,21 @@ def test_remote_tier_next_to_the_disk_tier():
                  'kvpool_tier_rejected_blocks_total{tier="remote"} 6.0',
                  'kvpool_tier_hit_blocks_total{tier="remote"} 4.0'):
         assert line in text, line
+
+
+def test_lookup_counters_start_at_zero_and_add_up_every_reply():
+    # Plain integers added on the event loop and read at scrape (_LookupCollector): present
+    # before any lookup, so rate() works from the first scrape, and exact after many.
+    from prometheus_client import generate_latest
+
+    m = Metrics()
+    names = ("kvpool_lookup_requests_total", "kvpool_lookup_hit_blocks_total",
+             "kvpool_lookup_miss_blocks_total", "kvpool_lookup_hit_tokens_total",
+             "kvpool_lookup_miss_tokens_total")
+    s = samples(generate_latest(m.registry).decode())
+    assert [s.get((n, ())) for n in names] == [0, 0, 0, 0, 0]
+    for i in range(1000):
+        m.observe_lookup(2, i % 7, 3, (i % 7) * 16, 48)
+    s = samples(generate_latest(m.registry).decode())
+    hit = sum(i % 7 for i in range(1000))
+    assert [s[(n, ())] for n in names] == [2000, hit, 3000, hit * 16, 48000]
