@@ -59,6 +59,8 @@ MAX_REGISTRATIONS_PER_CLIENT = 64
 _SEND_MORE = zmq.NOBLOCK | zmq.SNDMORE
 # How often abandoned engine KV segments are looked for besides start and client release.
 REAP_PERIOD_S = 10.0
+# A housekeeping pass that raises is logged with its traceback at most this often.
+HOUSEKEEPING_ERROR_LOG_S = 10.0
 # A housekeeping tick this late means the daemon itself was stopped (see _housekeeping).
 STALL_S = 0.5
 
@@ -85,6 +87,7 @@ class Server:
         self._sock: zmq.Socket | None = None
         self._lock_fd: int | None = None
         self._in_drain = False
+        self._next_reap = time.monotonic() + REAP_PERIOD_S     # (reset by _housekeeping)
         self.allow = AllowList(config.allow_uid, config.allow_gid)
         self.exit_watch = ExitWatch(self._process_exited)
         # Replaced by Telemetry.start() in _startup; hooks are safe to call before that.
@@ -195,33 +198,46 @@ class Server:
 
     async def _housekeeping(self) -> None:
         period = min(0.1, self.config.peer_timeout_ms / 4000)
-        next_reap = time.monotonic() + REAP_PERIOD_S
+        self._next_reap = time.monotonic() + REAP_PERIOD_S
         last = time.monotonic()
+        failed_logged = float("-inf")
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
-            stalled = now - last - period
-            if stalled > STALL_S:
-                # This daemon did not run (SIGSTOP, a paused VM, swapped out): its clients'
-                # heartbeats wait unread in the socket, so that part of their silence is
-                # ours and does not count (an exited client still goes at once, by pidfd).
-                log.warning("kvpoold did not run for %.1f s: not counted as its clients' "
-                            "silence", stalled)
-                for owner in self.registry.owners.values():
-                    owner.last_seen += stalled
-            last = now
-            if now >= next_reap:
-                # Engines that died while no client of theirs was connected (or before the
-                # daemon started) have their KV segments removed here.
-                reap_engine_segments()
-                next_reap = now + REAP_PERIOD_S
-            self.index.expire(now)
-            self.telemetry.tick(now, self.info)
-            limit = now - self.config.peer_timeout_ms / 1000
-            for owner in [o for o in self.registry.owners.values() if o.last_seen < limit]:
-                log.info("client %d (%r, pid %d) went silent: releasing what it held",
-                         owner.id, owner.name, owner.pid)
-                self._release_owner(owner)
+            stalled, last = now - last - period, now
+            try:
+                self._housekeeping_tick(now, stalled)
+            except Exception:
+                # A task that raises ends silently: the daemon would serve on with no lease
+                # expiry, no release of silent clients and no health beat. Say so (at most
+                # every HOUSEKEEPING_ERROR_LOG_S) and keep ticking.
+                if now >= failed_logged + HOUSEKEEPING_ERROR_LOG_S:
+                    failed_logged = now
+                    log.exception("housekeeping tick failed (the next ones keep trying)")
+
+    def _housekeeping_tick(self, now: float, stalled: float) -> None:
+        """One pass of ``_housekeeping``: ``stalled`` is how much later than its period it
+        came."""
+        if stalled > STALL_S:
+            # This daemon did not run (SIGSTOP, a paused VM, swapped out): its clients'
+            # heartbeats wait unread in the socket, so that part of their silence is ours and
+            # does not count (an exited client still goes at once, by pidfd).
+            log.warning("kvpoold did not run for %.1f s: not counted as its clients' silence",
+                        stalled)
+            for owner in self.registry.owners.values():
+                owner.last_seen += stalled
+        if now >= self._next_reap:
+            # Engines that died while no client of theirs was connected (or before the daemon
+            # started) have their KV segments removed here.
+            self._next_reap = now + REAP_PERIOD_S
+            reap_engine_segments()
+        self.index.expire(now)
+        self.telemetry.tick(now, self.info)
+        limit = now - self.config.peer_timeout_ms / 1000
+        for owner in [o for o in self.registry.owners.values() if o.last_seen < limit]:
+            log.info("client %d (%r, pid %d) went silent: releasing what it held",
+                     owner.id, owner.name, owner.pid)
+            self._release_owner(owner)
 
     async def _shutdown(self) -> None:
         log.info("shutting down: %d jobs in flight", len(self.jobs.in_flight))

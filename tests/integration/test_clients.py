@@ -185,7 +185,8 @@ def test_a_stopped_daemon_keeps_its_clients(daemon):
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
         wait_for(lambda: "did not run for" in daemon.log(), 15,
-                 "the daemon to notice that it had been stopped")
+                 lambda: f"the daemon to notice that it had been stopped (alive: "
+                         f"{daemon.proc.poll() is None}); its log ends:\n{daemon.log()[-3000:]}")
         sched.close()
         sched = SchedulerClient(daemon.client_config())
         after = {c.owner_id: c.registrations for c in sched.info().clients}
