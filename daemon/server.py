@@ -87,7 +87,7 @@ class Server:
         self._sock: zmq.Socket | None = None
         self._lock_fd: int | None = None
         self._in_drain = False
-        self._next_reap = time.monotonic() + REAP_PERIOD_S     # (reset by _housekeeping)
+        self._next_reap = time.monotonic() + REAP_PERIOD_S
         self.allow = AllowList(config.allow_uid, config.allow_gid)
         self.exit_watch = ExitWatch(self._process_exited)
         # Replaced by Telemetry.start() in _startup; hooks are safe to call before that.
@@ -198,7 +198,6 @@ class Server:
 
     async def _housekeeping(self) -> None:
         period = min(0.1, self.config.peer_timeout_ms / 4000)
-        self._next_reap = time.monotonic() + REAP_PERIOD_S
         last = time.monotonic()
         failed_logged = float("-inf")
         while True:

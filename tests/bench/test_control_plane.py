@@ -10,10 +10,8 @@ import time
 
 import zmq
 
-from bench.control_plane import (cpu_by_thread, echo_round_trip_cpu, round_trip_cpu,
-                                  start_daemon)
+from bench.control_plane import cpu_by_thread, echo_round_trip_cpu, round_trip_cpu
 from kvpool.client.scheduler import SchedulerClient
-from kvpool.shared.config import ClientConfig
 
 
 def _spin(seconds: float) -> None:
@@ -50,17 +48,13 @@ def test_cpu_goes_to_the_thread_that_spent_it():
     assert spent["io"] < 0.02, spent      # an idle I/O thread is counted, and apart
 
 
-def test_a_round_trip_costs_cpu_on_both_sides(tmp_path):
-    sock = str(tmp_path / "kvpoold.sock")
-    daemon = start_daemon(sock, f"kvpool-test-{os.getpid()}-cp", "64MiB")
-    client = SchedulerClient(ClientConfig(socket=sock, timeout_ms=10_000), "bench-test")
+def test_a_round_trip_costs_cpu_on_both_sides(daemon):
+    client = SchedulerClient(daemon.client_config(), "bench-test")
     try:
         client.ping()
-        per_call = round_trip_cpu(client.ping, 200, daemon.pid)
+        per_call = round_trip_cpu(client.ping, 200, daemon.proc.pid)
     finally:
         client.close()
-        daemon.terminate()
-        daemon.wait(60)
     assert set(per_call) == {"client_main_us", "client_io_us", "daemon_main_us",
                              "daemon_io_us"}, per_call
     for side in per_call:      # every part of a ZeroMQ round trip runs on each of them
