@@ -40,7 +40,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvpool.client.host_memory import SharedHostMemory  # noqa: E402
 from kvpool.client.vllm import KVPoolConnector  # noqa: E402
-from kvpool.client.vllm_meta import StepMeta  # noqa: E402
+from kvpool.client.vllm.meta import StepMeta  # noqa: E402
 
 BS = 16
 KV_HEADS, HEAD = 2, 16     # the model's KV heads (TINY_LLAMA), split over the TP ranks

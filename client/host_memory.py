@@ -1,6 +1,6 @@
 """KV memory in host POSIX shared memory, which kvpoold maps to copy blocks in and out.
 
-For CPU engines (the connector allocates vLLM's KV cache here, see ``vllm_alloc``) and the tests:
+For CPU engines (the connector allocates vLLM's KV cache here, see ``client/vllm/alloc.py``) and the tests:
 allocate the KV cache with ``SharedHostMemory`` and register ``.region``.
 
 Three promises, each because an engine must never pay for kvpool with its life:

@@ -9,7 +9,7 @@ Enable it with::
 
 This module is a facade with no logic of its own: in vLLM's scheduler process it delegates to
 ``scheduler.SchedulerRole`` (lookups, leases, store planning; its parts are the other modules
-of this package), in each worker process to ``vllm_worker.WorkerRole`` (registration, batched
+of this package), in each worker process to ``worker.WorkerRole`` (registration, batched
 loads and stores). Importing it loads neither
 the daemon nor any CUDA code; the GPU exporter is imported only when a worker registers CUDA
 tensors.
@@ -29,9 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvpool.client.vllm_compat import CompatMixin, check_version
-from kvpool.client.vllm_keys import build_groups
-from kvpool.client.vllm_meta import StepMeta
+from kvpool.client.vllm.compat import CompatMixin, check_version
+from kvpool.client.vllm.keys import build_groups
+from kvpool.client.vllm.meta import StepMeta
 from kvpool.shared.config import ClientConfig, build_config, env_layer, parse_size
 
 if TYPE_CHECKING:
@@ -48,9 +48,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvpool.client.call_timing import CallTimer
-    from kvpool.client.vllm_meta import WorkerAcks
+    from kvpool.client.vllm.meta import WorkerAcks
     from kvpool.client.vllm.scheduler import SchedulerRole
-    from kvpool.client.vllm_worker import WorkerRole
+    from kvpool.client.vllm.worker import WorkerRole
 
 class KvpoolStats(KVConnectorStats):
     """What kvpool adds to vLLM's KV-transfer stats each logging interval: full blocks not
@@ -186,7 +186,7 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
             if self._timer is not None:
                 self.scheduler.store_log = self._timer.line_log("store_steps")
         else:
-            from kvpool.client.vllm_worker import WorkerRole
+            from kvpool.client.vllm.worker import WorkerRole
             from kvpool.client.worker import WorkerClient
 
             rank = _tp_rank()
@@ -196,7 +196,7 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
             # allocates it inside get_mem_pool_context(), which places it in /dev/shm.
             kv_alloc = None
             if vllm_config.device_config.device_type == "cpu":
-                from kvpool.client.vllm_alloc import ShmKvAllocation
+                from kvpool.client.vllm.alloc import ShmKvAllocation
 
                 kv_alloc = ShmKvAllocation([t.size for t in kv_cache_config.kv_cache_tensors])
             self.worker = WorkerRole(groups, kv_cache_config.num_blocks, rank,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvpool.client.vllm_keys import RequestKeys
+    from kvpool.client.vllm.keys import RequestKeys
 
 
 @dataclass(eq=False)

@@ -46,8 +46,8 @@ from kvpool.client.vllm.store_losses import StoreLosses
 from kvpool.client.vllm.lazy_store import LazyStore
 from kvpool.client.vllm.store_planner import StorePlanner, handed_blocks
 from kvpool.client.vllm.tickets import Backlog, Tickets
-from kvpool.client.vllm_keys import GroupInfo, RequestKeys
-from kvpool.client.vllm_meta import StepMeta, WorkerAcks
+from kvpool.client.vllm.keys import GroupInfo, RequestKeys
+from kvpool.client.vllm.meta import StepMeta, WorkerAcks
 from kvpool.shared.errors import DaemonUnavailable
 
 if TYPE_CHECKING:

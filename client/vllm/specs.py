@@ -1,7 +1,7 @@
 """The load and store specs the scheduler side puts in a step's metadata for its workers.
 
 Plain data (no vLLM import, no daemon calls), so the scheduler's parts build them and their
-tests read them without vLLM; ``kvpool.client.vllm_meta`` carries them to the workers inside
+tests read them without vLLM; ``kvpool.client.vllm.meta`` carries them to the workers inside
 ``StepMeta``.
 """
 

@@ -15,7 +15,7 @@ The life of one store (described here once; the other parts point to it):
    counted lost (``reserve_refused``: the daemon answered with an error).
 4. ``Tickets.add`` records one ticket per group and step and returns its ``StoreSpec`` (slots,
    GPU block ids, keys, the grant), which goes to every worker in the step's ``StepMeta``.
-5. Each worker (``vllm_worker.py``) submits a keyed store of its shard; the daemon binds each
+5. Each worker (``worker.py``) submits a keyed store of its shard; the daemon binds each
    reserved slot to its key when the store arrives (dropping a duplicate of a key it holds),
    copies once the engine's compute stream reached the step, and commits a slot when every
    rank's shard has landed.

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from kvpool.client.host_memory import SharedHostMemory, ShmSpaceError, shm_free_bytes
-from kvpool.client.vllm_alloc import ShmKvAllocation
-from kvpool.client.vllm_memory import host_regions
+from kvpool.client.vllm.alloc import ShmKvAllocation
+from kvpool.client.vllm.memory import host_regions
 from kvpool.daemon.shm_reaper import reap_engine_segments
 from kvpool.shared.protocol import ENGINE_SHM_PREFIX
 from tests.conftest import wait_for
@@ -116,7 +116,7 @@ def test_allocation_context_places_kv_sized_cpu_tensors_in_shm():
 
 FALLBACK = """
 import torch
-from kvpool.client.vllm_alloc import ShmKvAllocation
+from kvpool.client.vllm.alloc import ShmKvAllocation
 alloc = ShmKvAllocation([96 << 20])
 with alloc:
     kv = torch.zeros(96 << 20, dtype=torch.int8)

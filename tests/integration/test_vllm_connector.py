@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
-from kvpool.client.vllm_meta import WorkerAcks  # noqa: E402
+from kvpool.client.vllm.meta import WorkerAcks  # noqa: E402
 from tests.conftest import stop_process, wait_for  # noqa: E402
 
 from bench.vllm_scheduler import BS, Engine, fake_token  # noqa: E402
@@ -604,7 +604,7 @@ def test_remembered_keys_are_bounded_and_the_newest_kept(make_engine, info, monk
     e.add("b", prompt(40, 5000), max_tokens=1)           # 2 more
     e.run()
     wait_for(lambda: info.info().stored_blocks == 6, 10, "6 blocks committed")
-    from kvpool.client.vllm_keys import RequestKeys
+    from kvpool.client.vllm.keys import RequestKeys
 
     class _Req:      # what RequestKeys reads of a request
         def __init__(self, tokens):

@@ -11,7 +11,7 @@ from kvpool.client.vllm.daemon_link import DaemonLink
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.store_losses import StoreLosses
 from kvpool.client.vllm.tickets import Backlog, Tickets
-from kvpool.client.vllm_keys import GroupInfo, RequestKeys
+from kvpool.client.vllm.keys import GroupInfo, RequestKeys
 from kvpool.shared.errors import DaemonUnavailable
 
 BT = 16

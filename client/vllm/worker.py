@@ -17,16 +17,16 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kvpool.client.kv_layout import head_split, plan_kv_memory
-from kvpool.client.vllm_keys import GroupInfo
-from kvpool.client.vllm_memory import TransferEvents, block_dim, head_dim, regions_for
-from kvpool.client.vllm_meta import StepMeta, WorkerAcks
+from kvpool.client.vllm.keys import GroupInfo
+from kvpool.client.vllm.memory import TransferEvents, block_dim, head_dim, regions_for
+from kvpool.client.vllm.meta import StepMeta, WorkerAcks
 from kvpool.shared.errors import DaemonUnavailable, KvpoolError
 from kvpool.shared.layout import Layout
 
 if TYPE_CHECKING:
     import torch
 
-    from kvpool.client.vllm_alloc import ShmKvAllocation
+    from kvpool.client.vllm.alloc import ShmKvAllocation
 
 logger = logging.getLogger("kvpool.vllm")
 

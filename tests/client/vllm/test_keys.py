@@ -15,7 +15,7 @@ from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from kvpool.client.vllm_keys import GroupInfo, RequestKeys  # noqa: E402
+from kvpool.client.vllm.keys import GroupInfo, RequestKeys  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -80,7 +80,7 @@ def test_keys_do_not_depend_on_the_process_hash_seed():
     # A stand-in with the Request attributes the keys read keeps vLLM out of the subprocesses.
     code = textwrap.dedent("""
         from types import SimpleNamespace
-        from kvpool.client.vllm_keys import GroupInfo, RequestKeys
+        from kvpool.client.vllm.keys import GroupInfo, RequestKeys
         g = GroupInfo(0, b"n" * 16, "full", 16, ("l0",), None)
         r = SimpleNamespace(all_token_ids=list(range(64)), cache_salt="s", lora_request=None,
                             mm_features=[], prompt_embeds=None)
@@ -113,7 +113,7 @@ def test_tp_cross_namespace_leaves_tp_out_and_nothing_else():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-    from kvpool.client.vllm_keys import build_groups
+    from kvpool.client.vllm.keys import build_groups
 
     def groups(tp: int, model: str = "m", head: int = 64, heads: int = 8, mla: bool = False):
         if mla:
