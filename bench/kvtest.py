@@ -24,6 +24,17 @@ from kvpool.shared.layout import Layout
 STARTUP_TIMEOUT_S = 30.0
 
 
+def keyed_store(sched, worker: WorkerClient, reg: int, namespace: bytes, block_ids: list[int],
+                keys: list[bytes], wait_event: bytes = b"") -> int:
+    """Submit a store of ``block_ids`` under ``keys`` through the one store path: tickets that
+    ``sched`` (a SchedulerClient) reserves, named with their keys by ``worker``'s store. Keys
+    the pool holds or has in flight are duplicates (not written again). Returns the job id."""
+    grant = sched.reserve(namespace, len(keys))
+    assert len(grant.slots) == len(keys), f"{len(grant.slots)} tickets for {len(keys)} keys"
+    return worker.submit_store(reg, list(block_ids), grant.slots, wait_event, keys=list(keys),
+                               grant=grant.daemon_id)
+
+
 def unless_unavailable(fn: Callable[[], object]):
     """``fn()``, or None when the daemon is unavailable (for ``wait_for`` across restarts)."""
     from kvpool.shared.errors import DaemonUnavailable
@@ -184,10 +195,8 @@ class PoolEngine:
             part = keys[a:a + 32]
             ids = list(range(len(part)))
             self.kv.fill_random(ids, seed=seed * 1000 + a)
-            refs = self.sched.prepare_store(self.kv.namespace, part)
-            todo = [(b, r) for b, r in zip(ids, refs) if r >= 0]
-            done = self.worker.wait([self.worker.submit_store(
-                self.reg, [b for b, _ in todo], [r for _, r in todo])], 20)[0]
+            done = self.worker.wait([keyed_store(self.sched, self.worker, self.reg,
+                                                 self.kv.namespace, ids, part)], 20)[0]
             assert done.ok, done
             for b, k in zip(ids, part):
                 self.stored[k] = self.kv.blocks_of([b])

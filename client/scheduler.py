@@ -2,7 +2,7 @@
 
 Called from the scheduler's thread only. Two kinds of methods:
 
-- *Waiting* ones (``lookup``, ``prepare_store``, ``release``, ``abort_store``, ``reset``,
+- *Waiting* ones (``lookup``, ``reserve``, ``release``, ``abort_store``, ``reset``,
   ``info``, ``ping``): one round trip each, bounded by ``timeout_ms``, raising
   ``DaemonUnavailable`` past it. For tools, tests and benchmarks.
 - *Never-waiting* ones, for schedulers that must not block (vLLM's): ``ready`` (connects without
@@ -105,13 +105,6 @@ class SchedulerClient:
         reply = self._t.call(lambda rid: p.LookupRequest(rid, namespace, key_lists, pin))
         assert isinstance(reply, p.LookupReply)
         return reply
-
-    def prepare_store(self, namespace: bytes, keys: Sequence[bytes]) -> list[int]:
-        """Per key: a slot ref to store into, ``SLOT_PRESENT`` (committed or already in flight),
-        or ``SLOT_NO_SPACE``. Raises ``PoolFull`` when no key found room."""
-        reply = self._t.call(lambda rid: p.PrepareStoreRequest(rid, namespace, list(keys)))
-        assert isinstance(reply, p.PrepareStoreReply)
-        return reply.slots
 
     def reserve(self, namespace: bytes, count: int) -> p.ReserveReply:
         """Up to ``count`` reserved slots of ``namespace`` (see ``take_slots``), waiting."""

@@ -97,9 +97,10 @@ class WorkerClient:
     def submit_store(self, registration_id: int, block_ids: Sequence[int], slots: Sequence[int],
                      wait_event: bytes = b"", *, keys: Sequence[bytes] = (),
                      grant: str = "") -> int:
-        """Copy ``block_ids`` into prepared or reserved ``slots``; returns the job id (see
-        ``poll``). ``keys`` (one block hash per slot) binds reserved slots to their keys;
-        ``grant`` is the daemon id that reserved them (see ``StoreRequest``)."""
+        """Copy ``block_ids`` into the slots that the tickets ``slots`` (from
+        ``SchedulerClient.reserve``) bind to ``keys`` (one block hash per ticket); returns the
+        job id (see ``poll``). ``grant`` is the daemon id that reserved them (see
+        ``StoreRequest``)."""
         return self._submit(registration_id, lambda rid, job, reg: p.StoreRequest(
             rid, reg, job, list(block_ids), list(slots), wait_event, list(keys), grant))
 

@@ -36,7 +36,7 @@ from kvpool.shared.errors import (Aborted, BlockLost, ErrorCode, KvpoolError, Ou
 
 log = logging.getLogger("kvpoold")
 
-# Blocks one store, load or prepare_store request may name (a vLLM step names a few thousand).
+# Blocks one store or load request may name (a vLLM step names a few thousand).
 MAX_BLOCKS_PER_REQUEST = 65536
 
 
@@ -84,7 +84,7 @@ class CopyJobs:
     def _new_slots(self, msg: p.StoreRequest) -> tuple[bytes, int] | None:
         """(namespace, count) of the unbound tickets ``msg`` names: the slots its start would
         find, evicting; None if it names none (a later rank's, or tickets gone meanwhile)."""
-        unbound = self.index.tickets.unbound
+        unbound = self.index.stores.tickets.unbound
         n = sum(map(unbound.__contains__, msg.slots))
         if not n:
             return None
@@ -148,8 +148,8 @@ class CopyJobs:
             # Checked now; what can wait (the pins, a store's bindings) is ``finish``, done
             # once the copy has gone out (a big job's first chunk is copying by then).
             if is_store:
-                job = self.index.open_store(reg.namespace, msg.slots, reg.tp_rank, reg.mask,
-                                            keys=self._store_keys(msg), now=started)
+                job = self.index.open_store(reg.namespace, msg.slots, self._store_keys(msg),
+                                            reg.tp_rank, reg.mask, now=started)
                 slots, finish, has_voids = job.slots, job.finish, job.has_voids
             else:
                 slots = self.index.check_load(reg.namespace, msg.slots)
@@ -218,13 +218,11 @@ class CopyJobs:
         fut.add_done_callback(resolved)
         return None
 
-    def _store_keys(self, msg: p.StoreRequest) -> list[bytes] | None:
-        """The store's keys, checked (None: every slot was bound by prepare_store)."""
+    def _store_keys(self, msg: p.StoreRequest) -> list[bytes]:
+        """The store's keys, checked: every store names one per ticket."""
         if msg.grant and msg.grant != self.daemon_id:
             raise UnknownId(f"these slot refs were granted by daemon {msg.grant}, this is daemon "
                             f"{self.daemon_id} (it restarted): reserve again")
-        if not msg.keys:
-            return None
         if len(msg.keys) != len(msg.slots):
             raise ProtocolError(f"{len(msg.keys)} keys for {len(msg.slots)} slots")
         # (Each key's length was checked as the frame was decoded: ``p.Key``.)

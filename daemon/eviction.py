@@ -1,33 +1,43 @@
-"""LRU eviction policy over slot ids: told about slots, asked for victims; never frees memory.
+"""LRU eviction over slot ids: told which slots are evictable, asked for victims; frees nothing.
 
-The index calls ``insert`` when a slot commits, ``remove`` when it leaves the committed state,
-and ``oldest``/``choose_victims`` when it needs room; hits reach the policy through the
-``recency`` function it was built with (or an explicit ``touch``). Choosing never removes
-anything: the index evicts the victims and then calls ``remove``.
+The policy holds *only* evictable slots: committed, unpinned and not being dropped. The slot
+table (``daemon/slot_table.py``) inserts a slot when it becomes evictable (its commit, its last
+unpin) and removes it when it stops being so (a pin, an eviction, a reset). So choosing ``n``
+victims reads the first ``n`` entries of the queue and nothing else: O(1) per victim, whatever
+share of the pool is pinned by loads, leases or lower-tier writes (vLLM's free block queue holds
+only unreferenced blocks for the same reason). The policy it replaced kept every committed slot
+and skipped pinned ones while scanning: with a third of the pool pinned, 86% of the daemon's main
+thread went to that scan during stores (issue 36).
+
+Recency: a slot enters at the most recently used end, and a hit moves it there (``touch``). A
+pinned slot is not in the queue; its last unpin puts it back at the most recently used end
+after a load (it was just read), and at the least recently used end after a lower tier wrote it
+(``insert_oldest``): the tiers write the pool's oldest blocks first, so the blocks the pool
+drops next are the ones already written.
+
+``examined`` counts the queue entries every query has looked at, so tests can bound the work
+per victim with an operation count rather than a time.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from itertools import islice
-from typing import Callable
+from typing import Iterable
 
 
 class LruPolicy:
-    """Least recently used first.
+    """Evictable slot ids, least recently used first.
 
-    An ``OrderedDict`` gives O(1) touch (``move_to_end``) and O(1) removal by id; a heap would
-    need lazy deletion, and a linked list of our own would only redo what the dict does in C.
-
-    With a ``recency`` function (slot → a counter that grows with each use), hits need not
-    touch the policy at all: a lookup only stamps its slots, and when the scan for victims meets
-    a slot used since it was queued, it moves it to the back then (promotion on eviction, as in
-    CLOCK). That takes the per-hit dict work off the lookup path, which is the daemon's hottest.
+    An ``OrderedDict`` gives O(1) insertion, removal by id and move to the back (``touch``), in
+    C; a linked list of our own would redo that in Python. Values are unused (None).
     """
 
-    def __init__(self, recency: Callable[[int], int] | None = None) -> None:
-        self._order: OrderedDict[int, int] = OrderedDict()
-        self._recency = recency or (lambda slot: 0)
+    __slots__ = ("_order", "examined")
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[int, None] = OrderedDict()
+        self.examined = 0
 
     def __len__(self) -> int:
         return len(self._order)
@@ -36,80 +46,48 @@ class LruPolicy:
         return slot in self._order
 
     def insert(self, slot: int) -> None:
-        self._order[slot] = self._recency(slot)
+        """``slot`` became evictable: most recently used."""
+        self._order[slot] = None
 
-    def insert_many(self, slots: list[int], stamp: int) -> None:
-        """``insert`` of each of ``slots`` (not yet in the policy), all used at ``stamp`` (what
-        ``recency`` now answers for them), in one dict update."""
-        self._order.update(dict.fromkeys(slots, stamp))
+    def insert_oldest(self, slot: int) -> None:
+        """``slot`` became evictable as the least recently used (a lower tier has just written
+        it: the cheapest block to drop)."""
+        self._order[slot] = None
+        self._order.move_to_end(slot, last=False)
+
+    def insert_many(self, slots: Iterable[int]) -> None:
+        """``insert`` of each of ``slots``, in order, in one C-level update."""
+        self._order.update(dict.fromkeys(slots))
 
     def touch(self, slot: int) -> None:
+        """A hit on ``slot``: most recently used (nothing if it is not evictable now)."""
         if slot in self._order:
             self._order.move_to_end(slot)
 
+    def touch_many(self, slots: Iterable[int]) -> None:
+        order = self._order
+        for s in slots:
+            if s in order:
+                order.move_to_end(s)
+
     def remove(self, slot: int) -> None:
+        """``slot`` stopped being evictable (pinned, evicted, dropped); absent ones are fine."""
         self._order.pop(slot, None)
 
-    def remove_many(self, slots: list[int]) -> None:
-        """``remove`` of each of ``slots`` (all in the policy), in one C-level pass."""
+    def remove_many(self, slots: Iterable[int]) -> None:
+        """``remove`` of each of ``slots`` (all present), in one C-level pass."""
         deque(map(self._order.pop, slots), 0)
 
-    def oldest(self, is_pinned: Callable[[int], bool]) -> int | None:
-        """The least recently used slot that is not pinned, or None."""
-        found = self._scan(1, is_pinned)
-        return found[0] if found else None
-
-    def head(self, n: int) -> tuple[list[int], list[int]]:
-        """The first ``n`` slots in the queue and the stamps they were queued with, as they
-        stand (no promotion, no pin check): for a caller that checks a whole batch at C speed
-        and calls ``oldest_many`` only when one of them was used since or is pinned."""
-        head = list(islice(self._order.items(), n))
-        return [s for s, _ in head], [t for _, t in head]
-
-    def head_has(self, n: int, accept: Callable[[int], bool], limit: int) -> bool:
-        """Whether ``n`` of the first ``limit`` slots in the queue pass ``accept`` (a look at
-        the next victims as they stand: no promotion)."""
-        if n <= 0:
-            return True
-        for s in islice(self._order, limit):
-            if accept(s):
-                n -= 1
-                if not n:
-                    return True
-        return False
-
-    def oldest_many(self, n: int, is_pinned: Callable[[int], bool]) -> list[int]:
-        """Up to ``n`` least recently used unpinned slots, oldest first (fewer if fewer
-        exist)."""
-        return self._scan(n, is_pinned)
-
-    def choose_victims(self, n: int, is_pinned: Callable[[int], bool]) -> list[int] | None:
-        """The ``n`` least recently used unpinned slots, or None if fewer exist. Choosing
-        only reorders (slots used since they were queued move back); it removes nothing."""
-        found = self._scan(n, is_pinned)
-        return found if len(found) == n else None
-
-    def _scan(self, n: int, is_pinned: Callable[[int], bool]) -> list[int]:
-        out = self._scan_once(n, is_pinned)
-        if len(out) < n:
-            # Slots promoted by the first pass have their stamps now: the second pass can take
-            # them (everything evictable may have been used since it was queued).
-            out = self._scan_once(n, is_pinned)
+    def victims(self, n: int) -> list[int]:
+        """Up to ``n`` least recently used slots, oldest first (fewer if fewer are evictable).
+        Removes nothing: the caller evicts them, then calls ``remove_many``."""
+        out = list(islice(self._order, n))
+        self.examined += len(out)
         return out
 
-    def _scan_once(self, n: int, is_pinned: Callable[[int], bool]) -> list[int]:
-        recency = self._recency
-        out: list[int] = []
-        used: list[tuple[int, int]] = []
-        for s, stamp in self._order.items():
-            now = recency(s)
-            if now > stamp:
-                used.append((s, now))
-            elif not is_pinned(s):
-                out.append(s)
-                if len(out) == n:
-                    break
-        for s, now in used:
-            self._order.move_to_end(s)
-            self._order[s] = now
-        return out
+    def oldest(self) -> int | None:
+        """The least recently used evictable slot, or None."""
+        for s in self._order:
+            self.examined += 1
+            return s
+        return None

@@ -1,36 +1,29 @@
-"""The pool's space for slots: extents handed to one slot size at a time, and room for a slot.
+"""The pool's space for slots: extents handed to one slot size at a time, free slots, drains.
 
-Owns the slot objects (``Slot``: where a block lives and what state it is in), the size classes
-(a slot size's extents, free list and LRU of committed slots) and the extent table's in-memory
-side: which extent serves which size, which are free, which are being drained for another
-size. The block index (``daemon/index.py``) owns every slot's state, key and pins; this module
-never changes them except to hand a free slot out or take one back, and it never decides what a
-slot's removal means: it asks the index, through the ``evict``, ``hide`` and ``drop``
-callbacks given at construction. Runs on the daemon's event loop thread, never blocks.
-
-Room for a slot comes from a free slot of its size, then a free extent, then eviction: the least
-recently used slot of the same size, or a whole extent of another size whose newest use is
-older than that (so a new model can take space from an idle one without a static split).
-``allocate`` answers None only when neither exists.
+Owns the slot objects (``Slot``: where a block lives and, for the slot table, what state it is
+in), the size classes (a slot size's extents, free list and LRU queue) and the extent table's
+in-memory side: which extent serves which size, which are free, which are being drained for
+another size, and when each extent was last used. It never changes a slot's state, key or pins
+and never decides what to evict: the slot table (``daemon/slot_table.py``) does, and hands
+freed slots back here (``release``). Runs on the daemon's event loop thread, never blocks.
 
 Draining an extent for another size: an extent goes to another slot size only when all of it is
-free or evictable. A busy model nearly always has some block being written or read in every one
-of its extents, so a second model could be refused (POOL_FULL) for as long as the first stays
-busy (found by the soak campaign). When a size finds no room at all, the extent of the least
-recently used block of another size is drained: its free slots leave that size's free list, its
-unpinned blocks are evicted, its other blocks hidden (new lookups miss them, freed when the
-transfer or lease holding them ends: at most lease_ttl_s; a lease keeps its promise and still
-loads). The last one freed hands the extent to the size that asked, which meanwhile gets
-SLOT_NO_SPACE. One at a time.
+free. A busy model nearly always has some block being written or read in every one of its
+extents, so a second model could be refused for as long as the first stays busy (found by the
+soak campaign). So when a size finds no room, the slot table may drain the extent of another
+size's least recently used block: its free slots leave that size's free list at once, the table
+evicts, hides or drops its other slots (``start_drain`` lists them), and the last slot freed
+hands the extent to the size that asked (``release`` → ``_finish_drain``). One at a time.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from operator import attrgetter
 
 from kvpool.daemon.eviction import LruPolicy
-from kvpool.daemon.pool import COMMITTED, FREE, WRITING, Pool
+from kvpool.daemon.pool import FREE, Pool
 from kvpool.shared.errors import LayoutMismatch
 
 # An index-only state (the pool record says WRITING): a lower tier is filling the slot.
@@ -52,10 +45,10 @@ class Slot:
     pins: int = 0
     landed: int = 0             # bit u: unit u (a head, or a rank's shard) is in
     writing: int = 0            # bit u: a store job of unit u is in flight
-    owner: int = 0              # who prepared it (while WRITING)
+    owner: int = 0              # who bound it (while WRITING)
     deadline: float = 0.0       # WRITING: dropped if not landed by then
-    last_use: int = 0           # LRU tick of the last commit or hit
-    doomed: bool = False
+    last_use: int = 0           # tick of its commit, its last hit or its last unpin
+    doomed: bool = False        # unreachable; freed when its last pin goes
     void: bool = False          # a ticket bound to no slot (duplicate, no room): never written
     ticket: int = 0             # the ticket ref that bound it, while WRITING (0: none)
 
@@ -64,19 +57,15 @@ class Slot:
 class SizeClass:
     slot_bytes: int
     extents: list[int] = field(default_factory=list)
-    free: list[Slot] = field(default_factory=list)
+    free: list[Slot] = field(default_factory=list)      # popped from the end
+    # Committed, unpinned slots of this size: kept by the slot table (``daemon/eviction.py``).
     lru: LruPolicy = field(default_factory=LruPolicy)
 
 
 class Extents:
-    """Extents, size classes and free lists of one pool. Callers: the index only."""
+    """Extents, size classes and free lists of one pool. Callers: the slot table only."""
 
-    def __init__(self, pool: Pool, evict: Callable[[Slot], None], hide: Callable[[Slot], None],
-                 drop: Callable[[Slot], None]) -> None:
-        """``evict``: free a committed, unpinned slot now (counted as an eviction). ``hide``:
-        make a pinned committed slot unreachable, freed when its last pin goes. ``drop``: refuse
-        or hide whatever is being written or filled into a slot. Each ends, now or later, in
-        ``release``."""
+    def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.slots: dict[int, Slot] = {}
         self.classes: dict[int, SizeClass] = {}
@@ -84,21 +73,24 @@ class Extents:
         # Extent being emptied for another size -> that size (see the module docstring).
         self.draining: dict[int, SizeClass] = {}
         self.free_extents = list(range(pool.geometry.num_extents - 1, -1, -1))
-        self._evict, self._hide, self._drop = evict, hide, drop
+        # Per extent: the newest ``last_use`` of its slots (stamped by the slot table as it
+        # stamps a slot: ticks only grow, so the newest is the latest stamp).
+        self.newest_use = [0] * pool.geometry.num_extents
+        # Per extent: how many of its slots sit on its size's free list (a whole free extent
+        # can go to another size at once: ``whole_free_extent``).
+        self.free_count = [0] * pool.geometry.num_extents
 
     def size_class(self, slot_bytes: int) -> SizeClass:
         cls = self.classes.get(slot_bytes)
         if cls is None:
-            slots = self.slots
-            cls = self.classes[slot_bytes] = SizeClass(
-                slot_bytes, lru=LruPolicy(lambda sid: slots[sid].last_use))
+            cls = self.classes[slot_bytes] = SizeClass(slot_bytes)
         return cls
 
     def adopt(self) -> list[tuple[SizeClass, list[Slot]]]:
-        """Rebuild from an adopted pool's extent table (called once, by ``Index.adopt``): each
-        assigned extent's size and slots, for the caller to fill from the records; the caller
-        puts the free ones on their size's free list. Extents torn by a crash mid-assignment
-        are released."""
+        """Rebuild from an adopted pool's extent table (called once, by the slot table's
+        adoption): each assigned extent's size and slots, for the caller to fill from the
+        records; the caller puts the free ones on their size's free list (``put_free``).
+        Extents torn by a crash mid-assignment are released."""
         pool = self.pool
         self.free_extents = []
         out = []
@@ -115,52 +107,10 @@ class Extents:
                                               fresh=False)))
         return out
 
-    def allocate(self, slot_bytes: int) -> Slot | None:
-        """A free slot of ``slot_bytes`` off its free list (its state still FREE: the caller
-        claims it before anything else runs), evicting or draining for room as the module
-        docstring says; None where nothing can be. ``LayoutMismatch`` if the size does not fit
-        an extent."""
-        cls = self.size_class(slot_bytes)
-        if cls.free:
-            return cls.free.pop()
-        if self.free_extents:
-            e = self.free_extents.pop()
-            n = self.pool.assign_extent(e, slot_bytes)
-            if n == 0:
-                self.free_extents.append(e)
-                raise LayoutMismatch(f"a slot of {slot_bytes} bytes does not fit one extent of "
-                                     f"{self.pool.geometry.extent_bytes} bytes: raise extent_size")
-            self._add_extent(cls, e, n, fresh=True)
-            return cls.free.pop()
-        victim_id = cls.lru.oldest(self.is_pinned)
-        victim = self.slots[victim_id] if victim_id is not None else None
-        extent, age = self._reclaimable_extent(cls)
-        if extent is not None and (victim is None or age < victim.last_use):
-            self._reclaim_extent(extent)
-            n = self.pool.assign_extent(extent, slot_bytes)
-            self._add_extent(cls, extent, n, fresh=True)
-            return cls.free.pop()
-        while victim is not None:
-            self._evict(victim)
-            if cls.free:
-                return cls.free.pop()
-            # The victim sat in an extent being drained for another size: it did not come back
-            # to this size's free list. Evict the next one.
-            victim_id = cls.lru.oldest(self.is_pinned)
-            victim = self.slots[victim_id] if victim_id is not None else None
-        self._drain_for(cls)
-        return cls.free.pop() if cls.free else None
-
-    def allocate_many(self, slot_bytes: int, n: int,
-                      evict_many: Callable[[SizeClass, int], int]) -> list[Slot]:
-        """Up to ``n`` free slots of ``slot_bytes`` (room found as ``allocate`` finds it), for
-        the caller to claim before anything else runs; fewer where nothing more can be
-        evicted. Free slots come off the free list in slices and, while one size has the whole
-        pool, victims go as a batch (``evict_many(cls, k)``: the index's, returning how many it
-        put on the free list): a 1024-slot store on a full pool pays its evictions before its
-        copy starts. Taken slots are marked WRITING when more room must be found after them
-        (no eviction may free them again)."""
-        cls = self.size_class(slot_bytes)
+    def take_free(self, cls: SizeClass, n: int) -> list[Slot]:
+        """Up to ``n`` free slots of ``cls``, from its free list and then from unassigned
+        extents, in the order ``pop`` would give them (FREE still: the caller claims them before
+        anything else runs). ``LayoutMismatch`` if the size does not fit an extent."""
         got: list[Slot] = []
         while True:
             free = cls.free
@@ -168,37 +118,89 @@ class Extents:
             if k:
                 taken = free[len(free) - k:]
                 del free[len(free) - k:]
-                taken.reverse()             # the order ``pop`` would give
+                taken.reverse()
                 got += taken
-            if len(got) == n:
+                counts = self.free_count
+                for e, c in Counter(map(_EXTENT, taken)).items():
+                    counts[e] -= c
+            if len(got) == n or not self.free_extents:
                 return got
-            for s in taken if k else ():
-                s.state = WRITING
-            if len(self.classes) == 1 and not self.free_extents:
-                if not evict_many(cls, n - len(got)):
-                    return got
-                continue
-            s = self.allocate(slot_bytes)   # a fresh extent, or room from another size
-            if s is None:
-                return got
-            s.state = WRITING
-            got.append(s)
+            self._assign_fresh(cls, self.free_extents.pop())
 
     def release(self, s: Slot) -> None:
         """``s`` (FREE now) goes back to its size's free list, or to the drain of its extent
-        (called by the index as it frees a slot)."""
+        (called by the slot table as it frees a slot)."""
         if s.extent in self.draining:
             self._finish_drain(s.extent)
         else:
             s.size_class.free.append(s)
+            self.free_count[s.extent] += 1
 
-    def is_pinned(self, slot_id: int) -> bool:
-        return self.slots[slot_id].pins > 0
+    def release_many(self, cls: SizeClass, slots: list[Slot]) -> None:
+        """``release`` of ``slots`` (FREE, all of ``cls``, oldest victim first): one list
+        extend while no extent drains."""
+        if self.draining:
+            for s in slots:
+                self.release(s)
+        else:
+            cls.free += reversed(slots)       # the oldest victim is popped first
+            counts = self.free_count
+            for e, c in Counter(map(_EXTENT, slots)).items():
+                counts[e] += c
+
+    def stamp(self, s: Slot, tick: int) -> None:
+        s.last_use = tick
+        self.newest_use[s.extent] = tick
+
+    def put_free(self, cls: SizeClass, slots: list[Slot]) -> None:
+        """Adopted free slots onto ``cls``'s free list, the first popped first."""
+        cls.free += reversed(slots)
+        for e, c in Counter(map(_EXTENT, slots)).items():
+            self.free_count[e] += c
+
+    def whole_free_extent(self, wanting: SizeClass) -> int | None:
+        """An extent of another size whose every slot is free (that size's blocks were reset
+        or expired), or None. O(extents of the sizes that have an extent's worth free)."""
+        counts = self.free_count
+        for cls in self.classes.values():
+            if cls is wanting or not cls.free:
+                continue
+            for e in cls.extents:
+                if (e not in self.draining
+                        and counts[e] == int(self.pool.extents[e]["num_slots"])):
+                    return e
+        return None
+
+    def start_drain(self, extent: int, wanting: SizeClass) -> list[Slot]:
+        """Begin emptying ``extent`` for ``wanting``: its free slots leave their size at once;
+        returns its other slots, which the caller evicts, hides or drops (each ends in
+        ``release``). The extent goes to ``wanting`` once its last slot is free."""
+        self.draining[extent] = wanting
+        owner = self.extent_class[extent]
+        slots = self.extent_slots(extent)
+        if self.free_count[extent]:
+            owner.free = [s for s in owner.free if s.extent != extent]
+            self.free_count[extent] = 0
+        return [s for s in slots if s.state != FREE]
+
+    def finish_drain(self, extent: int) -> None:
+        """Hand ``extent`` on now if it is all free (after ``start_drain``'s slots were dealt
+        with, some of which may free only later)."""
+        if extent in self.draining:
+            self._finish_drain(extent)
 
     def extent_slots(self, extent: int) -> list[Slot]:
         base = extent * self.pool.slot_id_stride
         n = int(self.pool.extents[extent]["num_slots"])
         return [self.slots[base + i] for i in range(n)]
+
+    def _assign_fresh(self, cls: SizeClass, extent: int) -> None:
+        n = self.pool.assign_extent(extent, cls.slot_bytes)
+        if n == 0:
+            self.free_extents.append(extent)
+            raise LayoutMismatch(f"a slot of {cls.slot_bytes} bytes does not fit one extent of "
+                                 f"{self.pool.geometry.extent_bytes} bytes: raise extent_size")
+        self._add_extent(cls, extent, n, fresh=True)
 
     def _add_extent(self, cls: SizeClass, extent: int, n: int, fresh: bool) -> list[Slot]:
         cls.extents.append(extent)
@@ -214,86 +216,25 @@ class Extents:
             self.slots[s.id] = s
         if fresh:
             cls.free.extend(reversed(slots))
+            self.free_count[extent] = n
+            self.newest_use[extent] = 0
         return slots
-
-    def _reclaimable_extent(self, wanting: SizeClass) -> tuple[int | None, int]:
-        """The extent of another size whose slots are all free or evictable, newest use
-        oldest; (None, 0) if none. Only scanned when several slot sizes share the pool."""
-        best, best_age = None, 0
-        if len(self.classes) < 2:
-            return best, best_age
-        for cls in self.classes.values():
-            if cls is wanting:
-                continue
-            for e in cls.extents:
-                if e in self.draining:
-                    continue
-                age = 0
-                for s in self.extent_slots(e):
-                    if s.state == WRITING or s.pins:
-                        break
-                    age = max(age, s.last_use)
-                else:
-                    if best is None or age < best_age:
-                        best, best_age = e, age
-        return best, best_age
-
-    def _drain_for(self, wanting: SizeClass) -> None:
-        if self.draining or len(self.classes) < 2:
-            return
-        # The extent of the least recently used evictable block of another size: no scan of
-        # the pool, and a size with nothing evictable (all pinned or written) is left alone.
-        oldest = None
-        for cls in self.classes.values():
-            victim = cls.lru.oldest(self.is_pinned) if cls is not wanting else None
-            if victim is not None and (oldest is None
-                                       or self.slots[victim].last_use < oldest.last_use):
-                oldest = self.slots[victim]
-        if oldest is None:
-            return
-        best = oldest.extent
-        self.draining[best] = wanting
-        owner = self.extent_class[best]
-        slots = self.extent_slots(best)
-        ids = {s.id for s in slots}
-        owner.free = [s for s in owner.free if s.id not in ids]
-        for s in slots:
-            if best not in self.draining:
-                break
-            if s.state == COMMITTED and not s.pins:
-                self._evict(s)
-            elif s.state == COMMITTED:
-                # Leased or being loaded: new lookups miss it (a hot block cannot hold the
-                # extent forever), but the lease still loads it; freed when the last pin ends.
-                self._hide(s)
-            elif s.state == WRITING or s.state == FILLING:
-                # A store into it is refused, or lands unseen.
-                self._drop(s)
-        self._finish_drain(best)
 
     def _finish_drain(self, extent: int) -> None:
         """Hand a drained extent to the size that asked for it, once every slot is free."""
-        wanting = self.draining.get(extent)
-        if wanting is None or any(s.state != FREE for s in self.extent_slots(extent)):
+        if any(s.state != FREE for s in self.extent_slots(extent)):
             return
-        del self.draining[extent]
-        self._reclaim_extent(extent)
+        wanting = self.draining.pop(extent)
+        owner = self.extent_class.pop(extent)
+        owner.extents.remove(extent)
+        for s in self.extent_slots(extent):
+            del self.slots[s.id]
+        self.pool.release_extent(extent)
         n = self.pool.assign_extent(extent, wanting.slot_bytes)
         if n:
             self._add_extent(wanting, extent, n, fresh=True)
         else:
-            self.pool.release_extent(extent)
             self.free_extents.append(extent)
 
-    def _reclaim_extent(self, extent: int) -> None:
-        cls = self.extent_class.pop(extent)
-        slots = self.extent_slots(extent)
-        for s in slots:
-            if s.state == COMMITTED:
-                self._evict(s)
-        ids = {s.id for s in slots}
-        cls.free = [s for s in cls.free if s.id not in ids]
-        cls.extents.remove(extent)
-        for s in slots:
-            del self.slots[s.id]
-        self.pool.release_extent(extent)
+
+_EXTENT = attrgetter("extent")

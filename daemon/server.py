@@ -142,7 +142,7 @@ class Server:
         reap_engine_segments()
         # After the socket lock, so a second daemon reports "socket busy", not a busy port.
         self.telemetry = Telemetry.start(self.config)
-        self.index.events = self.telemetry.index_events
+        self.telemetry.watch(self.index.table)
         self.jobs.telemetry = self.telemetry
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -350,10 +350,6 @@ class Server:
                     probing.add_done_callback(lambda _f: self._lookup_later(identity, owner, msg))
                     return None
                 return self._lookup(owner, msg, now)
-            case p.PrepareStoreRequest():
-                check_count(len(msg.keys), "keys")
-                return p.PrepareStoreReply(msg.req_id,
-                                           idx.prepare_store(msg.namespace, msg.keys, owner.id, now))
             case p.ReserveRequest():
                 check_count(msg.count, "slots")
                 return p.ReserveReply(msg.req_id, idx.reserve(msg.namespace, msg.count, owner.id,
@@ -509,22 +505,24 @@ class Server:
     def info(self, now: float | None = None) -> p.PoolInfo:
         now = time.monotonic() if now is None else now
         writing, committed, used = self.index.slot_counts()
-        st = self.index.stats
+        st, table_stats, store_stats = self.index.stats, self.index.table.stats, \
+            self.index.stores.stats
         clients = [p.ClientInfo(o.id, o.role, o.name, o.pid, o.engine_id, len(o.registrations),
                                 self.index.leases_of(o.id), o.jobs_in_flight)
                    for o in self.registry.owners.values()]
         return p.PoolInfo(self.daemon_id, now - self.started, self.pool.nbytes, used,
-                          self.pool.nbytes - used, writing, committed, self.index.namespaces,
-                          st.hit_blocks, st.miss_blocks, st.evictions, self.index.lease_count,
-                          st.stored_blocks, st.loaded_blocks, self.jobs.stored_bytes,
-                          self.jobs.loaded_bytes, self.errors, clients, st.adopted_blocks,
+                          self.pool.nbytes - used, writing, committed, len(self.index.namespaces),
+                          st.hit_blocks, st.miss_blocks, table_stats.evictions,
+                          self.index.lease_count, table_stats.stored_blocks, st.loaded_blocks,
+                          self.jobs.stored_bytes, self.jobs.loaded_bytes, self.errors, clients,
+                          table_stats.adopted_blocks,
                           slots_pinned=self.index.pinned_count(), hit_tokens=st.hit_tokens,
                           miss_tokens=st.miss_tokens,
-                          namespace_usage=self.index.namespace_usage(),
+                          namespace_usage=self.index.namespaces.usage(),
                           tiers=self.tiering.info() if self.tiering is not None else [],
                           slots_reserved=self.index.ticket_count,
-                          duplicate_blocks=st.duplicate_blocks,
-                          no_room_blocks=st.no_room_blocks)
+                          duplicate_blocks=store_stats.duplicate_blocks,
+                          no_room_blocks=store_stats.no_room_blocks)
 
 
 def run(config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine],

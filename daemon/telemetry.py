@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from kvpool.daemon.events import KvEventPublisher, start_event_publisher
 from kvpool.daemon.metrics import Metrics, MetricsServer, start_metrics_server
 from kvpool.shared.config import DaemonConfig
 from kvpool.shared.protocol import PoolInfo
+
+if TYPE_CHECKING:
+    from kvpool.daemon.slot_table import Slot, SlotTable
 
 log = logging.getLogger("kvpoold")
 
@@ -33,6 +36,20 @@ def engine_key(engine_id: str, pid: int) -> str:
     return engine_id or f"pid-{pid}"
 
 
+class _EventRecords:
+    """The slot table's watcher for KV events: one record per block stored or removed,
+    published at the next info tick."""
+
+    def __init__(self, records: list[tuple[str, bytes, bytes]]) -> None:
+        self.records = records
+
+    def committed(self, slots: list["Slot"]) -> None:
+        self.records.extend(("stored", s.ns, s.key[16:]) for s in slots)
+
+    def removed(self, slots: list["Slot"]) -> None:
+        self.records.extend(("removed", s.ns, s.key[16:]) for s in slots)
+
+
 class Telemetry:
     def __init__(self, metrics: Metrics, http: MetricsServer | None,
                  events: KvEventPublisher | None) -> None:
@@ -42,8 +59,8 @@ class Telemetry:
         self._next_info = 0.0
         self._evictions_seen = 0
         self._closed = False
-        # The index appends ("stored"|"removed", namespace, block hash) here (Index.events);
-        # None when nobody publishes events, so the index keeps no records at all.
+        # ("stored"|"removed", namespace, block hash) records of the slot table (``watch``);
+        # None when nobody publishes events.
         self._index_events: list[tuple[str, bytes, bytes]] | None = (
             [] if events is not None else None)
 
@@ -67,10 +84,11 @@ class Telemetry:
         """Counts in memory, serves nothing: the server's placeholder until ``start``."""
         return cls(Metrics(), None, None)
 
-    @property
-    def index_events(self) -> list[tuple[str, bytes, bytes]] | None:
-        """The list the server hands to the index as ``Index.events`` (None: events off)."""
-        return self._index_events
+    def watch(self, table: "SlotTable") -> None:
+        """Record the slot table's stored and removed blocks for the KV event publisher
+        (nothing when events are off: the table then keeps no records at all)."""
+        if self._index_events is not None:
+            table.watch(_EventRecords(self._index_events))
 
     def _forward_index_events(self) -> None:
         """Publish what the index recorded so far, to the engines attached *now*."""

@@ -80,7 +80,7 @@ class Tiering:
         self.overloaded = False
         # Called when a tier's write ends (the copy jobs retry the stores they hold).
         self.on_progress: Callable[[], None] | None = None
-        index.on_commit = self._committed
+        index.table.watch(self)
         for lane in self._lanes:
             lane.tier.on_restored = lambda lane=lane: self._offer_pool(lane)
             lane.tier.on_ready = lambda lane=lane: self._schedule_pump(lane)
@@ -90,13 +90,18 @@ class Tiering:
         call on the loop."""
         for lane in self._lanes:
             lane.tier.start()
-        self._committed(self.index.committed_slots())
+        self.committed(self.index.committed_slots())
 
     # ---- down ------------------------------------------------------------------------------
 
-    def _committed(self, slots: list[Slot]) -> None:
+    def committed(self, slots: list[Slot]) -> None:
+        """Blocks that became visible in the pool go down to every tier that wants them (the
+        slot table's watcher call)."""
         for lane in self._lanes:
             self._offer(lane, slots)
+
+    def removed(self, slots: list[Slot]) -> None:
+        """Blocks that left the pool: their queued writes are skipped when reached."""
 
     def _offer_pool(self, lane: _Lane) -> None:
         """A tier came back after a fault: offer it every committed block, oldest first."""
@@ -156,7 +161,7 @@ class Tiering:
                     self._clean(s, generation)
             if not batch:
                 continue
-            self.index.pin(batch)
+            self.index.pin(batch, use=False)
             done = lower.demote([s.key for s in batch], [s.offset for s in batch], size)
             done.add_done_callback(lambda _f, batch=batch: self._demoted(lane, batch))
         if not lower.is_enabled:
@@ -168,7 +173,7 @@ class Tiering:
     def _demoted(self, lane: _Lane, batch: list[Slot]) -> None:
         for s in batch:           # pinned while written: still the generation queued
             self._clean(s, s.generation)
-        self.index.unpin(batch)
+        self.index.unpin(batch, use=False)
         self._pump(lane)
         self._progress()
 
@@ -201,13 +206,11 @@ class Tiering:
         if room >= n:
             return False
         slots, dirty = extents.slots, self._dirty
-
-        def clean(sid: int) -> bool:
-            s = slots[sid]
-            return not s.pins and (sid, s.generation) not in dirty
-
         need = n - room
-        return not cls.lru.head_has(need, clean, need + len(dirty) + 64)
+        # The queue holds only unpinned blocks: the clean ones among its first are the room.
+        head = cls.lru.victims(need + len(dirty) + 64)
+        clean = sum(1 for sid in head if (sid, slots[sid].generation) not in dirty)
+        return clean < need
 
     def hold_expired(self) -> None:
         """A store waited ``STORE_HOLD_S`` and the tiers did not make room: they cannot keep

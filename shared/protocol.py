@@ -9,7 +9,7 @@ still decode them positionally; anything else bumps ``PROTOCOL_VERSION``.
 Conversation:
 
 - ``Hello`` first, on every new connection; the reply assigns the peer an ``owner_id`` that
-  owns its registrations, leases, prepared slots and jobs. Any other request from a peer the
+  owns its registrations, leases, tickets and jobs. Any other request from a peer the
   daemon does not know (first contact, or the daemon restarted) gets ``HELLO_REQUIRED``.
 - ``Heartbeat`` carries an ``owner_id`` from a second socket of the same process; an owner whose
   heartbeats stop for ``peer_timeout_ms`` is released (registrations, leases, jobs, slots).
@@ -17,16 +17,15 @@ Conversation:
   requests are answered once, by ``JobDone``, when the copy has finished or failed.
 - Every failure is an ``ErrorReply`` (or a ``JobDone`` with a non-zero code) naming an
   ``ErrorCode``; the connection stays usable.
-- Stores without a round trip on the scheduler's path: ``ReserveRequest`` grants a stock of
-  tickets of a namespace ahead of need (slot refs bound to no key and no pool space; they expire
-  unused after the reply's ``ttl_ms``); the scheduler assigns them to keys locally, and the
+- One store path, with no round trip on the scheduler's: ``ReserveRequest`` grants a stock of
+  *tickets* of a namespace ahead of need (refs bound to no key and no pool space; they expire
+  unused after the reply's ``ttl_ms``); the scheduler assigns them to keys locally, and each
   worker's ``StoreRequest`` names each ticket's key (``keys``) and the daemon life that granted
   it (``grant``). The daemon gives a ticket a slot for its key when the first rank's store
-  arrives (evicting LRU blocks then, as a prepared store does), and later ranks' stores naming
-  the ticket land in that slot; a key already committed or being written by anyone is a
-  *duplicate*: nobody writes it, so no key is ever visible twice. A ticket that finds no slot
-  (every one written or pinned) is not stored either. The older
-  ``PrepareStoreRequest`` (keys bound at once, one round trip) stays for tools.
+  arrives (evicting LRU blocks then), and later ranks' stores naming the ticket land in that
+  slot; a key already committed or being written by anyone is a *duplicate*: nobody writes it,
+  so no key is ever visible twice. A ticket that finds no slot (every one written or pinned) is
+  not stored either. (Protocol 1's ``PrepareStoreRequest``, tag 7, is retired: protocol 2.)
 - Requests whose reply nobody waits for (``ReleaseRequest``, ``AbortStoreRequest``,
   ``ResetRequest`` sent by a scheduler that must not block) are answered like any other; the
   client folds those answers into its next poll.
@@ -41,14 +40,12 @@ import msgspec
 
 from kvpool.shared.layout import Layout, SegmentPlacement
 
-PROTOCOL_VERSION = 1
+# 2: PrepareStoreRequest/Reply retired (every store goes through tickets); loads may fail per
+# block (JobDone.failed) and name their keys (LoadRequest.keys).
+PROTOCOL_VERSION = 2
 
 # Most slots one ReserveRequest may ask for: a larger count is refused as malformed.
 MAX_RESERVE = 65536
-
-# prepare_store answers, per key, a slot ref to write or one of these.
-SLOT_PRESENT = -1   # committed already, or being written by an earlier prepare_store
-SLOT_NO_SPACE = -2  # nothing evictable left for this key
 
 
 def make_slot_ref(index: int, generation: int) -> int:
@@ -164,14 +161,8 @@ class LookupRequest(msgspec.Struct, tag=6, **_WIRE):
     pin: bool = False       # pin each hit run under a lease until released or expired
 
 
-class PrepareStoreRequest(msgspec.Struct, tag=7, **_WIRE):
-    req_id: int
-    namespace: Key
-    keys: list[Key]
-
-
 class AbortStoreRequest(msgspec.Struct, tag=8, **_WIRE):
-    """Give back prepared or reserved slots that will not be written (request aborted or
+    """Give back tickets that will not be written (request aborted or
     preempted, a store that failed, a reservation the client will not use)."""
 
     req_id: int
@@ -184,8 +175,8 @@ class ReleaseRequest(msgspec.Struct, tag=9, **_WIRE):
 
 
 class StoreRequest(msgspec.Struct, tag=10, **_WIRE):
-    """Copy ``block_ids`` of a registration into prepared or reserved ``slots`` (this rank's
-    shard)."""
+    """Copy ``block_ids`` of a registration into the slots its tickets (``slots``) bind to
+    ``keys`` (this rank's shard)."""
 
     req_id: int
     registration_id: int
@@ -194,8 +185,8 @@ class StoreRequest(msgspec.Struct, tag=10, **_WIRE):
     slots: list[int]
     wait_event: bytes = b""  # CUDA IPC event the copy waits on (engine compute done)
     # Appended last (array_like positional): older peers still decode the fields above.
-    # Per slot, the block hash it stores (16 bytes): binds reserved slots to their keys, and is
-    # checked against prepared ones. Empty: every slot was bound by PrepareStoreRequest.
+    # Per ticket, the block hash it stores (16 bytes): the first rank's store binds each ticket
+    # to its key; later ranks' are checked against it. Required (one per ticket).
     keys: list[Key] = []
     # The daemon_id whose ReserveReply granted the slots (empty: not checked). A store whose
     # slots another daemon life granted is refused (UNKNOWN_ID) instead of touching this pool.
@@ -244,7 +235,7 @@ class ReserveRequest(msgspec.Struct, tag=15, **_WIRE):
 
 
 Request = Union[Hello, Heartbeat, Ping, RegisterRequest, UnregisterRequest, LookupRequest,
-                PrepareStoreRequest, AbortStoreRequest, ReleaseRequest, StoreRequest,
+                AbortStoreRequest, ReleaseRequest, StoreRequest,
                 LoadRequest, InfoRequest, ResetRequest, ByeRequest, ReserveRequest]
 
 
@@ -281,11 +272,6 @@ class LookupReply(msgspec.Struct, tag=68, **_WIRE):
     hits: list[int]          # per key list: number of leading committed keys
     leases: list[int]        # per key list: lease pinning those slots (0: none)
     slots: list[list[int]]   # per key list: slot refs of the hit run, for LoadRequest
-
-
-class PrepareStoreReply(msgspec.Struct, tag=69, **_WIRE):
-    req_id: int
-    slots: list[int]         # per key: slot ref to write, SLOT_PRESENT or SLOT_NO_SPACE
 
 
 class OkReply(msgspec.Struct, tag=70, **_WIRE):
@@ -404,8 +390,7 @@ class ReserveReply(msgspec.Struct, tag=74, **_WIRE):
     daemon_id: str           # the life that granted them: StoreRequest.grant
 
 
-Reply = Union[HelloReply, HeartbeatReply, Pong, RegisterReply, LookupReply, PrepareStoreReply,
-              OkReply, JobDone, InfoReply, ErrorReply, ReserveReply]
+Reply = Union[HelloReply, HeartbeatReply, Pong, RegisterReply, LookupReply, OkReply, JobDone, InfoReply, ErrorReply, ReserveReply]
 
 # Shared codec objects: building them is the expensive part, encoding/decoding is not.
 _encoder = msgspec.msgpack.Encoder()

@@ -2,7 +2,6 @@
 daemon/index.py, daemon/stores.py and daemon/namespaces.py)."""
 
 from kvpool.daemon.index import Index
-from kvpool.shared.errors import PoolFull
 from kvpool.shared.layout import Layout
 
 BIG = Layout(16, 1, "f16", (256 << 10,), "big")        # 4 slots per 1 MiB extent
@@ -11,36 +10,49 @@ TP2 = Layout(16, 2, "f16", (4096,), "tp2")
 NS_BIG, NS_SMALL, NS_TP2 = b"B" * 16, b"S" * 16, b"T" * 16
 NS_A, NS_B = b"A" * 16, b"Q" * 16
 OWNER, OTHER = 1, 2
+NOT_STORED = -1     # what ``store`` answers for a key that got no slot (duplicate or no room)
 
 
 def keys(n, prefix=b""):
     return [(prefix + b"%06d" % i).ljust(16, b"k") for i in range(n)]
 
 
-def make_index(pool):
-    ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
+def make_index(pool, **kw):
+    ix = Index(pool, lease_ttl_s=10, write_timeout_s=60, **kw)
     ix.register_namespace(NS_BIG, BIG)
     ix.register_namespace(NS_SMALL, SMALL)
     ix.register_namespace(NS_TP2, TP2)
     return ix
 
 
-def store(ix, ns, ks, now=0.0, ranks=(0,)):
-    refs = ix.prepare_store(ns, ks, OWNER, now)
-    todo = [r for r in refs if r >= 0]
+def store(ix, ns, ks, now=0.0, ranks=(0,), owner=OWNER):
+    """Store ``ks`` through tickets, every rank in turn; per key the slot ref it landed in, or
+    ``NOT_STORED`` (a duplicate, or no room)."""
+    tickets = ix.reserve(ns, len(ks), owner, now)
+    assert len(tickets) == len(ks), "the owner's ticket cap"
+    first = None
     for rank in ranks:
-        ix.end_store(ix.begin_store(ns, todo, rank), rank, ok=True)
-    return refs
+        slots = ix.begin_store(ns, tickets, ks, rank, now=now)
+        first = first or slots
+        ix.end_store(slots, rank, ok=True)
+    return [NOT_STORED if s.void else s.ref for s in first]
+
+
+def bind(ix, ns, ks, rank=0, now=0.0, owner=OWNER):
+    """Reserve tickets for ``ks`` and open rank ``rank``'s store of them (WRITING, pinned by
+    the job): (tickets, slots)."""
+    tickets = ix.reserve(ns, len(ks), owner, now)
+    return tickets, ix.begin_store(ns, tickets, ks, rank, now=now)
 
 
 def capacity(ix, layout, ns):
+    """Fill ``ns`` one block at a time, each pinned by a lease, until a store finds no room;
+    returns how many fit."""
     n = 0
     while True:
-        try:
-            refs = ix.prepare_store(ns, keys(1, b"cap%d" % n), OWNER, 0)
-        except PoolFull:
+        if store(ix, ns, keys(1, b"cap%d" % n))[0] == NOT_STORED:
+            ix.stores.stats.no_room_blocks -= 1     # the probe is not the test's store
             return n
-        ix.end_store(ix.begin_store(ns, refs, 0), 0, True)
         ix.lookup(ns, [keys(1, b"cap%d" % n)], True, OWNER, 0)   # pin it: never evicted
         n += 1
 
@@ -58,7 +70,7 @@ def records_match_slots(ix):
     from kvpool.daemon.index import FILLING
     from kvpool.daemon.pool import COMMITTED, FREE, WRITING
     want_state = {FREE: FREE, WRITING: WRITING, FILLING: WRITING, COMMITTED: COMMITTED}
-    for s in ix._slots.values():
+    for s in ix.table.slots.values():
         rec = ix.pool.records(s.extent)[s.index]
         assert int(rec["state"]) == want_state[s.state], (s.id, s.state)
         assert int(rec["generation"]) == s.generation, s.id
@@ -67,17 +79,18 @@ def records_match_slots(ix):
 
 
 def pins_of(ix, refs):
-    return [(ix._slots[r & 0xFFFF_FFFF].pins, ix._slots[r & 0xFFFF_FFFF].writing) for r in refs]
+    slots = ix.table.slots
+    return [(slots[r & 0xFFFF_FFFF].pins, slots[r & 0xFFFF_FFFF].writing) for r in refs]
 
 
 def pinned_total(ix):
-    return sum(s.pins for s in ix._slots.values())
+    return sum(s.pins for s in ix.table.slots.values())
 
 
 def bound_tp2(ix, ks):
     """TP2 tickets bound to ``ks`` by rank 0's store; (refs, 1) for rank 1's."""
     refs = ix.reserve(NS_TP2, len(ks), OWNER, 0)
-    ix.begin_store(NS_TP2, refs, 0, keys=ks, now=0)
+    ix.begin_store(NS_TP2, refs, ks, 0, now=0)
     return refs, 1
 
 

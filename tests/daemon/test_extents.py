@@ -1,75 +1,73 @@
-"""The extent allocator on a real (small) shm pool, driven directly: free lists, fresh extents,
-batched room, and the callbacks it asks the index to run."""
+"""The pool's space on a real (small) shm pool, driven directly: free lists, fresh extents,
+whole free extents and drains (the slot table decides what to evict; see test_slot_table)."""
 
 import pytest
 
 from kvpool.daemon.extents import Extents
-from kvpool.daemon.pool import COMMITTED, FREE, WRITING
+from kvpool.daemon.pool import COMMITTED, FREE
 from kvpool.shared.errors import LayoutMismatch
 
 SLOT = 4096
 
 
-class _Index:
-    """Stands in for the index: records what the allocator asked, frees as the index would."""
-
-    def __init__(self, pool) -> None:
-        self.evicted: list[int] = []
-        self.ext = Extents(pool, self.evict, self.hide, self.drop)
-
-    def evict(self, s) -> None:
-        self.evicted.append(s.id)
-        s.size_class.lru.remove(s.id)
-        s.state = FREE
-        self.ext.release(s)
-
-    def hide(self, s) -> None:
-        raise AssertionError("one size only: nothing is drained")
-
-    drop = hide
-
-    def evict_many(self, cls, n) -> int:
-        ids = cls.lru.oldest_many(n, self.ext.is_pinned)
-        for i in ids:
-            self.evict(self.ext.slots[i])
-        return len(ids)
-
-    def commit(self, slots, tick) -> None:
-        for s in slots:
-            s.state, s.last_use = COMMITTED, tick
-        slots[0].size_class.lru.insert_many([s.id for s in slots], tick)
-
-
-def test_slots_come_from_free_extents_then_from_the_lru(pool):
-    ix = _Index(pool)
+def test_slots_come_from_free_lists_then_fresh_extents_until_none_is_left(pool):
+    ext = Extents(pool)
     per_extent = pool.slots_per_extent(SLOT)
     total = pool.geometry.num_extents * per_extent
-    first = ix.ext.allocate(SLOT)
-    assert first.state == FREE and len(ix.ext.classes[SLOT].extents) == 1
-    rest = ix.ext.allocate_many(SLOT, total - 1, ix.evict_many)
-    assert len(rest) == total - 1 and not ix.ext.free_extents and not ix.evicted
-    assert len({s.id for s in rest + [first]}) == total
-    ix.commit(rest + [first], 1)
-    ix.ext.slots[rest[0].id].pins = 1                  # pinned: never a victim
-    again = ix.ext.allocate_many(SLOT, 3, ix.evict_many)
-    assert len(again) == 3 and rest[0].id not in ix.evicted
-    assert {s.id for s in again} == set(ix.evicted) and len(ix.evicted) == 3
-    assert ix.evicted == [s.id for s in rest[1:4]]     # the oldest unpinned, in order
-
-
-def test_allocate_many_stops_where_nothing_can_be_evicted(pool):
-    ix = _Index(pool)
-    total = pool.geometry.num_extents * pool.slots_per_extent(SLOT)
-    got = ix.ext.allocate_many(SLOT, total, ix.evict_many)
-    for s in got:
-        s.state = WRITING                              # being written: not evictable
-    assert ix.ext.allocate_many(SLOT, 2, ix.evict_many) == []
-    assert ix.ext.allocate(SLOT) is None
+    cls = ext.size_class(SLOT)
+    first = ext.take_free(cls, 1)
+    assert first[0].state == FREE and len(cls.extents) == 1
+    rest = ext.take_free(cls, total)
+    assert len(rest) == total - 1 and not ext.free_extents
+    assert len({s.id for s in rest + first}) == total
+    assert ext.take_free(cls, 1) == []
+    ext.release(rest[0])
+    assert ext.take_free(cls, 2) == [rest[0]]
 
 
 def test_a_slot_that_fits_no_extent_is_refused_and_its_extent_kept(pool):
-    ix = _Index(pool)
-    free = list(ix.ext.free_extents)
+    ext = Extents(pool)
+    free = list(ext.free_extents)
     with pytest.raises(LayoutMismatch, match="extent_size"):
-        ix.ext.allocate(pool.geometry.extent_bytes * 2)
-    assert ix.ext.free_extents == free
+        ext.take_free(ext.size_class(pool.geometry.extent_bytes * 2), 1)
+    assert ext.free_extents == free
+
+
+def test_a_whole_free_extent_of_another_size_is_found_and_handed_over_by_a_drain(pool):
+    ext = Extents(pool)
+    small, big = ext.size_class(SLOT), ext.size_class(4 * SLOT)
+    taken = ext.take_free(small, pool.geometry.num_extents * pool.slots_per_extent(SLOT))
+    assert not ext.free_extents
+    assert ext.whole_free_extent(big) is None
+    one_extent = [s for s in taken if s.extent == taken[0].extent]
+    for s in one_extent[1:]:
+        ext.release(s)
+    assert ext.whole_free_extent(big) is None, "one slot of it is still taken"
+    ext.release(one_extent[0])
+    e = ext.whole_free_extent(big)
+    assert e == taken[0].extent
+    assert ext.start_drain(e, big) == []                 # nothing in it to evict
+    ext.finish_drain(e)
+    assert ext.extent_class[e] is big and e in big.extents and e not in small.extents
+    got = ext.take_free(big, 100)
+    assert len(got) == pool.slots_per_extent(4 * SLOT) and {s.extent for s in got} == {e}
+
+
+def test_a_drained_extent_goes_over_when_its_last_busy_slot_is_released(pool):
+    ext = Extents(pool)
+    small, big = ext.size_class(SLOT), ext.size_class(4 * SLOT)
+    taken = ext.take_free(small, pool.geometry.num_extents * pool.slots_per_extent(SLOT))
+    e = taken[0].extent
+    mine = [s for s in taken if s.extent == e]
+    for s in mine[2:]:
+        ext.release(s)                                   # free, on small's list
+    for s in mine[:2]:
+        s.state = COMMITTED                              # busy: the slot table's to deal with
+    assert ext.start_drain(e, big) == mine[:2]
+    assert all(s.extent != e for s in small.free), "its free slots left small's list"
+    mine[0].state = FREE
+    ext.release(mine[0])
+    assert e in ext.draining
+    mine[1].state = FREE
+    ext.release(mine[1])
+    assert e not in ext.draining and ext.extent_class[e] is big

@@ -4,9 +4,8 @@ import pytest
 
 from kvpool.daemon.index import Index
 from kvpool.daemon.pool import Pool
-from kvpool.shared.errors import OutOfRange, PoolFull
-from kvpool.shared.protocol import SLOT_NO_SPACE
-from tests.daemon.indexkit import NS_A, NS_B, OWNER, SMALL, keys, make_index, store
+from kvpool.shared.errors import OutOfRange
+from tests.daemon.indexkit import NOT_STORED, NS_A, NS_B, OWNER, SMALL, bind, keys, make_index, store
 
 
 @pytest.fixture
@@ -29,8 +28,8 @@ def test_a_namespace_over_its_quota_evicts_only_its_own_blocks(pool):
     assert ix.lookup(NS_B, [b_keys], False, OWNER, 0)[0] == [6], "B lost blocks to A's quota"
     held = ix.lookup(NS_A, [keys(1, b"a%d" % i) for i in range(10)], False, OWNER, 0)[0]
     assert held == [0] * 6 + [1] * 4                  # A keeps its 4 most recent
-    assert ix.used_bytes_of(NS_A) == 4 * SMALL.slot_bytes
-    assert ix.stats.evictions == 6
+    assert ix.namespaces.used_bytes_of(NS_A) == 4 * SMALL.slot_bytes
+    assert ix.table.stats.evictions == 6
 
 
 def test_quota_counts_blocks_being_written_and_skips_pinned_ones(pool):
@@ -39,13 +38,13 @@ def test_quota_counts_blocks_being_written_and_skips_pinned_ones(pool):
     first = keys(2, b"p")
     store(ix, NS_A, first)
     lease = ix.lookup(NS_A, [first[:1]], True, OWNER, 0)[1][0]    # p0 pinned
-    refs = ix.prepare_store(NS_A, keys(3, b"w"), OWNER, 0)
+    tickets, slots = bind(ix, NS_A, keys(3, b"w"))
     # one fits, the second evicts p1 (p0 is pinned), the third has nothing of A left to evict
-    assert [r >= 0 for r in refs] == [True, True, False] and refs[2] == SLOT_NO_SPACE
-    with pytest.raises(PoolFull, match="quota"):
-        ix.prepare_store(NS_A, keys(1, b"z"), OWNER, 0)
-    ix.abort_store([r for r in refs if r >= 0], OWNER)            # frees quota, no eviction
-    assert all(r >= 0 for r in ix.prepare_store(NS_A, keys(2, b"z"), OWNER, 0))
+    assert [s.void for s in slots] == [False, False, True]
+    assert store(ix, NS_A, keys(1, b"z")) == [NOT_STORED]
+    ix.abort_store(tickets[:2], OWNER)                            # frees quota, no eviction
+    ix.end_store(slots, 0, True)
+    assert NOT_STORED not in store(ix, NS_A, keys(2, b"z"))
     assert ix.lookup(NS_A, [first[:1]], False, OWNER, 0)[0] == [1]
     ix.release_leases([lease], OWNER)
 
@@ -54,30 +53,30 @@ def test_daemon_quota_caps_what_engines_declare_and_a_lower_quota_takes_effect(p
     cap = 5 * SMALL.slot_bytes
     ix = Index(pool, lease_ttl_s=10, write_timeout_s=60, namespace_quota=cap)
     ix.register_namespace(NS_A, SMALL, quota_bytes=100 * SMALL.slot_bytes)
-    assert ix.quota_of(NS_A) == cap
+    assert ix.namespaces.quota_of(NS_A) == cap
     store(ix, NS_A, keys(5, b"a"))
     ix.register_namespace(NS_A, SMALL, quota_bytes=2 * SMALL.slot_bytes)   # latest wins
     assert store(ix, NS_A, keys(1, b"n"))[0] >= 0
-    assert ix.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
-    usage = {n.namespace: n for n in ix.namespace_usage()}
+    assert ix.namespaces.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
+    usage = {n.namespace: n for n in ix.namespaces.usage()}
     assert (usage[NS_A].blocks, usage[NS_A].quota_bytes) == (2, 2 * SMALL.slot_bytes)
     with pytest.raises(OutOfRange):
         ix.register_namespace(NS_A, SMALL, quota_bytes=-1)
     ix.register_namespace(NS_A, SMALL)               # no declaration: the daemon's cap again
-    assert ix.quota_of(NS_A) == cap
+    assert ix.namespaces.quota_of(NS_A) == cap
     assert all(r >= 0 for r in store(ix, NS_A, keys(3, b"m")))
-    assert ix.used_bytes_of(NS_A) == cap
+    assert ix.namespaces.used_bytes_of(NS_A) == cap
 
 
 def test_a_quota_can_be_lifted(pool):
     ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
     ix.register_namespace(NS_A, SMALL, quota_bytes=2 * SMALL.slot_bytes)
     store(ix, NS_A, keys(4, b"a"))
-    assert ix.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
+    assert ix.namespaces.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
     ix.register_namespace(NS_A, SMALL)
-    assert ix.quota_of(NS_A) == 0
+    assert ix.namespaces.quota_of(NS_A) == 0
     store(ix, NS_A, keys(4, b"b"))
-    assert ix.used_bytes_of(NS_A) == 6 * SMALL.slot_bytes and ix.stats.evictions == 0
+    assert ix.namespaces.used_bytes_of(NS_A) == 6 * SMALL.slot_bytes and ix.table.stats.evictions == 0
 
 
 def test_quota_accounting_survives_reset_expiry_and_adoption(pool_config):
@@ -85,20 +84,20 @@ def test_quota_accounting_survives_reset_expiry_and_adoption(pool_config):
     ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
     ix.register_namespace(NS_A, SMALL, quota_bytes=8 * SMALL.slot_bytes)
     store(ix, NS_A, keys(3, b"r"))
-    ix.prepare_store(NS_A, keys(2, b"late"), OWNER, 0)
-    assert ix.used_bytes_of(NS_A) == 5 * SMALL.slot_bytes
-    ix.expire(1000)                                   # the prepared ones time out
-    assert ix.used_bytes_of(NS_A) == 3 * SMALL.slot_bytes
+    _, late = bind(ix, NS_A, keys(2, b"late"))
+    assert ix.namespaces.used_bytes_of(NS_A) == 5 * SMALL.slot_bytes
+    ix.end_store(late, 0, False)                      # the store failed: dropped
+    assert ix.namespaces.used_bytes_of(NS_A) == 3 * SMALL.slot_bytes
     pool.close(unlink=False)
     pool2 = Pool.open(pool_config)
     try:
         ix2 = Index(pool2, 10, 60)
         ix2.adopt()
-        assert ix2.used_bytes_of(NS_A) == 3 * SMALL.slot_bytes
+        assert ix2.namespaces.used_bytes_of(NS_A) == 3 * SMALL.slot_bytes
         ix2.register_namespace(NS_A, SMALL, quota_bytes=2 * SMALL.slot_bytes)
         assert store(ix2, NS_A, keys(1, b"new"))[0] >= 0       # evicts 2 adopted blocks
-        assert ix2.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
+        assert ix2.namespaces.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
         ix2.reset(NS_A)
-        assert ix2.used_bytes_of(NS_A) == 0
+        assert ix2.namespaces.used_bytes_of(NS_A) == 0
     finally:
         pool2.close(unlink=True)

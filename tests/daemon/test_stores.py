@@ -8,11 +8,11 @@ from kvpool.daemon.index import Index
 from kvpool.daemon.pool import Pool
 from kvpool.shared.errors import OutOfRange, ProtocolError, UnknownId
 from kvpool.shared.layout import Layout
-from kvpool.shared.protocol import MAX_RESERVE, SLOT_PRESENT
-from tests.daemon.indexkit import (BIG, NS_A, NS_B, NS_BIG, NS_SMALL, NS_TP2, OTHER, OWNER, SMALL,
-                                   TP2, bound_tp2, fill_pool, head_layout, pinned_total,
-                                   pool_slots, records_match_slots, capacity, keys, make_index,
-                                   store)
+from kvpool.shared.protocol import MAX_RESERVE
+from tests.daemon.indexkit import (BIG, NOT_STORED, NS_A, NS_B, NS_BIG, NS_SMALL, NS_TP2, OTHER,
+                                   OWNER, SMALL, TP2, bind, bound_tp2, capacity, fill_pool,
+                                   head_layout, keys, make_index, pinned_total, pool_slots,
+                                   records_match_slots, store)
 
 
 @pytest.fixture
@@ -28,15 +28,15 @@ def test_reserved_slots_are_bound_by_the_first_rank_and_visible_after_the_last(i
     assert index.slot_counts() == (0, 0, 0)   # a ticket is no slot
     ks = keys(3, b"r")
     assert index.lookup(NS_TP2, [ks], False, OWNER, 0)[0] == [0]
-    r0 = index.begin_store(NS_TP2, refs, 0, keys=ks, now=1)
+    r0 = index.begin_store(NS_TP2, refs, ks, 0, now=1)
     assert index.ticket_count == 0 and index.slot_counts()[0] == 3
-    # bound now: a prepare_store of those keys finds them in flight
-    assert index.prepare_store(NS_TP2, ks, OTHER, 1) == [SLOT_PRESENT] * 3
+    # bound now: another store of those keys finds them in flight (duplicates)
+    assert store(index, NS_TP2, ks, now=1, owner=OTHER) == [NOT_STORED] * 3
     index.end_store(r0, 0, True)
     assert index.lookup(NS_TP2, [ks], False, OWNER, 0)[0] == [0]   # rank 1 not landed
     with pytest.raises(ProtocolError, match="another key"):
-        index.begin_store(NS_TP2, refs, 1, keys=keys(3, b"x"), now=1)
-    r1 = index.begin_store(NS_TP2, refs, 1, keys=ks, now=1)
+        index.begin_store(NS_TP2, refs, keys(3, b"x"), 1, now=1)
+    r1 = index.begin_store(NS_TP2, refs, ks, 1, now=1)
     assert r1 == r0                          # the tickets name the slots rank 0 bound
     index.end_store(r1, 1, True)
     hits, _, slots = index.lookup(NS_TP2, [ks], False, OWNER, 0)
@@ -47,27 +47,27 @@ def test_a_key_already_held_binds_as_a_duplicate_never_written_nor_shown_twice(i
     ks = keys(2, b"d")
     first = index.reserve(NS_TP2, 2, OWNER, now=0)        # engine A
     second = index.reserve(NS_TP2, 3, OTHER, now=0)       # engine B, same keys, later
-    a0 = index.begin_store(NS_TP2, first, 0, keys=ks, now=0)
-    b0 = index.begin_store(NS_TP2, second[:2], 0, keys=ks, now=0)   # both keys in flight from A
+    a0 = index.begin_store(NS_TP2, first, ks, 0, now=0)
+    b0 = index.begin_store(NS_TP2, second[:2], ks, 0, now=0)   # both keys in flight from A
     assert [s.void for s in a0] == [False, False] and [s.void for s in b0] == [True, True]
     index.end_store(a0, 0, True)
     index.end_store(b0, 0, True)
-    index.end_store(index.begin_store(NS_TP2, first, 1, keys=ks, now=0), 1, True)
+    index.end_store(index.begin_store(NS_TP2, first, ks, 1, now=0), 1, True)
     assert index.slot_counts()[:2] == (0, 2)              # B's duplicates take no slot
-    b1 = index.begin_store(NS_TP2, second[:2], 1, keys=ks, now=0)
+    b1 = index.begin_store(NS_TP2, second[:2], ks, 1, now=0)
     assert b1 == b0 and all(s.void for s in b1)           # rank 1 finds rank 0's voids
     index.end_store(b1, 1, True)
     hits, _, slots = index.lookup(NS_TP2, [ks], False, OWNER, 0)
     assert hits == [2] and slots[0] == [s.ref for s in a0]   # A's blocks, once
-    assert index.slot_counts()[:2] == (0, 2) and index.stats.duplicate_blocks == 2
+    assert index.slot_counts()[:2] == (0, 2) and index.stores.stats.duplicate_blocks == 2
     # a committed key is a duplicate too, and so is a key named twice in one job
     k = keys(1, b"e")
-    r = index.begin_store(NS_TP2, second[2:] + index.reserve(NS_TP2, 1, OTHER, 0), 0,
-                          keys=ks[:1] + k, now=0)
+    r = index.begin_store(NS_TP2, second[2:] + index.reserve(NS_TP2, 1, OTHER, 0),
+                          ks[:1] + k, 0, now=0)
     assert [s.void for s in r] == [True, False]
     index.end_store(r, 0, True)
     twice = index.reserve(NS_SMALL, 2, OWNER, 0)
-    r = index.begin_store(NS_SMALL, twice, 0, keys=k + k, now=0)
+    r = index.begin_store(NS_SMALL, twice, k + k, 0, now=0)
     assert [s.void for s in r] == [False, True]
     index.end_store(r, 0, True)
     assert index.lookup(NS_SMALL, [k], False, OWNER, 0)[0] == [1]
@@ -75,8 +75,8 @@ def test_a_key_already_held_binds_as_a_duplicate_never_written_nor_shown_twice(i
 
 def test_a_failed_primary_leaves_its_duplicate_unwritten_and_the_key_absent(index):
     ks = keys(1, b"f")
-    a = index.begin_store(NS_SMALL, index.reserve(NS_SMALL, 1, OWNER, 0), 0, keys=ks, now=0)
-    b = index.begin_store(NS_SMALL, index.reserve(NS_SMALL, 1, OTHER, 0), 0, keys=ks, now=0)
+    a = index.begin_store(NS_SMALL, index.reserve(NS_SMALL, 1, OWNER, 0), ks, 0, now=0)
+    b = index.begin_store(NS_SMALL, index.reserve(NS_SMALL, 1, OTHER, 0), ks, 0, now=0)
     index.end_store(a, 0, ok=False)
     index.end_store(b, 0, ok=True)     # nothing was copied into it: it must not commit
     assert index.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [0]
@@ -85,17 +85,17 @@ def test_a_failed_primary_leaves_its_duplicate_unwritten_and_the_key_absent(inde
 
 def test_unused_reservations_expire_and_their_refs_are_refused_after(index):
     refs = index.reserve(NS_SMALL, 4, OWNER, now=100)
-    assert index.expire(now=100 + index.reserve_ttl_s - 0.01) == (0, 0, 0)
-    used = index.begin_store(NS_SMALL, refs[:1], 0, keys=keys(1, b"u"), now=101)
-    assert index.expire(now=100 + index.reserve_ttl_s) == (0, 0, 3)
+    assert index.expire(now=100 + index.stores.reserve_ttl_s - 0.01) == (0, 0, 0)
+    used = index.begin_store(NS_SMALL, refs[:1], keys(1, b"u"), 0, now=101)
+    assert index.expire(now=100 + index.stores.reserve_ttl_s) == (0, 0, 3)
     assert index.ticket_count == 0 and index.slot_counts()[2] == SMALL.slot_bytes
     with pytest.raises(UnknownId, match="expired"):
-        index.begin_store(NS_SMALL, refs[1:2], 0, keys=keys(1, b"v"), now=200)
+        index.begin_store(NS_SMALL, refs[1:2], keys(1, b"v"), 0, now=200)
     # new tickets never repeat an expired one's ref: the old ref still names nothing writable
     again = index.reserve(NS_SMALL, 8, OTHER, now=200)
     assert not set(again) & set(refs)
     with pytest.raises(UnknownId):
-        index.begin_store(NS_SMALL, refs[1:2], 0, keys=keys(1, b"v"), now=200)
+        index.begin_store(NS_SMALL, refs[1:2], keys(1, b"v"), 0, now=200)
     index.end_store(used, 0, True)
     assert index.lookup(NS_SMALL, [keys(1, b"u")], False, OWNER, 0)[0] == [1]
 
@@ -109,8 +109,8 @@ def test_reservations_go_with_their_owner_or_an_abort_and_survive_a_reset(index)
     index.release_owner(OWNER)
     assert index.ticket_count == 2
     with pytest.raises(UnknownId):
-        index.begin_store(NS_SMALL, mine[1:], 0, keys=keys(2), now=0)
-    index.end_store(index.begin_store(NS_SMALL, theirs, 0, keys=keys(2), now=0), 0, True)
+        index.begin_store(NS_SMALL, mine[1:], keys(2), 0, now=0)
+    index.end_store(index.begin_store(NS_SMALL, theirs, keys(2), 0, now=0), 0, True)
     assert index.lookup(NS_SMALL, [keys(2)], False, OWNER, 0)[0] == [2]
 
 
@@ -122,10 +122,10 @@ def test_bad_reservations_and_keyless_stores_into_reserved_slots_are_refused(ind
     with pytest.raises(UnknownId, match="no registered layout"):
         index.reserve(b"?" * 16, 1, OWNER, 0)
     refs = index.reserve(NS_SMALL, 2, OWNER, 0)
-    with pytest.raises(UnknownId, match="must name its key"):
-        index.begin_store(NS_SMALL, refs, 0)
+    with pytest.raises(ProtocolError, match="0 keys for 2 slots"):
+        index.begin_store(NS_SMALL, refs, [], 0)
     with pytest.raises(UnknownId):                        # another namespace's slots
-        index.begin_store(NS_BIG, refs, 0, keys=keys(2), now=0)
+        index.begin_store(NS_BIG, refs, keys(2), 0, now=0)
     assert index.ticket_count == 2                      # nothing was bound by the failures
 
 
@@ -136,20 +136,20 @@ def test_quotas_apply_when_tickets_are_bound_and_owners_hold_up_to_the_pools_slo
     store(ix, NS_A, old)
     lease = ix.lookup(NS_A, [old], True, OWNER, 0)[1][0]           # pinned: not evictable
     refs = ix.reserve(NS_A, 5, OWNER, 0)
-    assert len(refs) == 5 and ix.used_bytes_of(NS_A) == SMALL.slot_bytes   # stock: no quota
+    assert len(refs) == 5 and ix.namespaces.used_bytes_of(NS_A) == SMALL.slot_bytes  # no quota
     ks = keys(3, b"q")
-    slots = ix.begin_store(NS_A, refs[:3], 0, keys=ks, now=0)
+    slots = ix.begin_store(NS_A, refs[:3], ks, 0, now=0)
     # one fits the quota; the others find nothing of A's own to evict: void, not written
     assert [s.void for s in slots] == [False, True, True]
     ix.end_store(slots, 0, True)
     assert ix.lookup(NS_A, [ks], False, OWNER, 0)[0] == [1]
-    assert ix.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
-    ix.release_leases([lease], OWNER)
-    slots = ix.begin_store(NS_A, refs[3:4], 0, keys=keys(1, b"n"), now=0)  # evicts "old" now
+    assert ix.namespaces.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
+    ix.release_leases([lease], OWNER)      # "old" was in use until now: most recently used
+    slots = ix.begin_store(NS_A, refs[3:4], keys(1, b"n"), 0, now=0)  # evicts A's other one
     assert [s.void for s in slots] == [False]
     ix.end_store(slots, 0, True)
-    assert ix.lookup(NS_A, [old], False, OWNER, 0)[0] == [0]
-    assert ix.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
+    assert ix.lookup(NS_A, [old, ks[:1]], False, OWNER, 0)[0] == [1, 0]
+    assert ix.namespaces.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
     ix.register_namespace(NS_B, SMALL)
     # Tickets cost bookkeeping only: an owner may hold as many as the pool has slots of the
     # size (the bound on the daemon's memory), whatever the slots hold now.
@@ -158,7 +158,7 @@ def test_quotas_apply_when_tickets_are_bound_and_owners_hold_up_to_the_pools_slo
     assert ix.reserve(NS_B, 1, OWNER, 0) == []            # its bound is reached
     assert len(ix.reserve(NS_B, 1, OTHER, 0)) == 1         # another client still gets some
     ix.expire(1000)
-    assert ix.ticket_count == 0 and ix.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
+    assert ix.ticket_count == 0 and ix.namespaces.used_bytes_of(NS_A) == 2 * SMALL.slot_bytes
     assert len(ix.reserve(NS_B, 2, OWNER, 1000)) == 2      # the tickets are back
 
 
@@ -168,7 +168,7 @@ def test_a_restart_drops_reservations_with_the_pool_records(pool_config):
     ix.register_namespace(NS_SMALL, SMALL)
     store(ix, NS_SMALL, keys(2))
     refs = ix.reserve(NS_SMALL, 3, OWNER, 0)
-    ix.begin_store(NS_SMALL, refs[:1], 0, keys=keys(1, b"half"), now=0)   # bound, never landed
+    ix.begin_store(NS_SMALL, refs[:1], keys(1, b"half"), 0, now=0)   # bound, never landed
     pool.close(unlink=False)   # as after kill -9
     pool2 = Pool.open(pool_config)
     try:
@@ -176,7 +176,7 @@ def test_a_restart_drops_reservations_with_the_pool_records(pool_config):
         assert ix2.adopt() == 2 and ix2.ticket_count == 0
         assert ix2.slot_counts()[:2] == (0, 2)
         with pytest.raises(OutOfRange, match="restart"):     # tickets of another life
-            ix2.begin_store(NS_SMALL, refs[1:], 0, keys=keys(2, b"late"), now=0)
+            ix2.begin_store(NS_SMALL, refs[1:], keys(2, b"late"), 0, now=0)
     finally:
         pool2.close(unlink=True)
 
@@ -190,24 +190,24 @@ def test_reserved_slots_bind_with_head_range_masks_of_any_tp_size(index):
     index.register_namespace(ns, two)
     ks = keys(2, b"h")
     refs = index.reserve(ns, 2, OWNER, now=0)
-    r1 = index.begin_store(ns, refs, 1, two.rank_mask(1), keys=ks, now=0)   # rank 1 first
+    r1 = index.begin_store(ns, refs, ks, 1, two.rank_mask(1), now=0)   # rank 1 first
     assert not any(s.void for s in r1) and index.ticket_count == 0
     index.end_store(r1, 1, True, two.rank_mask(1))
     assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [0]               # heads 0-1 missing
     with pytest.raises(ProtocolError, match="overlapping head ranges"):
-        index.begin_store(ns, refs, 3, four.rank_mask(3), keys=ks, now=0)  # head 3 is in
-    r0 = index.begin_store(ns, refs, 0, two.rank_mask(0), keys=ks, now=0)
+        index.begin_store(ns, refs, ks, 3, four.rank_mask(3), now=0)  # head 3 is in
+    r0 = index.begin_store(ns, refs, ks, 0, two.rank_mask(0), now=0)
     index.end_store(r0, 0, True, two.rank_mask(0))
     assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [2]
     dup = index.reserve(ns, 2, OTHER, now=0)
     for rank in range(4):
-        got = index.begin_store(ns, dup, rank, four.rank_mask(rank), keys=ks, now=0)
+        got = index.begin_store(ns, dup, ks, rank, four.rank_mask(rank), now=0)
         assert all(s.void for s in got)
         index.end_store(got, rank, True, four.rank_mask(rank))
         assert index.slot_counts()[0] == 0                # voids take no slot
-    assert index.stats.duplicate_blocks == 2
+    assert index.stores.stats.duplicate_blocks == 2
     with pytest.raises(UnknownId):                          # forgotten once all reported
-        index.begin_store(ns, dup, 0, four.rank_mask(0), keys=ks, now=0)
+        index.begin_store(ns, dup, ks, 0, four.rank_mask(0), now=0)
     hits, _, slots = index.lookup(ns, [ks], False, OWNER, 0)
     assert hits == [2] and slots[0] == [s.ref for s in r1]
 
@@ -218,35 +218,34 @@ def test_tickets_hold_no_extent_against_another_size_and_still_bind_after(index)
     (to slots found then)."""
     n = 0
     while index.slot_counts()[1] == n:                      # the pool is all BIG, committed
-        index.end_store(index.begin_store(NS_BIG, index.prepare_store(
-            NS_BIG, keys(1, b"b%d" % n), OWNER, 0), 0), 0, True)
+        store(index, NS_BIG, keys(1, b"b%d" % n))
         n += 1
     full = index.slot_counts()[1]
     tickets = index.reserve(NS_BIG, 2, OTHER, now=0)
     assert len(tickets) == 2 and index.slot_counts()[1] == full   # nothing evicted for them
-    refs = index.prepare_store(NS_SMALL, keys(1, b"s"), OWNER, 1)
-    assert refs[0] >= 0 and index.ticket_count == 2
-    slots = index.begin_store(NS_BIG, tickets, 0, keys=keys(2, b"late"), now=1)
+    assert store(index, NS_SMALL, keys(1, b"s"), now=1)[0] != NOT_STORED
+    assert index.ticket_count == 2
+    slots = index.begin_store(NS_BIG, tickets, keys(2, b"late"), 0, now=1)
     assert not any(s.void for s in slots) and index.end_store(slots, 0, True) == 2
     assert index.lookup(NS_BIG, [keys(2, b"late")], False, OWNER, 1)[0] == [2]
 
 
 
 def test_batched_record_writes_mirror_the_index_through_every_store_path(pool_config):
-    """Claims (prepare_store, reserve, reserve_fills), binds and commits write their records
+    """Claims (binds of tickets, reserve_fills) and commits write their records
     in batches; evictions and frees one by one. Whatever the mix, each record ends as the slot
     is, and a restarted daemon adopts exactly the committed blocks."""
     pool = Pool.open(pool_config)
     ix = Index(pool, 10, 60)
     ix.register_namespace(NS_SMALL, SMALL)
     ix.register_namespace(NS_TP2, TP2)
-    store(ix, NS_SMALL, keys(40, b"a"))                          # prepared, committed
+    store(ix, NS_SMALL, keys(40, b"a"))                          # bound in a batch, committed
     refs = ix.reserve(NS_SMALL, 30, OWNER, 0)                    # tickets ...
     ks = keys(20, b"b") + keys(5, b"a")                          # ... 5 of them duplicates
-    ix.end_store(ix.begin_store(NS_SMALL, refs[:25], 0, keys=ks), 0, True)
+    ix.end_store(ix.begin_store(NS_SMALL, refs[:25], ks, 0), 0, True)
     ix.abort_store(refs[25:27], OWNER)                           # 3 tickets left
-    half = ix.prepare_store(NS_TP2, keys(6, b"c"), OWNER, 0)     # one rank of two landed
-    ix.end_store(ix.begin_store(NS_TP2, half, 0), 0, True)
+    _, half = bind(ix, NS_TP2, keys(6, b"c"))                     # one rank of two landed
+    ix.end_store(half, 0, True)
     fills = ix.reserve_fills(NS_SMALL, keys(4, b"d"), 0)
     ix.end_fill(fills, [True, False, True, True])
     records_match_slots(ix)
@@ -274,9 +273,9 @@ def test_one_store_binding_two_owners_tickets_counts_each_owner_its_own(pool):
     assert len(mine) == len(theirs) == 20
     ks = keys(5)
     refs = mine[:3] + theirs[:2] + theirs[2:3]
-    slots = ix.begin_store(NS_SMALL, refs, 0, keys=ks + ks[:1])    # the last: a duplicate
+    slots = ix.begin_store(NS_SMALL, refs, ks + ks[:1], 0)    # the last: a duplicate
     assert [s.void for s in slots] == [False] * 5 + [True]
-    assert ix.used_bytes_of(NS_SMALL) == 5 * SMALL.slot_bytes
+    assert ix.namespaces.used_bytes_of(NS_SMALL) == 5 * SMALL.slot_bytes
     assert ix.tickets.held == {(OWNER, SMALL.slot_bytes): 17, (OTHER, SMALL.slot_bytes): 17}
     assert ix.ticket_count == 34
     assert ix.end_store(slots, 0, True) == 5
@@ -285,7 +284,7 @@ def test_one_store_binding_two_owners_tickets_counts_each_owner_its_own(pool):
     assert ix.tickets.held == {(OTHER, SMALL.slot_bytes): 17}
     ix.release_owner(OWNER)
     ix.release_owner(OTHER)
-    assert ix.ticket_count == 0 and ix.used_bytes_of(NS_SMALL) == 5 * SMALL.slot_bytes
+    assert ix.ticket_count == 0 and ix.namespaces.used_bytes_of(NS_SMALL) == 5 * SMALL.slot_bytes
     assert ix.tickets.held == {} and not ix.tickets.grants
 
 
@@ -294,8 +293,7 @@ def test_a_store_job_ended_chunk_by_chunk_commits_only_what_landed(index):
     with the job's outcome: a job that fails after two chunks keeps exactly those, frees the
     others, and leaves nothing pinned or writing."""
     ks = keys(12)
-    refs = index.prepare_store(NS_SMALL, ks, OWNER, 0)
-    slots = index.begin_store(NS_SMALL, refs, 0)
+    _, slots = bind(index, NS_SMALL, ks)
     index.end_store(slots[:4], 0, True)
     assert index.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [4]
     assert index.slot_counts()[:2] == (8, 4)
@@ -306,14 +304,13 @@ def test_a_store_job_ended_chunk_by_chunk_commits_only_what_landed(index):
     assert (writing, committed, used) == (0, 8, 8 * SMALL.slot_bytes)
     assert index.pinned_count() == 0
     # the failed keys can be stored again, into fresh slots
-    assert all(r >= 0 for r in index.prepare_store(NS_SMALL, ks[8:], OWNER, 0))
+    assert NOT_STORED not in store(index, NS_SMALL, ks[8:])
 
 
 def test_a_chunk_of_one_rank_commits_nothing_until_every_rank_landed(index):
     ks = keys(4)
-    refs = index.prepare_store(NS_TP2, ks, OWNER, 0)
-    r0 = index.begin_store(NS_TP2, refs, 0)
-    r1 = index.begin_store(NS_TP2, refs, 1)
+    refs, r0 = bind(index, NS_TP2, ks, rank=0)
+    r1 = index.begin_store(NS_TP2, refs, ks, 1)
     index.end_store(r0[:2], 0, True)                     # rank 0's first chunk
     assert index.lookup(NS_TP2, [ks], False, OWNER, 0)[0] == [0]
     index.end_store(r1[:2], 1, True)
@@ -333,13 +330,14 @@ def test_a_keyed_store_refused_at_its_last_slot_leaves_every_slot_as_it_was(inde
     ks = keys(4, b"u")
     for bad in ([refs[3] + (1 << 32)], [0xFFFF_FFF0], [1], [refs[0]]):  # stale, unknown, twice
         with pytest.raises((UnknownId, OutOfRange, ProtocolError)):
-            index.begin_store(NS_SMALL, refs[:3] + bad, 0, keys=ks, now=0)
-        assert pinned_total(index) == 0 and not index._bound
+            index.begin_store(NS_SMALL, refs[:3] + bad, ks, 0, now=0)
+        assert pinned_total(index) == 0 and not index.stores.bound
         assert index.ticket_count == 4 and index.slot_counts() == (0, 0, 0)
-        assert index.used_bytes_of(NS_SMALL) == 0
+        assert index.namespaces.used_bytes_of(NS_SMALL) == 0
     with pytest.raises(ProtocolError, match="another key"):       # a bound slot, wrong key
-        index.begin_store(NS_TP2, *bound_tp2(index, ks), keys=keys(4, b"v"), now=0)
-    assert index.end_store(index.begin_store(NS_SMALL, refs, 0, keys=ks, now=0), 0, True) == 4
+        tp, rank = bound_tp2(index, ks)
+        index.begin_store(NS_TP2, tp, keys(4, b"v"), rank, now=0)
+    assert index.end_store(index.begin_store(NS_SMALL, refs, ks, 0, now=0), 0, True) == 4
     assert index.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [4]
 
 
@@ -355,43 +353,36 @@ def test_open_store_leaves_pins_and_only_bindings_that_cannot_void_a_slot_for_la
     ix.register_namespace(NS_TP2, TP2)
     refs = ix.reserve(NS_SMALL, 6, OWNER, 0)
     ks = keys(6, b"o")
-    job = ix.open_store(NS_SMALL, refs, 0, keys=ks, now=0)
+    job = ix.open_store(NS_SMALL, refs, ks, 0, now=0)
     assert job.finish is not None and not job.has_voids
     assert ix.ticket_count == 6 and all(s.pins == 0 and s.writing == 0 for s in job.slots)
     assert ix.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [0]
     job.finish()
     assert all(s.pins == 1 and s.writing == 1 and not s.void for s in job.slots)
     assert ix.ticket_count == 0 and ix.slot_counts()[0] == 6
-    assert ix.used_bytes_of(NS_SMALL) == 6 * SMALL.slot_bytes and ix.tickets.held == {}
-    assert ix.prepare_store(NS_SMALL, ks, OTHER, 0) == [SLOT_PRESENT] * 6
+    assert ix.namespaces.used_bytes_of(NS_SMALL) == 6 * SMALL.slot_bytes and ix.tickets.held == {}
+    assert store(ix, NS_SMALL, ks, owner=OTHER) == [NOT_STORED] * 6
     assert ix.end_store(job.slots, 0, True) == 6
     records_match_slots(ix)
-    # prepared slots: pins later, nothing to bind
-    prep = ix.prepare_store(NS_SMALL, keys(2, b"r"), OWNER, 0)
-    job = ix.open_store(NS_SMALL, prep, 0)
-    assert [s.pins for s in job.slots] == [0, 0] and not job.has_voids
-    job.finish()
-    assert ix.end_store(job.slots, 0, True) == 2
     # a key held already, a key named twice, a namespace with a quota: bound and pinned now
     more = ix.reserve(NS_SMALL, 4, OWNER, 0)
     for refs2, ks2 in ((more[:2], ks[:1] + keys(1, b"p")), (more[2:], keys(1, b"q") * 2)):
-        job = ix.open_store(NS_SMALL, refs2, 0, keys=ks2, now=0)
+        job = ix.open_store(NS_SMALL, refs2, ks2, 0, now=0)
         assert job.finish is None and job.has_voids
         assert [s.void for s in job.slots].count(True) == 1
         assert all(s.pins == 1 for s in job.slots)
         ix.end_store(job.slots, 0, True)
     ix.register_namespace(NS_TP2, TP2, quota_bytes=64 * TP2.slot_bytes)
     tp = ix.reserve(NS_TP2, 2, OWNER, 0)
-    job = ix.open_store(NS_TP2, tp, 0, keys=keys(2, b"t"), now=0)
+    job = ix.open_store(NS_TP2, tp, keys(2, b"t"), 0, now=0)
     assert job.finish is None and not job.has_voids and ix.ticket_count == 0
-    # the other rank's store of bound slots has nothing to bind, only its pins
-    job1 = ix.open_store(NS_TP2, tp, 1, keys=keys(2, b"t"), now=0)
-    assert job1.finish is not None and not job1.has_voids
-    job1.finish()
+    # the other rank's store of bound slots has nothing to bind: pinned at once
+    job1 = ix.open_store(NS_TP2, tp, keys(2, b"t"), 1, now=0)
+    assert job1.finish is None and not job1.has_voids
     assert [s.writing for s in job1.slots] == [3, 3]
     records_match_slots(ix)
     with pytest.raises(ProtocolError, match="1 keys for 2 slots"):
-        ix.open_store(NS_TP2, tp, 1, keys=keys(1, b"t"), now=0)
+        ix.open_store(NS_TP2, tp, keys(1, b"t"), 1, now=0)
 
 
 # ---- tickets: reservations that hold no slot (issue 26, guarantee 2) ---------------------------
@@ -414,11 +405,11 @@ def _full_pool_reservation(pool):
     ix.register_namespace(NS_SMALL, SMALL)
     cap = pool_slots(pool, SMALL)
     held = fill_pool(ix, NS_SMALL, cap)
-    assert ix.slot_counts()[1] == cap and ix.stats.evictions == 0
+    assert ix.slot_counts()[1] == cap and ix.table.stats.evictions == 0
     assert cap > 1000
     refs = ix.reserve(NS_SMALL, 1000, OTHER, now=0)
     assert len(refs) == 1000 and ix.ticket_count == 1000
-    assert ix.stats.evictions == 0 and ix.slot_counts()[1] == cap
+    assert ix.table.stats.evictions == 0 and ix.slot_counts()[1] == cap
     assert sum(ix.lookup(NS_SMALL, [[k] for k in held], False, OWNER, 0)[0]) == cap
     # the bound is the pool's slot count per owner and size, whatever the slots hold
     assert len(ix.reserve(NS_SMALL, MAX_RESERVE, OTHER, 0)) == cap - len(refs)
@@ -442,7 +433,7 @@ def test_sustained_stores_through_tickets_keep_a_full_pool_committed(pool):
         ix.expire(now)
         stock = ix.reserve(NS_SMALL, 128, OWNER, now)
         ks = keys(48, b"r%03d" % r)
-        slots = ix.begin_store(NS_SMALL, stock[:48], 0, keys=ks, now=now)
+        slots = ix.begin_store(NS_SMALL, stock[:48], ks, 0, now=now)
         assert not any(s.void for s in slots)
         ix.end_store(slots[:24], 0, True)                  # chunk by chunk, as the server
         ix.end_store(slots[24:], 0, True)
@@ -464,19 +455,19 @@ def test_tickets_void_duplicates_and_blocks_without_room_and_count_them(index):
     tickets = index.reserve(NS_BIG, 4, OTHER, now=0)
     assert len(tickets) == 4
     ks = held + keys(2, b"new") + keys(1, b"new")          # held, two fresh, one named twice
-    job = index.open_store(NS_BIG, tickets, 0, keys=ks, now=0)
+    job = index.open_store(NS_BIG, tickets, ks, 0, now=0)
     assert job.has_voids and all(s.void for s in job.slots)
-    assert index.stats.duplicate_blocks == 1 and index.stats.no_room_blocks == 3
+    assert index.stores.stats.duplicate_blocks == 1 and index.stores.stats.no_room_blocks == 3
     assert index.end_store(job.slots, 0, True) == 0
-    assert index.slot_counts()[:2] == (0, n) and index.ticket_count == 0 and not index._bound
+    assert index.slot_counts()[:2] == (0, n) and index.ticket_count == 0 and not index.stores.bound
     with pytest.raises(UnknownId):                          # spent
-        index.begin_store(NS_BIG, tickets[1:2], 0, keys=ks[1:2], now=0)
+        index.begin_store(NS_BIG, tickets[1:2], ks[1:2], 0, now=0)
     lease = index.lookup(NS_BIG, [keys(1, b"cap1")], False, OWNER, 0)
     index.release_leases(list(range(1, n + 1)), OWNER)     # every lease goes
     more = index.reserve(NS_BIG, 1, OTHER, now=0)
-    slots = index.begin_store(NS_BIG, more, 0, keys=keys(1, b"late"), now=0)
+    slots = index.begin_store(NS_BIG, more, keys(1, b"late"), 0, now=0)
     assert not slots[0].void and index.end_store(slots, 0, True) == 1
-    assert lease[0] == [1] and index.stats.no_room_blocks == 3
+    assert lease[0] == [1] and index.stores.stats.no_room_blocks == 3
 
 
 def test_ticket_refs_are_no_slot_refs_and_stale_expired_or_aborted_ones_are_refused(index):
@@ -486,19 +477,19 @@ def test_ticket_refs_are_no_slot_refs_and_stale_expired_or_aborted_ones_are_refu
     assert all(r & 0xFFFF_FFFF >= first and 0 < r < 1 << 63 for r in tickets)
     assert index.abort_store(tickets[:1], OWNER) == 1
     with pytest.raises(UnknownId, match="aborted"):
-        index.begin_store(NS_SMALL, tickets[:1], 0, keys=ks[:1], now=0)
+        index.begin_store(NS_SMALL, tickets[:1], ks[:1], 0, now=0)
     for never in (tickets[1] + (1 << 32), tickets[-1] + 1000):   # another generation, index
         with pytest.raises(OutOfRange, match="no ticket"):
-            index.begin_store(NS_SMALL, [never], 0, keys=ks[:1], now=0)
+            index.begin_store(NS_SMALL, [never], ks[:1], 0, now=0)
     with pytest.raises(OutOfRange):                         # a ticket is nothing to load
         index.begin_load(NS_SMALL, tickets[1:2])
-    slots = index.begin_store(NS_SMALL, tickets[1:3], 0, keys=ks, now=0)
+    slots = index.begin_store(NS_SMALL, tickets[1:3], ks, 0, now=0)
     assert index.end_store(slots, 0, True) == 2
     with pytest.raises(UnknownId):                          # bound, committed: spent
-        index.begin_store(NS_SMALL, tickets[1:2], 0, keys=ks[:1], now=0)
-    assert index.expire(now=index.reserve_ttl_s) == (0, 0, 1)
+        index.begin_store(NS_SMALL, tickets[1:2], ks[:1], 0, now=0)
+    assert index.expire(now=index.stores.reserve_ttl_s) == (0, 0, 1)
     with pytest.raises(UnknownId, match="expired"):
-        index.begin_store(NS_SMALL, tickets[3:], 0, keys=keys(1, b"x"), now=20)
+        index.begin_store(NS_SMALL, tickets[3:], keys(1, b"x"), 0, now=20)
     assert index.ticket_count == 0 and not index.tickets.grants and not index.tickets.held
 
 
@@ -508,18 +499,18 @@ def test_an_owner_gone_takes_its_tickets_and_what_they_bound(index):
     mine = index.reserve(NS_TP2, 4, OWNER, now=0)
     theirs = index.reserve(NS_TP2, 2, OTHER, now=0)
     store(index, NS_TP2, keys(1, b"held"), ranks=(0, 1))
-    r0 = index.begin_store(NS_TP2, mine[:2], 0, keys=keys(1, b"held") + keys(1, b"w"), now=0)
+    r0 = index.begin_store(NS_TP2, mine[:2], keys(1, b"held") + keys(1, b"w"), 0, now=0)
     assert [s.void for s in r0] == [True, False]
     index.end_store(r0, 0, True)                            # rank 1 never comes
-    assert index.ticket_count == 4 and len(index._bound) == 2
+    assert index.ticket_count == 4 and len(index.stores.bound) == 2
     index.release_owner(OWNER)
-    assert index.ticket_count == 2 and not index._bound and index.slot_counts()[0] == 0
+    assert index.ticket_count == 2 and not index.stores.bound and index.slot_counts()[0] == 0
     for refs in (mine[:1], mine[1:2], mine[2:3]):
         with pytest.raises(UnknownId):
-            index.begin_store(NS_TP2, refs, 1, keys=keys(1, b"w"), now=0)
-    slots = index.begin_store(NS_TP2, theirs, 0, keys=keys(2, b"o"), now=0)
+            index.begin_store(NS_TP2, refs, keys(1, b"w"), 1, now=0)
+    slots = index.begin_store(NS_TP2, theirs, keys(2, b"o"), 0, now=0)
     index.end_store(slots, 0, True)
-    index.end_store(index.begin_store(NS_TP2, theirs, 1, keys=keys(2, b"o"), now=0), 1, True)
+    index.end_store(index.begin_store(NS_TP2, theirs, keys(2, b"o"), 1, now=0), 1, True)
     assert index.lookup(NS_TP2, [keys(2, b"o")], False, OWNER, 0)[0] == [2]
 
 
@@ -536,12 +527,12 @@ def test_tickets_without_room_are_void_for_every_tp_rank(index):
     ns = b"W" * 16
     tickets = index.reserve(ns, free + 2, OWNER, now=0)
     ks = keys(free + 2, b"tp")
-    r0 = index.begin_store(ns, tickets, 0, keys=ks, now=0)
+    r0 = index.begin_store(ns, tickets, ks, 0, now=0)
     assert [s.void for s in r0] == [False] * free + [True, True]
-    assert index.stats.no_room_blocks == 2
-    r1 = index.begin_store(ns, tickets, 1, keys=ks, now=0)
+    assert index.stores.stats.no_room_blocks == 2
+    r1 = index.begin_store(ns, tickets, ks, 1, now=0)
     assert r1 == r0
     index.end_store(r0, 0, True)
     assert index.end_store(r1, 1, True) == free
-    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [free] and not index._bound
+    assert index.lookup(ns, [ks], False, OWNER, 0)[0] == [free] and not index.stores.bound
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -27,13 +28,29 @@ def info(evictions: int = 0) -> PoolInfo:
 
 
 
+class _Table:
+    """The slot table as ``Telemetry.watch`` sees it: something to watch."""
+
+    watcher = None
+
+    def watch(self, watcher):
+        self.watcher = watcher
+
+
+def _blocks(*hashes):
+    """Slots of ``NS`` holding ``hashes``, as the slot table tells its watchers about them."""
+    return [SimpleNamespace(ns=NS, key=NS + h) for h in hashes]
+
+
 def test_off_by_default_except_metrics():
     cfg = DaemonConfig()
     assert cfg.metrics_host == "127.0.0.1" and cfg.metrics_port == 9471
     assert cfg.events_endpoint == ""
     t = Telemetry.start(build_config(DaemonConfig, {"metrics_port": 0}))
     try:
-        assert t.http is None and t.events is None and t.index_events is None
+        table = _Table()
+        t.watch(table)
+        assert t.http is None and t.events is None and table.watcher is None
         t.tick(time.monotonic(), info)
     finally:
         t.close(pool_kept=True)
@@ -44,6 +61,8 @@ def test_hooks_reach_metrics_health_and_events(tmp_path):
                                       "events_endpoint": f"ipc://{tmp_path}/ev",
                                       "events_interval_ms": 5})
     t = Telemetry.start(cfg)
+    table = _Table()
+    t.watch(table)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     try:
@@ -58,7 +77,7 @@ def test_hooks_reach_metrics_health_and_events(tmp_path):
         deadline = time.monotonic() + 10
         while not sub.poll(20):   # PUB drops until the subscription lands: repeat a probe
             assert time.monotonic() < deadline, "subscriber never connected"
-            t.index_events.append(("stored", NS, b"p" * 16))
+            table.watcher.committed(_blocks(b"p" * 16))
             t.tick(time.monotonic(), info)
             t.events.flush()
         while sub.poll(100):
@@ -68,8 +87,8 @@ def test_hooks_reach_metrics_health_and_events(tmp_path):
         t.job_done(True, 4096, time.monotonic() - 0.001, 2, True)
         t.job_done(False, 0, time.monotonic(), 1, False)
         t.error(ErrorCode.LEASE_EXPIRED)
-        t.index_events.extend([("stored", NS, b"x" * 16), ("stored", NS, b"y" * 16),
-                               ("removed", NS, b"x" * 16)])
+        table.watcher.committed(_blocks(b"x" * 16, b"y" * 16))
+        table.watcher.removed(_blocks(b"x" * 16))
         t.tick(time.monotonic() + 5, lambda: info(evictions=3))
         t.events.flush()
 
@@ -113,6 +132,8 @@ def test_joining_engine_gets_queued_blocks_once(tmp_path):
     cfg = build_config(DaemonConfig, {"metrics_port": 0, "events_interval_ms": 5,
                                       "events_endpoint": f"ipc://{tmp_path}/ev"})
     t = Telemetry.start(cfg)
+    table = _Table()
+    t.watch(table)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     try:
@@ -122,7 +143,7 @@ def test_joining_engine_gets_queued_blocks_once(tmp_path):
         t.registration_added("B", 1, NS, 16, lambda: [])
         while not sub.poll(20):   # PUB drops until the subscription lands: repeat a probe
             assert time.monotonic() < deadline, "subscriber never connected"
-            t.index_events.append(("stored", NS, b"p" * 16))
+            table.watcher.committed(_blocks(b"p" * 16))
             t.tick(time.monotonic(), info)
         t.registration_removed("B", 1, NS, lambda: [])
         t.events.flush()
@@ -130,7 +151,7 @@ def test_joining_engine_gets_queued_blocks_once(tmp_path):
             sub.recv_multipart()
 
         t.registration_added("A", 2, NS, 16, lambda: [])
-        t.index_events.append(("stored", NS, b"q" * 16))   # committed, not yet forwarded
+        table.watcher.committed(_blocks(b"q" * 16))   # committed, not yet forwarded
         # B joins before the next tick: the committed block reaches it in the snapshot only.
         t.registration_added("B", 1, NS, 16, lambda: [b"q" * 16])
         t.tick(time.monotonic(), info)

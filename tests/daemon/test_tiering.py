@@ -27,8 +27,8 @@ def setup(pool, disk: FakeTier, remote: FakeTier) -> tuple[Index, Tiering]:
 
 
 def store(ix, ks):
-    refs = ix.prepare_store(NS, ks, 1, 0)
-    ix.end_store(ix.begin_store(NS, refs, 0), 0, ok=True)
+    tickets = ix.reserve(NS, len(ks), 1, 0)
+    ix.end_store(ix.begin_store(NS, tickets, ks, 0), 0, ok=True)
 
 
 def test_every_commit_goes_to_every_tier(pool):
@@ -106,10 +106,11 @@ def fill(ix) -> int:
     """Store blocks until every slot of the pool holds one; how many."""
     n = 0
     while True:
-        refs = ix.prepare_store(NS, keys(16, b"%d" % n), 1, 0)
-        if not refs or any(r == 0 for r in refs):
+        ks = keys(16, b"%d" % n)
+        slots = ix.begin_store(NS, ix.reserve(NS, 16, 1, 0), ks, 0)
+        ix.end_store(slots, 0, ok=True)
+        if any(s.void for s in slots):
             return n
-        ix.end_store(ix.begin_store(NS, refs, 0), 0, ok=True)
         n += 16
         cls = ix.extents.size_class(SLOT)
         if not cls.free and not ix.extents.free_extents:

@@ -16,8 +16,7 @@ import time
 
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.config import ClientConfig
-from kvpool.shared.protocol import SLOT_PRESENT
-from bench.kvtest import HostKv
+from bench.kvtest import HostKv, keyed_store
 
 
 def main() -> None:
@@ -43,14 +42,12 @@ def main() -> None:
     out: dict = {}
     if args.mode in ("store", "hold"):
         kv.fill_random(ids, args.seed)
-        slots = sched.prepare_store(kv.namespace, keys)
-        mine = [(b, s) for b, s in zip(ids, slots) if s >= 0]
-        out["prepared"] = len(mine)
-        out["present"] = slots.count(SLOT_PRESENT)
-        if mine and args.mode == "store":
-            done = worker.wait([worker.submit_store(reg, [b for b, _ in mine],
-                                                    [s for _, s in mine])], 30)[0]
+        if args.mode == "store":
+            done = worker.wait([keyed_store(sched, worker, reg, kv.namespace, ids, keys)], 30)[0]
             assert done.ok, done
+            # Keys the pool already held or had in flight were duplicates: not written.
+            out["written"] = done.nbytes // kv.layout.slot_bytes
+            out["duplicates"] = len(ids) - out["written"]
         out["checksum"] = hashlib.sha256(kv.blocks_of(ids).numpy().tobytes()).hexdigest()
     if args.mode == "load":
         hit = sched.lookup(kv.namespace, [keys], pin=True)
@@ -68,8 +65,8 @@ def main() -> None:
         pinned = kv.keys(list(range(args.pin_first_token,
                                     args.pin_first_token + kv.block_tokens)))
         out["leases"] = sum(1 for x in sched.lookup(kv.namespace, [pinned], pin=True).leases if x)
-        for b, s in mine:
-            worker.submit_store(reg, [b], [s])
+        for b, k in zip(ids, keys):
+            keyed_store(sched, worker, reg, kv.namespace, [b], [k])
     print(json.dumps(out), flush=True)
     if args.mode == "hold":
         while True:

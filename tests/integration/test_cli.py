@@ -10,7 +10,7 @@ import posix_ipc
 
 from kvpool.client.scheduler import SchedulerClient
 from tests.conftest import wait_for
-from bench.kvtest import HostKv
+from bench.kvtest import HostKv, keyed_store
 
 
 def kvpool(*args: str) -> subprocess.CompletedProcess:
@@ -86,8 +86,8 @@ def test_sigterm_stops_cleanly_and_unlinks_the_pool(daemon):
     kv = HostKv()
     worker, reg = kv.register(daemon.client_config())
     sched = SchedulerClient(daemon.client_config())
-    slots = sched.prepare_store(kv.namespace, kv.keys(list(range(64 * 16))))
-    worker.submit_store(reg, list(range(64)), slots)   # still in flight, maybe
+    keyed_store(sched, worker, reg, kv.namespace, list(range(64)),
+                kv.keys(list(range(64 * 16))))                 # still in flight, maybe
     assert daemon.stop(signal.SIGTERM) == 0
     assert not os.path.exists(daemon.socket)
     assert not shm_exists(daemon.pool_name)
@@ -100,7 +100,7 @@ def test_keep_pool_survives_a_clean_restart(daemon_factory):
     worker, reg = kv.register(d.client_config())
     sched = SchedulerClient(d.client_config())
     keys = kv.keys(list(range(48)))
-    assert worker.wait([worker.submit_store(reg, [0, 1, 2], sched.prepare_store(kv.namespace, keys))],
+    assert worker.wait([keyed_store(sched, worker, reg, kv.namespace, [0, 1, 2], keys)],
                        10)[0].ok
     worker.close(); sched.close()
     assert d.stop(signal.SIGINT) == 0

@@ -10,7 +10,7 @@ from kvpool.client.worker import WorkerClient
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.errors import DaemonUnavailable, ErrorCode
 from tests.conftest import stop_process, unless_unavailable, wait_for
-from bench.kvtest import HostKv
+from bench.kvtest import HostKv, keyed_store
 
 
 def test_absent_daemon_raises_quickly_and_never_hangs(tmp_path):
@@ -23,7 +23,7 @@ def test_absent_daemon_raises_quickly_and_never_hangs(tmp_path):
     assert time.monotonic() - t0 < 0.05, "a missing socket file must not cost a timeout"
     t0 = time.monotonic()
     with pytest.raises(DaemonUnavailable, match="next try"):   # inside the backoff: instant
-        sched.prepare_store(b"n" * 16, [b"k" * 16])
+        sched.reserve(b"n" * 16, 1)
     assert time.monotonic() - t0 < 0.05
     worker = WorkerClient(cfg)
     kv = HostKv()
@@ -112,8 +112,7 @@ def test_clients_recover_by_themselves_after_a_daemon_restart(daemon):
     keys = kv.keys(list(range(32)))
     kv.fill_random([0, 1], seed=3)
     expected = kv.blocks_of([0, 1])
-    assert worker.wait([worker.submit_store(reg, [0, 1], sched.prepare_store(kv.namespace, keys))],
-                       10)[0].ok
+    assert worker.wait([keyed_store(sched, worker, reg, kv.namespace, [0, 1], keys)], 10)[0].ok
     daemon.kill()
     t0 = time.monotonic()
     with pytest.raises(DaemonUnavailable):
@@ -208,8 +207,8 @@ def test_jobs_in_flight_when_the_daemon_dies_fail_instead_of_hanging(daemon):
     wait_for(lambda: worker.poll() is not None and worker.is_registered(reg), 10,
              "the worker's registration")
     sched = SchedulerClient(daemon.client_config())
-    slots = sched.prepare_store(kv.namespace, kv.keys(list(range(16 * 128))))
-    jobs = [worker.submit_store(reg, list(range(i, i + 16)), slots[i:i + 16])
+    keys = kv.keys(list(range(16 * 128)))
+    jobs = [keyed_store(sched, worker, reg, kv.namespace, list(range(i, i + 16)), keys[i:i + 16])
             for i in range(0, 128, 16)]
     daemon.kill()
     t0 = time.monotonic()
@@ -226,7 +225,7 @@ def test_jobs_in_flight_fail_once_their_connection_is_dropped(daemon):
     kv = HostKv()
     worker, reg = kv.register(daemon.client_config())
     sched = SchedulerClient(daemon.client_config())
-    job = worker.submit_store(reg, [0], sched.prepare_store(kv.namespace, kv.keys([0] * 16)))
+    job = keyed_store(sched, worker, reg, kv.namespace, [0], kv.keys([0] * 16))
     worker._t.disconnect()            # what Transport._send does on zmq.Again
     done = worker.poll()
     assert [(c.job_id, c.ok) for c in done] == [(job, False)] and worker.jobs_in_flight == 0

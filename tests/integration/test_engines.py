@@ -12,7 +12,7 @@ import torch
 
 from kvpool.client.scheduler import SchedulerClient
 from tests.conftest import wait_for
-from bench.kvtest import HostKv
+from bench.kvtest import HostKv, keyed_store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,7 +34,7 @@ def result(proc: subprocess.Popen, timeout_s: float = 60) -> dict:
 
 def test_one_engine_stores_another_loads_byte_equal(daemon):
     stored = result(engine(daemon, "store", blocks=24, seed=7))
-    assert stored["prepared"] == 24
+    assert stored["written"] == 24
     loaded = result(engine(daemon, "load", blocks=24))
     assert loaded["hits"] == 24
     assert loaded["checksum"] == stored["checksum"]
@@ -43,8 +43,8 @@ def test_one_engine_stores_another_loads_byte_equal(daemon):
 def test_concurrent_stores_of_the_same_keys_write_once(daemon):
     procs = [engine(daemon, "store", blocks=32, seed=s) for s in (1, 2, 3)]
     outs = [result(p) for p in procs]
-    assert sum(o["prepared"] for o in outs) == 32
-    assert all(o["prepared"] + o["present"] == 32 for o in outs)
+    assert sum(o["written"] for o in outs) == 32
+    assert all(o["written"] + o["duplicates"] == 32 for o in outs)
     sched = SchedulerClient(daemon.client_config())
     info = sched.info()
     assert info.stored_blocks == 32 and info.slots_committed == 32
@@ -59,8 +59,8 @@ def test_eviction_under_pressure_never_takes_a_leased_block(daemon_factory):
     keys = kv.keys(list(range(16 * 4)))
     kv.fill_random([0, 1, 2, 3], seed=5)
     expected = kv.blocks_of([0, 1, 2, 3])
-    assert worker.wait([worker.submit_store(reg, [0, 1, 2, 3],
-                                            sched.prepare_store(kv.namespace, keys))], 10)[0].ok
+    assert worker.wait([keyed_store(sched, worker, reg, kv.namespace, [0, 1, 2, 3], keys)],
+                       10)[0].ok
     lease = sched.lookup(kv.namespace, [keys], pin=True)
     # Another engine writes several times the pool through it.
     for first in range(0, 4):
@@ -81,7 +81,7 @@ def test_sigkilled_engine_is_released_within_a_second(daemon_factory, peer_timeo
     exits is released at once, whatever the peer timeout (which can then be long enough to
     ride out stalls)."""
     daemon = daemon_factory(extra=["--peer-timeout-ms", str(peer_timeout_ms)])
-    assert result(engine(daemon, "store", blocks=8, heads=16))["prepared"] == 8
+    assert result(engine(daemon, "store", blocks=8, heads=16))["written"] == 8
     holder = engine(daemon, "hold", blocks=48, first_token=50_000, heads=16)
     try:
         _kill_holder(daemon, holder)

@@ -18,6 +18,7 @@ from kvpool.client import host_memory, kv_layout, scheduler, worker
 from kvpool.daemon.events import KVEventBatch
 from kvpool.daemon.top import run_top
 from kvpool.shared import keys, layout
+from bench.kvtest import keyed_store
 from tests.daemon.httptest import free_port, fetch
 
 
@@ -75,7 +76,7 @@ def test_metrics_health_events_and_top_follow_real_traffic(daemon_factory, tmp_p
         ns = keys.make_namespace("ops-model", lay.fingerprint())
         reg = w.register(ns, lay, 0, 8, [mem.region], plan.placement)
         hashes = keys.request_block_hashes(ns, list(range(80)), 16)   # 5 full blocks
-        done = w.wait([w.submit_store(reg, [0, 1, 2, 3], s.prepare_store(ns, hashes[:4]))], 10)
+        done = w.wait([keyed_store(s, w, reg, ns, [0, 1, 2, 3], hashes[:4])], 10)
         assert all(c.ok for c in done), done
         hit = s.lookup(ns, [hashes[:4] + [b"\0" * 16]], pin=True)
         assert hit.hits == [4]
@@ -100,7 +101,7 @@ def test_metrics_health_events_and_top_follow_real_traffic(daemon_factory, tmp_p
 
         # Subscribed for sure now: a new block reaches both engines that can load it.
         print("STORE5", time.monotonic(), flush=True)
-        done = w.wait([w.submit_store(reg, [4], s.prepare_store(ns, hashes[4:]))], 10)
+        done = w.wait([keyed_store(s, w, reg, ns, [4], hashes[4:])], 10)
         assert all(c.ok for c in done), done
         # (Earlier batches may still be queued: engine-A's first store, engine-B's re-joins.)
         seen: set[bytes] = set()

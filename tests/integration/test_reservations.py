@@ -11,7 +11,7 @@ from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.errors import DaemonUnavailable, ErrorCode
 from kvpool.shared.protocol import MAX_RESERVE
 from tests.conftest import stop_process, unless_unavailable, wait_for
-from bench.kvtest import HostKv
+from bench.kvtest import HostKv, keyed_store
 
 
 def _engine(config, name: str = "worker"):
@@ -95,8 +95,8 @@ def test_stores_naming_a_stale_grant_or_bad_keys_are_refused(daemon):
     cases = [
         (dict(keys=keys, grant="0123456789abcdef"), ErrorCode.UNKNOWN_ID, "another|restarted"),
         (dict(keys=keys[:1], grant=grant), ErrorCode.PROTOCOL, "1 keys for 2 slots"),
-        (dict(keys=[b"short", b"keys"], grant=grant), ErrorCode.PROTOCOL, "16"),   # refused as it is decoded
-        (dict(grant=grant), ErrorCode.UNKNOWN_ID, "must name its key"),
+        (dict(keys=[b"short", b"keys"], grant=grant), ErrorCode.PROTOCOL, "16"),   # decoding
+        (dict(grant=grant), ErrorCode.PROTOCOL, "0 keys for 2 slots"),      # keys are required
     ]
     import re
     for kw, code, why in cases:
@@ -244,10 +244,8 @@ def _fill_pool(sched, worker, reg, kv: HostKv) -> list[bytes]:
     n = 0
     while sched.info().evictions == 0:
         keys = kv.keys(list(range(kv.blocks * kv.block_tokens)), salt=b"fill%d" % n)
-        refs = sched.prepare_store(kv.namespace, keys)
-        todo = [(b, r) for b, r in enumerate(refs) if r >= 0]
-        done = worker.wait([worker.submit_store(reg, [b for b, _ in todo],
-                                                [r for _, r in todo])], 10)[0]
+        done = worker.wait([keyed_store(sched, worker, reg, kv.namespace,
+                                        list(range(len(keys))), keys)], 10)[0]
         assert done.ok, done.message
         stored += keys
         n += 1

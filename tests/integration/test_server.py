@@ -14,9 +14,9 @@ import zmq
 
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared import protocol as p
-from kvpool.shared.errors import ErrorCode, PoolFull, TooLarge, VersionMismatch
+from kvpool.shared.errors import ErrorCode, TooLarge, VersionMismatch
 from tests.conftest import wait_for
-from bench.kvtest import HostKv
+from bench.kvtest import HostKv, keyed_store
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,8 +57,8 @@ def committed(daemon):
     sched = SchedulerClient(daemon.client_config(), "good")
     keys = kv.keys(list(range(64)))
     kv.fill_random([0, 1, 2, 3], seed=1)
-    slots = sched.prepare_store(kv.namespace, keys)
-    assert worker.wait([worker.submit_store(reg, [0, 1, 2, 3], slots)], 10)[0].ok
+    assert worker.wait([keyed_store(sched, worker, reg, kv.namespace, [0, 1, 2, 3], keys)],
+                       10)[0].ok
     expected = kv.blocks_of([0, 1, 2, 3])
     yield kv, worker, reg, sched, keys
     hits = sched.lookup(kv.namespace, [keys], pin=True)
@@ -143,21 +143,30 @@ def test_unknown_ids_and_out_of_range_blocks(daemon, committed):
     r = raw.call(p.UnregisterRequest(8, 424242))
     assert r.code == ErrorCode.UNKNOWN_ID
     assert raw.call(p.ReleaseRequest(9, [555])) == p.OkReply(9, 0)
-    r = raw.call(p.PrepareStoreRequest(10, b"?" * 16, [b"k" * 16]))
+    r = raw.call(p.ReserveRequest(10, b"?" * 16, 1))
     assert r.code == ErrorCode.UNKNOWN_ID and "no registered layout" in r.message
     raw.close()
 
     more = kv.keys(list(range(96)))[4:]
-    slots = sched.prepare_store(kv.namespace, more)
+    grant = sched.reserve(kv.namespace, len(more))
+
+    def store(block_ids, tickets, keys=more):
+        return worker.wait([worker.submit_store(reg, block_ids, tickets, keys=keys,
+                                                grant=grant.daemon_id)], 10)[0]
     for bad in ([-1, 5], [5, kv.blocks], [5]):
-        done = worker.wait([worker.submit_store(reg, bad, slots)], 10)[0]
+        done = store(bad, grant.slots)
         assert not done.ok and done.code in (ErrorCode.OUT_OF_RANGE, ErrorCode.PROTOCOL), done
-    done = worker.wait([worker.submit_store(reg, [4, 5], [slots[0] + (3 << 32), slots[1]])], 10)[0]
-    assert done.code == ErrorCode.UNKNOWN_ID          # stale generation
+    done = store([4, 5], [grant.slots[0] + (3 << 32), grant.slots[1]])
+    assert done.code == ErrorCode.OUT_OF_RANGE        # another generation: no ticket of ours
+    done = store([4, 5], grant.slots, keys=more[:1])
+    assert done.code == ErrorCode.PROTOCOL and "keys for" in done.message
+    done = worker.wait([worker.submit_store(reg, [4, 5], grant.slots, keys=more,
+                                            grant="another-daemon")], 10)[0]
+    assert done.code == ErrorCode.UNKNOWN_ID and "reserve again" in done.message
     done = worker.wait([worker.submit_load(reg, [0xFFFF_FFF0], [9])], 10)[0]
     assert done.code == ErrorCode.OUT_OF_RANGE
-    # Nothing above disturbed the prepared slots: they still take the real store.
-    assert worker.wait([worker.submit_store(reg, [4, 5], slots)], 10)[0].ok
+    # Nothing above disturbed the tickets: they still take the real store.
+    assert store([4, 5], grant.slots).ok
     assert sched.lookup(kv.namespace, [kv.keys(list(range(96)))]).hits == [6]
 
 
@@ -194,19 +203,18 @@ def test_namespace_quota_over_the_wire(daemon_factory):
     sched = SchedulerClient(d.client_config())
 
     def store(kv, worker, reg, keys):
-        refs = sched.prepare_store(kv.namespace, keys)
-        todo = [(b, r) for b, r in enumerate(refs) if r >= 0]
-        job = worker.submit_store(reg, [b for b, _ in todo], [r for _, r in todo])
+        """Per key, whether it is in the pool after the store."""
+        job = keyed_store(sched, worker, reg, kv.namespace, list(range(len(keys))), keys)
         assert worker.wait([job], 10)[0].ok
-        return refs
+        return [bool(n) for n in sched.lookup(kv.namespace, [[k] for k in keys]).hits]
 
     try:
         other_keys = other.keys(list(range(96)))
-        assert [r >= 0 for r in store(other, ow, oreg, other_keys)] == [True] * 4 + [False] * 2
+        assert store(other, ow, oreg, other_keys) == [True] * 4 + [False] * 2
         first = capped.keys(list(range(32)))
         store(capped, cw, creg, first)
         later = capped.keys(list(range(1000, 1032)))
-        assert all(r >= 0 for r in store(capped, cw, creg, later))   # evicts its own two
+        assert all(store(capped, cw, creg, later))                    # evicts its own two
         assert sched.lookup(capped.namespace, [first, later]).hits == [0, 2]
         assert sched.lookup(other.namespace, [other_keys]).hits == [4]
         usage = {n.namespace: n for n in sched.info().namespace_usage}
@@ -217,23 +225,28 @@ def test_namespace_quota_over_the_wire(daemon_factory):
         cw.close(); ow.close(); sched.close(); capped.close(); other.close()
 
 
-def test_full_pool_with_everything_leased_is_pool_full(daemon_factory):
+def test_full_pool_with_everything_leased_stores_nothing_and_evicts_nothing(daemon_factory):
     d = daemon_factory(pool_size="8MiB")
     kv = HostKv(layers=4, blocks=64, heads=8, head_dim=64)       # 128 KiB slots
     worker, reg = kv.register(d.client_config())
     sched = SchedulerClient(d.client_config())
     stored = 0
     leases = []
-    with pytest.raises(PoolFull, match="pinned"):
-        for i in range(200):
-            ks = kv.keys(list(range(i * 1000, i * 1000 + 16)))
-            slots = sched.prepare_store(kv.namespace, ks)
-            assert worker.wait([worker.submit_store(reg, [i % 64], slots)], 10)[0].ok
-            leases += sched.lookup(kv.namespace, [ks], pin=True).leases
-            stored += 1
-    assert stored > 20
+    for i in range(200):
+        ks = kv.keys(list(range(i * 1000, i * 1000 + 16)))
+        done = worker.wait([keyed_store(sched, worker, reg, kv.namespace, [i % 64], ks)], 10)[0]
+        assert done.ok, done
+        if not done.nbytes:                 # no room: every slot is leased
+            break
+        leases += sched.lookup(kv.namespace, [ks], pin=True).leases
+        stored += 1
+    assert 20 < stored < 200
+    info = sched.info()
+    assert (info.evictions, info.no_room_blocks, info.slots_committed) == (0, 1, stored)
     sched.release(leases)
-    assert sched.prepare_store(kv.namespace, kv.keys(list(range(16))) + [b"x" * 16])[1] >= 0
+    ks = kv.keys(list(range(999_000, 999_016)))
+    done = worker.wait([keyed_store(sched, worker, reg, kv.namespace, [0], ks)], 10)[0]
+    assert done.nbytes, "a released pool takes stores again"
     worker.close(); sched.close(); kv.close()
 
 
@@ -285,7 +298,10 @@ def test_one_request_names_a_bounded_number_of_blocks(daemon, committed):
     kv, worker, reg, sched, keys = committed
     from kvpool.daemon.copy_jobs import MAX_BLOCKS_PER_REQUEST as most
     with pytest.raises(TooLarge, match="split it"):
-        sched.prepare_store(kv.namespace, [b"%016d" % i for i in range(most + 1)])
+        sched.reserve(kv.namespace, most + 1)
+    done = worker.wait([worker.submit_store(reg, [0] * (most + 1), [1] * (most + 1),
+                                            keys=[b"k" * 16] * (most + 1))], 10)[0]
+    assert done.code == ErrorCode.TOO_LARGE
     done = worker.wait([worker.submit_load(reg, [1] * (most + 1), [0] * (most + 1))], 10)[0]
     assert done.code == ErrorCode.TOO_LARGE
 
@@ -311,8 +327,8 @@ def test_a_job_whose_registration_goes_still_gets_its_answer(daemon):
     worker, reg = kv.register(daemon.client_config())
     sched = SchedulerClient(daemon.client_config())
     try:
-        refs = sched.prepare_store(kv.namespace, kv.keys(list(range(16 * 48))))
-        job = worker.submit_store(reg, list(range(48)), refs)
+        job = keyed_store(sched, worker, reg, kv.namespace, list(range(48)),
+                          kv.keys(list(range(16 * 48))))
         worker.unregister(reg)
         done = worker.wait([job], 10)[0]           # TimeoutError before the fix
         assert done.ok or done.code == ErrorCode.ABORTED, done
@@ -327,8 +343,8 @@ def test_a_client_that_closes_is_released_at_once(daemon):
     watcher = SchedulerClient(daemon.client_config())
     try:
         ks = kv.keys(list(range(64)))
-        assert worker.wait([worker.submit_store(reg, [0, 1, 2, 3], sched.prepare_store(
-            kv.namespace, ks))], 10)[0].ok
+        assert worker.wait([keyed_store(sched, worker, reg, kv.namespace, [0, 1, 2, 3], ks)],
+                           10)[0].ok
         sched.lookup(kv.namespace, [ks], pin=True)
         assert watcher.info().leases == 1
         sched.close()
@@ -365,7 +381,7 @@ def test_a_big_store_becomes_visible_chunk_by_chunk_and_only_landed_blocks_load(
         partial = set()
         for attempt in range(3):                       # a fresh prompt each time
             ks = writer.keys(list(range(attempt * 10**5, attempt * 10**5 + 16 * 96)))
-            job = w.submit_store(wreg, list(range(96)), sched.prepare_store(writer.namespace, ks))
+            job = keyed_store(sched, w, wreg, writer.namespace, list(range(96)), ks)
             while w.jobs_in_flight:
                 hit = sched.lookup(writer.namespace, [ks], pin=True)
                 n = hit.hits[0]
@@ -394,13 +410,13 @@ import sys, time
 sys.path.insert(0, sys.argv[1])
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.config import ClientConfig
-from bench.kvtest import HostKv
+from bench.kvtest import HostKv, keyed_store
 cfg = ClientConfig(socket=sys.argv[2], timeout_ms=20000)
 kv = HostKv(blocks=96, layers=32, heads=8, head_dim=128)
 w, reg = kv.register(cfg)
 s = SchedulerClient(cfg)
 kv.fill_random(list(range(96)), seed=5)
-w.submit_store(reg, list(range(96)), s.prepare_store(kv.namespace, kv.keys(list(range(16 * 96)))))
+keyed_store(s, w, reg, kv.namespace, list(range(96)), kv.keys(list(range(16 * 96))))
 print("sent", flush=True)
 time.sleep(120)
 """
@@ -523,11 +539,11 @@ def test_a_keyed_store_binds_its_slots_in_its_dispatch_whether_its_copy_starts_o
         eng.refuse = True
         more = [b"%016d" % i for i in range(8, 12)]
         refs = ix.reserve(ns, 4, 7, 0.0)
-        used = ix.used_bytes_of(ns)
+        used = ix.namespaces.used_bytes_of(ns)
         done = call(p.StoreRequest(4, reg, 2, list(range(4)), refs, keys=more))
         assert done.code == int(ErrorCode.ABORTED)
         assert ix.ticket_count == 0 and ix.slot_counts()[0] == 0
-        assert ix.used_bytes_of(ns) == used and ix.leading(ns, more) == 0
+        assert ix.namespaces.used_bytes_of(ns) == used and ix.leading(ns, more) == 0
         assert ix.tickets.held == {} and ix.pinned_count() == 0
 
     asyncio.run(run())

@@ -23,10 +23,12 @@ class Engine:
         self.clients = [k.register(daemon.client_config(), name=f"tp{tp}") for k in self.ranks]
         self.namespace = self.ranks[0].namespace
 
-    def store(self, block_ids: list[int], slots: list[int]) -> list:
+    def store(self, block_ids: list[int], grant, keys: list[bytes]) -> list:
+        """Every rank stores ``block_ids`` into the tickets of ``grant`` (a ReserveReply)."""
         for k in self.ranks:
             k.fill(block_ids, SEED)
-        jobs = [(c, c.submit_store(reg, block_ids, slots)) for c, reg in self.clients]
+        jobs = [(c, c.submit_store(reg, block_ids, grant.slots, keys=keys,
+                                   grant=grant.daemon_id)) for c, reg in self.clients]
         return [c.wait([j], 20)[0] for c, j in jobs]
 
     def load(self, slots: list[int], block_ids: list[int]) -> list:
@@ -49,9 +51,8 @@ def hand_off(daemon, sched, writer_tp: int, reader_tp: int, tag: int, **kw) -> N
         assert w.namespace == r.namespace, "TP must not be part of the namespace"
         src, dst = [3, 0, 9, 4, 21], [10, 11, 12, 13, 30]
         keys = w.ranks[0].keys(list(range(tag * 1000, tag * 1000 + 5 * 16)))
-        slots = sched.prepare_store(w.namespace, keys)
-        assert all(s >= 0 for s in slots)
-        assert all(d.ok for d in w.store(src, slots)), "a writer rank's store failed"
+        grant = sched.reserve(w.namespace, len(keys))
+        assert all(d.ok for d in w.store(src, grant, keys)), "a writer rank's store failed"
         hit = sched.lookup(r.namespace, [keys], pin=True)
         assert hit.hits == [5], f"TP={writer_tp} -> TP={reader_tp}: blocks did not commit"
         done = r.load(hit.slots[0], dst)
@@ -126,18 +127,22 @@ def test_tp_cross_rank_dying_after_its_head_range_never_commits(daemon_factory):
     w = Engine(d, 2)
     try:
         keys = w.ranks[0].keys(list(range(4 * 16)))
-        slots = sched.prepare_store(w.namespace, keys)
+        grant = sched.reserve(w.namespace, len(keys))
         w.ranks[0].fill([0, 1, 2, 3], SEED)
         c0, reg0 = w.clients[0]
-        assert c0.wait([c0.submit_store(reg0, [0, 1, 2, 3], slots)], 20)[0].ok
+        assert c0.wait([c0.submit_store(reg0, [0, 1, 2, 3], grant.slots, keys=keys,
+                                        grant=grant.daemon_id)], 20)[0].ok
         w.clients[1][0].close()                 # rank 1 gone without storing
         assert sched.lookup(w.namespace, [keys]).hits == [0]
         wait_for(lambda: sched.info().slots_writing == 0, 20, "the write timeout to drop them")
         assert sched.lookup(w.namespace, [keys]).hits == [0]
-        again = sched.prepare_store(w.namespace, keys)
-        assert all(s >= 0 for s in again) and set(again).isdisjoint(slots)
-        done = c0.wait([c0.submit_store(reg0, [0, 1, 2, 3], slots)], 20)[0]
-        assert not done.ok and "not prepared" in done.message    # the stale refs are refused
+        again = sched.reserve(w.namespace, len(keys))
+        done = c0.wait([c0.submit_store(reg0, [0, 1, 2, 3], again.slots, keys=keys,
+                                        grant=again.daemon_id)], 20)[0]
+        assert done.ok and done.nbytes > 0, "the keys were free again: stored from scratch"
+        done = c0.wait([c0.submit_store(reg0, [0, 1, 2, 3], grant.slots, keys=keys,
+                                        grant=grant.daemon_id)], 20)[0]
+        assert not done.ok and "not reserved" in done.message    # the stale tickets are refused
     finally:
         sched.close()
         w.close()
@@ -150,12 +155,14 @@ def test_tp_cross_bad_input(daemon):
     two, four = Engine(daemon, 2), Engine(daemon, 4)
     try:
         keys = two.ranks[0].keys(list(range(2 * 16)))
-        slots = sched.prepare_store(two.namespace, keys)
+        grant = sched.reserve(two.namespace, len(keys))
         c, reg = two.clients[0]                       # heads 0-1
         two.ranks[0].fill([0, 1], SEED)
-        assert c.wait([c.submit_store(reg, [0, 1], slots)], 20)[0].ok
+        assert c.wait([c.submit_store(reg, [0, 1], grant.slots, keys=keys,
+                                      grant=grant.daemon_id)], 20)[0].ok
         c4, reg4 = four.clients[1]                    # head 1: overlaps
-        done = c4.wait([c4.submit_store(reg4, [0, 1], slots)], 20)[0]
+        done = c4.wait([c4.submit_store(reg4, [0, 1], grant.slots, keys=keys,
+                                        grant=grant.daemon_id)], 20)[0]
         assert not done.ok and "overlapping head ranges" in done.message
         assert sched.lookup(two.namespace, [keys]).hits == [0]
         k = two.ranks[0]

@@ -15,7 +15,6 @@ REQUESTS = [
         "GPU-1", b"\x01" * 64, 8192, 512)], [SegmentPlacement(0, 0, 64), SegmentPlacement(1, 8, 64)]),
     p.UnregisterRequest(5, 3),
     p.LookupRequest(6, NS, [[KEY], [KEY, KEY]], True),
-    p.PrepareStoreRequest(7, NS, [KEY]),
     p.AbortStoreRequest(8, [p.make_slot_ref(3, 9)]),
     p.ReleaseRequest(9, [1, 2]),
     p.StoreRequest(10, 1, 2, [0, 1], [5, 6], b"ev"),
@@ -32,7 +31,6 @@ REPLIES = [
     p.Pong(3, "d", 1.5),
     p.RegisterReply(4, 9),
     p.LookupReply(6, [1, 0], [5, 0], [[p.make_slot_ref(1, 2)], []]),
-    p.PrepareStoreReply(7, [p.SLOT_PRESENT, p.SLOT_NO_SPACE, 12]),
     p.OkReply(8, 2),
     p.JobDone(10, 2, 0, "", 65536, b"e"),
     p.InfoReply(12, p.PoolInfo("d", 1.0, 10, 4, 6, 1, 2, 1, 5, 6, 7, 8, 9, 10, 11, 12, 13, [
@@ -81,6 +79,15 @@ def test_golden_bytes(msg, golden):
     assert p.encode(msg).hex() == golden
 
 
+def test_retired_tags_are_refused_as_malformed():
+    """Protocol 2 retired PrepareStoreRequest (tag 7): a frame of it is a decode error (the
+    daemon answers PROTOCOL), never another message."""
+    frame = msgspec.msgpack.encode([7, 5, NS, [KEY]])
+    with pytest.raises(msgspec.ValidationError):
+        p.decode_request(frame)
+    assert p.PROTOCOL_VERSION == 2
+
+
 def test_appended_fields_keep_older_frames_readable_both_ways():
     # A store from a client before reservations (7 fields) still decodes, with no keys...
     old = bytes.fromhex("970a0a010291009105c400")
@@ -113,8 +120,8 @@ def test_slot_ref_packs_index_and_generation():
 
 
 @pytest.mark.parametrize("msg", [
-    p.PrepareStoreRequest(7, NS, [KEY, b"k" * 15]),      # a short key would shift its record
-    p.PrepareStoreRequest(7, NS, [b"k" * 17]),
+    p.LookupRequest(6, NS, [[KEY, b"k" * 15]]),           # a short key would shift its record
+    p.LookupRequest(6, NS, [[b"k" * 17]]),
     p.LookupRequest(6, b"n" * 17, [[KEY]]),
     p.ResetRequest(13, b""),
     p.RegisterRequest(4, b"n" * 8, LAYOUT, 0, 1, [p.HostRegion("shm", 4096)], []),

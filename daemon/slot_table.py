@@ -1,0 +1,468 @@
+"""The slot table: every slot's state, its key, its pins, and room for new slots.
+
+Slot lifecycle (Plasma's CREATED → SEALED, with TP)::
+
+    FREE --claim--> WRITING --every unit landed (commit)--> COMMITTED --evict/drop--> FREE
+                       └── drop (abort, owner gone, timeout, failed rank) --> FREE
+    FREE --claim(FILLING)--> FILLING --commit--> COMMITTED      (a lower tier brings it back)
+                                └── drop --> FREE
+
+- A WRITING or FILLING slot is mapped to its key (so a second store of the key is a duplicate)
+  but only COMMITTED ones are hits; FILLING ones count as hits of a lookup that will wait for
+  them. The pool record says WRITING for both, so a crash drops them.
+- ``pins`` counts what holds a slot: loads and leases on committed slots, store jobs on WRITING
+  ones, fills on FILLING ones, lower-tier writes. A slot dropped while pinned is *doomed*:
+  unreachable at once, freed when the last pin goes.
+- Evictable = COMMITTED, unpinned, not doomed. Exactly those slots sit in their size's LRU queue
+  (and in their namespace's, under a quota): ``_became_evictable`` and ``_left_lru`` are the
+  only places that change the queues, so choosing victims never walks a pinned slot.
+- A committed slot leaves visibility in one place, ``_forget``: unmapped from its key, off the
+  queues, off its namespace's count, and announced to the watchers (KV events, the lower tiers,
+  the shared-memory index).
+- Slot refs carry the slot's generation (bumped at each claim), so a stale ref never touches a
+  reused slot.
+
+Room (``allocate``): free slots of the size, then unassigned extents, then either the size's
+least recently used blocks or, where another size's least recently used block is older than
+all of them, that block's whole extent (drained, see ``daemon/extents.py``): a new model takes
+space from an idle one without a static split. Each pass evicts a batch: the records, counts,
+queues and events of a batch are written together, so a store of 1024 blocks on a full pool
+pays a few C-level passes, not 1024 scans (issue 36).
+
+Runs on the daemon's event loop thread, never blocks: no I/O besides writing slot records into
+the mapped pool.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Protocol
+
+from kvpool.daemon.extents import FILLING, Extents, SizeClass, Slot
+from kvpool.daemon.namespaces import Namespaces
+from kvpool.daemon.pool import COMMITTED, FREE, GENERATION_MASK, WRITING, Pool
+from kvpool.shared.protocol import make_slot_ref
+
+__all__ = ["COMMITTED", "FILLING", "FREE", "WRITING", "Slot", "SlotTable", "SlotWatcher"]
+
+
+class SlotWatcher(Protocol):
+    """Told, synchronously and before any slot is reused, about blocks that became visible
+    (``committed``) and blocks that stopped being visible (``removed``)."""
+
+    def committed(self, slots: list[Slot]) -> None: ...
+
+    def removed(self, slots: list[Slot]) -> None: ...
+
+
+@dataclass
+class TableStats:
+    evictions: int = 0
+    stored_blocks: int = 0
+    adopted_blocks: int = 0
+
+
+class SlotTable:
+    """All slot state of one pool. Callers: the store path (``daemon/stores.py``) and the index
+    (``daemon/index.py``), on the event loop thread only."""
+
+    def __init__(self, pool: Pool, extents: Extents, namespaces: Namespaces) -> None:
+        self.pool = pool
+        self.extents = extents
+        self.namespaces = namespaces
+        self.slots = extents.slots              # slot id -> slot, read on every hot path
+        # namespace -> block hash -> its WRITING, FILLING or COMMITTED slot. Per-namespace
+        # tables keep a lookup to one dict probe per key with no key concatenation.
+        self.tables: dict[bytes, dict[bytes, Slot]] = {}
+        self.writing: dict[int, Slot] = {}
+        self.filling: dict[int, Slot] = {}
+        self.stats = TableStats()
+        self.watchers: list[SlotWatcher] = []
+        self._tick = itertools.count(1)
+
+    def watch(self, watcher: SlotWatcher) -> None:
+        """Subscribe ``watcher`` to commits and removals (at its construction)."""
+        self.watchers.append(watcher)
+
+    def now_tick(self) -> int:
+        return next(self._tick)
+
+    # ---- adoption --------------------------------------------------------------------------
+
+    def adopt(self) -> int:
+        """Rebuild from an adopted pool's records; returns the blocks kept. WRITING records
+        (stores that never finished) and records of unknown layouts are freed. Called once,
+        before the server accepts requests."""
+        self.namespaces.adopt()
+        layouts = self.namespaces.layouts
+        kept = 0
+        for cls, slots in self.extents.adopt():
+            recs = self.pool.records(slots[0].extent)
+            adopted: list[Slot] = []
+            free: list[Slot] = []
+            for slot, rec in zip(slots, recs):
+                key = bytes(rec["key"])
+                layout = layouts.get(key[:16])
+                table = self.tables.setdefault(key[:16], {})
+                if (int(rec["state"]) == COMMITTED and layout is not None
+                        and layout.slot_bytes == cls.slot_bytes and key[16:] not in table):
+                    slot.state, slot.key, slot.ns = COMMITTED, key, key[:16]
+                    slot.generation = int(rec["generation"])
+                    slot.ref = make_slot_ref(slot.id, slot.generation)
+                    slot.landed = layout.full_mask
+                    table[key[16:]] = slot
+                    adopted.append(slot)
+                else:
+                    if int(rec["state"]) != FREE:
+                        rec["state"] = FREE
+                    free.append(slot)
+            self.extents.put_free(cls, free)
+            tick = self.now_tick()
+            for s in adopted:
+                self.extents.stamp(s, tick)
+                self._count_bytes(s.ns, cls.slot_bytes)
+                self._became_evictable(s)
+            for ns, k in Counter(map(_NS, adopted)).items():
+                self.namespaces.blocks[ns] = self.namespaces.blocks.get(ns, 0) + k
+            kept += len(adopted)
+        self.stats.adopted_blocks = kept
+        return kept
+
+    # ---- room and claims -------------------------------------------------------------------
+
+    def allocate(self, cls: SizeClass, n: int) -> list[Slot]:
+        """Up to ``n`` free slots of ``cls`` (room found as the module docstring says), FREE
+        still: the caller claims them (``claim``) before anything else runs. Fewer where no
+        more room can be made now (every slot written or pinned, or a drain under way)."""
+        got = self.extents.take_free(cls, n)
+        while len(got) < n:
+            if not self._make_room(cls, n - len(got)):
+                break
+            got += self.extents.take_free(cls, n - len(got))
+        return got
+
+    def fit_quota(self, ns: bytes, slot_bytes: int, n: int) -> int:
+        """How many of ``n`` new slots of ``ns`` its quota lets in, after evicting its own
+        least recently used blocks to make that room (all ``n`` when it has no quota)."""
+        quota = self.namespaces.quota.get(ns, 0)
+        if not quota:
+            return n
+        used = self.namespaces.bytes_used.get(ns, 0)
+        over = -(-(used + n * slot_bytes - quota) // slot_bytes)
+        if over > 0:
+            victims = self.namespaces.lru[ns].victims(over)
+            self.evict_many([self.slots[i] for i in victims])
+            used = self.namespaces.bytes_used.get(ns, 0)
+        return max(0, min(n, (quota - used) // slot_bytes))
+
+    def claim(self, slots: list[Slot], ns: bytes, hashes: list[bytes], state: int, owner: int,
+              deadline: float, tickets: list[int] | None = None) -> None:
+        """Give free ``slots`` (from ``allocate``) to ``hashes`` of ``ns`` in ``state``
+        (WRITING or FILLING), with new generations, mapped in the namespace's table, counted,
+        and their WRITING records written in one pass before any ref of theirs leaves."""
+        if not slots:
+            return
+        mask = GENERATION_MASK
+        tick = self.now_tick()
+        stamp = self.extents.stamp
+        table = self.tables.setdefault(ns, {})
+        for s, h in zip(slots, hashes):
+            gen = s.generation = (s.generation + 1) & mask
+            s.ref = (gen << 32) | s.id
+            s.state = state
+            s.ns = ns
+            s.key = ns + h
+            s.owner = owner
+            s.deadline = deadline
+            s.landed = s.writing = 0
+            s.doomed = s.void = False
+            stamp(s, tick)
+        if tickets is not None:
+            for s, t in zip(slots, tickets):
+                s.ticket = t
+        table.update(zip(hashes, slots))
+        by_id = dict(zip(map(_ID, slots), slots))
+        (self.writing if state == WRITING else self.filling).update(by_id)
+        self._count_bytes(ns, len(slots) * slots[0].size_class.slot_bytes)
+        self.pool.write_states(list(by_id), WRITING, [s.generation for s in slots])
+
+    # ---- commits, pins, hits ---------------------------------------------------------------
+
+    def commit(self, slots: list[Slot]) -> None:
+        """Make landed (or filled) slots visible: records first (one vectorised write per
+        extent), then the state lookups read, the queues, the counts and the watchers."""
+        if not slots:
+            return
+        self.pool.commit_records([s.id for s in slots], [s.key for s in slots],
+                                 [s.generation for s in slots])
+        tick = self.now_tick()
+        stamp = self.extents.stamp
+        pop_w, pop_f = self.writing.pop, self.filling.pop
+        for s in slots:
+            pop_w(s.id, None)
+            pop_f(s.id, None)
+            s.state = COMMITTED
+            s.ticket = 0
+            stamp(s, tick)
+            if not s.pins:
+                self._became_evictable(s)
+        blocks = self.namespaces.blocks
+        for ns, k in Counter(map(_NS, slots)).items():
+            blocks[ns] = blocks.get(ns, 0) + k
+        self.stats.stored_blocks += len(slots)
+        for w in self.watchers:
+            w.committed(slots)
+
+    def pin(self, slots: list[Slot], use: bool = True) -> None:
+        """Hold slots against eviction and reuse: a load copies out of them, a lease was given
+        (``use``: a use of the block), or a lower tier reads them (not a use)."""
+        tick = self.now_tick()
+        stamp = self.extents.stamp
+        for s in slots:
+            if not s.pins and s.state == COMMITTED and not s.doomed:
+                self._left_lru(s)
+            s.pins += 1
+            if use:
+                stamp(s, tick)
+
+    def unpin(self, slots: list[Slot], use: bool = True) -> None:
+        """Take back one pin of each slot; a slot whose last pin goes is freed if it was
+        dropped or hidden meanwhile, else evictable again: most recently used after a use,
+        least recently used after a lower tier's write (``use=False``; ``slots`` oldest
+        first, as the tiers write them)."""
+        tick = self.now_tick()
+        stamp = self.extents.stamp
+        back: list[Slot] = []
+        for s in slots:
+            s.pins -= 1
+            if s.pins or s.state == FREE:
+                continue
+            if s.doomed or (s.state == COMMITTED and s.extent in self.extents.draining):
+                self.free(s)
+            elif s.state == COMMITTED:
+                if use:
+                    stamp(s, tick)
+                back.append(s)
+        if use:
+            for s in back:
+                self._became_evictable(s)
+        else:
+            for s in reversed(back):
+                self._became_evictable(s, oldest=True)
+
+    def touch(self, slots: list[Slot]) -> None:
+        """Hits on committed slots: most recently used."""
+        tick = self.now_tick()
+        stamp = self.extents.stamp
+        quota_lrus = self.namespaces.lru
+        for s in slots:
+            stamp(s, tick)
+            if not s.pins:
+                s.size_class.lru.touch(s.id)
+                if quota_lrus:
+                    own = quota_lrus.get(s.ns)
+                    if own is not None:
+                        own.touch(s.id)
+
+    # ---- leaving ---------------------------------------------------------------------------
+
+    def evict_many(self, victims: list[Slot]) -> None:
+        """Evict committed, unpinned slots (from the queues' heads) onto their free lists, the
+        bookkeeping in batches: queues, counts, records in one pass each."""
+        if not victims:
+            return
+        self._forget_many(victims)
+        ids = [s.id for s in victims]
+        for s in victims:
+            s.state = FREE
+            s.landed = 0
+        self.pool.write_states(ids, FREE)
+        self.stats.evictions += len(victims)
+        for cls, group in _by_class(victims):
+            self._count_bytes_many(group, -cls.slot_bytes)
+            self.extents.release_many(cls, group)
+
+    def drop(self, s: Slot) -> None:
+        """Make ``s`` unreachable now (a store refused or timed out, a reset, a failed fill)
+        and free it once unpinned."""
+        s.doomed = True
+        self._forget(s)
+        if not s.pins:
+            self.free(s)
+        else:
+            self.writing.pop(s.id, None)
+
+    def hide(self, s: Slot) -> None:
+        """Take a pinned committed slot out of lookups' sight; freed when its last pin goes
+        (an extent being drained asks this). A load holding it still reads it."""
+        self.stats.evictions += 1
+        self._forget(s)
+
+    def free(self, s: Slot) -> None:
+        """Back to FREE and to its free list (or its extent's drain)."""
+        self._forget(s)
+        self.writing.pop(s.id, None)
+        self.filling.pop(s.id, None)
+        if s.state != FREE:
+            self._count_bytes(s.ns, -s.size_class.slot_bytes)
+        s.state = FREE
+        s.doomed = s.void = False
+        s.landed = s.writing = s.ticket = 0
+        self.pool.write_state(s.id, FREE)
+        self.extents.release(s)
+
+    def reset(self, ns: bytes) -> int:
+        """Forget every block of ``ns`` (lookups miss at once; pinned ones are freed when their
+        last pin goes). Returns how many blocks were forgotten."""
+        victims = list(self.tables.get(ns, {}).values())
+        for s in victims:
+            self.drop(s)
+        return len(victims)
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def committed_slots(self) -> list[Slot]:
+        """Every committed slot, least recently used first (for a lower tier to take in)."""
+        return sorted((s for s in self.slots.values() if s.state == COMMITTED and not s.doomed),
+                      key=_LAST_USE)
+
+    def pinned_count(self) -> int:
+        """Committed blocks held by a lease, a load or a lower tier (not evictable now)."""
+        return sum(1 for s in self.slots.values() if s.state == COMMITTED and s.pins > 0)
+
+    def counts(self) -> tuple[int, int, int]:
+        """(writing, committed, used bytes): FILLING slots count as writing."""
+        committed = sum(self.namespaces.blocks.values())
+        used = sum(self.namespaces.bytes_used.values())
+        return len(self.writing) + len(self.filling), committed, used
+
+    # ---- the rules -------------------------------------------------------------------------
+
+    def _make_room(self, cls: SizeClass, n: int) -> bool:
+        """Free up to ``n`` slots for ``cls`` in one batch (see the module docstring);
+        whether any came free."""
+        extent = self.extents.whole_free_extent(cls) if not self.extents.draining else None
+        if extent is not None:
+            self._drain(extent, cls)          # nothing in it to evict: handed over at once
+            return True
+        own = cls.lru.oldest()
+        extent = self._idle_extent(cls, self.slots[own].last_use if own is not None else None)
+        if extent is not None:
+            before = len(cls.free)
+            self._drain(extent, cls)
+            if len(cls.free) > before:
+                return True
+        if own is not None:
+            self.evict_many([self.slots[i] for i in cls.lru.victims(n)])
+            return True
+        return False
+
+    def _idle_extent(self, wanting: SizeClass, own_age: int | None) -> int | None:
+        """The extent of another size's least recently used evictable block, if that extent
+        was last used before ``own_age`` (or ``wanting`` has nothing to evict) and no drain is
+        under way; else None. O(sizes): each size's queue head."""
+        if self.extents.draining or len(self.extents.classes) < 2:
+            return None
+        best: Slot | None = None
+        for cls in self.extents.classes.values():
+            if cls is wanting:
+                continue
+            head = cls.lru.oldest()
+            if head is not None and (best is None or self.slots[head].last_use < best.last_use):
+                best = self.slots[head]
+        if best is None:
+            return None
+        if own_age is not None and self.extents.newest_use[best.extent] >= own_age:
+            return None
+        return best.extent
+
+    def _drain(self, extent: int, wanting: SizeClass) -> None:
+        busy = self.extents.start_drain(extent, wanting)
+        self.evict_many([s for s in busy if s.state == COMMITTED and not s.pins])
+        for s in busy:
+            if s.state == COMMITTED and s.pins:
+                # Leased or being loaded: new lookups miss it, but its load still reads it;
+                # freed when its last pin ends.
+                self.hide(s)
+            elif s.state in (WRITING, FILLING):
+                self.drop(s)            # a store into it is refused, or lands unseen
+        self.extents.finish_drain(extent)
+
+    def _became_evictable(self, s: Slot, oldest: bool = False) -> None:
+        lrus = [s.size_class.lru]
+        quota_lrus = self.namespaces.lru
+        if quota_lrus:
+            own = quota_lrus.get(s.ns)
+            if own is not None:
+                lrus.append(own)
+        for lru in lrus:
+            if oldest:
+                lru.insert_oldest(s.id)
+            else:
+                lru.insert(s.id)
+
+    def _left_lru(self, s: Slot) -> None:
+        s.size_class.lru.remove(s.id)
+        quota_lrus = self.namespaces.lru
+        if quota_lrus:
+            own = quota_lrus.get(s.ns)
+            if own is not None:
+                own.remove(s.id)
+
+    def _forget(self, s: Slot) -> None:
+        """``s`` leaves its key: unmapped if it is still the key's slot; a committed one also
+        leaves the queues and its namespace's count, and the watchers are told."""
+        table = self.tables.get(s.ns)
+        h = s.key[16:]
+        if table is None or table.get(h) is not s:
+            return
+        del table[h]
+        if s.state == COMMITTED:
+            self._left_lru(s)
+            self.namespaces.blocks[s.ns] -= 1
+            for w in self.watchers:
+                w.removed([s])
+
+    def _forget_many(self, victims: list[Slot]) -> None:
+        """``_forget`` of committed, mapped, unpinned slots, in batches."""
+        tables = self.tables
+        for s in victims:
+            del tables[s.ns][s.key[16:]]    # a committed block is its key's slot
+        for cls, group in _by_class(victims):
+            cls.lru.remove_many(map(_ID, group))
+        blocks, quota_lrus = self.namespaces.blocks, self.namespaces.lru
+        for ns, k in Counter(map(_NS, victims)).items():
+            blocks[ns] -= k
+            own = quota_lrus.get(ns)
+            if own is not None:
+                own.remove_many(s.id for s in victims if s.ns == ns)
+        for w in self.watchers:
+            w.removed(victims)
+
+    def _count_bytes(self, ns: bytes, delta: int) -> None:
+        used = self.namespaces.bytes_used
+        used[ns] = used.get(ns, 0) + delta
+
+    def _count_bytes_many(self, slots: list[Slot], per_slot: int) -> None:
+        for ns, k in Counter(map(_NS, slots)).items():
+            self._count_bytes(ns, k * per_slot)
+
+
+def _by_class(slots: list[Slot]) -> list[tuple[SizeClass, list[Slot]]]:
+    """``slots`` grouped by size class, in order (nearly always one class: one call)."""
+    first = slots[0].size_class
+    if all(s.size_class is first for s in slots):
+        return [(first, slots)]
+    groups: dict[int, tuple[SizeClass, list[Slot]]] = {}
+    for s in slots:
+        groups.setdefault(id(s.size_class), (s.size_class, []))[1].append(s)
+    return list(groups.values())
+
+
+# C-level getters for batch passes over slots (a generator costs ~2x more).
+_ID = attrgetter("id")
+_NS = attrgetter("ns")
+_LAST_USE = attrgetter("last_use")
