@@ -130,6 +130,8 @@ class Extents:
     def release(self, s: Slot) -> None:
         """``s`` (FREE now) goes back to its size's free list, or to the drain of its extent
         (called by the slot table as it frees a slot)."""
+        if self.slots.get(s.id) is not s:
+            return          # its extent went to another size as an earlier slot of a batch freed
         if s.extent in self.draining:
             self._finish_drain(s.extent)
         else:

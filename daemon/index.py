@@ -55,7 +55,7 @@ class Index:
 
     def __init__(self, pool: Pool, lease_ttl_s: float, write_timeout_s: float,
                  namespace_quota: int = 0, reserve_ttl_s: float = 10.0,
-                 batch_binds: bool = True) -> None:
+                 defer_claims: bool = True) -> None:
         self.pool = pool
         self.lease_ttl_s = lease_ttl_s
         self.write_timeout_s = write_timeout_s
@@ -63,7 +63,7 @@ class Index:
         self.extents = Extents(pool)
         self.table = SlotTable(pool, self.extents, self.namespaces)
         self.stores = StorePath(self.table, self.namespaces, pool, write_timeout_s,
-                                reserve_ttl_s, batch_binds)
+                                reserve_ttl_s, defer_claims)
         self.stats = LookupStats()
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)

@@ -13,9 +13,12 @@ bound, so dedup happens at bind time, in one place, and a key is never visible t
 Unused tickets expire after ``reserve_ttl_s``; a restarted daemon knows none (they never
 touched a pool record).
 
-Binding has a batch form and a one-by-one form: a first rank's job of distinct keys, none held,
-with no quota on its namespace, is bound as one batch (``_bind_batch``); anything else ticket by
-ticket (``_bind_each``). Both end in the same state (a test drives the same stores down both).
+A first rank's tickets are bound as one job: its duplicates are found, the quota applied and the
+room for the rest found in one batch (``_find_room``), then the slots claimed in one pass
+(``_claim``). Where nothing can come out void (keys distinct and unheld, no quota, room for all:
+the common case), the claim is deferred until the job's copy has gone out (``open_store``'s
+``finish``); a test drives the same stores with and without that deferral and compares the
+state after.
 
 Runs on the daemon's event loop thread, never blocks.
 """
@@ -53,26 +56,28 @@ class OpenedStore:
 
 @dataclass(slots=True)
 class _Binding:
-    """One first rank's tickets and the room found for them (its keys fresh, see ``open_store``)."""
+    """A first rank's tickets on their way to slots: per ticket, its slot, or None for a void
+    (``duplicate`` says which kind)."""
 
     ns: bytes
     refs: list[int]
     grants: list[Grant]
     keys: list[bytes]
-    slots: list[Slot] = field(default_factory=list)
+    slots: list[Slot | None]
+    duplicate: list[bool]
 
 
 class StorePath:
     """Reservations and stores. Callers: the server's dispatch and the copy jobs (event loop)."""
 
     def __init__(self, table: SlotTable, namespaces: Namespaces, pool: Pool,
-                 write_timeout_s: float, reserve_ttl_s: float, batch_binds: bool = True) -> None:
+                 write_timeout_s: float, reserve_ttl_s: float, defer_claims: bool = True) -> None:
         self.table = table
         self.namespaces = namespaces
         self.pool = pool
         self.write_timeout_s = write_timeout_s
         self.reserve_ttl_s = reserve_ttl_s
-        self.batch_binds = batch_binds        # False: every bind one by one (tests compare)
+        self.defer_claims = defer_claims      # False: claims at once (tests compare the two)
         self.tickets = Tickets(pool.geometry.num_extents * pool.slot_id_stride)
         # Ticket refs a first rank bound -> the slot or void later ranks must get, until the
         # slot commits, or is freed (then its ``ticket`` no longer names the ref).
@@ -140,20 +145,18 @@ class StorePath:
         unbound = self.tickets.unbound
         grants = [unbound.get(r) for r in refs]
         if None not in grants and all(g.ns == ns for g in grants):
-            if self.batch_binds and self._fresh(ns, keys):
-                job = _Binding(ns, refs, grants, keys)       # type: ignore[arg-type]
-                cls = self.table.extents.size_class(grants[0].slot_bytes)  # type: ignore[union-attr]
-                job.slots = self.table.allocate(cls, len(refs))
-                if len(job.slots) == len(refs):
-                    return OpenedStore(job.slots, partial(self._bind_batch, job, bit, now), False)
-                slots = self._bind_batch(job, bit, now)
-                return OpenedStore(slots, None, True)
+            job = self._find_room(ns, refs, grants, keys)     # type: ignore[arg-type]
+            if self.defer_claims and None not in job.slots:
+                return OpenedStore(job.slots, partial(self._claim, job, bit, now),  # type: ignore
+                                   False)
+            slots = self._claim(job, bit, now)
+            return OpenedStore(slots, None, any(map(_VOID, slots)))
         items = self._check(ns, refs, keys, bit, grants)
         todo = [i for i, x in enumerate(items) if type(x) is Grant]
         if todo:
-            got = self._bind_each(ns, [refs[i] for i in todo], [items[i] for i in todo],
-                                  [keys[i] for i in todo], now)
-            for i, s in zip(todo, got):
+            job = self._find_room(ns, [refs[i] for i in todo], [items[i] for i in todo],
+                                  [keys[i] for i in todo])
+            for i, s in zip(todo, self._claim(job, 0, now)):     # pinned below, with the rest
                 items[i] = s
         slots: list[Slot] = items       # type: ignore[assignment]  (every Grant replaced)
         _pin_store(slots, bit)
@@ -219,11 +222,6 @@ class StorePath:
 
     # ---- the rules -------------------------------------------------------------------------
 
-    def _fresh(self, ns: bytes, keys: list[bytes]) -> bool:
-        """Whether ``keys`` can be bound as one batch: distinct, none held, no quota."""
-        return (not self.namespaces.quota.get(ns, 0) and len(set(keys)) == len(keys)
-                and self.table.tables.setdefault(ns, {}).keys().isdisjoint(keys))
-
     def _check(self, ns: bytes, refs: list[int], keys: list[bytes], bit: int,
                grants: list[Grant | None]) -> list[Slot | Grant]:
         """The store check, one ref at a time: per ref its bound slot (or void), or its grant
@@ -260,50 +258,55 @@ class StorePath:
             return None
         return s
 
-    def _bind_batch(self, job: _Binding, bit: int, now: float) -> list[Slot]:
-        """Bind a first rank's fresh tickets to ``job.slots`` (room found in order; the
-        tickets past them are void), claimed and pinned as one batch."""
-        n = len(job.slots)
+    def _find_room(self, ns: bytes, refs: list[int], grants: list[Grant], keys: list[bytes]
+                   ) -> _Binding:
+        """Which of a first rank's tickets get a slot: a key held already, or named earlier in
+        the job, is a duplicate; the others get room (the quota applied, then free slots and
+        evictions in one batch) in order, and those past the room found get none. Changes the
+        pool's room (evictions) but claims nothing."""
+        table = self.table.tables.get(ns, _EMPTY)
+        seen: set[bytes] = set()
+        duplicate = []
+        for k in keys:
+            duplicate.append(k in table or k in seen)
+            seen.add(k)
+        fresh = duplicate.count(False)
+        slot_bytes = grants[0].slot_bytes           # a namespace's tickets are of one size
+        cls = self.table.extents.size_class(slot_bytes)
+        room = self.table.allocate(cls, self.table.fit_quota(ns, slot_bytes, fresh))
+        if not any(duplicate) and len(room) == len(keys):
+            slots: list[Slot | None] = room         # type: ignore[assignment]
+        else:
+            given = iter(room)
+            slots = [None if dup else next(given, None) for dup in duplicate]
+        return _Binding(ns, refs, grants, keys, slots, duplicate)
+
+    def _claim(self, job: _Binding, bit: int, now: float) -> list[Slot]:
+        """Claim ``job``'s slots for its keys (one pass, WRITING), make voids of the tickets
+        without one, spend the tickets and pin the job for units ``bit``."""
         deadline = now + self.write_timeout_s
-        owner = job.grants[0].owner
-        self.table.claim(job.slots, job.ns, job.keys[:n], WRITING, owner, deadline, job.refs[:n])
-        for s, g in zip(job.slots, job.grants):
-            if g.owner != owner:
+        if None not in job.slots:
+            slots: list[Slot] = job.slots           # type: ignore[assignment]
+            self.table.claim(slots, job.ns, job.keys, WRITING, job.grants[0].owner, deadline,
+                             job.refs)
+        else:
+            given = [(s, k, r) for s, k, r in zip(job.slots, job.keys, job.refs) if s is not None]
+            self.table.claim([g[0] for g in given], job.ns, [g[1] for g in given], WRITING,
+                             job.grants[0].owner, deadline, [g[2] for g in given])
+            dups = job.duplicate.count(True)
+            self.stats.duplicate_blocks += dups
+            self.stats.no_room_blocks += len(job.slots) - len(given) - dups
+            slots = [s if s is not None else self._void(job.ns, k, g.owner, r, deadline)
+                     for s, k, g, r in zip(job.slots, job.keys, job.grants, job.refs)]
+        first = job.grants[0].owner
+        for s, g in zip(slots, job.grants):
+            if g.owner != first:
                 s.owner = g.owner
-        slots = job.slots
-        if n < len(job.refs):
-            self.stats.no_room_blocks += len(job.refs) - n
-            slots = slots + [self._void(job.ns, k, g.owner, r, deadline)
-                             for r, g, k in zip(job.refs[n:], job.grants[n:], job.keys[n:])]
         self.bound.update(zip(job.refs, slots))
         self.tickets.spend(job.refs)
-        _pin_store(slots, bit)
+        if bit:
+            _pin_store(slots, bit)
         return slots
-
-    def _bind_each(self, ns: bytes, refs: list[int], grants: list[Grant], keys: list[bytes],
-                   now: float) -> list[Slot]:
-        """Bind tickets one at a time: a key held (or named earlier in the job) makes a
-        duplicate; the rest get a slot each (quota applied) or none. Pins nothing."""
-        table = self.table.tables.setdefault(ns, {})
-        cls: SizeClass = self.table.extents.size_class(grants[0].slot_bytes)
-        deadline = now + self.write_timeout_s
-        out: list[Slot] = []
-        for ref, grant, k in zip(refs, grants, keys):
-            if k in table:
-                self.stats.duplicate_blocks += 1
-                out.append(self._void(ns, k, grant.owner, ref, deadline))
-                continue
-            got = (self.table.allocate(cls, 1)
-                   if self.table.fit_quota(ns, cls.slot_bytes, 1) else [])
-            if not got:
-                self.stats.no_room_blocks += 1
-                out.append(self._void(ns, k, grant.owner, ref, deadline))
-                continue
-            self.table.claim(got, ns, [k], WRITING, grant.owner, deadline, [ref])
-            out.append(got[0])
-        self.bound.update(zip(refs, out))
-        self.tickets.spend(refs)
-        return out
 
     def _void(self, ns: bytes, k: bytes, owner: int, ticket: int, deadline: float) -> Slot:
         """A void ticket's placeholder: a slot of no extent, which later ranks resolve to and
@@ -331,5 +334,6 @@ def _pin_store(slots: list[Slot], bit: int) -> None:
 
 
 _VOID = attrgetter("void")
+_EMPTY: dict[bytes, Slot] = {}
 # The size class of void placeholders: they hold no pool space, so no real class counts them.
 _VOID_CLASS = SizeClass(0)

@@ -1,0 +1,143 @@
+"""The slot table (daemon/slot_table.py) through the index on real (small) shm pools: the work
+victim choice does per slot allocated, and the batch and one-by-one binds ending in one state."""
+
+import random
+
+import msgspec
+import pytest
+
+from kvpool.daemon.index import Index
+from kvpool.daemon.pool import GENERATION_MASK, Pool
+from tests.daemon.indexkit import (BIG, NOT_STORED, NS_BIG, NS_SMALL, NS_TP2, OWNER, SMALL,
+                                   TP2, keys, make_index, records_match_slots, store)
+
+
+def _examined(ix) -> int:
+    """Queue entries every victim query has looked at so far (all sizes, all quotas)."""
+    return (sum(c.lru.examined for c in ix.extents.classes.values())
+            + sum(q.examined for q in ix.namespaces.lru.values()))
+
+
+def test_victim_choice_examines_a_few_slots_per_slot_allocated_with_half_the_pool_pinned(
+        pool_config):
+    """Two slot sizes share a full pool and half of each size's blocks are pinned (leases, as
+    loads in flight hold them). Stores of both sizes, one block at a time and in batches, must
+    look at O(1) queue entries per slot they allocate: the queue never holds a pinned slot. The
+    queue that was replaced walked past every pinned slot for every allocation (86% of the
+    daemon's main thread during stores on an H100, issue 36)."""
+    pool = Pool.open(msgspec.structs.replace(pool_config, pool_size="48MiB"))
+    try:
+        ix = make_index(pool)
+        per_extent_big = pool.slots_per_extent(BIG.slot_bytes)
+        half = pool.geometry.num_extents // 2
+        big = keys(half * per_extent_big, b"big")
+        for i in range(0, len(big), 8):
+            store(ix, NS_BIG, big[i:i + 8])
+        small = keys((pool.geometry.num_extents - half) * pool.slots_per_extent(SMALL.slot_bytes),
+                     b"small")
+        for i in range(0, len(small), 256):
+            store(ix, NS_SMALL, small[i:i + 256])
+        assert not ix.extents.free_extents and not any(c.free for c in ix.extents.classes.values())
+        ix.lookup(NS_BIG, [[k] for k in big[::2]], True, OWNER, 0)       # half of each pinned
+        ix.lookup(NS_SMALL, [[k] for k in small[::2]], True, OWNER, 0)
+        pinned = ix.pinned_count()
+        assert pinned >= (len(big) + len(small)) // 2 - 1
+
+        allocated, before = 0, _examined(ix)
+        for i in range(200):                                  # one block at a time
+            for ns, tag in ((NS_SMALL, b"s1"), (NS_BIG, b"b1")):
+                assert store(ix, ns, keys(1, tag + b"%d" % i))[0] != NOT_STORED
+                allocated += 1
+        per_slot_singles = (_examined(ix) - before) / allocated
+        allocated, before = 0, _examined(ix)
+        for i in range(8):                                    # batches
+            assert NOT_STORED not in store(ix, NS_SMALL, keys(512, b"s2%d" % i))
+            assert NOT_STORED not in store(ix, NS_BIG, keys(4, b"b2%d" % i))
+            allocated += 516
+        per_slot_batches = (_examined(ix) - before) / allocated
+        print(f"examined per slot: singles {per_slot_singles:.2f}, batches {per_slot_batches:.3f}")
+        assert ix.pinned_count() == pinned, "a pinned block was evicted"
+        assert per_slot_singles <= 3.0, f"{per_slot_singles:.1f} queue entries per single block"
+        assert per_slot_batches <= 1.1, f"{per_slot_batches:.2f} queue entries per block"
+        records_match_slots(ix)
+    finally:
+        pool.close(unlink=True)
+
+
+# ---- deferred and immediate claims end in the same state -----------------------------------
+
+def _state(ix, base: int):
+    """Everything a store changes, by key and by slot id: maps, states, generations (from the
+    pool's random first one, ``base``), landing, pins, owners, the LRU order, counts, tickets
+    and records."""
+    mask = GENERATION_MASK
+    tables = {ns: {h: (s.id, s.state, (s.generation - base) & mask, s.landed, s.writing, s.pins,
+                       s.owner)
+                   for h, s in t.items()} for ns, t in ix.table.tables.items() if t}
+    lru = {c.slot_bytes: list(c.lru._order) for c in ix.extents.classes.values()}
+    free = {c.slot_bytes: [s.id for s in c.free] for c in ix.extents.classes.values()}
+    bound = sorted((r, s.void, s.id, s.key) for r, s in ix.stores.bound.items())
+    counts = (dict(ix.namespaces.bytes_used), dict(ix.namespaces.blocks), ix.slot_counts(),
+              vars(ix.stores.stats), vars(ix.table.stats), ix.ticket_count)
+    pool = ix.pool
+    records = (pool._rec_key.tobytes(), pool._rec_state.tobytes(),
+               ((pool._rec_generation.astype("int64") - base) & mask).tobytes())
+    return tables, lru, free, bound, counts, records
+
+
+def _drive(ix, seed: int) -> None:
+    """A random mix of stores on a small pool: fresh keys and keys held already, TP2 blocks
+    whose second rank lands later or never, failed jobs, leases; evictions throughout."""
+    rng = random.Random(seed)
+    universe = keys(400, b"u")
+    open_tp2: list = []
+    now = 0.0
+    for step in range(300):
+        now += 0.01
+        ns, layout = rng.choice([(NS_SMALL, SMALL), (NS_BIG, BIG), (NS_TP2, TP2)])
+        n = rng.choice([1, 2, 5, 16, 40]) if ns != NS_BIG else rng.choice([1, 2, 5, 16])
+        fresh = rng.random() < 0.6
+        ks = keys(n, b"f%d-" % step) if fresh else rng.sample(universe, n)
+        tickets = ix.reserve(ns, n, OWNER, now)
+        slots = ix.begin_store(ns, tickets, ks, 0, now=now)
+        ix.end_store(slots, 0, ok=rng.random() > 0.05)
+        if ns == NS_TP2:
+            open_tp2.append((tickets, ks))
+        if open_tp2 and rng.random() < 0.5:
+            t, k = open_tp2.pop(rng.randrange(len(open_tp2)))
+            try:
+                ix.end_store(ix.begin_store(NS_TP2, t, k, 1, now=now), 1, True)
+            except Exception:
+                pass                            # dropped meanwhile (failed rank 0, timeout)
+        if rng.random() < 0.2:
+            hit_ns = rng.choice([NS_SMALL, NS_BIG])
+            _, leases, _ = ix.lookup(hit_ns, [rng.sample(universe, 3)], True, OWNER, now)
+            if rng.random() < 0.7:
+                ix.release_leases(leases, OWNER)
+        if step % 50 == 49:
+            ix.expire(now + 100)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_same_stores_claimed_at_once_or_deferred_leave_the_same_state(pool_config, seed):
+    """The store path defers a first rank's claims until its copy has gone out where nothing
+    can come out void, and claims at once otherwise (daemon/stores.py); forced to claim at
+    once, the same stores must leave every slot, key, queue, count and record exactly as the
+    deferring path does."""
+    states = []
+    for batch in (True, False):
+        cfg = msgspec.structs.replace(pool_config, pool_name=f"{pool_config.pool_name}-{batch}")
+        pool = Pool.open(cfg)
+        try:
+            base = int(pool._rec_generation[0])
+            ix = Index(pool, lease_ttl_s=10, write_timeout_s=60, defer_claims=batch)
+            for ns, layout in ((NS_SMALL, SMALL), (NS_BIG, BIG), (NS_TP2, TP2)):
+                ix.register_namespace(ns, layout)
+            _drive(ix, seed)
+            records_match_slots(ix)
+            states.append(_state(ix, base))
+        finally:
+            pool.close(unlink=True)
+    batch, single = states
+    for part, a, b in zip(("tables", "lru", "free", "bound", "counts", "records"), batch, single):
+        assert a == b, f"the {part} differ between deferred and immediate claims"
