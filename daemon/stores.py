@@ -25,7 +25,7 @@ Runs on the daemon's event loop thread, never blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from operator import attrgetter
 from typing import Callable
