@@ -214,7 +214,7 @@ class PoolEngine:
                 ids = list(range(32, 32 + len(refs)))
                 self.kv.poison(ids)
                 done = self.worker.wait([self.worker.submit_load(self.reg, refs, ids)], 30)[0]
-                if not done.ok:
+                if not done.ok or done.failed:
                     return n, done
                 for b, k in zip(ids, keys[a:a + 32]):
                     assert torch.equal(self.kv.blocks_of([b]), self.stored[k]), \

@@ -6,7 +6,10 @@ Called from the scheduler's thread only. Two kinds of methods:
   ``info``, ``ping``): one round trip each, bounded by ``timeout_ms``, raising
   ``DaemonUnavailable`` past it. For tools, tests and benchmarks.
 - *Never-waiting* ones, for schedulers that must not block (vLLM's): ``ready`` (connects without
-  waiting), ``lookup_start`` (a ``PendingCall`` to poll on later steps), ``take_slots`` (writable
+  waiting), ``find`` (hits read in the daemon's shared-memory index, in the same call: no round
+  trip, no pin), ``touch_nowait`` (those hits made recent and counted by the daemon),
+  ``lookup_start`` (a ``PendingCall`` to poll on later steps: the round trip, for a client that
+  cannot map the index or a remote tier to probe), ``take_slots`` (writable
   slots from a local stock of reservations), ``release_nowait``, ``abort_nowait`` and
   ``reset_nowait`` (sent; their answers are folded into the next ``poll``). ``poll`` takes in
   every answer that has arrived: lookup replies, reservation grants, acknowledgements.
@@ -28,8 +31,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from kvpool.client.index_reader import IndexReader
 from kvpool.client.transport import Transport
-from kvpool.shared import protocol as p
+from kvpool.shared import index_format, protocol as p
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.errors import DaemonUnavailable, ErrorCode, error_from_code
 
@@ -96,6 +100,8 @@ class SchedulerClient:
         self._grant = ""                          # daemon_id of the stock's grants
         self._lost: DaemonUnavailable | None = None
         self._ready_at = float("-inf")            # when ready() last said True
+        self._index: IndexReader | None = None    # the connected daemon's shared-memory index
+        self._index_failed = ""                   # why it could not be mapped (logged once)
 
     # ---- waiting calls (tools, tests, benchmarks) ------------------------------------------
 
@@ -187,6 +193,62 @@ class SchedulerClient:
                                         f"{self._timeout_s * 1000:.0f} ms")
             self._refill(ns, st, now)
 
+    def index(self) -> IndexReader | None:
+        """The connected daemon's shared-memory index, mapped read-only on first use after each
+        (re)connection; None while not connected, where this process may not map it (another
+        user without the socket's group, a CPU whose memory order the reader cannot rely on),
+        or with a daemon that publishes none (then ``lookup_start`` asks it). Never raises."""
+        t = self._t
+        self._check_epoch()
+        if not t.is_connected or not t.index_segment:
+            return None
+        ix = self._index
+        if ix is not None and not ix.superseded and ix.daemon_id == t.daemon_id:
+            return ix
+        if ix is not None:
+            ix.close()
+            self._index = None
+        if not index_format.reader_supported():
+            self._index_unusable("this CPU's memory ordering is not x86-64's")
+            return None
+        try:
+            ix = IndexReader.open(t.index_segment)
+        except (OSError, ValueError) as e:
+            self._index_unusable(str(e))
+            return None
+        if ix.daemon_id != t.daemon_id or ix.superseded:
+            ix.close()              # a daemon's segment, not yet the connected one's
+            return None
+        self._index = ix
+        return ix
+
+    def find(self, namespace: bytes, hashes: Sequence[bytes]
+             ) -> tuple[int, list[int], list[int]] | None:
+        """The leading hits of ``hashes`` in the shared-memory index, read now: (how many,
+        their slot refs, their locations), a ref 0 where a lower tier holds the block. None
+        when there is no usable index (see ``index``). Pins nothing: a block evicted before
+        its load fails that block alone."""
+        ix = self.index()
+        if ix is None:
+            return None
+        got = ix.leading(namespace, hashes)
+        if got is None:
+            return None
+        n, loc, ref = got
+        ref[loc != index_format.POOL] = 0
+        return n, ref.tolist(), loc.tolist()
+
+    def touch_nowait(self, namespace: bytes, hashes: Sequence[bytes], missed_blocks: int) -> None:
+        """Tell the daemon about hits read in the index (most recently used now) and misses
+        (counted), without waiting."""
+        self._send(lambda rid: p.TouchRequest(rid, namespace, list(hashes), missed_blocks))
+
+    def _index_unusable(self, why: str) -> None:
+        if why != self._index_failed:
+            self._index_failed = why
+            log.warning("kvpool: cannot read the daemon's shared-memory index (%s): lookups go "
+                        "to the daemon instead, a step later", why)
+
     def keep_stock(self, namespace: bytes) -> None:
         """Keep a stock of reserved slots of ``namespace`` from now on (refilled by ``poll``
         whenever connected), so the first stores find slots."""
@@ -269,6 +331,9 @@ class SchedulerClient:
         return self._t.owner_id
 
     def close(self) -> None:
+        if self._index is not None:
+            self._index.close()
+            self._index = None
         self._t.close()
 
     # ---- internals -------------------------------------------------------------------------

@@ -67,6 +67,7 @@ class Transport:
         self.on_connect = on_connect
         self.owner_id: int | None = None
         self.daemon_id: str | None = None
+        self.index_segment = ""          # the daemon's shared-memory index, from its HelloReply
         self._ctx = shared_context()
         self._sock: zmq.Socket | None = None
         self._held: HeldSocket | None = None
@@ -278,6 +279,7 @@ class Transport:
         self._hello_id = None
         self.owner_id = reply.owner_id
         self.daemon_id = reply.daemon_id
+        self.index_segment = reply.index_segment
         self.epoch += 1
         self._backoff_s = self.config.reconnect_backoff_ms / 1000
         if self._heartbeat is not None:

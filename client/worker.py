@@ -36,6 +36,8 @@ class JobCompletion:
     code: int = 0
     message: str = ""
     nbytes: int = 0
+    # A load's blocks that were not loaded (positions in the job): the engine recomputes them.
+    failed: tuple[int, ...] = ()
 
 
 @dataclass
@@ -105,10 +107,13 @@ class WorkerClient:
             rid, reg, job, list(block_ids), list(slots), wait_event, list(keys), grant))
 
     def submit_load(self, registration_id: int, slots: Sequence[int],
-                    block_ids: Sequence[int]) -> int:
-        """Copy committed ``slots`` into ``block_ids``; returns the job id (see ``poll``)."""
+                    block_ids: Sequence[int], keys: Sequence[bytes] = ()) -> int:
+        """Copy blocks into ``block_ids``: per block, the slot ref a lookup found (0: none)
+        and, optionally, its block hash (a block whose ref went stale is then found by key,
+        in the pool or a lower tier). Returns the job id (see ``poll``); blocks that could not
+        be loaded are listed in the completion's ``failed``."""
         return self._submit(registration_id, lambda rid, job, reg: p.LoadRequest(
-            rid, reg, job, list(slots), list(block_ids)))
+            rid, reg, job, list(slots), list(block_ids), list(keys)))
 
     def poll(self) -> list[JobCompletion]:
         """Completions that have arrived since the last call. Never blocks."""
@@ -149,7 +154,8 @@ class WorkerClient:
                 self._job_of_req.pop(reply.req_id, None)
                 self._in_flight.discard(reply.job_id)
                 self._done.append(JobCompletion(reply.job_id, reply.code == 0, reply.code,
-                                                reply.message, reply.nbytes))
+                                                reply.message, reply.nbytes,
+                                                tuple(reply.failed)))
             elif isinstance(reply, p.ErrorReply) and reply.req_id in self._job_of_req:
                 # The request was refused before it became a job (say, HELLO_REQUIRED: the
                 # daemon restarted or released us). Its job fails now, not at some timeout.

@@ -66,6 +66,7 @@ def chunk_bounds(n: int, chunk: int, tail: int = 0) -> list[int]:
 @dataclass(frozen=True)
 class JobResult:
     nbytes: int
+    failed: tuple[int, ...] = ()    # a load's blocks not loaded (positions in the job)
 
 
 class Mapped(abc.ABC):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from concurrent.futures import Future
-from functools import partial
 import logging
 import time
 from typing import Callable, TextIO
@@ -27,11 +26,12 @@ import numpy as np
 
 from kvpool.daemon.copy_engine import JobResult
 from kvpool.daemon.index import Index, Slot
+from kvpool.daemon.loads import Loads
 from kvpool.daemon.registry import Owner, Registration, Registry
 from kvpool.daemon.telemetry import Telemetry
 from kvpool.daemon.tiering import STORE_HOLD_S, Tiering
 from kvpool.shared import protocol as p
-from kvpool.shared.errors import (Aborted, BlockLost, ErrorCode, KvpoolError, OutOfRange,
+from kvpool.shared.errors import (Aborted, ErrorCode, KvpoolError, OutOfRange,
                                   ProtocolError, TooLarge, UnknownId)
 
 log = logging.getLogger("kvpoold")
@@ -62,6 +62,9 @@ class CopyJobs:
         self._held: deque[tuple[Owner, p.StoreRequest, float]] = deque()
         self._hold_timer: asyncio.TimerHandle | None = None
         self.held_jobs = 0            # stores that waited, since start
+        self.loads = Loads(index, tiering)
+        self.failed_load_blocks = 0   # blocks of load jobs that were not loaded, since start
+        self._refusal: BaseException | None = None
         if tiering is not None:
             tiering.on_progress = self.start_held
 
@@ -152,48 +155,28 @@ class CopyJobs:
                                             reg.tp_rank, reg.mask, now=started)
                 slots, finish, has_voids = job.slots, job.finish, job.has_voids
             else:
-                slots = self.index.check_load(reg.namespace, msg.slots)
-                finish, has_voids = partial(self.index.pin, slots), False
+                if msg.keys and len(msg.keys) != len(msg.slots):
+                    raise ProtocolError(f"{len(msg.keys)} keys for {len(msg.slots)} blocks")
+                fut, slots = self.loads.start(reg, msg.slots, msg.keys, blocks)
+                finish, has_voids = None, False
         except KvpoolError as e:
             self.count_error(e.code)
             return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
-        offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
-        landing = Landing(slots) if is_store else None
-        if has_voids:
-            # Duplicates (keys someone else holds) are bound but written by nobody.
-            keep = np.fromiter((not s.void for s in slots), bool, len(slots))
-            blocks, offsets = blocks[keep], offsets[keep]
-            landing = Landing(slots, keep)
-        try:
-            if is_store and not len(blocks):
-                fut: Future[JobResult] = Future()
-                fut.set_result(JobResult(0))
-            elif is_store:
-                fut = reg.engine.submit_store(reg.mapped, blocks, offsets, msg.wait_event,
-                                              self._progress(reg, landing))
-            else:
-                fills = self.tiering.pending(slots) if self.tiering is not None else []
-                if fills:
-                    fut = self._load_after_fills(fills, slots, lambda: reg.engine.submit_load(
-                        reg.mapped, offsets, blocks))
-                else:
-                    fut = reg.engine.submit_load(reg.mapped, offsets, blocks)
-        except BaseException as e:
-            # The job's slots go back whatever went wrong: a store's tickets have slots by now
-            # (open_store allocated them), which only its end frees.
+        landing = None
+        if is_store:
+            landing, fut = self._submit_store(reg, msg, slots, blocks, has_voids)
+            if fut is None:
+                # The engine refused the job: its slots go back (a store's tickets have slots
+                # by now, open_store allocated them, which only its end frees).
+                if finish is not None:
+                    finish()       # so that the job's end finds it as begin_store leaves it
+                self._end(reg, slots, is_store, ok=False, landing=landing)
+                return self._refused(msg, started, len(slots))
             if finish is not None:
-                finish()       # so that the job's end finds it as begin_store leaves it
-            self._end(reg, slots, is_store, ok=False, landing=landing)
-            if not isinstance(e, KvpoolError):
-                raise
-            self.count_error(e.code)
-            self.telemetry.job_done(is_store, 0, started, len(slots), ok=False)
-            return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
-        if finish is not None:
-            # The copy is on its way: the pins and bindings run beside it, before the loop
-            # turns (so before any chunk commits or the job ends, and before another request
-            # can evict, reuse or see the slots).
-            finish()
+                # The copy is on its way: the pins and bindings run beside it, before the loop
+                # turns (so before any chunk commits or the job ends, and before another
+                # request can evict, reuse or see the slots).
+                finish()
         reg.jobs_in_flight += 1
         owner.jobs_in_flight += 1
         t_sub = time.monotonic_ns() if self.trace else 0
@@ -218,6 +201,39 @@ class CopyJobs:
         fut.add_done_callback(resolved)
         return None
 
+    def _submit_store(self, reg: Registration, msg: p.StoreRequest, slots: list[Slot],
+                      blocks: np.ndarray, has_voids: bool
+                      ) -> tuple[Landing, Future[JobResult] | None]:
+        """Hand a checked store to the registration's engine: its landing, and its future
+        (None, with ``self._refusal`` set, when the engine refused it)."""
+        offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
+        landing = Landing(slots)
+        if has_voids:
+            # Duplicates (keys someone else holds) are bound but written by nobody.
+            keep = np.fromiter((not s.void for s in slots), bool, len(slots))
+            blocks, offsets = blocks[keep], offsets[keep]
+            landing = Landing(slots, keep)
+        if not len(blocks):
+            done: Future[JobResult] = Future()
+            done.set_result(JobResult(0))
+            return landing, done
+        try:
+            return landing, reg.engine.submit_store(reg.mapped, blocks, offsets, msg.wait_event,
+                                                    self._progress(reg, landing))
+        except BaseException as e:
+            self._refusal = e
+            return landing, None
+
+    def _refused(self, msg: p.StoreRequest, started: float, n: int) -> p.JobDone:
+        """The reply to a store its engine refused (after its slots went back); anything but
+        a ``KvpoolError`` is ours and raised on (the dispatch answers INTERNAL)."""
+        e, self._refusal = self._refusal, None
+        if not isinstance(e, KvpoolError):
+            raise e                 # type: ignore[misc]
+        self.count_error(e.code)
+        self.telemetry.job_done(True, 0, started, n, ok=False)
+        return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
+
     def _store_keys(self, msg: p.StoreRequest) -> list[bytes]:
         """The store's keys, checked: every store names one per ticket."""
         if msg.grant and msg.grant != self.daemon_id:
@@ -227,35 +243,6 @@ class CopyJobs:
             raise ProtocolError(f"{len(msg.keys)} keys for {len(msg.slots)} slots")
         # (Each key's length was checked as the frame was decoded: ``p.Key``.)
         return msg.keys
-
-    def _load_after_fills(self, fills: list[asyncio.Future], slots: list[Slot],
-                          submit) -> Future[JobResult]:
-        """A load of slots a lower tier is still filling: handed to the copy engine once every
-        fill has landed, so the job completes only when the bytes are in the engine's memory;
-        fails with ``BlockLost`` where a fill did not land (checksum or I/O failure)."""
-        out: Future[JobResult] = Future()
-
-        def relay(f: Future) -> None:
-            if f.cancelled():
-                out.cancel()
-            elif f.exception() is not None:
-                out.set_exception(f.exception())
-            else:
-                out.set_result(f.result())
-
-        def go(_gathered: asyncio.Future) -> None:
-            if not self.index.is_loadable(slots):
-                out.set_exception(BlockLost("a block could not be brought back from the disk "
-                                            "tier (it failed verification, or the tier failed)"
-                                            ": recompute it"))
-                return
-            try:
-                submit().add_done_callback(relay)
-            except KvpoolError as e:
-                out.set_exception(e)
-
-        asyncio.gather(*fills, return_exceptions=True).add_done_callback(go)
-        return out
 
     def _progress(self, reg: Registration, landing: Landing):
         """What a store job's engine calls, on its thread, as leading chunks land: their
@@ -305,7 +292,9 @@ class CopyJobs:
             self._end(reg, slots, is_store, ok, landing)
         nbytes = fut.result().nbytes if ok else 0
         if ok:
-            reply = p.JobDone(msg.req_id, msg.job_id, 0, "", nbytes)
+            failed = fut.result().failed
+            self.failed_load_blocks += len(failed)
+            reply = p.JobDone(msg.req_id, msg.job_id, 0, "", nbytes, failed=list(failed))
         else:
             code = exc.code if isinstance(exc, KvpoolError) else ErrorCode.INTERNAL
             reply = p.JobDone(msg.req_id, msg.job_id, int(code), str(exc))

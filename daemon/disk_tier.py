@@ -202,6 +202,9 @@ class DiskTier(LowerTier):
 
     # ---- LowerTier: questions --------------------------------------------------------------
 
+    def held_keys(self) -> list[bytes]:
+        return [b.key for b in self._lru] if self._enabled else []
+
     @property
     def is_enabled(self) -> bool:
         return self._enabled
@@ -313,6 +316,7 @@ class DiskTier(LowerTier):
             for blocks, _, _ in group:
                 self._lost(blocks)
         else:
+            servable: list[bytes] = []
             for blocks, _, sums in group:
                 kept = 0
                 for b, checksum in zip(blocks, sums.tolist()):
@@ -322,10 +326,13 @@ class DiskTier(LowerTier):
                         self._release(b)
                         continue
                     self._lru[b] = None
+                    servable.append(b.key)
                     kept += 1
                 self.blocks += kept
                 self.demoted_blocks += len(blocks)
                 self.demoted_bytes += len(blocks) * blocks[0].size.slot_bytes
+            if servable and self.observer is not None:
+                self.observer.held(servable)
         if not self._enabled and not self._closing:
             for waiting in self._landed.values():
                 self._uncommitted -= len(waiting)
@@ -512,6 +519,8 @@ class DiskTier(LowerTier):
                 del self._tables[b.key[:16]]
         if self._lru.pop(b, True) is None:
             self.blocks -= 1
+            if self.observer is not None:
+                self.observer.dropped([b.key])
 
     def _release(self, b: DiskBlock) -> None:
         """Give ``b``'s space back: counted now, its index reusable once the record is zeroed
@@ -549,6 +558,8 @@ class DiskTier(LowerTier):
             return
         self._enabled = False
         self.status = f"off: {what} failed: {exc}"
+        if self.observer is not None:
+            self.observer.dropped([b.key for b in self._lru])
         log.error("DISK TIER OFF: %s in %s failed: %s. kvpoold keeps serving from the pool "
                   "alone; no block is read from the disk tier until the daemon restarts "
                   "(free space or fix the disk first)", what, self.store.path,

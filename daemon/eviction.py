@@ -10,10 +10,10 @@ and skipped pinned ones while scanning: with a third of the pool pinned, 86% of 
 thread went to that scan during stores (issue 36).
 
 Recency: a slot enters at the most recently used end, and a hit moves it there (``touch``). A
-pinned slot is not in the queue; its last unpin puts it back at the most recently used end
-after a load (it was just read), and at the least recently used end after a lower tier wrote it
-(``insert_oldest``): the tiers write the pool's oldest blocks first, so the blocks the pool
-drops next are the ones already written.
+pinned slot (a load, a lease) is not in the queue; its last unpin puts it back at the most
+recently used end (it was just read). A lower tier reading a slot to write it down does not pin
+it: the slot keeps its place, and if it is chosen as a victim meanwhile its space is reused once
+the read ends (the slot table's ``end_read``).
 
 ``examined`` counts the queue entries every query has looked at, so tests can bound the work
 per victim with an operation count rather than a time.
@@ -48,12 +48,6 @@ class LruPolicy:
     def insert(self, slot: int) -> None:
         """``slot`` became evictable: most recently used."""
         self._order[slot] = None
-
-    def insert_oldest(self, slot: int) -> None:
-        """``slot`` became evictable as the least recently used (a lower tier has just written
-        it: the cheapest block to drop)."""
-        self._order[slot] = None
-        self._order.move_to_end(slot, last=False)
 
     def insert_many(self, slots: Iterable[int]) -> None:
         """``insert`` of each of ``slots``, in order, in one C-level update."""

@@ -43,6 +43,7 @@ class Slot:
     key: bytes = b""            # ns + block hash (32 bytes), as in the slot record
     ref: int = 0                # slot ref for the current generation
     pins: int = 0
+    reads: int = 0              # lower-tier reads in flight (no pin: see SlotTable.begin_read)
     landed: int = 0             # bit u: unit u (a head, or a rank's shard) is in
     writing: int = 0            # bit u: a store job of unit u is in flight
     owner: int = 0              # who bound it (while WRITING)

@@ -47,6 +47,7 @@ class LookupStats:
     hit_tokens: int = 0
     miss_tokens: int = 0
     loaded_blocks: int = 0
+    stale_blocks: int = 0       # load refs whose slot was evicted or reused since the lookup
 
 
 class Index:
@@ -67,6 +68,7 @@ class Index:
         self.stats = LookupStats()
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
+        self._slot_ids = pool.geometry.num_extents * pool.slot_id_stride
 
     # ---- namespaces and stores (the parts' own calls, for the server) ----------------------
 
@@ -149,6 +151,14 @@ class Index:
         self.count_lookup(ns, len(found), n_keys - len(found))
         return hits, leases, refs
 
+    def touch(self, ns: bytes, hashes: list[bytes]) -> int:
+        """Hits a scheduler read in the shared-memory index: those the pool still holds
+        become most recently used, as a round-trip lookup's would. Returns how many."""
+        get = self.table.tables.get(ns, _EMPTY).get
+        held = [s for s in map(get, hashes) if s is not None and s.state == COMMITTED]
+        self.table.touch(held)
+        return len(held)
+
     def count_lookup(self, ns: bytes, hit_blocks: int, miss_blocks: int) -> None:
         """Count hits and misses (a round-trip lookup's, or those a scheduler read in the
         shared-memory index and reported)."""
@@ -197,6 +207,37 @@ class Index:
 
     # ---- loads -----------------------------------------------------------------------------
 
+    def resolve_load(self, ns: bytes, refs: list[int], keys: list[bytes]
+                     ) -> list[Slot | None]:
+        """Per block of a load job, the slot to copy from: its ref's slot while that still
+        holds the block (committed or filling, of ``ns``), else, with ``keys``, the slot the
+        pool holds its key in now, else None (evicted since the lookup: counted stale).
+        ``OutOfRange`` (nothing changed) for a ref that names no slot of this pool; 0 names
+        none. Pins nothing: the caller pins what it copies before the loop turns."""
+        get = self.table.slots.get
+        committed, filling = COMMITTED, FILLING
+        out: list[Slot | None] = []
+        redo: list[int] = []
+        for i, ref in enumerate(refs):
+            s = get(ref & 0xFFFF_FFFF) if ref else None
+            if (s is None or s.ref != ref or (s.state != committed and s.state != filling)
+                    or s.doomed or s.ns != ns):
+                if ref and s is None and (ref & 0xFFFF_FFFF) >= self._slot_ids:
+                    raise OutOfRange(f"slot ref {ref:#x} names no slot of this pool")
+                s = None
+                redo.append(i)
+            out.append(s)
+        if redo:
+            table = self.table.tables.get(ns, _EMPTY)
+            for i in redo:
+                s = table.get(keys[i]) if keys else None
+                if s is not None and (s.state == committed or s.state == filling) \
+                        and not s.doomed:
+                    out[i] = s
+                elif refs[i]:
+                    self.stats.stale_blocks += 1
+        return out
+
     def begin_load(self, ns: bytes, refs: list[int]) -> list[Slot]:
         """Validate a load job's slots (committed, same namespace as at lookup) and pin them;
         all or nothing."""
@@ -232,12 +273,18 @@ class Index:
             out.append(s)
         return out
 
-    def pin(self, slots: list[Slot], use: bool = True) -> None:
-        """See ``SlotTable.pin``: a load's or lease's pin is a use, a lower tier's is not."""
-        self.table.pin(slots, use)
+    def pin(self, slots: list[Slot]) -> None:
+        self.table.pin(slots)
 
-    def unpin(self, slots: list[Slot], use: bool = True) -> None:
-        self.table.unpin(slots, use)
+    def unpin(self, slots: list[Slot]) -> None:
+        self.table.unpin(slots)
+
+    def begin_read(self, slots: list[Slot]) -> None:
+        """A lower tier reads these committed slots (see ``SlotTable.begin_read``)."""
+        self.table.begin_read(slots)
+
+    def end_read(self, slots: list[Slot]) -> None:
+        self.table.end_read(slots)
 
     def end_load(self, slots: list[Slot], ok: bool) -> None:
         if ok:

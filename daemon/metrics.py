@@ -141,8 +141,19 @@ class _SnapshotCollector(Collector):
                      labels=["namespace"])
         uptime = g("kvpool_uptime_seconds", "Seconds since this daemon started.")
         up = g("kvpool_healthy", "1 while /healthz answers 200, else 0.")
+        c = CounterMetricFamily
+        stale = c("kvpool_load_stale_blocks", "Load refs whose block was evicted or its slot "
+                  "reused between the scheduler's lookup in the shared-memory index and the load "
+                  "(found again by key where the pool or a tier still held it).")
+        failed = c("kvpool_load_failed_blocks", "Blocks of load jobs not loaded (gone from the "
+                   "pool and every tier, or a fill failed): their engines recompute them.")
+        index_keys = g("kvpool_index_keys", "Keys published in the shared-memory index "
+                       "(pool and lower tiers).")
+        unpublished = c("kvpool_index_unpublished_keys", "Keys the shared-memory index was "
+                        "too full to take (their lookups miss): raise index_entries.")
         families: list[Metric] = [pool, used, slots, tickets, no_room, namespaces, leases,
-                                  clients, engines, adopted, ns_used, ns_quota, uptime, up]
+                                  clients, engines, adopted, ns_used, ns_quota, uptime, up,
+                                  stale, failed, index_keys, unpublished]
         tiers = _tier_families()
         families += tiers.values()
         up.add_metric([], 1.0 if healthy else 0.0)
@@ -172,6 +183,10 @@ class _SnapshotCollector(Collector):
             ns_used.add_metric([n.namespace.hex()], n.used_bytes)
             ns_quota.add_metric([n.namespace.hex()], n.quota_bytes)
         uptime.add_metric([], info.uptime_s)
+        stale.add_metric([], info.load_stale_blocks)
+        failed.add_metric([], info.load_failed_blocks)
+        index_keys.add_metric([], info.index_keys)
+        unpublished.add_metric([], info.index_unpublished)
         return families
 
 

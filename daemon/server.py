@@ -37,6 +37,7 @@ from kvpool.daemon.copy_engine import CopyEngine
 from kvpool.daemon.copy_jobs import CopyJobs, check_count
 from kvpool.daemon.exit_watch import ExitWatch
 from kvpool.daemon.index import Index
+from kvpool.daemon.index_segment import IndexSegment, KeyLocations, capacity_for
 from kvpool.daemon.peer import AllowList, Peer
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.registry import Owner, Registration, Registry
@@ -45,6 +46,7 @@ from kvpool.daemon.telemetry import Telemetry
 from kvpool.daemon.tier import LowerTier
 from kvpool.daemon.tiering import Tiering
 from kvpool.shared import protocol as p
+from kvpool.shared.index_format import FLAG_REMOTE_TIER, segment_name
 from kvpool.shared.config import DaemonConfig, parse_size
 from kvpool.shared.errors import (ErrorCode, HelloRequired, KvpoolError, OutOfRange,
                                   PermissionDenied, ProtocolError, TooLarge, VersionMismatch)
@@ -86,6 +88,7 @@ class Server:
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._lock_fd: int | None = None
+        self.index_segment: IndexSegment | None = None
         self._in_drain = False
         self._next_reap = time.monotonic() + REAP_PERIOD_S
         self.allow = AllowList(config.allow_uid, config.allow_gid)
@@ -138,6 +141,7 @@ class Server:
             os.umask(old)
         os.chmod(path, self.config.socket_mode_bits)
         self._sock = sock
+        self.index_segment = self._publish_index(path)
         # After the socket lock: only the one daemon of this host sweeps.
         reap_engine_segments()
         # After the socket lock, so a second daemon reports "socket busy", not a busy port.
@@ -156,6 +160,24 @@ class Server:
         log.info("kvpoold %s serving ipc://%s, pool %s: %d bytes in %d extents%s", self.daemon_id,
                  path, self.pool.name, self.pool.nbytes, self.pool.geometry.num_extents,
                  " (adopted)" if self.pool.adopted else "")
+
+    def _publish_index(self, socket_path: Path) -> IndexSegment:
+        """The shared-memory index schedulers read hits in: the socket's group and mode, the
+        pool's committed blocks (an adopted pool) and what the lower tiers hold, then every
+        change as it happens."""
+        lowers = self.tiering.lowers if self.tiering is not None else []
+        disk_bytes = sum(getattr(t, "capacity_bytes", 0) for t in lowers)
+        segment = IndexSegment(
+            segment_name(self.pool.name),
+            capacity_for(self.pool.nbytes, disk_bytes, self.config.index_entries),
+            self.daemon_id, mode=self.config.socket_mode_bits, gid=socket_path.stat().st_gid,
+            flags=FLAG_REMOTE_TIER if any(t.name == "remote" for t in lowers) else 0)
+        locations = KeyLocations(segment, self.index.namespaces, lowers)
+        self.index.table.watch(locations)
+        locations.committed(self.index.committed_slots())
+        if self.tiering is not None:
+            self.tiering.observe(locations)
+        return segment
 
     async def _main_loop(self) -> None:
         # A plain socket drained from the loop's reader callback: no future per message.
@@ -268,6 +290,8 @@ class Server:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
         self.exit_watch.close()
+        if self.index_segment is not None:
+            self.index_segment.close()      # a restarted daemon rebuilds it from the pool
         self.pool.close(unlink=not self.config.keep_pool)
         self.telemetry.close(pool_kept=self.config.keep_pool)
 
@@ -355,6 +379,13 @@ class Server:
                 return p.ReserveReply(msg.req_id, idx.reserve(msg.namespace, msg.count, owner.id,
                                                               now),
                                       int(self.config.reservation_ttl_s * 1000), self.daemon_id)
+            case p.TouchRequest():
+                check_count(len(msg.keys), "keys")
+                n = idx.touch(msg.namespace, msg.keys)
+                idx.count_lookup(msg.namespace, len(msg.keys), msg.missed_blocks)
+                self.telemetry.hits_read(len(msg.keys), msg.missed_blocks,
+                                         idx.block_tokens(msg.namespace))
+                return p.OkReply(msg.req_id, n)
             case p.AbortStoreRequest():
                 return p.OkReply(msg.req_id, idx.abort_store(msg.slots, owner.id))
             case p.ReleaseRequest():
@@ -421,7 +452,8 @@ class Server:
                  msg.role.name, msg.pid, msg.engine_id)
         return p.HelloReply(msg.req_id, p.PROTOCOL_VERSION, self.daemon_id, owner.id,
                             self.pool.nbytes, self.config.heartbeat_interval_ms,
-                            self.config.max_request_bytes)
+                            self.config.max_request_bytes,
+                            self.index_segment.name if self.index_segment is not None else "")
 
     def _register(self, owner: Owner, msg: p.RegisterRequest) -> p.Reply:
         msg.layout.check()
@@ -507,6 +539,7 @@ class Server:
         writing, committed, used = self.index.slot_counts()
         st, table_stats, store_stats = self.index.stats, self.index.table.stats, \
             self.index.stores.stats
+        seg = self.index_segment
         clients = [p.ClientInfo(o.id, o.role, o.name, o.pid, o.engine_id, len(o.registrations),
                                 self.index.leases_of(o.id), o.jobs_in_flight)
                    for o in self.registry.owners.values()]
@@ -522,7 +555,12 @@ class Server:
                           tiers=self.tiering.info() if self.tiering is not None else [],
                           slots_reserved=self.index.ticket_count,
                           duplicate_blocks=store_stats.duplicate_blocks,
-                          no_room_blocks=store_stats.no_room_blocks)
+                          no_room_blocks=store_stats.no_room_blocks,
+                          index_segment=seg.name if seg is not None else "",
+                          index_keys=len(seg) if seg is not None else 0,
+                          index_unpublished=seg.unpublished if seg is not None else 0,
+                          load_stale_blocks=st.stale_blocks,
+                          load_failed_blocks=self.jobs.failed_load_blocks)
 
 
 def run(config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine],

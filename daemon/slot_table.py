@@ -216,42 +216,44 @@ class SlotTable:
         for w in self.watchers:
             w.committed(slots)
 
-    def pin(self, slots: list[Slot], use: bool = True) -> None:
-        """Hold slots against eviction and reuse: a load copies out of them, a lease was given
-        (``use``: a use of the block), or a lower tier reads them (not a use)."""
+    def pin(self, slots: list[Slot]) -> None:
+        """Hold slots against eviction and reuse (a load copies out of them, a lease was
+        given): a use of each block."""
         tick = self.now_tick()
         stamp = self.extents.stamp
         for s in slots:
             if not s.pins and s.state == COMMITTED and not s.doomed:
                 self._left_lru(s)
             s.pins += 1
-            if use:
-                stamp(s, tick)
+            stamp(s, tick)
 
-    def unpin(self, slots: list[Slot], use: bool = True) -> None:
+    def unpin(self, slots: list[Slot]) -> None:
         """Take back one pin of each slot; a slot whose last pin goes is freed if it was
-        dropped or hidden meanwhile, else evictable again: most recently used after a use,
-        least recently used after a lower tier's write (``use=False``; ``slots`` oldest
-        first, as the tiers write them)."""
+        dropped or hidden meanwhile, else evictable again, most recently used."""
         tick = self.now_tick()
         stamp = self.extents.stamp
-        back: list[Slot] = []
         for s in slots:
             s.pins -= 1
             if s.pins or s.state == FREE:
                 continue
             if s.doomed or (s.state == COMMITTED and s.extent in self.extents.draining):
-                self.free(s)
+                self._free_unless_read(s)
             elif s.state == COMMITTED:
-                if use:
-                    stamp(s, tick)
-                back.append(s)
-        if use:
-            for s in back:
+                stamp(s, tick)
                 self._became_evictable(s)
-        else:
-            for s in reversed(back):
-                self._became_evictable(s, oldest=True)
+
+    def begin_read(self, slots: list[Slot]) -> None:
+        """A lower tier reads committed slots to write them down: their bytes stay until
+        ``end_read``, but they keep their place in the LRU queue (a tier's write is no use of
+        the block) and may still be chosen as victims: then their space waits for the read."""
+        for s in slots:
+            s.reads += 1
+
+    def end_read(self, slots: list[Slot]) -> None:
+        for s in slots:
+            s.reads -= 1
+            if not s.reads and not s.pins and s.doomed and s.state != FREE:
+                self.free(s)
 
     def touch(self, slots: list[Slot]) -> None:
         """Hits on committed slots: most recently used."""
@@ -275,6 +277,16 @@ class SlotTable:
         if not victims:
             return
         self._forget_many(victims)
+        if any(map(_READS, victims)):
+            # Being written down by a lower tier: gone from the pool now, their space once the
+            # read ends (end_read frees them).
+            for s in victims:
+                if s.reads:
+                    s.doomed = True
+            self.stats.evictions += sum(1 for s in victims if s.reads)
+            victims = [s for s in victims if not s.reads]
+            if not victims:
+                return
         ids = [s.id for s in victims]
         for s in victims:
             s.state = FREE
@@ -290,7 +302,7 @@ class SlotTable:
         and free it once unpinned."""
         s.doomed = True
         self._forget(s)
-        if not s.pins:
+        if not s.pins and not s.reads:
             self.free(s)
         else:
             self.writing.pop(s.id, None)
@@ -330,8 +342,10 @@ class SlotTable:
                       key=_LAST_USE)
 
     def pinned_count(self) -> int:
-        """Committed blocks held by a lease, a load or a lower tier (not evictable now)."""
-        return sum(1 for s in self.slots.values() if s.state == COMMITTED and s.pins > 0)
+        """Committed blocks held by a lease, a load or a lower tier's read (their space is not
+        free to reuse now)."""
+        return sum(1 for s in self.slots.values()
+                   if s.state == COMMITTED and (s.pins > 0 or s.reads > 0))
 
     def counts(self) -> tuple[int, int, int]:
         """(writing, committed, used bytes): FILLING slots count as writing."""
@@ -391,18 +405,21 @@ class SlotTable:
                 self.drop(s)            # a store into it is refused, or lands unseen
         self.extents.finish_drain(extent)
 
-    def _became_evictable(self, s: Slot, oldest: bool = False) -> None:
-        lrus = [s.size_class.lru]
+    def _became_evictable(self, s: Slot) -> None:
+        s.size_class.lru.insert(s.id)
         quota_lrus = self.namespaces.lru
         if quota_lrus:
             own = quota_lrus.get(s.ns)
             if own is not None:
-                lrus.append(own)
-        for lru in lrus:
-            if oldest:
-                lru.insert_oldest(s.id)
-            else:
-                lru.insert(s.id)
+                own.insert(s.id)
+
+    def _free_unless_read(self, s: Slot) -> None:
+        """Free ``s`` now, or (doomed) when the lower tier reading it is done."""
+        if s.reads:
+            s.doomed = True
+            self._forget(s)
+        else:
+            self.free(s)
 
     def _left_lru(self, s: Slot) -> None:
         s.size_class.lru.remove(s.id)
@@ -466,3 +483,4 @@ def _by_class(slots: list[Slot]) -> list[tuple[SizeClass, list[Slot]]]:
 _ID = attrgetter("id")
 _NS = attrgetter("ns")
 _LAST_USE = attrgetter("last_use")
+_READS = attrgetter("reads")

@@ -152,6 +152,11 @@ class Telemetry:
         self.metrics.observe_lookup(len(key_lists), hit, miss, hit * block_tokens,
                                     miss * block_tokens)
 
+    def hits_read(self, hit_blocks: int, miss_blocks: int, block_tokens: int) -> None:
+        """A scheduler reported a step's lookups in the shared-memory index."""
+        self.metrics.observe_lookup(1, hit_blocks, miss_blocks, hit_blocks * block_tokens,
+                                    miss_blocks * block_tokens)
+
     def job_done(self, is_store: bool, nbytes: int, started: float, blocks: int, ok: bool
                  ) -> None:
         """A store or load job finished; ``started`` is its ``time.monotonic()`` at receipt."""

@@ -33,9 +33,18 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from typing import Callable
+from typing import Callable, Iterable, Protocol
 
 from kvpool.shared.protocol import TierInfo
+
+
+class TierObserver(Protocol):
+    """Told, on the event loop, which keys a tier can serve from now on (``held``) and which it
+    no longer can (``dropped``): the shared-memory index publishes them (issue 37)."""
+
+    def held(self, keys: list[bytes]) -> None: ...
+
+    def dropped(self, keys: list[bytes]) -> None: ...
 
 
 class LowerTier(abc.ABC):
@@ -51,6 +60,15 @@ class LowerTier(abc.ABC):
     # Set by the caller; called on the event loop when ``can_demote`` turned True other than
     # by a ``demote`` future resolving (a tier that makes blocks durable after that).
     on_ready: Callable[[], None] | None = None
+    # Set by the caller (None: nobody watches). A tier whose index is in memory calls it as
+    # blocks become servable and stop being so; one that cannot know (a store shared with
+    # other hosts) need not.
+    observer: TierObserver | None = None
+
+    def held_keys(self) -> Iterable[bytes]:
+        """The keys the tier can serve now, as far as it knows from memory (for the observer's
+        first look; none by default)."""
+        return ()
 
     def start(self) -> None:
         """Called once on the event loop before the daemon serves (background work starts)."""

@@ -39,13 +39,16 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import msgspec
 
 from kvpool.daemon.index import COMMITTED, Index, Slot
 from kvpool.daemon.tier import LowerTier
 from kvpool.shared.protocol import TierInfo
+
+if TYPE_CHECKING:
+    from kvpool.daemon.index_segment import KeyLocations
 
 log = logging.getLogger("kvpoold")
 
@@ -62,6 +65,20 @@ class _Lane:
     queue: deque[tuple[Slot, int]] = field(default_factory=deque)   # (slot, generation)
     pump_scheduled: bool = False
     missed_blocks: int = 0
+
+
+@dataclass(eq=False)
+class _TierFeed:
+    """One tier's observer: its keys, told to the shared-memory index as that tier's."""
+
+    locations: "KeyLocations"
+    tier: LowerTier
+
+    def held(self, keys: list[bytes]) -> None:
+        self.locations.tier_holds(self.tier, keys)
+
+    def dropped(self, keys: list[bytes]) -> None:
+        self.locations.tier_dropped(self.tier, keys)
 
 
 class Tiering:
@@ -84,6 +101,13 @@ class Tiering:
         for lane in self._lanes:
             lane.tier.on_restored = lambda lane=lane: self._offer_pool(lane)
             lane.tier.on_ready = lambda lane=lane: self._schedule_pump(lane)
+
+    def observe(self, locations: "KeyLocations") -> None:
+        """Tell ``locations`` (the shared-memory index) what each tier holds now and, from then
+        on, what each writes down or drops."""
+        for lane in self._lanes:
+            lane.tier.observer = _TierFeed(locations, lane.tier)
+            locations.tier_holds(lane.tier, list(lane.tier.held_keys()))
 
     def start(self) -> None:
         """Start the tiers and queue the pool's committed blocks (an adopted pool) for them;
@@ -161,7 +185,7 @@ class Tiering:
                     self._clean(s, generation)
             if not batch:
                 continue
-            self.index.pin(batch, use=False)
+            self.index.begin_read(batch)
             done = lower.demote([s.key for s in batch], [s.offset for s in batch], size)
             done.add_done_callback(lambda _f, batch=batch: self._demoted(lane, batch))
         if not lower.is_enabled:
@@ -173,7 +197,7 @@ class Tiering:
     def _demoted(self, lane: _Lane, batch: list[Slot]) -> None:
         for s in batch:           # pinned while written: still the generation queued
             self._clean(s, s.generation)
-        self.index.unpin(batch, use=False)
+        self.index.end_read(batch)
         self._pump(lane)
         self._progress()
 
@@ -255,22 +279,68 @@ class Tiering:
         if not lowers or not index.has_layout(ns):
             return
         slot_bytes = index.layout_of(ns).slot_bytes
+        table = index.table.tables.get(ns, {})
         for keys in key_lists:
-            i = index.leading(ns, keys)
-            while i < len(keys):
-                for lower in lowers:
-                    n = lower.leading(ns, keys[i:], slot_bytes)
-                    if n:
-                        break
-                else:
+            # The list's blocks the pool holds are held while its fills find room, so that
+            # room is never the blocks the lookup is about to count.
+            held = [s for s in map(table.get, keys) if s is not None and s.state == COMMITTED]
+            index.pin(held)
+            try:
+                self._fill_run(ns, keys, lowers, slot_bytes, now)
+            finally:
+                index.unpin(held)
+
+    def _fill_run(self, ns: bytes, keys: list[bytes], lowers: list[LowerTier],
+                  slot_bytes: int, now: float) -> None:
+        index = self.index
+        i = index.leading(ns, keys)
+        while i < len(keys):
+            for lower in lowers:
+                n = lower.leading(ns, keys[i:], slot_bytes)
+                if n:
                     break
-                slots = index.reserve_fills(ns, keys[i:i + n], now)
-                if slots:
-                    self._promote(lower, ns, keys[i:i + len(slots)], slots, slot_bytes)
-                if len(slots) < n:
-                    break
-                i += n
-                i += index.leading(ns, keys[i:])
+            else:
+                break
+            slots = index.reserve_fills(ns, keys[i:i + n], now)
+            if slots:
+                self._promote(lower, ns, keys[i:i + len(slots)], slots, slot_bytes)
+            i += len(slots)
+            if len(slots) < n and not index.leading(ns, keys[i:i + 1]):
+                break           # no room for more (not merely a block the pool holds)
+            i += index.leading(ns, keys[i:])
+
+    def fetch(self, ns: bytes, hashes: list[bytes], now: float) -> list[Slot | None]:
+        """Bring blocks of ``ns`` the pool lacks up from the first tier that holds each (a
+        load's staging window, ``daemon/loads.py``): per hash, a FILLING slot (pinned by its
+        fill until it lands; ``pending`` gives what to wait for), or None where no enabled tier
+        holds it or the pool had no room. Consecutive hashes of one tier share one promote."""
+        index = self.index
+        out: list[Slot | None] = [None] * len(hashes)
+        lowers = [t for t in self.lowers if t.is_enabled]
+        if not lowers or not index.has_layout(ns):
+            return out
+        slot_bytes = index.layout_of(ns).slot_bytes
+        in_pool = index.table.tables.get(ns, {})
+        i = 0
+        while i < len(hashes):
+            lower = None if hashes[i] in in_pool else next(
+                (t for t in lowers if t.leading(ns, hashes[i:i + 1], slot_bytes)), None)
+            if lower is None:       # held by no tier (or being written into the pool)
+                i += 1
+                continue
+            n = max(1, lower.leading(ns, hashes[i:], slot_bytes))
+            run = hashes[i:i + n]
+            slots = index.reserve_fills(ns, run, now)
+            if slots:
+                self._promote(lower, ns, run[:len(slots)], slots, slot_bytes)
+                out[i:i + len(slots)] = slots
+            if len(slots) < n:
+                if not slots:
+                    return out          # no room left in the pool for more
+                i += len(slots)
+                continue
+            i += n
+        return out
 
     def _promote(self, lower: LowerTier, ns: bytes, hashes: list[bytes], slots: list[Slot],
                  slot_bytes: int) -> None:

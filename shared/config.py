@@ -187,6 +187,13 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     trace: Annotated[str, _doc(
         "file to append one line per copy job to, with the monotonic ns of each hop (received, "
         "submitted, copy started and done, replied); empty: off")] = ""
+    # ---- the shared-memory index (appended; issue 37) ----
+    # 48 bytes an entry, mapped by every scheduler; pages untouched by keys cost nothing. Full
+    # (3/4 of the entries), new keys go unpublished: lookups miss them, they are never wrong.
+    index_entries: Annotated[int, _doc(
+        "entries of the shared-memory index that schedulers read their hits in (rounded up to "
+        "a power of two); 0: auto, twice the 16 KiB blocks the pool and the disk tier could "
+        "hold, between 4Ki and 4Mi", ge=0, le=1 << 26)] = 0
 
     @property
     def socket_path(self) -> str:

@@ -194,13 +194,19 @@ class StoreRequest(msgspec.Struct, tag=10, **_WIRE):
 
 
 class LoadRequest(msgspec.Struct, tag=11, **_WIRE):
-    """Copy committed ``slots`` (this rank's shard) into ``block_ids`` of a registration."""
+    """Copy blocks (this rank's shard) into ``block_ids`` of a registration: per block, the slot
+    ref a lookup found (0: none, a lower tier holds it) and, appended, its block hash. Refs are
+    optimistic (lookups pin nothing): a ref whose slot was evicted or reused since is replaced
+    by the key's slot if the pool holds the key again, by a fill from a lower tier if one holds
+    it, and otherwise that block fails alone (``JobDone.failed``): never a reused slot's bytes."""
 
     req_id: int
     registration_id: int
     job_id: int
     slots: list[int]
     block_ids: list[int]
+    # Appended (protocol 2): per block, its hash (16 bytes), or empty: refs only, no fallback.
+    keys: list[Key] = []
 
 
 class InfoRequest(msgspec.Struct, tag=12, **_WIRE):
@@ -222,6 +228,18 @@ class ByeRequest(msgspec.Struct, tag=14, **_WIRE):
     req_id: int
 
 
+class TouchRequest(msgspec.Struct, tag=16, **_WIRE):
+    """Hits a scheduler read in the shared-memory index (``keys``: block hashes of
+    ``namespace``) and how many blocks it looked up and missed: the daemon makes those blocks
+    most recently used, as a round-trip lookup would, and counts the hits and misses. Sent
+    without waiting, once per step."""
+
+    req_id: int
+    namespace: Key
+    keys: list[Key]
+    missed_blocks: int = 0
+
+
 class ReserveRequest(msgspec.Struct, tag=15, **_WIRE):
     """Tickets for stores of ``namespace`` to come, bound to no key or slot yet (see the module
     docstring). A ticket takes no pool space and evicts nothing: the daemon finds its slot when
@@ -236,7 +254,7 @@ class ReserveRequest(msgspec.Struct, tag=15, **_WIRE):
 
 Request = Union[Hello, Heartbeat, Ping, RegisterRequest, UnregisterRequest, LookupRequest,
                 AbortStoreRequest, ReleaseRequest, StoreRequest,
-                LoadRequest, InfoRequest, ResetRequest, ByeRequest, ReserveRequest]
+                LoadRequest, InfoRequest, ResetRequest, ByeRequest, ReserveRequest, TouchRequest]
 
 
 # ---- replies -------------------------------------------------------------------------------
@@ -249,6 +267,9 @@ class HelloReply(msgspec.Struct, tag=64, **_WIRE):
     pool_bytes: int
     heartbeat_interval_ms: int
     max_request_bytes: int
+    # The daemon's shared-memory index (``shared/index_format.py``; empty: none): schedulers
+    # map it read-only and read their hits there, without a round trip.
+    index_segment: str = ""
 
 
 class HeartbeatReply(msgspec.Struct, tag=65, **_WIRE):
@@ -288,6 +309,10 @@ class JobDone(msgspec.Struct, tag=71, **_WIRE):
     # Always empty: a load is reported only once its copy has finished, so the engine waits on
     # nothing. Kept so that peers of this protocol version still decode JobDone positionally.
     done_event: bytes = b""
+    # Appended (protocol 2): positions in a load job of the blocks that were not loaded (their
+    # slot was evicted since the lookup and no tier held them, or a fill failed), the job
+    # otherwise done (code 0). The engine recomputes exactly those.
+    failed: list[int] = []
 
 
 class ClientInfo(msgspec.Struct, **_WIRE):
@@ -370,6 +395,12 @@ class PoolInfo(msgspec.Struct, **_WIRE):
     slots_reserved: int = 0      # tickets granted to schedulers, not bound yet (no pool space)
     duplicate_blocks: int = 0    # stores of keys already held: freed unwritten, never shown twice
     no_room_blocks: int = 0      # reserved stores that found no slot (all written or pinned)
+    index_segment: str = ""      # the shared-memory index schedulers read hits in
+    index_keys: int = 0          # keys published there now (pool and lower tiers)
+    index_unpublished: int = 0   # keys the index was too full to take (lookups miss them)
+    load_stale_blocks: int = 0   # load refs evicted or reused since their lookup read them
+    load_failed_blocks: int = 0  # blocks of load jobs not loaded (stale and in no tier, fills
+                                 # that failed): their engines recompute them
 
 
 class InfoReply(msgspec.Struct, tag=72, **_WIRE):

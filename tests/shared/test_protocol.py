@@ -24,6 +24,8 @@ REQUESTS = [
     p.ByeRequest(14),
     p.ReserveRequest(15, NS, 256),
     p.StoreRequest(16, 1, 2, [0, 1], [5, 6], b"", [KEY, KEY], "d"),
+    p.LoadRequest(17, 1, 3, [5, 0], [7, 8], [KEY, KEY]),
+    p.TouchRequest(18, NS, [KEY, KEY], 3),
 ]
 REPLIES = [
     p.HelloReply(1, p.PROTOCOL_VERSION, "d", 3, 1 << 30, 100, 1 << 20),
@@ -33,6 +35,8 @@ REPLIES = [
     p.LookupReply(6, [1, 0], [5, 0], [[p.make_slot_ref(1, 2)], []]),
     p.OkReply(8, 2),
     p.JobDone(10, 2, 0, "", 65536, b"e"),
+    p.JobDone(11, 3, 0, "", 4096, b"", [1]),
+    p.HelloReply(1, p.PROTOCOL_VERSION, "d", 3, 1 << 30, 100, 1 << 20, "/kvpool-index"),
     p.InfoReply(12, p.PoolInfo("d", 1.0, 10, 4, 6, 1, 2, 1, 5, 6, 7, 8, 9, 10, 11, 12, 13, [
         p.ClientInfo(1, p.Role.SCHEDULER, "s", 5, "e", 0, 1, 0)], 3)),
     p.ErrorReply(99, 3, "unknown"),
@@ -69,7 +73,11 @@ GOLDEN = [
     (p.ReserveRequest(14, NS, 256), "940f0ec4106e6e6e6e6e6e6e6e6e6e6e6e6e6e6e6ecd0100"),
     (p.ReserveReply(14, [p.make_slot_ref(3, 9)], 10_000, "d"),
      "954a0e91cf0000000900000003cd2710a164"),
-    (p.JobDone(10, 2, 6, "full", 0, b""), "97470a0206a466756c6c00c400"),
+    (p.JobDone(10, 2, 6, "full", 0, b""), "98470a0206a466756c6c00c40090"),
+    (p.JobDone(10, 2, 0, "", 8, b"", [3]), "98470a0200a008c4009103"),
+    (p.LoadRequest(11, 1, 3, [5, 0], [7, 8], [KEY]),
+     "970b0b010392050092070891c4106b6b6b6b6b6b6b6b6b6b6b6b6b6b6b6b"),
+    (p.TouchRequest(5, NS, [KEY], 2), "951005c4106e6e6e6e6e6e6e6e6e6e6e6e6e6e6e6e91c4106b6b6b6b6b6b6b6b6b6b6b6b6b6b6b6b02"),
     (p.ErrorReply(9, 1, "x"), "94490901a178"),
 ]
 

@@ -1,0 +1,178 @@
+"""The shared-memory index's writer (daemon/index_segment.py), read back by the scheduler's
+reader (client/index_reader.py) in the same process: entries, clusters and their deletion,
+a full table, superseding, and what KeyLocations publishes for the pool and the tiers."""
+
+import os
+import random
+import secrets
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from kvpool.client.index_reader import IndexReader
+from kvpool.daemon.index_segment import IndexSegment, KeyLocations, capacity_for
+from kvpool.shared import index_format as f
+
+NS = b"N" * 16
+
+
+def key(i: int, ns: bytes = NS) -> bytes:
+    return ns + i.to_bytes(8, "little") + b"\x5a" * 8
+
+
+@pytest.fixture
+def segment():
+    seg = IndexSegment(f"/kvpool-test-index-{os.getpid()}-{secrets.token_hex(4)}", 4096, "d1")
+    yield seg
+    seg.close()
+
+
+def test_every_put_is_found_with_its_location_and_ref_and_removed_ones_are_not(segment):
+    reader = IndexReader.open(segment.name)
+    rng = random.Random(5)
+    live: dict[int, tuple[int, int]] = {}
+    for step in range(20_000):              # random puts, moves and removals: long clusters
+        i = rng.randrange(3000)
+        if i in live and rng.random() < 0.5:
+            segment.remove(key(i))
+            del live[i]
+        elif len(live) < 3000:
+            where = rng.choice([f.POOL, f.DISK, f.REMOTE])
+            ref = rng.getrandbits(63) if where == f.POOL else 0
+            assert segment.put(key(i), where, ref)
+            live[i] = (where, ref)
+        if step % 2000 == 0:
+            hashes = [key(i)[16:] for i in range(3000)]
+            loc, ref = reader.find(NS, hashes)
+            got = {i: (int(loc[i]), int(ref[i])) for i in range(3000) if loc[i] != f.EMPTY}
+            assert got == live
+    assert len(segment) == len(live)
+    assert reader.find(b"M" * 16, [key(i)[16:] for i in live])[0].max() == 0, "another ns"
+    reader.close()
+
+
+def test_a_run_of_leading_hits_stops_at_the_first_miss(segment):
+    reader = IndexReader.open(segment.name)
+    for i in (0, 1, 2, 4):
+        segment.put(key(i), f.POOL, 100 + i)
+    n, loc, ref = reader.leading(NS, [key(i)[16:] for i in range(6)])
+    assert n == 3 and loc.tolist() == [f.POOL] * 3 and ref.tolist() == [100, 101, 102]
+    assert reader.leading(NS, [])[0] == 0
+    reader.close()
+
+
+def test_a_record_stopped_half_written_is_never_a_hit(segment):
+    """The writer dies (or is preempted) between the odd and the even sequence store: the
+    entry's body may say anything, the reader must miss it."""
+    reader = IndexReader.open(segment.name)
+    segment.put(key(1), f.POOL, 7)
+    i = segment._where[key(1)]
+    words = segment._words
+    base = i * f.ENTRY_WORDS
+    seq = words[base] >> 8
+    words[base] = ((seq + 1) << 8) | f.POOL          # odd: a write began...
+    words[base + 1] = 99                             # ...and got this far
+    assert reader.find(NS, [key(1)[16:]])[0].tolist() == [f.EMPTY]
+    words[base] = ((seq + 2) << 8) | f.POOL          # finished
+    assert reader.find(NS, [key(1)[16:]])[1].tolist() == [99]
+    reader.close()
+
+
+def test_a_full_table_leaves_new_keys_unpublished_and_counts_them(segment):
+    cap = int(0.75 * segment.capacity)
+    for i in range(cap):
+        assert segment.put(key(i), f.POOL, i + 1)
+    assert not segment.put(key(cap), f.POOL, 1) and segment.unpublished == 1
+    assert segment.put(key(0), f.DISK)               # a published key still moves
+    reader = IndexReader.open(segment.name)
+    loc, _ = reader.find(NS, [key(i)[16:] for i in range(cap + 1)])
+    assert loc[0] == f.DISK and (loc[1:cap] == f.POOL).all() and loc[cap] == f.EMPTY
+    reader.close()
+
+
+def test_a_new_segment_of_the_same_name_supersedes_the_mapped_one():
+    name = f"/kvpool-test-index-{os.getpid()}-{secrets.token_hex(4)}"
+    first = IndexSegment(name, 4096, "life-1")
+    first.put(key(1), f.POOL, 5)
+    reader = IndexReader.open(name)
+    assert reader.daemon_id == "life-1" and not reader.superseded
+    # The first daemon was killed: nothing closed it. The next one takes the name over.
+    second = IndexSegment(name, 8192, "life-2")
+    try:
+        assert reader.superseded and reader.find(NS, [key(1)[16:]]) is None
+        again = IndexReader.open(name)
+        assert again.daemon_id == "life-2" and again.capacity == 8192
+        assert again.find(NS, [key(1)[16:]])[0].tolist() == [f.EMPTY]
+        again.close()
+    finally:
+        second.close()
+        reader.close()
+    with pytest.raises(posix_ipc.ExistentialError):
+        posix_ipc.SharedMemory(name, 0)              # closed: unlinked
+
+
+def test_the_segment_has_the_mode_asked_for_and_readers_cannot_write(segment):
+    st = os.fstat(posix_ipc.SharedMemory(segment.name, 0, read_only=True).fd)
+    assert st.st_mode & 0o777 == 0o600
+    reader = IndexReader.open(segment.name)
+    with pytest.raises(TypeError):
+        reader._buf[0] = 1                            # mapped read-only
+    reader.close()
+
+
+def test_capacity_is_sized_from_the_pool_and_the_disk():
+    assert capacity_for(8 << 20, 0) == 4096
+    assert capacity_for(64 << 30, 0) == 1 << 22
+    assert capacity_for(1 << 30, 1 << 30) == 1 << 18
+    assert capacity_for(1 << 30, 0, setting=5000) == 8192
+
+
+class _Tier:
+    def __init__(self, name, holds=()):
+        self.name, self.is_enabled, self.holds = name, True, set(holds)
+
+    def leading(self, ns, hashes, slot_bytes):
+        return int(ns + hashes[0] in self.holds)
+
+
+class _Slot:
+    def __init__(self, k, ref):
+        self.key, self.ref, self.ns = k, ref, k[:16]
+
+
+class _Namespaces:
+    layouts = {NS: type("L", (), {"slot_bytes": 4096})()}
+
+
+def test_key_locations_publish_the_pool_first_then_the_first_tier_that_holds_a_key(segment):
+    disk, remote = _Tier("disk"), _Tier("remote")
+    loc = KeyLocations(segment, _Namespaces(), [disk, remote])
+    a, b, c = key(1), key(2), key(3)
+    loc.committed([_Slot(a, 11), _Slot(b, 12)])
+    disk.holds |= {a}
+    loc.tier_holds(disk, [a, c])                      # a stays in the pool; c is on disk
+    remote.holds |= {a, c}
+    loc.tier_holds(remote, [a, c])
+    assert [segment.location(k) for k in (a, b, c)] == [f.POOL, f.POOL, f.DISK]
+    loc.removed([_Slot(a, 11), _Slot(b, 12)])         # evicted from the pool
+    assert [segment.location(k) for k in (a, b)] == [f.DISK, f.EMPTY]
+    disk.holds -= {a, c}
+    loc.tier_dropped(disk, [a, c])
+    assert [segment.location(k) for k in (a, c)] == [f.REMOTE, f.REMOTE]
+    remote.holds.clear()
+    loc.tier_dropped(remote, [a, c])
+    assert len(segment) == 0
+
+
+def test_the_reader_hashes_keys_as_the_writer_does():
+    rng = np.random.default_rng(3)
+    for bits in (12, 16, 22):
+        keys = [rng.bytes(32) for _ in range(200)]
+        want = [f.home(k, bits) for k in keys]
+        hw = np.frombuffer(b"".join(k[16:] for k in keys), np.uint64).reshape(-1, 2)
+        nsw = np.frombuffer(b"".join(k[:16] for k in keys), np.uint64).reshape(-1, 2)
+        folded = hw[:, 0] ^ hw[:, 1] ^ nsw[:, 0] ^ nsw[:, 1]
+        with np.errstate(over="ignore"):
+            got = (folded * np.uint64(f.HASH_MULTIPLIER)) >> np.uint64(64 - bits)
+        assert got.tolist() == want
