@@ -119,10 +119,12 @@ class DaemonProcess(LoggedProcess):
     def cleanup(self) -> None:
         self.kill_if_running()
         import posix_ipc
-        try:
-            posix_ipc.unlink_shared_memory("/" + self.pool_name)
-        except posix_ipc.ExistentialError:
-            pass
+        from kvpool.shared.index_format import segment_name
+        for name in ("/" + self.pool_name, segment_name(self.pool_name)):
+            try:
+                posix_ipc.unlink_shared_memory(name)
+            except posix_ipc.ExistentialError:
+                pass
 
 
 
