@@ -20,6 +20,7 @@ from collections import deque
 from concurrent.futures import Future
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
 import numpy as np
@@ -30,8 +31,9 @@ from kvpool.daemon.loads import Loads
 from kvpool.daemon.registry import Owner, Registration, Registry
 from kvpool.daemon.telemetry import Telemetry
 from kvpool.daemon.tiering import STORE_HOLD_S, Tiering
+from kvpool.daemon.replies import job_failed
 from kvpool.shared import protocol as p
-from kvpool.shared.errors import (Aborted, ErrorCode, KvpoolError, OutOfRange,
+from kvpool.shared.errors import (Aborted, KvpoolError, OutOfRange,
                                   ProtocolError, TooLarge, UnknownId)
 
 log = logging.getLogger("kvpoold")
@@ -42,8 +44,9 @@ MAX_BLOCKS_PER_REQUEST = 65536
 
 class CopyJobs:
     def __init__(self, index: Index, registry: Registry, tiering: Tiering | None, daemon_id: str,
-                 send: Callable[[bytes, p.Reply], None], detach: Callable[[Registration], None],
-                 count_error: Callable[[int], None], trace: TextIO | None = None) -> None:
+                 telemetry: Telemetry, send: Callable[[bytes, p.Reply], None],
+                 detach: Callable[[Registration], None], count_error: Callable[[int], None],
+                 trace: TextIO | None = None) -> None:
         self.index = index
         self.registry = registry
         self.tiering = tiering
@@ -53,8 +56,7 @@ class CopyJobs:
         self.count_error = count_error
         # One line per job with the monotonic ns of each hop (latency breakdowns).
         self.trace = trace
-        # The server's, once it has started (its hooks are safe to call before that).
-        self.telemetry = Telemetry.disabled()
+        self.telemetry = telemetry
         self.stored_bytes = 0
         self.loaded_bytes = 0
         self.in_flight: set[asyncio.Future] = set()
@@ -66,7 +68,7 @@ class CopyJobs:
         self.failed_load_blocks = 0   # blocks of load jobs that were not loaded, since start
         self._refusal: BaseException | None = None
         if tiering is not None:
-            tiering.on_progress = self.start_held
+            tiering.when_progress(self.start_held)
 
     def start(self, owner: Owner, msg: p.StoreRequest | p.LoadRequest) -> p.Reply | None:
         if isinstance(msg, p.StoreRequest) and self.tiering is not None and self._must_hold(msg):
@@ -119,10 +121,9 @@ class CopyJobs:
         held = self._held
         while held:
             owner, msg, _ = held.popleft()
-            self.count_error(ErrorCode.ABORTED)
+            reply = job_failed(msg, Aborted("kvpoold is stopping"), self.count_error)
             if self.registry.by_identity.get(owner.identity) is owner:
-                self.send(owner.identity, p.JobDone(msg.req_id, msg.job_id,
-                                                    int(ErrorCode.ABORTED), "kvpoold is stopping"))
+                self.send(owner.identity, reply)
         self._arm_hold_timer()
 
     def _arm_hold_timer(self) -> None:
@@ -135,104 +136,91 @@ class CopyJobs:
             self._hold_timer = asyncio.get_running_loop().call_later(delay, self.start_held)
 
     def _start(self, owner: Owner, msg: p.StoreRequest | p.LoadRequest) -> p.Reply | None:
-        t_recv = time.monotonic_ns() if self.trace else 0
-        is_store = isinstance(msg, p.StoreRequest)
-        started = time.monotonic()
+        job = _Job(owner, msg, time.monotonic(), time.monotonic_ns() if self.trace else 0)
         try:
-            reg = self.registry.registration(owner, msg.registration_id)
+            reg = job.reg = self.registry.registration(owner, msg.registration_id)
             if len(msg.block_ids) != len(msg.slots):
                 raise ProtocolError(f"{len(msg.block_ids)} block ids for {len(msg.slots)} slots")
             check_count(len(msg.slots), "blocks")
             blocks = _block_ids(msg.block_ids, reg.num_blocks)
-            if is_store and not reg.mask:
+            if job.is_store and not reg.mask:
                 # A replica of heads that another rank of its engine stores: nothing to copy,
                 # and the slot commits (or not) on that rank's store alone.
                 return p.JobDone(msg.req_id, msg.job_id, 0, "", 0)
             # Checked now; what can wait (the pins, a store's bindings) is ``finish``, done
             # once the copy has gone out (a big job's first chunk is copying by then).
-            if is_store:
-                job = self.index.open_store(reg.namespace, msg.slots, self._store_keys(msg),
-                                            reg.tp_rank, reg.mask, now=started)
-                slots, finish, has_voids = job.slots, job.finish, job.has_voids
+            if job.is_store:
+                opened = self.index.open_store(reg.namespace, msg.slots, self._store_keys(msg),
+                                               reg.tp_rank, reg.mask, now=job.started)
+                job.slots = opened.slots
             else:
                 if msg.keys and len(msg.keys) != len(msg.slots):
                     raise ProtocolError(f"{len(msg.keys)} keys for {len(msg.slots)} blocks")
-                fut, slots = self.loads.start(reg, msg.slots, msg.keys, blocks)
-                finish, has_voids = None, False
+                fut, job.slots = self.loads.start(reg, msg.slots, msg.keys, blocks)
         except KvpoolError as e:
-            self.count_error(e.code)
-            return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
-        landing = None
-        if is_store:
-            landing, fut = self._submit_store(reg, msg, slots, blocks, has_voids)
+            return job_failed(msg, e, self.count_error)
+        if job.is_store:
+            fut = self._submit_store(job, blocks, opened.has_voids)
             if fut is None:
-                # The engine refused the job: its slots go back (a store's tickets have slots
-                # by now, open_store allocated them, which only its end frees).
-                if finish is not None:
-                    finish()       # so that the job's end finds it as begin_store leaves it
-                self._end(reg, slots, is_store, ok=False, landing=landing)
-                return self._refused(msg, started, len(slots))
-            if finish is not None:
+                # The engine refused the job: its slots go back (its tickets have slots by
+                # now, open_store found them, which only the job's end frees).
+                if opened.finish is not None:
+                    opened.finish()     # so that the job's end finds it as begin_store would
+                self._end(job, ok=False)
+                self.telemetry.job_done(True, 0, job.started, len(msg.slots), ok=False)
+                e, self._refusal = self._refusal, None
+                if not isinstance(e, KvpoolError):
+                    raise e                                   # type: ignore[misc]
+                return job_failed(msg, e, self.count_error)
+            if opened.finish is not None:
                 # The copy is on its way: the pins and bindings run beside it, before the loop
                 # turns (so before any chunk commits or the job ends, and before another
                 # request can evict, reuse or see the slots).
-                finish()
+                opened.finish()
         reg.jobs_in_flight += 1
         owner.jobs_in_flight += 1
-        t_sub = time.monotonic_ns() if self.trace else 0
+        job.t_sub = time.monotonic_ns() if self.trace else 0
         if fut.done():
             # Done already (a small host copy run inline, an empty store, a refusal): the
             # JobDone goes out now, in this dispatch, with no loop turn and no wake-up.
-            self._job_done(None, owner, reg, slots, is_store, msg, fut, started, t_recv, t_sub,
-                           landing)
+            self._job_done(job, fut)
             return None
         # The engine's future resolves on its thread; one call_soon_threadsafe brings the
         # completion to the loop (asyncio.wrap_future would take two loop turns).
         loop = asyncio.get_running_loop()
-        job = loop.create_future()
-        self.in_flight.add(job)
+        job.waiter = loop.create_future()
+        self.in_flight.add(job.waiter)
 
         def resolved(f) -> None:
             try:
-                loop.call_soon_threadsafe(self._job_done, job, owner, reg, slots, is_store, msg,
-                                          f, started, t_recv, t_sub, landing)
+                loop.call_soon_threadsafe(self._job_done, job, f)
             except RuntimeError:   # the loop has closed: the daemon is gone
                 pass
         fut.add_done_callback(resolved)
         return None
 
-    def _submit_store(self, reg: Registration, msg: p.StoreRequest, slots: list[Slot],
-                      blocks: np.ndarray, has_voids: bool
-                      ) -> tuple[Landing, Future[JobResult] | None]:
-        """Hand a checked store to the registration's engine: its landing, and its future
-        (None, with ``self._refusal`` set, when the engine refused it)."""
+    def _submit_store(self, job: "_Job", blocks: np.ndarray, has_voids: bool
+                      ) -> Future[JobResult] | None:
+        """Hand a checked store to its registration's engine (``job.landing`` set): its
+        future, or None (``self._refusal`` set) when the engine refused it."""
+        slots, reg = job.slots, job.reg
         offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
-        landing = Landing(slots)
+        job.landing = Landing(slots)
         if has_voids:
             # Duplicates (keys someone else holds) are bound but written by nobody.
             keep = np.fromiter((not s.void for s in slots), bool, len(slots))
             blocks, offsets = blocks[keep], offsets[keep]
-            landing = Landing(slots, keep)
+            job.landing = Landing(slots, keep)
         if not len(blocks):
             done: Future[JobResult] = Future()
             done.set_result(JobResult(0))
-            return landing, done
+            return done
         try:
-            return landing, reg.engine.submit_store(reg.mapped, blocks, offsets, msg.wait_event,
-                                                    self._progress(reg, landing))
+            return reg.engine.submit_store(reg.mapped, blocks, offsets, job.msg.wait_event,
+                                           self._progress(reg, job.landing))
         except BaseException as e:
             self._refusal = e
-            return landing, None
-
-    def _refused(self, msg: p.StoreRequest, started: float, n: int) -> p.JobDone:
-        """The reply to a store its engine refused (after its slots went back); anything but
-        a ``KvpoolError`` is ours and raised on (the dispatch answers INTERNAL)."""
-        e, self._refusal = self._refusal, None
-        if not isinstance(e, KvpoolError):
-            raise e                 # type: ignore[misc]
-        self.count_error(e.code)
-        self.telemetry.job_done(True, 0, started, n, ok=False)
-        return p.JobDone(msg.req_id, msg.job_id, int(e.code), e.message)
+            return None
 
     def _store_keys(self, msg: p.StoreRequest) -> list[bytes]:
         """The store's keys, checked: every store names one per ticket."""
@@ -265,17 +253,14 @@ class CopyJobs:
         if chunk:
             self.index.end_store(chunk, reg.tp_rank, True, reg.mask)
 
-    def _job_done(self, job: asyncio.Future | None, owner: Owner, reg: Registration,
-                  slots: list[Slot], is_store: bool, msg: p.StoreRequest | p.LoadRequest, fut,
-                  started: float, t_recv: int = 0, t_sub: int = 0,
-                  landing: Landing | None = None) -> None:
-        """A job's end, on the loop: index, counters, its JobDone. ``job`` is what shutdown
-        waits on (None for a job that was done when submitted)."""
+    def _job_done(self, job: "_Job", fut: Future[JobResult]) -> None:
+        """A job's end, on the loop: index, counters, its JobDone."""
         t_cb = time.monotonic_ns() if self.trace else 0
-        if job is not None:
-            if not job.done():
-                job.set_result(None)
-            self.in_flight.discard(job)
+        if job.waiter is not None:
+            if not job.waiter.done():
+                job.waiter.set_result(None)
+            self.in_flight.discard(job.waiter)
+        owner, reg, msg = job.owner, job.reg, job.msg
         reg.jobs_in_flight -= 1
         owner.jobs_in_flight -= 1
         exc = fut.exception() if not fut.cancelled() else Aborted("job cancelled")
@@ -288,16 +273,15 @@ class CopyJobs:
         # up the moment it reads it. What no client can tell from the reply comes after the
         # send, in this same callback (so before any other request is served): a load's unpins
         # (~50 us for 1024 slots on a 2-core host) and the metrics.
-        if is_store:
-            self._end(reg, slots, is_store, ok, landing)
-        nbytes = fut.result().nbytes if ok else 0
+        if job.is_store:
+            self._end(job, ok)
+        result = fut.result() if ok else JobResult(0)
         if ok:
-            failed = fut.result().failed
-            self.failed_load_blocks += len(failed)
-            reply = p.JobDone(msg.req_id, msg.job_id, 0, "", nbytes, failed=list(failed))
+            self.failed_load_blocks += len(result.failed)
+            reply: p.Reply = p.JobDone(msg.req_id, msg.job_id, 0, "", result.nbytes,
+                                       failed=list(result.failed))
         else:
-            code = exc.code if isinstance(exc, KvpoolError) else ErrorCode.INTERNAL
-            reply = p.JobDone(msg.req_id, msg.job_id, int(code), str(exc))
+            reply = job_failed(msg, exc, self.count_error)      # type: ignore[arg-type]
         # Every request gets its one reply while its client is connected, also when the job's
         # registration was closed under it (unregistered or replaced): the worker waits for it.
         try:
@@ -305,18 +289,13 @@ class CopyJobs:
                 self.send(owner.identity, reply)
         finally:
             t_sent = time.monotonic_ns() if self.trace else 0
-            if not is_store:
-                self._end(reg, slots, is_store, ok, landing)
-        if ok:
-            if is_store:
-                self.stored_bytes += nbytes
-            else:
-                self.loaded_bytes += nbytes
+            if not job.is_store:
+                self._end(job, ok)
+        if job.is_store:
+            self.stored_bytes += result.nbytes
         else:
-            if not isinstance(exc, KvpoolError):
-                log.error("copy job failed", exc_info=exc)
-            self.count_error(code)
-        self.telemetry.job_done(is_store, nbytes, started, len(slots), ok=ok)
+            self.loaded_bytes += result.nbytes
+        self.telemetry.job_done(job.is_store, result.nbytes, job.started, len(msg.slots), ok=ok)
         if reg.closing and reg.jobs_in_flight == 0:
             self.detach(reg)
         if self.trace:
@@ -324,16 +303,36 @@ class CopyJobs:
             # ("sent": the reply handed to the socket; a load's unpins come after it)
             eng = (getattr(fut, "kvpool_trace", None) or []) + [0, 0, 0, 0]
             self.trace.write(" ".join(map(str, [
-                owner.id, msg.job_id, "store" if is_store else "load", len(slots),
-                t_recv, t_sub, *eng[1:4], t_cb, t_sent])) + "\n")
+                owner.id, msg.job_id, "store" if job.is_store else "load", len(msg.slots),
+                job.t_recv, job.t_sub, *eng[1:4], t_cb, t_sent])) + "\n")
 
-    def _end(self, reg: Registration, slots: list[Slot], is_store: bool, ok: bool,
-                 landing: Landing | None = None) -> None:
-        if is_store:
-            rest = landing.rest() if landing is not None else slots
-            self.index.end_store(rest, reg.tp_rank, ok, reg.mask)
+    def _end(self, job: "_Job", ok: bool) -> None:
+        """Give back what the job holds in the index: a store's slots (committed where every
+        unit landed, dropped on failure), a load's pins."""
+        if job.is_store:
+            rest = job.landing.rest() if job.landing is not None else job.slots
+            self.index.end_store(rest, job.reg.tp_rank, ok, job.reg.mask)
         else:
-            self.index.end_load(slots, ok)
+            self.index.end_load(job.slots, ok)
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    """One store or load job, from its request to its JobDone."""
+
+    owner: Owner
+    msg: p.StoreRequest | p.LoadRequest
+    started: float                      # monotonic seconds at receipt
+    t_recv: int = 0                     # monotonic ns at receipt (with a trace file)
+    t_sub: int = 0                      # ... when handed to the engine
+    reg: Registration = None            # type: ignore[assignment]  (set once looked up)
+    slots: list[Slot] = field(default_factory=list)   # what its end gives back
+    landing: "Landing | None" = None    # a store's slots on their way to the index
+    waiter: asyncio.Future | None = None  # what shutdown waits on (None: done at submission)
+
+    @property
+    def is_store(self) -> bool:
+        return type(self.msg) is p.StoreRequest
 
 
 class Landing:

@@ -331,8 +331,8 @@ class DiskTier(LowerTier):
                 self.blocks += kept
                 self.demoted_blocks += len(blocks)
                 self.demoted_bytes += len(blocks) * blocks[0].size.slot_bytes
-            if servable and self.observer is not None:
-                self.observer.held(servable)
+            if servable:
+                self.events.held(servable)
         if not self._enabled and not self._closing:
             for waiting in self._landed.values():
                 self._uncommitted -= len(waiting)
@@ -341,8 +341,8 @@ class DiskTier(LowerTier):
             self._landed.clear()
         self._commit_next()
         self._schedule_free()
-        if self.can_demote() and self.on_ready is not None:   # max_uncommitted may have held it
-            self.on_ready()
+        if self.can_demote():          # max_uncommitted may have held it
+            self.events.ready()
 
     def _lost(self, blocks: list[DiskBlock]) -> None:
         """Blocks whose write failed or will not be committed: unreachable, never freed
@@ -519,8 +519,7 @@ class DiskTier(LowerTier):
                 del self._tables[b.key[:16]]
         if self._lru.pop(b, True) is None:
             self.blocks -= 1
-            if self.observer is not None:
-                self.observer.dropped([b.key])
+            self.events.dropped([b.key])
 
     def _release(self, b: DiskBlock) -> None:
         """Give ``b``'s space back: counted now, its index reusable once the record is zeroed
@@ -558,8 +557,7 @@ class DiskTier(LowerTier):
             return
         self._enabled = False
         self.status = f"off: {what} failed: {exc}"
-        if self.observer is not None:
-            self.observer.dropped([b.key for b in self._lru])
+        self.events.dropped([b.key for b in self._lru])
         log.error("DISK TIER OFF: %s in %s failed: %s. kvpoold keeps serving from the pool "
                   "alone; no block is read from the disk tier until the daemon restarts "
                   "(free space or fix the disk first)", what, self.store.path,

@@ -22,7 +22,7 @@ value format are ``daemon/mooncake_store.py``'s.
   ``MONITOR_PERIOD_S`` (from the control thread, never more than one call at a time, so a hung
   master holds one thread, not the loop); when it answers again the tier comes back with one
   WARNING line, forgets ``present`` (a restarted master has lost every object) and calls
-  ``on_restored`` so the pool's blocks are offered again. At start the tier connects the same
+  ``events.restored`` so the pool's blocks are offered again. At start the tier connects the same
   way, in the background: a master that is down at start is an outage, not a failed start.
 
 Everything here runs on the daemon's event loop and never blocks it; Mooncake calls run on the
@@ -452,8 +452,7 @@ class RemoteTier(LowerTier):
                         "remote lookups resume", self.store.url.master)
         else:
             log.info("remote tier: connected to Mooncake master %s", self.store.url.master)
-        if self.on_restored is not None:
-            self.on_restored()
+        self.events.restored()
 
     def _fault(self, what: str, exc: BaseException) -> None:
         """A call failed in a way that says the store is unusable: off, once per outage."""

@@ -41,6 +41,7 @@ from kvpool.daemon.index_segment import IndexSegment, KeyLocations, capacity_for
 from kvpool.daemon.peer import AllowList, Peer
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.registry import Owner, Registration, Registry
+from kvpool.daemon.replies import error_reply
 from kvpool.daemon.shm_reaper import reap_engine_segments
 from kvpool.daemon.telemetry import Telemetry
 from kvpool.daemon.tier import LowerTier
@@ -48,7 +49,7 @@ from kvpool.daemon.tiering import Tiering
 from kvpool.shared import protocol as p
 from kvpool.shared.index_format import FLAG_REMOTE_TIER, segment_name
 from kvpool.shared.config import DaemonConfig, parse_size
-from kvpool.shared.errors import (ErrorCode, HelloRequired, KvpoolError, OutOfRange,
+from kvpool.shared.errors import (HelloRequired, KvpoolError, OutOfRange,
                                   PermissionDenied, ProtocolError, TooLarge, VersionMismatch)
 
 log = logging.getLogger("kvpoold")
@@ -93,14 +94,14 @@ class Server:
         self._next_reap = time.monotonic() + REAP_PERIOD_S
         self.allow = AllowList(config.allow_uid, config.allow_gid)
         self.exit_watch = ExitWatch(self._process_exited)
-        # Replaced by Telemetry.start() in _startup; hooks are safe to call before that.
-        self.telemetry = Telemetry.disabled()
+        # Counts from now on; serves /metrics and events once _startup opens it.
+        self.telemetry = Telemetry(config)
         if pool.adopted:
             kept = self.index.adopt()
             log.info("adopted %d committed blocks from the existing pool", kept)
         self.tiering = Tiering(self.index, lowers) if lowers else None
-        self.jobs = CopyJobs(self.index, self.registry, self.tiering, self.daemon_id, self._send,
-                             self._detach, self._count_error,
+        self.jobs = CopyJobs(self.index, self.registry, self.tiering, self.daemon_id,
+                             self.telemetry, self._send, self._detach, self._count_error,
                              open(config.trace, "a", buffering=1) if config.trace else None)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -145,9 +146,8 @@ class Server:
         # After the socket lock: only the one daemon of this host sweeps.
         reap_engine_segments()
         # After the socket lock, so a second daemon reports "socket busy", not a busy port.
-        self.telemetry = Telemetry.start(self.config)
+        self.telemetry.open()
         self.telemetry.watch(self.index.table)
-        self.jobs.telemetry = self.telemetry
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.should_exit.set)
@@ -316,13 +316,8 @@ class Server:
                 raise ProtocolError(f"malformed request: {e}") from None
             req_id = msg.req_id
             reply = self._handle(identity, msg, frame)
-        except KvpoolError as e:
-            self._count_error(e.code)
-            reply = p.ErrorReply(req_id, int(e.code), e.message)
-        except Exception as e:   # a bug of ours: say so, keep serving
-            self._count_error(ErrorCode.INTERNAL)
-            log.exception("internal error handling a request")
-            reply = p.ErrorReply(req_id, int(ErrorCode.INTERNAL), f"internal error: {e!r}")
+        except Exception as e:   # refused, or a bug of ours (INTERNAL): answered, serving on
+            reply = error_reply(req_id, e, self._count_error)
         if reply is not None:
             self._send(identity, reply)
 
@@ -428,13 +423,8 @@ class Server:
             return
         try:
             reply: p.Reply = self._lookup(owner, msg, time.monotonic())
-        except KvpoolError as e:
-            self._count_error(e.code)
-            reply = p.ErrorReply(msg.req_id, int(e.code), e.message)
-        except Exception as e:   # a bug of ours: say so, keep serving
-            self._count_error(ErrorCode.INTERNAL)
-            log.exception("internal error answering a lookup")
-            reply = p.ErrorReply(msg.req_id, int(ErrorCode.INTERNAL), f"internal error: {e!r}")
+        except Exception as e:
+            reply = error_reply(msg.req_id, e, self._count_error, "answering a lookup")
         self._send(identity, reply)
 
     def _hello(self, identity: bytes, msg: p.Hello, peer: Peer | None, now: float) -> p.Reply:

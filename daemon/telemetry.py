@@ -51,38 +51,50 @@ class _EventRecords:
 
 
 class Telemetry:
-    def __init__(self, metrics: Metrics, http: MetricsServer | None,
-                 events: KvEventPublisher | None) -> None:
-        self.metrics = metrics
-        self.http = http
-        self.events = events
+    """Built with the server (it counts in memory from then on, serving nothing); ``open``
+    binds what the config asks for once the daemon owns its socket."""
+
+    def __init__(self, config: DaemonConfig | None = None) -> None:
+        self.config = config
+        self.metrics = Metrics(stale_after_s=config.health_stale_s if config else 10.0)
+        self.http: MetricsServer | None = None
+        self.events: KvEventPublisher | None = None
         self._next_info = 0.0
         self._evictions_seen = 0
         self._closed = False
         # ("stored"|"removed", namespace, block hash) records of the slot table (``watch``);
         # None when nobody publishes events.
-        self._index_events: list[tuple[str, bytes, bytes]] | None = (
-            [] if events is not None else None)
+        self._index_events: list[tuple[str, bytes, bytes]] | None = None
+
+    def open(self) -> None:
+        """Open the HTTP server and the events socket the config asks for. Raises
+        ``ConfigError`` (naming the setting) when a port or endpoint cannot be bound."""
+        config = self.config
+        assert config is not None, "a Telemetry built without a config serves nothing"
+        self.http = start_metrics_server(self.metrics, config.metrics_host, config.metrics_port)
+        try:
+            self.events = start_event_publisher(config.events_endpoint, config.events_topic,
+                                                config.events_hash_format,
+                                                config.events_interval_ms)
+        except BaseException:
+            if self.http is not None:
+                self.http.close()
+                self.http = None
+            raise
+        if self.events is not None:
+            self._index_events = []
 
     @classmethod
     def start(cls, config: DaemonConfig) -> "Telemetry":
-        """Open the HTTP server and the events socket the config asks for. Raises
-        ``ConfigError`` (naming the setting) when a port or endpoint cannot be bound."""
-        metrics = Metrics(stale_after_s=config.health_stale_s)
-        http = start_metrics_server(metrics, config.metrics_host, config.metrics_port)
-        try:
-            events = start_event_publisher(config.events_endpoint, config.events_topic,
-                                           config.events_hash_format, config.events_interval_ms)
-        except BaseException:
-            if http is not None:
-                http.close()
-            raise
-        return cls(metrics, http, events)
+        """A Telemetry for ``config``, opened (tools and tests)."""
+        t = cls(config)
+        t.open()
+        return t
 
     @classmethod
     def disabled(cls) -> "Telemetry":
-        """Counts in memory, serves nothing: the server's placeholder until ``start``."""
-        return cls(Metrics(), None, None)
+        """Counts in memory, serves nothing (tests of the parts that report to it)."""
+        return cls()
 
     def watch(self, table: "SlotTable") -> None:
         """Record the slot table's stored and removed blocks for the KV event publisher

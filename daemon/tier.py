@@ -33,37 +33,46 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from typing import Callable, Iterable, Protocol
+from typing import Iterable
 
 from kvpool.shared.protocol import TierInfo
 
 
-class TierObserver(Protocol):
-    """Told, on the event loop, which keys a tier can serve from now on (``held``) and which it
-    no longer can (``dropped``): the shared-memory index publishes them (issue 37)."""
+class TierEvents:
+    """What a tier tells its caller, on the event loop (``LowerTier.bind``; nothing by default):
+    it serves again after a fault (``restored``: what it held may be gone, so the pool's blocks
+    are offered again), ``can_demote`` turned True other than by a ``demote`` future resolving
+    (``ready``: a tier that makes blocks durable after that), and which keys it can serve from
+    now on (``held``) or no longer (``dropped``), for the shared-memory index. A tier whose
+    index is not in memory (a store shared with other hosts) need not send the last two."""
 
-    def held(self, keys: list[bytes]) -> None: ...
+    def restored(self) -> None:
+        pass
 
-    def dropped(self, keys: list[bytes]) -> None: ...
+    def ready(self) -> None:
+        pass
+
+    def held(self, keys: list[bytes]) -> None:
+        pass
+
+    def dropped(self, keys: list[bytes]) -> None:
+        pass
 
 
 class LowerTier(abc.ABC):
     name: str
-    # Set by the caller; called on the event loop when the tier serves again after a fault.
-    on_restored: Callable[[], None] | None = None
+    # What the tier tells its caller (``bind``): nobody listens until then.
+    events: TierEvents = TierEvents()
     # Whether queued blocks are still written down when the daemon stops (the pool may be
     # unlinked next). The remote tier says no: a publish while stopping waits on the network.
     flushes_at_exit: bool = True
     # Set by ``close`` when calls it could not stop (or a client whose teardown would wait on
     # a remote peer) are left behind: the process must then end without joining its threads.
     has_lingering_work: bool = False
-    # Set by the caller; called on the event loop when ``can_demote`` turned True other than
-    # by a ``demote`` future resolving (a tier that makes blocks durable after that).
-    on_ready: Callable[[], None] | None = None
-    # Set by the caller (None: nobody watches). A tier whose index is in memory calls it as
-    # blocks become servable and stop being so; one that cannot know (a store shared with
-    # other hosts) need not.
-    observer: TierObserver | None = None
+
+    def bind(self, events: TierEvents) -> None:
+        """Tell ``events`` what happens from now on (the tiering's call, at its construction)."""
+        self.events = events
 
     def held_keys(self) -> Iterable[bytes]:
         """The keys the tier can serve now, as far as it knows from memory (for the observer's

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Callable
 import msgspec
 
 from kvpool.daemon.index import COMMITTED, Index, Slot
-from kvpool.daemon.tier import LowerTier
+from kvpool.daemon.tier import LowerTier, TierEvents
 from kvpool.shared.protocol import TierInfo
 
 if TYPE_CHECKING:
@@ -67,18 +67,27 @@ class _Lane:
     missed_blocks: int = 0
 
 
-@dataclass(eq=False)
-class _TierFeed:
-    """One tier's observer: its keys, told to the shared-memory index as that tier's."""
+class _LaneEvents(TierEvents):
+    """What one tier tells the tiering: a comeback or room to write (its lane is pumped again),
+    keys it serves or dropped (told to the shared-memory index, once there is one)."""
 
-    locations: "KeyLocations"
-    tier: LowerTier
+    def __init__(self, tiering: "Tiering", lane: _Lane) -> None:
+        self.tiering = tiering
+        self.lane = lane
+
+    def restored(self) -> None:
+        self.tiering._offer_pool(self.lane)
+
+    def ready(self) -> None:
+        self.tiering._schedule_pump(self.lane)
 
     def held(self, keys: list[bytes]) -> None:
-        self.locations.tier_holds(self.tier, keys)
+        if self.tiering.locations is not None:
+            self.tiering.locations.tier_holds(self.lane.tier, keys)
 
     def dropped(self, keys: list[bytes]) -> None:
-        self.locations.tier_dropped(self.tier, keys)
+        if self.tiering.locations is not None:
+            self.tiering.locations.tier_dropped(self.lane.tier, keys)
 
 
 class Tiering:
@@ -95,18 +104,19 @@ class Tiering:
         # The tiers fell behind the stores (a hold ran out): no store waits until they have
         # written everything queued.
         self.overloaded = False
-        # Called when a tier's write ends (the copy jobs retry the stores they hold).
-        self.on_progress: Callable[[], None] | None = None
+        # Told when a tier's write ends (the copy jobs retry the stores they hold).
+        self._on_progress: Callable[[], None] | None = None
+        # The shared-memory index, told what each tier holds (``observe``).
+        self.locations: "KeyLocations | None" = None
         index.table.watch(self)
         for lane in self._lanes:
-            lane.tier.on_restored = lambda lane=lane: self._offer_pool(lane)
-            lane.tier.on_ready = lambda lane=lane: self._schedule_pump(lane)
+            lane.tier.bind(_LaneEvents(self, lane))
 
     def observe(self, locations: "KeyLocations") -> None:
         """Tell ``locations`` (the shared-memory index) what each tier holds now and, from then
         on, what each writes down or drops."""
+        self.locations = locations
         for lane in self._lanes:
-            lane.tier.observer = _TierFeed(locations, lane.tier)
             locations.tier_holds(lane.tier, list(lane.tier.held_keys()))
 
     def start(self) -> None:
@@ -201,9 +211,14 @@ class Tiering:
         self._pump(lane)
         self._progress()
 
+    def when_progress(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever a tier's write ends (the copy jobs, which hold stores
+        until the tiers make room, subscribe at their construction)."""
+        self._on_progress = callback
+
     def _progress(self) -> None:
-        if self.on_progress is not None:
-            self.on_progress()
+        if self._on_progress is not None:
+            self._on_progress()
 
     @property
     def behind(self) -> bool:

@@ -12,6 +12,7 @@ import threading
 import numpy as np
 
 from kvpool.daemon import disk_tier
+from kvpool.daemon.tier import TierEvents
 from kvpool.daemon.disk_tier import DiskTier
 
 S = 8192
@@ -44,7 +45,10 @@ def test_batches_landing_during_a_commit_share_the_next_and_show_only_once_durab
         return real_commit(slot_bytes, batches)
     tier.store.commit = gated_commit
     ready: list[int] = []
-    tier.on_ready = lambda: ready.append(len(commits))
+    class Events(TierEvents):
+        def ready(self):
+            ready.append(len(commits))
+    tier.bind(Events())
 
     async def demote(first: int, n: int) -> int:
         return await asyncio.wait_for(tier.demote(

@@ -89,7 +89,7 @@ def test_a_tier_that_comes_back_is_offered_the_pool(pool):
         assert remote.held == set()
         remote.held.clear()                  # what it held is gone (a restarted store)
         remote.enabled = True
-        remote.on_restored()
+        remote.events.restored()
         await asyncio.sleep(0.01)
     asyncio.run(run())
     assert remote.held == {NS + k for k in keys(5)}
