@@ -266,7 +266,12 @@ def _stall_once(workdir: Path, name: str, stop_s: float, peer_timeout_ms: int | 
     it is stopped, a bystander stores other blocks. Returns what the staller saw and whether
     anything was misapplied."""
     from bench.soak.client import Engine
-    extra = ["--peer-timeout-ms", str(peer_timeout_ms)] if peer_timeout_ms else []
+    # Heartbeats at a tenth of a short peer timeout (the default interval, 1 s, would leave a
+    # live client one late beat from being released: on a loaded host the staller was, before
+    # its stall, mid-store).
+    extra = (["--peer-timeout-ms", str(peer_timeout_ms),
+              "--heartbeat-interval-ms", str(max(10, peer_timeout_ms // 10))]
+             if peer_timeout_ms else [])
     d = Daemon(workdir / name, pool_size="32MiB", extent_size="4MiB", extra=extra)
     d.start()
     probe = SchedulerClient(d.client_config(timeout_ms=5000), "soak-probe", heartbeat=False)
