@@ -45,8 +45,11 @@ def worker_kills(workdir: Path, kills: int = 100, seed: int = 7, pool_size: str 
     mid_transfer = 0
     try:
         for k in range(kills):
+            # 256 blocks of 16 KiB: 4 MiB jobs, over the host path's inline limit (2 MiB), so
+            # they run on a copy thread and the daemon sees them in flight when the kill lands
+            # (64-block jobs were copied and answered within one dispatch: never in flight).
             v = spawn_client("victim", workdir / "worker-kills-victim.log", socket=d.socket,
-                             seed=k + 1, batch=64, block_bytes=victim_block_bytes)
+                             seed=k + 1, batch=256, block_bytes=victim_block_bytes)
             ready = read_line(v, 60)
             # Kill it while a job of it is running, as the daemon sees it.
             delay = rng.uniform(0.0, 0.2)

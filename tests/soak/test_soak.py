@@ -29,6 +29,7 @@ def test_sigkilled_workers_are_released_and_nobody_else_notices(tmp_path):
     assert r["worker_kill_detail"]["bystander_corrupted"] == 0
     assert r["worker_kill_detail"]["bystander_unavailable"] == 0
     assert r["worker_kill_detail"]["leaked_after_exit"] == 0
+    assert r["worker_kill_detail"]["killed_with_jobs_in_flight"] >= 1, r
     _met(r)
 
 
