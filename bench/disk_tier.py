@@ -62,7 +62,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 from kvpool.daemon.disk_store import DiskStore  # noqa: E402
-from bench.kvtest import DaemonProcess, HostKv  # noqa: E402
+from bench.kvtest import DaemonProcess, HostKv, keyed_store  # noqa: E402
 from bench.soak.common import wait_for  # noqa: E402
 import bench.kvtest  # noqa: E402
 from kvpool.client.host_memory import SharedHostMemory  # noqa: E402
@@ -142,13 +142,16 @@ def demote_promote(work: Path, nbytes: int) -> dict:
         # One block first: its store waits for the copy engine's start, its demotion for the
         # tier's; the clock then sees only the steady write-behind.
         assert all(c.ok for c in worker.wait(
-            [worker.submit_store(reg, [0], sched.prepare_store(kv.namespace, keys[:1]))], 600))
+            [keyed_store(sched, worker, reg, kv.namespace, [0], keys[:1])], 600))
         _until(sched, "demoted_bytes", BIG_BYTES)
         t0 = time.time()
-        jobs = [worker.submit_store(reg, list(range(a, min(n, a + 64))),
-                                    sched.prepare_store(kv.namespace, keys[a:a + 64]))
+        jobs = [keyed_store(sched, worker, reg, kv.namespace, list(range(a, min(n, a + 64))),
+                            keys[a:a + 64])
                 for a in range(1, n, 64)]
-        assert all(c.ok for c in worker.wait(jobs, 600))
+        done = worker.wait(jobs, 600)
+        # Every block written (the pool has room for all): a block not stored would not be
+        # demoted, and the clock below would never stop.
+        assert all(c.ok for c in done) and sum(c.nbytes for c in done) == (n - 1) * BIG_BYTES
         demote_s = _until(sched, "demoted_bytes", n * BIG_BYTES) - t0
         worker.close()
         sched.close()
@@ -283,8 +286,9 @@ def kill_loop(work: Path, rounds: int, seed: int) -> dict:
             for b, k in enumerate(keys):
                 stored[k] = kv.blocks_of([b])
             prompts.append(keys)
-            refs = sched.prepare_store(kv.namespace, keys)
-            assert worker.wait([worker.submit_store(reg, list(range(64)), refs)], 60)[0].ok
+            done = worker.wait([keyed_store(sched, worker, reg, kv.namespace, list(range(64)),
+                                            keys)], 60)[0]
+            assert done.ok and done.nbytes == 64 * kv.layout.shard_bytes, done
             if r == 0:                                # calibrate: one whole demotion
                 t0 = time.time()
                 demote_s = _until(sched, "demoted_blocks", 64) - t0

@@ -50,20 +50,25 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# Run as a script, this folder comes first on sys.path, where bench/mooncake.py would stand in
+# for the mooncake package (and its master binary would not be found).
+sys.path[:] = [x for x in sys.path if Path(x or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("GLOG_minloglevel", "2")   # before Mooncake loads (this process's client)
 
 from kvpool.client.host_memory import SharedHostMemory  # noqa: E402
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
-from bench.kvtest import DaemonProcess, HostKv  # noqa: E402
+from bench.kvtest import DaemonProcess, HostKv, keyed_store  # noqa: E402
 from bench.soak.common import stop_process, wait_for  # noqa: E402
 import bench.kvtest  # noqa: E402
 from bench.mooncake import MooncakeMaster  # noqa: E402
+from kvpool.shared.protocol import ENGINE_SHM_PREFIX  # noqa: E402
 
-# The engine's KV memory under a name of its own (see bench/disk_tier.py).
+# The engine's KV memory under a name of its own (see bench/disk_tier.py), with the engine
+# prefix: the daemon opens no other name.
 bench.kvtest.SharedHostMemory = lambda nbytes: SharedHostMemory(
-    nbytes, f"kvbench-{os.getpid()}-{os.urandom(4).hex()}")
+    nbytes, f"{ENGINE_SHM_PREFIX}bench-{os.getpid()}-{os.urandom(4).hex()}")
 
 GB = 1e9
 BIG = dict(layers=1, block_tokens=16, heads=256, head_dim=128)
@@ -176,8 +181,8 @@ def one_rep(work: Path, m: MooncakeMaster, raw: Raw, n: int, singles: int, rep: 
         worker, reg = kv.register(cfg)
         sched = SchedulerClient(cfg)
         junk = kv.keys(list(range(n * 16 + singles * 16)))
-        assert all(c.ok for c in worker.wait([worker.submit_store(
-            reg, list(range(n + singles)), sched.prepare_store(kv.namespace, junk))], 600))
+        assert all(c.ok for c in worker.wait([keyed_store(
+            sched, worker, reg, kv.namespace, list(range(n + singles)), junk)], 600))
         wait_for(lambda: _remote(sched).is_enabled, 60, "b to connect")
         sched.reset(kv.namespace)
         worker.close()
@@ -193,14 +198,18 @@ def one_rep(work: Path, m: MooncakeMaster, raw: Raw, n: int, singles: int, rep: 
         sched_a = SchedulerClient(cfg)
         wait_for(lambda: _remote(sched_a).is_enabled, 60, "a to connect")
         junk = kv.keys(list(range(n * 16)))
-        assert all(c.ok for c in worker.wait([worker.submit_store(
-            reg, list(range(n)), sched_a.prepare_store(kv.namespace, junk))], 600))
+        assert all(c.ok for c in worker.wait([keyed_store(
+            sched_a, worker, reg, kv.namespace, list(range(n)), junk)], 600))
         wait_for(lambda: _remote(sched_a).demoted_blocks >= n, 120, "a's warm-up published")
         sched_a.reset(kv.namespace)
         worker.close()
         raw_put = raw.put(f"r{rep}", n)
         stop_process(m.proc.pid)
         try:
+            # A lookup that probes the stopped master turns the tier off within its remote
+            # timeout; left idle, the tier waits for Mooncake's own ping of the master to time
+            # out (over 40 s here).
+            sched_a.lookup(kv.namespace, [kv.keys(list(range(10**9, 10**9 + 16)))])
             wait_for(lambda: not _remote(sched_a).is_enabled, 60, "a's tier off")
             kv = HostKv(blocks=n, **BIG)
             made.append(kv)
@@ -208,10 +217,12 @@ def one_rep(work: Path, m: MooncakeMaster, raw: Raw, n: int, singles: int, rep: 
             keys = kv.keys(list(range(rep * 10**7, rep * 10**7 + n * 16)))
             kv.kv.normal_()
             expect = kv.kv.clone()
-            jobs = [worker.submit_store(reg, list(range(i, min(n, i + 64))),
-                                        sched_a.prepare_store(kv.namespace, keys[i:i + 64]))
+            jobs = [keyed_store(sched_a, worker, reg, kv.namespace,
+                                list(range(i, min(n, i + 64))), keys[i:i + 64])
                     for i in range(0, n, 64)]
-            assert all(c.ok for c in worker.wait(jobs, 600))
+            done = worker.wait(jobs, 600)
+            # All written (the pool has room): the publish clock waits for every block.
+            assert all(c.ok for c in done) and sum(c.nbytes for c in done) == n * BIG_BYTES
             worker.close()
         finally:
             m.proc.send_signal(signal.SIGCONT)
@@ -243,9 +254,9 @@ def one_rep(work: Path, m: MooncakeMaster, raw: Raw, n: int, singles: int, rep: 
             first = 5 * 10**8 + rep * 10**6 + i * 16
             k = kv_a.keys(list(range(first, first + 16)))
             kv_a.kv[:, :, 0].normal_()
-            c = worker_a.wait([worker_a.submit_store(reg_a, [0], sched_a.prepare_store(
-                kv_a.namespace, k))], 60)[0]
-            assert c.ok, c
+            c = worker_a.wait([keyed_store(sched_a, worker_a, reg_a, kv_a.namespace, [0], k)],
+                              60)[0]
+            assert c.ok and c.nbytes == BIG_BYTES, c
             one_keys.append(k)
         total = n + singles
         wait_for(lambda: _remote(sched_a).demoted_blocks >= total, 60, "singles published")

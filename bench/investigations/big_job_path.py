@@ -1,6 +1,6 @@
 """The daemon's own Python around a big job's copy, on CPU, without a GPU or a socket (issue 15).
 
-    python bench/investigations/big_job_path.py [--blocks 1024] [--jobs 200] [--keys] [--out DIR]
+    python bench/investigations/big_job_path.py [--blocks 1024] [--jobs 200] [--out DIR]
 
 A 1024-block store on an H100 copies for ~40 ms; what no copy hides is the daemon's work before
 the first chunk goes out and after the last one lands. This times that work in process: a
@@ -16,10 +16,11 @@ the first chunk goes out and after the last one lands. This times that work in p
   ``done_to_sent``: the engine's future resolved -> the reply handed to the socket, which adds the
   loop's wake-up (here a same-thread ``call_soon_threadsafe``).
 
-Stores take slots from ``prepare_store`` (what bench/gpu_transfer.py does) or, with ``--keys``,
-name tickets from ``reserve`` that the store gives slots by its keys (the vLLM connector's path;
-on a full pool, ``to_submit`` then includes evicting a slot per block). Each figure is
-the median over ``--jobs`` jobs (the first 10% not counted), in microseconds.
+Stores name tickets from ``reserve`` that the store gives slots by its keys (the one store
+path since protocol 2, the vLLM connector's; on a full pool ``to_submit`` includes evicting a
+slot per block). The runs that led to chunking (issue 15) also timed stores into slots bound
+beforehand by protocol 1's ``prepare_store``, which is gone. Each figure is the median over
+``--jobs`` jobs (the first 10% not counted), in microseconds.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class _Frame:
         self.buffer = memoryview(data)
 
 
-def run(blocks: int, jobs: int, keys: bool) -> dict[str, dict[str, float]]:
+def run(blocks: int, jobs: int) -> dict[str, dict[str, float]]:
     from kvpool.daemon import copy_engine
     from kvpool.daemon.copy_engine import chunk_bounds
     cfg = DaemonConfig(pool_name=f"kvpool-bench-big-{os.getpid()}-{secrets.token_hex(3)}",
@@ -150,13 +151,9 @@ def run(blocks: int, jobs: int, keys: bool) -> dict[str, dict[str, float]]:
             ids = list(range(blocks))
             for i in range(jobs):
                 ks = [b"%08d%08d" % (i, j) for j in range(blocks)]
-                if keys:
-                    slots = idx.reserve(ns, blocks, 99, 0.0)
-                    msg = p.StoreRequest(next(req), reg, i, ids, slots, keys=ks)
-                else:
-                    slots = idx.prepare_store(ns, ks, 99, 0.0)
-                    msg = p.StoreRequest(next(req), reg, i, ids, slots)
-                assert len(slots) == blocks and min(slots) >= 0
+                slots = idx.reserve(ns, blocks, 99, 0.0)
+                msg = p.StoreRequest(next(req), reg, i, ids, slots, keys=ks)
+                assert len(slots) == blocks
                 frame = p.encode(msg)
                 t0 = time.perf_counter_ns()
                 p.decode_request(frame)
@@ -195,14 +192,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=1024)
     ap.add_argument("--jobs", type=int, default=200)
-    ap.add_argument("--keys", action="store_true", help="tickets bound to slots by the store")
     ap.add_argument("--out", default="", help="directory for the JSON (default: none)")
     args = ap.parse_args()
     res = {"device": f"cpu {platform.machine()}, {os.cpu_count()} cores",
            "date": datetime.date.today().isoformat(), "blocks": args.blocks, "jobs": args.jobs,
-           "keys": args.keys, "us": run(args.blocks, args.jobs, args.keys)}
-    print(f"daemon Python around a {args.blocks}-block job ({res['device']}, "
-          f"{'tickets+keys' if args.keys else 'prepared'}), median us")
+           "us": run(args.blocks, args.jobs)}
+    print(f"daemon Python around a {args.blocks}-block job ({res['device']}, tickets+keys), "
+          f"median us")
     for k, v in res["us"].items():
         print(f"  {k:20s} {v:8.1f}")
     if args.out:

@@ -8,18 +8,19 @@ operation on ``--blocks`` blocks (lookups on 256 keys, as a scheduler step asks)
 - ``reserve``: a scheduler's stock refill (tickets: no slot, no key);
 - ``begin_store_keys`` / ``end_store_keys``: the first (only) rank's store giving those tickets
   slots for their keys, then its completion committing them;
-- ``prepare_store`` / ``begin_store`` / ``end_store``: the round-trip path, slots bound by
-  ``prepare_store``;
-- ``prepare_store_evict``: ``prepare_store`` into a full pool, each slot taken by evicting the
-  least recently used block;
+- ``begin_store_keys_dup``: a store whose every key is held already (each ticket bound to a
+  void: nothing written), and ``end_store_keys_dup`` forgetting those voids;
+- ``begin_store_keys_evict``: the first rank's store into a full pool, each slot taken by
+  evicting the least recently used block (its reservation not timed);
 - ``lookup256_hit`` / ``lookup256_miss`` (no lease), ``lookup256_pin`` + ``release``
   (``release_leases`` of that lease);
-- ``abort_store``: dropping a prepared batch.
+- ``abort_store``: giving back a reservation nobody stored into.
 
 Each sample is one call; the median and p90 of ``--repeat`` samples are printed. Between
 samples the namespace is reset (untimed) so that every store takes free slots, except in
-``prepare_store_evict``. 16 KiB slots in 2 MiB extents: 128 slots per extent, the ratio of 2 MiB
-Llama-3.1-8B blocks in the 256 MiB extents of a large pool.
+``begin_store_keys_evict``. 16 KiB slots in 2 MiB extents: 128 slots per extent, the ratio of
+2 MiB Llama-3.1-8B blocks in the 256 MiB extents of a large pool. (Protocol 1's
+``prepare_store``, keys bound at once by a round trip, is gone: every store binds tickets.)
 """
 
 from __future__ import annotations
@@ -90,40 +91,41 @@ def main() -> None:
             timed = t if it >= 3 else Timer()     # three warm-up rounds
             now = float(it)
             # Reservation path: reserve, bind by the store's keys, commit.
-            ks = fresh_keys(n, 3 * it)
+            ks = fresh_keys(n, 2 * it)
             refs = timed.run("reserve", ix.reserve, NS, n, OWNER, now)
             assert len(refs) == n, len(refs)
-            slots = timed.run("begin_store_keys", lambda: ix.begin_store(NS, refs, 0, keys=ks,
-                                                                         now=now))
+            slots = timed.run("begin_store_keys", ix.begin_store, NS, refs, ks, 0, None, now)
             assert timed.run("end_store_keys", ix.end_store, slots, 0, True) == n
+            # The same keys again: every ticket a duplicate (void), nothing written.
+            refs = ix.reserve(NS, n, OWNER, now)
+            slots = timed.run("begin_store_keys_dup", ix.begin_store, NS, refs, ks, 0, None,
+                              now)
+            assert all(s.void for s in slots)
+            assert timed.run("end_store_keys_dup", ix.end_store, slots, 0, True) == 0
             # Lookups on committed blocks.
             look = ks[:LOOKUP_KEYS]
             hits = timed.run("lookup256_hit", ix.lookup, NS, [look], False, OWNER, now)[0]
             assert hits == [LOOKUP_KEYS]
-            miss = fresh_keys(LOOKUP_KEYS, 3 * it + 1)
+            miss = fresh_keys(LOOKUP_KEYS, 2 * it + 1)
             assert timed.run("lookup256_miss", ix.lookup, NS, [miss], False, OWNER, now)[0] == [0]
             leases = timed.run("lookup256_pin", ix.lookup, NS, [look], True, OWNER, now)[1]
             timed.run("release", ix.release_leases, leases, OWNER)
             ix.reset(NS)
-            # Round-trip path: prepare, store, commit; and a prepared batch aborted.
-            ks = fresh_keys(n, 3 * it + 2)
-            refs = timed.run("prepare_store", ix.prepare_store, NS, ks, OWNER, now)
-            slots = timed.run("begin_store", ix.begin_store, NS, refs, 0)
-            assert timed.run("end_store", ix.end_store, slots, 0, True) == n
-            ix.reset(NS)
-            refs = ix.prepare_store(NS, ks, OWNER, now)
-            timed.run("abort_store", ix.abort_store, refs, OWNER)
-        # A full pool: every prepare_store slot comes from evicting the LRU block.
+            # A reservation nobody stores into, given back.
+            refs = ix.reserve(NS, n, OWNER, now)
+            assert timed.run("abort_store", ix.abort_store, refs, OWNER) == n
+        # A full pool: every slot a store binds comes from evicting the LRU block.
         cap = pool.geometry.num_extents * pool.slots_per_extent(SLOT_BYTES)
         for b in range(0, cap, n):
             ks = fresh_keys(min(n, cap - b), 10**6 + b)
-            refs = ix.prepare_store(NS, ks, OWNER, 0.0)
-            ix.end_store(ix.begin_store(NS, refs, 0), 0, True)
+            refs = ix.reserve(NS, len(ks), OWNER, 0.0)
+            ix.end_store(ix.begin_store(NS, refs, ks, 0), 0, True)
         for it in range(args.repeat):
             ks = fresh_keys(n, 2 * 10**6 + it)
-            refs = t.run("prepare_store_evict", ix.prepare_store, NS, ks, OWNER, 0.0)
-            assert min(refs) >= 0
-            ix.end_store(ix.begin_store(NS, refs, 0), 0, True)
+            refs = ix.reserve(NS, n, OWNER, 0.0)
+            slots = t.run("begin_store_keys_evict", ix.begin_store, NS, refs, ks, 0)
+            assert not any(s.void for s in slots), "a full pool of unpinned blocks found no room"
+            ix.end_store(slots, 0, True)
         gc.unfreeze()
     finally:
         pool.close(unlink=True)

@@ -5,8 +5,9 @@ completion seen by the worker, next to the empty-request floor (Ping).
 
 Starts a real kvpoold (host path only, ``--cuda off``) on a temporary socket. The block is a
 Llama-3.1-8B block (32 layers x K/V x 16 tokens x 8 heads x 128 x bf16 = 2 MiB, per-layer
-layout). Each store sample is ``submit_store`` of one prepared slot through ``wait`` for its
-``JobDone`` (the ``prepare_store`` before it is not timed); each load sample is
+layout). Each store sample is ``submit_store`` of one reserved ticket and its key through
+``wait`` for its ``JobDone`` (the ``reserve`` before it is not timed; binding the ticket to a
+slot is, as in an engine's store); each load sample is
 ``submit_load`` of one pinned committed slot through its completion (lookup and release not
 timed). The host copy goes through the same daemon hops as a GPU job (dispatch, engine,
 completion, reply), so this is where those hops are measured without a GPU.
@@ -67,11 +68,12 @@ def main() -> None:
 
         def store_once() -> float:
             key = b"%016d" % next(fresh)
-            slot = sched.prepare_store(ns, [key])
+            grant = sched.reserve(ns, 1)
             t0 = time.perf_counter()
-            done = worker.wait([worker.submit_store(reg, [next(fresh) % BLOCKS], slot)], 60)
+            done = worker.wait([worker.submit_store(reg, [next(fresh) % BLOCKS], grant.slots,
+                                                    keys=[key], grant=grant.daemon_id)], 60)
             dt = time.perf_counter() - t0
-            assert done[0].ok, done[0].message
+            assert done[0].ok and done[0].nbytes, done[0]
             keys.append(key)
             return dt
 

@@ -11,9 +11,11 @@ Two parts, each the median over ``--jobs`` jobs of one 2 MiB block (the first 10
   until the job's event is recorded), and launched -> done (the waiting thread's wake-up and the
   future's callbacks). Layouts: block-outermost (one 1D copy per block) and per-layer with
   pitched copies (one 2D record per block), the two of bench/gpu_transfer.py.
-- ``server``: ``Server._dispatch`` of a StoreRequest and of a LoadRequest, in process, with an
-  engine whose futures are done at once and no socket: decode, begin_store / begin_load, submit,
-  end_store / end_load, metrics, JobDone. What a reply costs the event loop besides its sends.
+- ``server``: ``Server._dispatch`` of a StoreRequest (naming a ticket reserved before it, not
+  timed) and of a LoadRequest, in process, with an engine whose futures are done at once and no
+  socket: decode, the ticket's binding to a slot for its key (``open_store``) / begin_load,
+  submit, end_store / end_load, metrics, JobDone. What a reply costs the event loop besides its
+  sends.
 
 On a GPU host these hops add driver calls (cuMemcpyBatchAsync, cuEventRecord, cuEventQuery) and
 the real socket; bench/gpu_transfer.py's single-block breakdown measures those.
@@ -162,9 +164,10 @@ def server_job_us(jobs: int) -> dict[str, float]:
                                          [SegmentPlacement(0, 0, BLOCK)])).registration_id
             for i in range(jobs):
                 key = b"%016d" % i
-                slot = call(p.PrepareStoreRequest(next(req), ns, [key])).slots[0]
+                grant = call(p.ReserveRequest(next(req), ns, 1))
                 t0 = time.perf_counter_ns()
-                done = call(p.StoreRequest(next(req), reg, i, [i % 64], [slot]))
+                done = call(p.StoreRequest(next(req), reg, i, [i % 64], grant.slots, keys=[key],
+                                           grant=grant.daemon_id))
                 times["store"].append(time.perf_counter_ns() - t0)
                 assert isinstance(done, p.JobDone) and done.code == 0, done
                 hit = call(p.LookupRequest(next(req), ns, [[key]], True))

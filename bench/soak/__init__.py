@@ -53,11 +53,13 @@ TARGETS: dict[str, tuple[str, float]] = {
     "fuzz_frames": (">=", 1_000_000), "daemon_survived_fuzz": ("==", 1),
     "fuzz_other_client_intact": ("==", 1), "fuzz_internal_errors": ("==", 0),
     "fuzz_unanswered": ("==", 0), "fuzz_decoys_touched": ("==", 0),
+    "fuzz_retired_tag_refused": ("==", 1),
     "stall_registration_kept": ("==", 1), "stall_jobs_misapplied": ("==", 0),
     "stall_resumed_ok": ("==", 1),
     "security_other_uid_refused": ("==", 1), "security_foreign_objects_touched": ("==", 0),
     "security_tenant_cross_hits": ("==", 0), "security_tenant_wrong_blocks": ("==", 0),
     "exhaustion_pool_full_lost": ("==", 0), "exhaustion_pool_full_recovers": ("==", 1),
+    "exhaustion_pool_full_evicted": ("==", 0), "exhaustion_pool_full_counted": ("==", 1),
     "exhaustion_shm_full_ok": ("==", 1), "exhaustion_clients": (">=", 1000),
     "exhaustion_max_request_intact": ("==", 1),
 }

@@ -5,6 +5,11 @@ that drives a real kvpoold and prints JSON lines on stdout; the last line is its
 
 - ``integrity``: random concurrent store / load / abort / release / lease expiry; every load is
   compared with the key's pattern.
+
+Every store goes the one way the daemon has (protocol 2): tickets reserved by the scheduler
+client, bound to their keys by the worker's store (``Engine.submit_keyed``). A key that is
+held or being written already, or that finds no room, is not written, and the job still
+succeeds: ``JobDone.nbytes`` counts what was.
 - ``victim``: keeps store and load jobs in flight until it is SIGKILLed or SIGSTOPped.
 - ``writer``: stores fresh keys through daemon kills, logging what it tried and what was acked.
 """
@@ -19,13 +24,12 @@ import time
 from collections import deque
 from pathlib import Path
 
-import numpy as np
-
 from bench.soak.common import BLOCK_BYTES, ShmBlocks, key, layout, namespace, pattern
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.client.worker import WorkerClient
 from kvpool.shared.config import ClientConfig
-from kvpool.shared.errors import DaemonUnavailable, ErrorCode, KvpoolError, PoolFull
+from kvpool.shared.errors import DaemonUnavailable, ErrorCode, KvpoolError
+from kvpool.shared.protocol import JobDone
 
 POISON = 0xA5
 
@@ -52,6 +56,28 @@ class Engine:
         self.reg = self.worker.register(self.ns, self.layout_, 0, n, [self.mem.region()],
                                         self.mem.placement())
 
+    def submit_keyed(self, blocks: list[int], keys: list[bytes]) -> tuple[int, list[int]]:
+        """Submit a store of ``blocks`` under ``keys`` into tickets reserved now; returns (job
+        id, tickets). Where the daemon grants fewer tickets than keys, only that many of the
+        first blocks are stored (the job names them all the same)."""
+        grant = self.sched.reserve(self.ns, len(keys))
+        n = len(grant.slots)
+        return self.worker.submit_store(self.reg, blocks[:n], grant.slots, keys=keys[:n],
+                                        grant=grant.daemon_id), grant.slots
+
+    def store(self, blocks: list[int], keys: list[bytes], timeout_s: float = 30) -> JobDone:
+        """``submit_keyed`` and wait for its answer."""
+        return self.worker.wait([self.submit_keyed(blocks, keys)[0]], timeout_s)[0]
+
+    def written(self, done: JobDone) -> int:
+        """How many blocks a finished store wrote (duplicates and blocks with no room are not)."""
+        return done.nbytes // self.block_bytes
+
+    def held(self, ids: list[int]) -> list[int]:
+        """Which of ``ids`` the pool holds now (an unpinned lookup per key)."""
+        hit = self.sched.lookup(self.ns, [[k] for k in self.keys(ids)])
+        return [i for i, h in zip(ids, hit.hits) if h]
+
     def keys(self, ids) -> list[bytes]:
         return [key(self.ns, int(i)) for i in ids]
 
@@ -75,7 +101,7 @@ def integrity(p: dict) -> None:
     eng = Engine(p["socket"], 2 * p["max_batch"] + 8, f"soak integrity {p['seed']}")
     stats = dict(transfers=0, stored=0, loaded=0, corrupted=0, store_jobs=0, load_jobs=0,
                  failed_loads=0, failed_stores=0, aborted_before=0, aborted_during=0,
-                 pool_full=0, expired_loads=0, expired_ok=0, double_releases=0, unpinned=0,
+                 not_written=0, short_grants=0, expired_loads=0, expired_ok=0, double_releases=0, unpinned=0,
                  lookups=0, hits=0, unavailable=0, codes={})
     universe, ttl = p["keys"], p["lease_ttl_s"]
     half = p["max_batch"]
@@ -111,31 +137,35 @@ def integrity(p: dict) -> None:
             n = rng.randint(1, half)
             if op < 0.45:                                          # store
                 ids = rng.sample(range(universe), n)
-                try:
-                    refs = eng.sched.prepare_store(eng.ns, eng.keys(ids))
-                except PoolFull:
-                    stats["pool_full"] += 1
+                keys = eng.keys(ids)
+                grant = eng.sched.reserve(eng.ns, n)
+                tickets = grant.slots
+                if len(tickets) < n:
+                    stats["short_grants"] += 1
+                    ids, keys = ids[:len(tickets)], keys[:len(tickets)]
+                if not tickets:
                     continue
-                mine = [(i, r) for i, r in zip(ids, refs) if r >= 0]
-                if not mine:
-                    continue
-                mids, mrefs = [i for i, _ in mine], [r for _, r in mine]
                 if rng.random() < 0.08:
-                    eng.sched.abort_store(mrefs)
+                    eng.sched.abort_store(tickets)
                     stats["aborted_before"] += 1
                     continue
-                blocks = list(range(len(mine)))
-                eng.fill(blocks, eng.keys(mids))
-                job = eng.worker.submit_store(eng.reg, blocks, mrefs)
+                blocks = list(range(len(tickets)))
+                eng.fill(blocks, keys)
+                job = eng.worker.submit_store(eng.reg, blocks, tickets, keys=keys,
+                                              grant=grant.daemon_id)
                 if rng.random() < 0.07:                            # abort while it copies
-                    eng.sched.abort_store(mrefs)
+                    eng.sched.abort_store(tickets)
                     stats["aborted_during"] += 1
                 done = eng.worker.wait([job], 30)[0]
                 stats["store_jobs"] += 1
                 if done.ok:
-                    stats["stored"] += len(mine)
-                    stats["transfers"] += len(mine)
-                    recent.extend(mids)
+                    # Keys held already (another client's, or ours still in the pool) and
+                    # keys that found no room are not written: nbytes counts the rest.
+                    written = eng.written(done)
+                    stats["stored"] += written
+                    stats["not_written"] += len(tickets) - written
+                    stats["transfers"] += written
+                    recent.extend(ids)
                 else:
                     stats["failed_stores"] += 1
                     code(done.code)
@@ -176,11 +206,14 @@ def integrity(p: dict) -> None:
         except KvpoolError as e:
             code(int(e.code))
     if p.get("abandon"):
-        # Exit holding leases and prepared slots, without closing: the daemon must see the
-        # process go and release everything it held.
+        # Exit holding leases, unused tickets and a store in flight, without closing: the
+        # daemon must see the process go and release everything it held.
         eng.sched.lookup(eng.ns, [[k] for k in eng.keys(list(recent)[:half])], pin=True)
         try:
-            eng.sched.prepare_store(eng.ns, eng.keys(rng.sample(range(universe), half)))
+            eng.sched.reserve(eng.ns, half)
+            ids = rng.sample(range(universe), half)
+            eng.fill(list(range(half)), eng.keys(ids))
+            eng.submit_keyed(list(range(half)), eng.keys(ids))
         except KvpoolError:
             pass
         eng.mem.close()
@@ -203,18 +236,14 @@ def victim(p: dict) -> None:
     deadline = time.monotonic() + 30
     while True:
         # A new block size gets room once an extent of the bystander's size has drained: the
-        # first prepares may find none (POOL_FULL), as an engine's would.
-        try:
-            refs = eng.sched.prepare_store(eng.ns, eng.keys(ids))
+        # first stores may find none (nothing written, JobDone still ok), as an engine's would.
+        done = eng.store(list(range(n)), eng.keys(ids))
+        assert done.ok, done
+        if eng.written(done):
             break
-        except PoolFull:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
-    mine = [(b, r) for b, r in enumerate(refs) if r >= 0]
-    if mine:
-        assert eng.worker.wait([eng.worker.submit_store(eng.reg, [b for b, _ in mine],
-                                                        [r for _, r in mine])], 30)[0].ok
+        if time.monotonic() > deadline:
+            raise AssertionError("no store of the victim's block size found room in 30 s")
+        time.sleep(0.01)
     emit(ready=True, shm=eng.mem.name, pid=os.getpid())
     k = 0
     while True:
@@ -223,11 +252,7 @@ def victim(p: dict) -> None:
         eng.fill(list(range(n)), eng.keys(fresh))
         jobs = []
         try:
-            refs = eng.sched.prepare_store(eng.ns, eng.keys(fresh))
-            mine = [(b, r) for b, r in enumerate(refs) if r >= 0]
-            if mine:
-                jobs.append(eng.worker.submit_store(eng.reg, [b for b, _ in mine],
-                                                    [r for _, r in mine]))
+            jobs.append(eng.submit_keyed(list(range(n)), eng.keys(fresh))[0])
             hit = eng.sched.lookup(eng.ns, [eng.keys(ids)], pin=True)
             if hit.hits[0]:
                 jobs.append(eng.worker.submit_load(eng.reg, hit.slots[0],
@@ -244,9 +269,11 @@ def victim(p: dict) -> None:
 def writer(p: dict) -> None:
     """Store fresh keys ``[base, ...)`` while the daemon is killed and restarted under us.
 
-    Appends ``a <id>`` to the log before each key is prepared and ``k <id>`` once its store was
-    acknowledged, so the campaign can check every acked key after each restart. Also loads
-    earlier keys, so loads are in flight when the daemon dies. Every client call is timed.
+    Appends ``a <id>`` to the log before each key's tickets are reserved and ``k <id>`` once its
+    store was acknowledged as written (a store that finds no room for a key succeeds without
+    writing it: that key is not acked), so the campaign can check every acked key after each
+    restart. Also loads earlier keys, so loads are in flight when the daemon dies. Every client
+    call is timed.
     """
     rng = random.Random(p["seed"])
     n = p["batch"]
@@ -263,11 +290,11 @@ def writer(p: dict) -> None:
 
     longest_what = ""
 
-    def timed(fn, *args):
+    def timed(fn, *args, **kw):
         nonlocal longest, calls, longest_what
         t0 = time.monotonic()
         try:
-            return fn(*args)
+            return fn(*args, **kw)
         except Exception as e:
             outcome[0] = type(e).__name__
             raise
@@ -289,13 +316,14 @@ def writer(p: dict) -> None:
             next_id += n
             log.write("".join(f"a {i}\n" for i in ids))
             keys = eng.keys(ids)
-            refs = timed(eng.sched.prepare_store, eng.ns, keys)
-            mine = [(b, i, r) for b, (i, r) in enumerate(zip(ids, refs)) if r >= 0]
+            grant = timed(eng.sched.reserve, eng.ns, n)
+            mine = ids[:len(grant.slots)]
             jobs = []
             if mine:
-                eng.fill([b for b, _, _ in mine], eng.keys([i for _, i, _ in mine]))
-                jobs.append(timed(eng.worker.submit_store, eng.reg, [b for b, _, _ in mine],
-                                  [r for _, _, r in mine]))
+                blocks = list(range(len(mine)))
+                eng.fill(blocks, eng.keys(mine))
+                jobs.append(timed(eng.worker.submit_store, eng.reg, blocks, grant.slots,
+                                  keys=keys[:len(mine)], grant=grant.daemon_id))
             old = rng.sample(acked, min(len(acked), n)) if acked else []
             hit = timed(eng.sched.lookup, eng.ns, [[k] for k in eng.keys(old)], True)
             got = [(i, s[0]) for i, h, s in zip(old, hit.hits, hit.slots) if h]
@@ -311,8 +339,11 @@ def writer(p: dict) -> None:
                         else str(c.code)
                     codes[name] = codes.get(name, 0) + 1
             if mine and done[0].ok:
-                acked.extend(i for _, i, _ in mine)
-                log.write("".join(f"k {i}\n" for _, i, _ in mine))
+                # Fresh keys: all written unless some found no room (then ask which were).
+                if eng.written(done[0]) < len(mine):
+                    mine = timed(eng.held, mine)
+                acked.extend(mine)
+                log.write("".join(f"k {i}\n" for i in mine))
             if got and done[-1].ok:
                 corrupted += eng.mismatches(dst, eng.keys([i for i, _ in got]))
                 loaded += len(got)
@@ -333,24 +364,25 @@ def writer(p: dict) -> None:
 # ---- staller (SIGSTOP / SIGCONT) ---------------------------------------------------------------
 
 def staller(p: dict) -> None:
-    """Store ``n`` blocks, then with a load of them in flight and slots prepared for ``n`` more,
-    print ``{"phase": "stop me"}`` and carry on; the campaign SIGSTOPs us there. Once resumed:
-    finish the load and check it, store into the slots prepared before the stall, then prove
-    the registration still works (reconnecting if the daemon let us go)."""
+    """Store ``n`` blocks, then with a load of them in flight and tickets reserved for ``n``
+    more, print ``{"phase": "stop me"}`` and carry on; the campaign SIGSTOPs us there. Once
+    resumed: finish the load and check it, store into the tickets reserved before the stall,
+    then prove the registration still works (reconnecting if the daemon let us go)."""
     n = p["blocks"]
     eng = Engine(p["socket"], 3 * n, "soak staller", timeout_ms=p["timeout_ms"])
     base = 7_000_000_000
     first, later = list(range(base, base + n)), list(range(base + n, base + 2 * n))
     eng.fill(list(range(n)), eng.keys(first))
-    refs = eng.sched.prepare_store(eng.ns, eng.keys(first))
-    assert eng.worker.wait([eng.worker.submit_store(eng.reg, list(range(n)), refs)], 60)[0].ok
+    done = eng.store(list(range(n)), eng.keys(first), 60)
+    assert done.ok and eng.written(done) == n, done
     hit = eng.sched.lookup(eng.ns, [eng.keys(first)], pin=True)
     assert hit.hits[0] == n, hit.hits
     owner_before = eng.worker._t.owner_id
     dst = list(range(n, 2 * n))
     eng.mem.blocks[dst] = POISON
     load = eng.worker.submit_load(eng.reg, hit.slots[0], dst)
-    late_refs = eng.sched.prepare_store(eng.ns, eng.keys(later))
+    late = eng.sched.reserve(eng.ns, n)
+    assert len(late.slots) == n, late
     emit(phase="stop me", owner=owner_before)
     # ---- SIGSTOP lands about here; everything below runs after SIGCONT ----
     out: dict = {"owner_before": owner_before}
@@ -360,9 +392,11 @@ def staller(p: dict) -> None:
     out["load_mismatches"] = eng.mismatches(dst, eng.keys(first)) if done.ok else None
     eng.fill(list(range(2 * n, 3 * n)), eng.keys(later))
     try:
-        st = eng.worker.wait([eng.worker.submit_store(eng.reg, list(range(2 * n, 3 * n)),
-                                                      late_refs)], 60)[0]
+        st = eng.worker.wait([eng.worker.submit_store(
+            eng.reg, list(range(2 * n, 3 * n)), late.slots, keys=eng.keys(later),
+            grant=late.daemon_id)], 60)[0]
         out["late_store_ok"], out["late_store_code"] = st.ok, st.code
+        out["late_store_written"] = eng.written(st)
     except DaemonUnavailable as e:
         out["late_store_ok"], out["late_store_code"] = False, str(e)
     try:
@@ -378,13 +412,8 @@ def staller(p: dict) -> None:
         out["post_attempts"] += 1
         try:
             eng.fill(list(range(n)), eng.keys(fresh))
-            refs = eng.sched.prepare_store(eng.ns, eng.keys(fresh))
-            mine = [(b, r) for b, r in enumerate(refs) if r >= 0]
-            if mine:
-                st = eng.worker.wait([eng.worker.submit_store(
-                    eng.reg, [b for b, _ in mine], [r for _, r in mine])], 60)[0]
-                if not st.ok:
-                    continue
+            if not eng.store(list(range(n)), eng.keys(fresh), 60).ok:
+                continue
             hit2 = eng.sched.lookup(eng.ns, [eng.keys(fresh)], pin=True)
             eng.mem.blocks[dst] = POISON
             ld = eng.worker.wait([eng.worker.submit_load(eng.reg, hit2.slots[0],

@@ -17,8 +17,8 @@ import signal
 import time
 from pathlib import Path
 
-from bench.soak.common import (Daemon, client_result, key, namespace, read_line, spawn_client,
-                               stop_process, unlink_shm, wait_for)
+from bench.soak.common import (Daemon, client_result, read_line, spawn_client, stop_process,
+                               unlink_shm, wait_for)
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.errors import ErrorCode
 
@@ -28,7 +28,7 @@ from kvpool.shared.errors import ErrorCode
 def worker_kills(workdir: Path, kills: int = 100, seed: int = 7, pool_size: str = "32MiB",
                  peer_timeout_ms: int | None = None, victim_block_bytes: int = 16 << 10) -> dict:
     """The victims' blocks are of another size than the bystander's, so each new victim also
-    needs pool extents taken from a busy model (see ``Index._drain_for``)."""
+    needs pool extents taken from a busy model (see ``SlotTable._make_room``)."""
     rng = random.Random(seed)
     # Leases the bystander lets expire on purpose last 2 s: a drain for the victims' size
     # waits for them.
@@ -45,8 +45,11 @@ def worker_kills(workdir: Path, kills: int = 100, seed: int = 7, pool_size: str 
     mid_transfer = 0
     try:
         for k in range(kills):
+            # 256 blocks of 16 KiB: 4 MiB jobs, over the host path's inline limit (2 MiB), so
+            # they run on a copy thread and the daemon sees them in flight when the kill lands
+            # (64-block jobs were copied and answered within one dispatch: never in flight).
             v = spawn_client("victim", workdir / "worker-kills-victim.log", socket=d.socket,
-                             seed=k + 1, batch=64, block_bytes=victim_block_bytes)
+                             seed=k + 1, batch=256, block_bytes=victim_block_bytes)
             ready = read_line(v, 60)
             # Kill it while a job of it is running, as the daemon sees it.
             delay = rng.uniform(0.0, 0.2)
@@ -262,11 +265,16 @@ def daemon_kills(workdir: Path, kills: int = 100, writers: int = 2, seed: int = 
 
 def _stall_once(workdir: Path, name: str, stop_s: float, peer_timeout_ms: int | None,
                 blocks: int) -> dict:
-    """One worker SIGSTOPped for ``stop_s`` with a load in flight and slots prepared; while it
-    is stopped, a bystander stores other blocks (into slots a release would free). Returns what
-    the staller saw and whether anything was misapplied."""
+    """One worker SIGSTOPped for ``stop_s`` with a load in flight and tickets reserved; while
+    it is stopped, a bystander stores other blocks. Returns what the staller saw and whether
+    anything was misapplied."""
     from bench.soak.client import Engine
-    extra = ["--peer-timeout-ms", str(peer_timeout_ms)] if peer_timeout_ms else []
+    # Heartbeats at a tenth of a short peer timeout (the default interval, 1 s, would leave a
+    # live client one late beat from being released: on a loaded host the staller was, before
+    # its stall, mid-store).
+    extra = (["--peer-timeout-ms", str(peer_timeout_ms),
+              "--heartbeat-interval-ms", str(max(10, peer_timeout_ms // 10))]
+             if peer_timeout_ms else [])
     d = Daemon(workdir / name, pool_size="32MiB", extent_size="4MiB", extra=extra)
     d.start()
     probe = SchedulerClient(d.client_config(timeout_ms=5000), "soak-probe", heartbeat=False)
@@ -289,12 +297,11 @@ def _stall_once(workdir: Path, name: str, stop_s: float, peer_timeout_ms: int | 
             if regs == 0 and released_at is None:
                 released_at = time.monotonic() - t_stop
             if not stored and (released_at is not None or time.monotonic() - t_stop > stop_s / 2):
-                # Take whatever slots are free now: a released staller's prepared ones too.
+                # Store while the staller is stopped (released by then, past the timeout):
+                # whatever its tickets from before the stall do later must not touch these.
                 by.fill(list(range(blocks)), by.keys(ids))
-                refs = by.sched.prepare_store(by.ns, by.keys(ids))
-                mine = [(b, r) for b, r in enumerate(refs) if r >= 0]
-                assert by.worker.wait([by.worker.submit_store(
-                    by.reg, [b for b, _ in mine], [r for _, r in mine])], 60)[0].ok
+                done = by.store(list(range(blocks)), by.keys(ids), 60)
+                assert done.ok and by.written(done) == blocks, done
                 stored = True
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGCONT)

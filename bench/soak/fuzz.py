@@ -3,8 +3,11 @@ daemon from several connections; it must answer every one (an error is an answer
 INTERNAL, stay up, and keep another client's blocks intact.
 
 Capture: a real worker and scheduler (``bench.soak.client.Engine``) run one session (hello,
-heartbeat, register, prepare, store, lookup, load, release, abort, reserve, keyed store, info,
-ping, reset, unregister) while ``protocol.encode`` records every frame they send.
+heartbeat, register, reserve, keyed store, lookup, load, release, abort, info, ping, reset,
+unregister) while ``protocol.encode`` records every frame they send. Protocol 1's
+``PrepareStoreRequest`` (tag 7, retired by protocol 2) joins them as a frame of its own, so
+mutations of it are thrown too; before the fuzzing, one such frame on a fresh connection must
+get a ``PROTOCOL`` error and leave that connection serving (``fuzz_retired_tag_refused``).
 
 Mutations, each from a captured frame: a value replaced by one of another type, a huge or
 negative integer, an out-of-range or stale slot ref, a crafted shm name (``../`` paths, NUL
@@ -50,22 +53,19 @@ def _capture(socket: str) -> list[bytes]:
         eng = Engine(socket, 16, "soak fuzz capture", model="soak-fuzz-model")
         keys = eng.keys(range(8))
         eng.fill(list(range(8)), keys)
-        refs = eng.sched.prepare_store(eng.ns, keys)
-        assert eng.worker.wait([eng.worker.submit_store(eng.reg, list(range(8)), refs)], 30)[0].ok
+        assert eng.written(eng.store(list(range(8)), keys)) == 8
         hit = eng.sched.lookup(eng.ns, [keys, keys[:3]], pin=True)
         assert eng.worker.wait([eng.worker.submit_load(eng.reg, hit.slots[0],
                                                        list(range(8, 16)))], 30)[0].ok
         eng.sched.release(hit.leases)
-        more = eng.sched.prepare_store(eng.ns, eng.keys(range(100, 104)))
-        eng.sched.abort_store(more)
-        # Stores planned without a round trip: reserved slots, bound by a keyed store.
+        # Tickets: two bound by a keyed store, the rest given back unused.
         grant = eng.sched.reserve(eng.ns, 4)
-        if grant.slots:
-            kept = grant.slots[:2]
+        kept = grant.slots[:2]
+        if kept:
             assert eng.worker.wait([eng.worker.submit_store(
                 eng.reg, [0, 1][:len(kept)], kept, keys=eng.keys(range(200, 202))[:len(kept)],
                 grant=grant.daemon_id)], 30)[0].ok
-            eng.sched.abort_store(grant.slots[2:])
+        eng.sched.abort_store(grant.slots[2:])
         eng.sched.info()
         eng.sched.ping()
         time.sleep(1.2)                 # at least one heartbeat goes out
@@ -75,6 +75,35 @@ def _capture(socket: str) -> list[bytes]:
     finally:
         p.encode = real
     return frames
+
+
+def retired_prepare_frame(req_id: int, ns: bytes, keys: list[bytes]) -> bytes:
+    """A protocol 1 ``PrepareStoreRequest`` (tag 7: req_id, namespace, keys), retired by
+    protocol 2: the daemon must answer it ``PROTOCOL`` and nothing else."""
+    return msgspec.msgpack.encode([7, req_id, ns, keys])
+
+
+def _retired_tag_refused(ctx, socket: str, hello: bytes, ns: bytes) -> dict:
+    """A retired tag-7 frame on a fresh connection: a ``PROTOCOL`` error naming its req_id,
+    and the connection still serves the next request."""
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"ipc://{socket}")
+    try:
+        replies = []
+        for frame in (hello, retired_prepare_frame(4242, ns, [os.urandom(16) for _ in range(8)]),
+                      p.encode(p.Ping(4243))):
+            s.send(frame)
+            if not s.poll(10_000):
+                return {"refused": 0, "replies": [type(r).__name__ for r in replies]}
+            replies.append(p.decode_reply(s.recv()))
+        _, retired, pong = replies
+        refused = (isinstance(retired, p.ErrorReply) and retired.code == ErrorCode.PROTOCOL
+                   and retired.req_id == 4242 and isinstance(pong, p.Pong))
+        return {"refused": int(refused), "reply": repr(retired)[:160],
+                "then": type(pong).__name__}
+    finally:
+        s.close(0)
 
 
 class _Mutator:
@@ -138,7 +167,7 @@ class _Mutator:
                 break
             how = r.random()
             if path == (0,) and how < 0.5:
-                parent[0] = r.choice([0, 14, 63, 74, 200, -1, 2**40, "hello", None])
+                parent[0] = r.choice([0, 7, 14, 63, 74, 200, -1, 2**40, "hello", None])
             elif how < 0.75:
                 parent[last] = self._value(parent[last])
             elif how < 0.85:
@@ -169,9 +198,7 @@ def run(workdir: Path, frames: int = 1_000_000, seconds: float = 3600, seed: int
     guardian = Engine(d.socket, 64, "soak fuzz guardian", model="soak-guardian-model")
     gids = list(range(5_000_000, 5_000_032))
     guardian.fill(list(range(32)), guardian.keys(gids))
-    grefs = guardian.sched.prepare_store(guardian.ns, guardian.keys(gids))
-    assert guardian.worker.wait([guardian.worker.submit_store(guardian.reg, list(range(32)),
-                                                              grefs)], 30)[0].ok
+    assert guardian.written(guardian.store(list(range(32)), guardian.keys(gids))) == 32
     own = ShmBlocks(64, 4096)                        # a segment of the fuzzer's own to name
     names = ["../../../../etc/passwd", "/dev/shm/x", "..", ".", "", "/", "x\0y",
              "kvpool-kv-../x", "kvpool-kv-" + "a" * 300, "kvpool-kv-\0", d.pool_name,
@@ -184,6 +211,9 @@ def run(workdir: Path, frames: int = 1_000_000, seconds: float = 3600, seed: int
     try:
         captured = _capture(d.socket)
         hello = next(f for f in captured if msgspec.msgpack.decode(f)[0] == 1)
+        fuzz_ns = next(m[2] for m in map(msgspec.msgpack.decode, captured) if m[0] == 15)
+        retired = _retired_tag_refused(ctx, d.socket, hello, fuzz_ns)
+        captured.append(retired_prepare_frame(77, fuzz_ns, [os.urandom(16) for _ in range(4)]))
         refs = [x for f in captured for x in _ints_of(msgspec.msgpack.decode(f)) if x > 2**32]
         mut = _Mutator(rng, captured, names, refs)
         socks = []
@@ -256,8 +286,10 @@ def run(workdir: Path, frames: int = 1_000_000, seconds: float = 3600, seed: int
         "fuzz_internal_errors": internal,
         "fuzz_unanswered": sent - answered,
         "fuzz_decoys_touched": decoys_touched,
+        "fuzz_retired_tag_refused": retired["refused"],
         "fuzz_detail": {"seconds": round(elapsed, 1), "frames_per_s": round(sent / elapsed),
                         "captured_frames": len(captured), "sockets": sockets,
+                        "retired_tag": retired,
                         "error_codes": codes, "internal_error_log": internal_lines},
     }
 

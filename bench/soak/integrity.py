@@ -1,6 +1,6 @@
 """Part 1, integrity: checksummed transfers from several client processes on a pool small
 enough to evict all the time; every load equals its key's pattern or reports failure, and
-nothing is left pinned, leased or half-written once every client is gone."""
+nothing is left pinned, leased, half-written or reserved once every client is gone."""
 
 from __future__ import annotations
 
@@ -12,17 +12,19 @@ from kvpool.client.scheduler import SchedulerClient
 
 
 def leftovers(daemon: Daemon, timeout_s: float = 30) -> tuple[int, dict]:
-    """Leases + pinned + writing slots once no client is connected (waits for that)."""
+    """Leases + pinned + writing slots + unused tickets once no client is connected (waits
+    for that)."""
     probe = SchedulerClient(daemon.client_config(timeout_ms=5000), "soak-probe", heartbeat=False)
     try:
         # The probe itself is a client: wait until it is the only one.
         wait_for(lambda: len(probe.info().clients) <= 1, timeout_s,
                  "every client to be released")
         info = probe.info()
-        return (info.leases + info.slots_pinned + info.slots_writing,
+        return (info.leases + info.slots_pinned + info.slots_writing + info.slots_reserved,
                 dict(leases=info.leases, pinned=info.slots_pinned, writing=info.slots_writing,
-                     committed=info.slots_committed, evictions=info.evictions,
-                     errors=info.errors))
+                     tickets=info.slots_reserved, committed=info.slots_committed,
+                     evictions=info.evictions, errors=info.errors,
+                     duplicate_blocks=info.duplicate_blocks, no_room_blocks=info.no_room_blocks))
     finally:
         probe.close()
 

@@ -9,32 +9,27 @@ Who may do what:
 - crafted shm names make the daemon open or unlink nothing but its pool and engine segments;
 - one tenant's salted keys never reach another's blocks.
 
-Exhaustion: a pool where everything is pinned, a /dev/shm with no room left (a private tmpfs in
-a mount namespace of its own), a thousand clients at once with the daemon's soft file limit at
-1024, and requests of the maximum frame size: clear errors, and nothing lost.
+The part also runs the exhaustion scenarios (``bench/soak/exhaustion.py``).
 
-Parts that need root (other uids, mount namespaces) report ``None`` where they cannot run.
+Parts that need root (other uids) report ``None`` where they cannot run.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import msgspec
 
-from bench.soak.common import ROOT, Daemon, ShmBlocks, key, unlink_shm, wait_for
+from bench.soak.common import ROOT, Daemon, ShmBlocks, key
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared import protocol as p
-from kvpool.shared.errors import ErrorCode, PoolFull
 
 NOBODY = 65534          # exists everywhere (nobody:nogroup)
 STRANGER = 65533        # a uid and gid with no account at all
@@ -204,8 +199,7 @@ def _confused_deputy(d: Daemon, site: Path) -> dict:
     try:
         ids = list(range(8))
         eng.fill(ids, eng.keys(ids))
-        refs = eng.sched.prepare_store(eng.ns, eng.keys(ids))
-        assert eng.worker.wait([eng.worker.submit_store(eng.reg, ids, refs)], 30)[0].ok
+        assert eng.written(eng.store(ids, eng.keys(ids))) == 8
         layout_json = msgspec.json.encode(eng.layout_)
         res = as_user(STRANGER, STRANGER, f"""
             import msgspec
@@ -316,12 +310,10 @@ def tenants(workdir: Path) -> dict:
         ka = [key(a.ns, i, b"salt-a") for i in ids]
         kb = [key(b.ns, i, b"salt-b") for i in ids]
         a.fill(ids, ka)
-        assert a.worker.wait([a.worker.submit_store(a.reg, ids, a.sched.prepare_store(
-            a.ns, ka))], 30)[0].ok
+        assert a.written(a.store(ids, ka)) == 16
         cross = b.sched.lookup(b.ns, [kb]).hits[0]              # b's keys: none of a's blocks
         b.fill(ids, kb)
-        assert b.worker.wait([b.worker.submit_store(b.reg, ids, b.sched.prepare_store(
-            b.ns, kb))], 30)[0].ok
+        assert b.written(b.store(ids, kb)) == 16
         wrong = 0
         for eng, keys in ((a, ka), (b, kb)):
             hit = eng.sched.lookup(eng.ns, [keys], pin=True)
@@ -339,309 +331,10 @@ def tenants(workdir: Path) -> dict:
     return {"security_tenant_cross_hits": cross, "security_tenant_wrong_blocks": wrong}
 
 
-# ---- exhaustion ------------------------------------------------------------------------------
-
-def pool_full(workdir: Path) -> dict:
-    """Pin everything: stores get POOL_FULL; release: they work again; nothing committed lost."""
-    from bench.soak.client import Engine
-    d = Daemon(workdir / "pool-full", pool_size="8MiB")
-    d.start()
-    eng = Engine(d.socket, 64, "soak pool full")
-    leases, stored, message = [], [], ""
-    try:
-        i = 0
-        while True:
-            ids = list(range(i, i + 8))
-            i += 8
-            try:
-                refs = eng.sched.prepare_store(eng.ns, eng.keys(ids))
-            except PoolFull as e:
-                message = e.message
-                break
-            mine = [(b, n, r) for b, (n, r) in enumerate(zip(ids, refs)) if r >= 0]
-            eng.fill([b for b, _, _ in mine], eng.keys([n for _, n, _ in mine]))
-            assert eng.worker.wait([eng.worker.submit_store(
-                eng.reg, [b for b, _, _ in mine], [r for _, _, r in mine])], 30)[0].ok
-            stored += [n for _, n, _ in mine]
-            leases += eng.sched.lookup(eng.ns, [eng.keys(stored[-len(mine):])], pin=True).leases
-            assert i < 100_000, "the pool never filled"
-        hit = eng.sched.lookup(eng.ns, [[k] for k in eng.keys(stored)], pin=True)
-        kept = sum(hit.hits)
-        eng.sched.release(hit.leases)
-        eng.sched.release(leases)
-        refs = eng.sched.prepare_store(eng.ns, eng.keys(range(10**6, 10**6 + 8)))
-        after = sum(1 for r in refs if r >= 0)
-        eng.sched.abort_store([r for r in refs if r >= 0])
-    finally:
-        eng.close()
-        d.stop()
-        d.cleanup()
-    return {"exhaustion_pool_full_error": message[:120],
-            "exhaustion_pool_full_lost": len(stored) - kept,
-            "exhaustion_pool_full_recovers": int(after == 8)}
-
-
-_SHM_FULL = r"""
-import json, os, subprocess, sys, time
-sys.path.insert(0, ROOT)
-from pathlib import Path
-from bench.soak.common import Daemon, ShmBlocks
-from bench.soak.client import Engine
-from kvpool.shared import protocol as p
-out = {}
-work = Path(WORK)
-subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", "/dev/shm"], check=True)
-big = Daemon(work / "big", pool_size="64MiB")
-try:
-    big.start()
-    out["too_big_pool"] = "started"
-except AssertionError as e:
-    out["too_big_pool"] = [l for l in str(e).splitlines() if "cannot reserve" in l][:1]
-out["too_big_pool_left_segment"] = os.path.exists("/dev/shm/" + big.pool_name)
-d = Daemon(work / "ok", pool_size="16MiB")
-d.start()
-eng = Engine(d.socket, 64, "shm full")
-ids = list(range(32))
-eng.fill(ids, eng.keys(ids))
-assert eng.worker.wait([eng.worker.submit_store(eng.reg, ids, eng.sched.prepare_store(
-    eng.ns, eng.keys(ids)))], 30)[0].ok
-sparse = "kvpool-engine-sparse-%d" % os.getpid()
-fd = os.open("/dev/shm/" + sparse, os.O_CREAT | os.O_RDWR, 0o600)
-import fcntl
-fcntl.flock(fd, fcntl.LOCK_SH)                  # a live engine's segment: not to be reaped
-os.ftruncate(fd, 8 << 20)                       # sparse: no pages yet
-hog = open("/dev/shm/hog", "wb")
-try:
-    while True:
-        hog.write(b"\0" * (1 << 20)); hog.flush()
-except OSError as e:
-    out["filled"] = e.strerror
-hog.close()
-try:
-    ShmBlocks(64)
-    out["new_segment"] = "created"
-except OSError as e:
-    out["new_segment"] = e.strerror
-try:
-    eng.worker.register(eng.ns, eng.layout_, 0, 64, [p.HostRegion(sparse, 8 << 20)],
-                        eng.mem.placement())
-    out["sparse_region"] = "registered"
-except Exception as e:
-    out["sparse_region"] = type(e).__name__ + ": " + getattr(e, "message", str(e))
-more = list(range(100, 132))
-eng.fill(list(range(32)), eng.keys(more))
-st = eng.worker.wait([eng.worker.submit_store(eng.reg, list(range(32)), eng.sched.prepare_store(
-    eng.ns, eng.keys(more)))], 30)[0]
-out["store_when_full"] = st.ok
-bad = 0
-for group in (ids, more):
-    hit = eng.sched.lookup(eng.ns, [eng.keys(group)], pin=True)
-    dst = list(range(32, 64))
-    eng.mem.blocks[dst] = 0xA5
-    ok = eng.worker.wait([eng.worker.submit_load(eng.reg, hit.slots[0], dst[:hit.hits[0]])], 30)[0].ok
-    bad += (32 - hit.hits[0]) + (eng.mismatches(dst, eng.keys(group)) if ok else 32)
-    eng.sched.release(hit.leases)
-out["lost_or_wrong"] = bad
-out["daemon_alive"] = d.alive
-eng.close()
-os.unlink("/dev/shm/hog")
-d.stop(); d.cleanup()
-print(json.dumps(out))
-"""
-
-
-def shm_full(workdir: Path) -> dict:
-    """In a mount namespace of its own, /dev/shm is a 40 MiB tmpfs that gets filled up."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return {"exhaustion_shm_full_ok": None, "exhaustion_shm_skipped": "needs root"}
-    work = workdir / "shm-full"
-    work.mkdir(parents=True, exist_ok=True)
-    code = _SHM_FULL.replace("ROOT", repr(str(ROOT))).replace("WORK", repr(str(work)))
-    r = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", code],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
-    if r.returncode != 0 or not lines:
-        if "unshare failed" in r.stderr or "Operation not permitted" in r.stderr:
-            return {"exhaustion_shm_full_ok": None, "exhaustion_shm_skipped": r.stderr[-200:]}
-        raise AssertionError(f"/dev/shm-full scenario failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    out = json.loads(lines[-1])
-    ok = (out["too_big_pool"] != "started" and not out["too_big_pool_left_segment"]
-          and out["new_segment"] != "created" and out["sparse_region"].startswith("TooLarge")
-          and out["store_when_full"] and out["lost_or_wrong"] == 0 and out["daemon_alive"])
-    return {"exhaustion_shm_full_ok": int(ok), "exhaustion_shm_full_detail": out}
-
-
-_MANY = r"""
-import json, sys, time
-sys.path.insert(0, ROOT)
-from kvpool.client.scheduler import SchedulerClient
-from kvpool.shared.config import ClientConfig
-cfg = ClientConfig(socket=SOCK, timeout_ms=30000)
-clients, answered, worst = [], 0, 0.0
-for i in range(N):
-    c = SchedulerClient(cfg, "many-%d" % i)
-    t = time.monotonic()
-    c.ping()
-    worst = max(worst, time.monotonic() - t)
-    answered += 1
-    clients.append(c)
-print(json.dumps({"answered": answered, "worst_s": worst}), flush=True)
-sys.stdin.readline()                         # hold every connection until told to go
-"""
-
-
-def many_clients(workdir: Path, clients: int = 1000, procs: int = 4) -> dict:
-    """``clients`` connections (each with its heartbeat) from ``procs`` processes, against a
-    daemon started with a soft open-file limit of 1024; a normal client keeps being served."""
-    d = Daemon(workdir / "many", pool_size="16MiB")
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
-    try:
-        d.start()                    # inherits the low soft limit, as from a login shell
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    from bench.soak.client import Engine
-    eng = Engine(d.socket, 16, "soak many bystander")
-    ps = []
-    try:
-        code = _MANY.replace("ROOT", repr(str(ROOT))).replace("SOCK", repr(d.socket))
-        t0 = time.monotonic()
-        for k in range(procs):
-            n = clients // procs + (1 if k < clients % procs else 0)
-            ps.append(subprocess.Popen([sys.executable, "-c", code.replace("N", str(n))],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True, cwd=ROOT))
-        res = []
-        for pr in ps:
-            line = pr.stdout.readline()
-            assert line, f"a client process failed:\n{pr.stderr.read()[-2000:]}"
-            res.append(json.loads(line))
-        connected_s = time.monotonic() - t0
-        info = eng.sched.info()
-        # The bystander's round trips while every connection is up and heartbeating.
-        lat = []
-        for _ in range(50):
-            t = time.monotonic()
-            eng.sched.lookup(eng.ns, [eng.keys(range(4))])
-            lat.append(time.monotonic() - t)
-        ids = list(range(8))
-        eng.fill(ids, eng.keys(ids))
-        ok = eng.worker.wait([eng.worker.submit_store(eng.reg, ids, eng.sched.prepare_store(
-            eng.ns, eng.keys(ids)))], 60)[0].ok
-        for pr in ps:
-            pr.stdin.close()
-            pr.wait(60)
-        t1 = time.monotonic()
-        wait_for(lambda: len(eng.sched.info().clients) <= 2, 60, "the many clients to be released")
-        released_s = time.monotonic() - t1
-        nofile = Path(f"/proc/{d.proc.pid}/limits").read_text()
-        soft_now = [line.split()[3] for line in nofile.splitlines()
-                    if line.startswith("Max open files")][0]
-        alive = d.alive
-    finally:
-        for pr in ps:
-            if pr.poll() is None:
-                pr.kill()
-                pr.wait(30)
-            for f in (pr.stdin, pr.stdout, pr.stderr):
-                if f is not None and not f.closed:
-                    f.close()
-        eng.close()
-        d.stop()
-        d.cleanup()
-    lat.sort()
-    return {"exhaustion_clients": sum(r["answered"] for r in res),
-            "exhaustion_clients_detail": {
-                "listed_by_daemon": len(info.clients), "connect_all_s": round(connected_s, 2),
-                "worst_first_ping_s": round(max(r["worst_s"] for r in res), 3),
-                "bystander_lookup_p50_ms": round(lat[len(lat) // 2] * 1000, 2),
-                "bystander_lookup_max_ms": round(lat[-1] * 1000, 2),
-                "bystander_store_ok": ok, "released_all_s": round(released_s, 2),
-                "daemon_soft_nofile_started_with": 1024, "daemon_soft_nofile_now": soft_now,
-                "daemon_alive": alive}}
-
-
-def max_requests(workdir: Path) -> dict:
-    """Frames of the maximum size, one byte over, a prepare of the most keys one request may
-    name and one more: answered (or TOO_LARGE), a bystander's pinned blocks survive whatever
-    eviction the big requests cause, and how long the daemon is busy with each."""
-    from bench.soak.client import Engine
-    import zmq
-    d = Daemon(workdir / "max-req", pool_size="16MiB")
-    d.start()
-    eng = Engine(d.socket, 16, "soak max bystander")
-    ctx = zmq.Context()
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(f"ipc://{d.socket}")
-    try:
-        ids = list(range(8))
-        eng.fill(ids, eng.keys(ids))
-        assert eng.worker.wait([eng.worker.submit_store(eng.reg, ids, eng.sched.prepare_store(
-            eng.ns, eng.keys(ids)))], 30)[0].ok
-        pinned = eng.sched.lookup(eng.ns, [eng.keys(ids)], pin=True)   # in use: must stay
-        raw.send(p.encode(p.Hello(1, p.PROTOCOL_VERSION, p.Role.SCHEDULER, "max")))
-        assert raw.poll(10_000)
-        raw.recv()
-        limit = 16 << 20
-        per_key = len(p.encode(p.LookupRequest(2, eng.ns, [[b"k" * 16] * 2]))) - \
-            len(p.encode(p.LookupRequest(2, eng.ns, [[b"k" * 16]])))
-        n = (limit - 64) // per_key
-        keys = [os.urandom(16) for _ in range(n)]
-        frame = p.encode(p.LookupRequest(2, eng.ns, [keys]))
-        while len(frame) > limit:
-            keys.pop()
-            frame = p.encode(p.LookupRequest(2, eng.ns, [keys]))
-        from kvpool.daemon.copy_jobs import MAX_BLOCKS_PER_REQUEST as most
-        results = {}
-        for label, msg in (("max_lookup", frame),
-                           ("max_frame_prepare", p.encode(p.PrepareStoreRequest(3, eng.ns, keys))),
-                           ("max_keys_prepare", p.encode(p.PrepareStoreRequest(
-                               3, eng.ns, keys[:most]))),
-                           ("max_keys_plus_one_prepare", p.encode(p.PrepareStoreRequest(
-                               3, eng.ns, keys[:most + 1]))),
-                           ("over_limit", frame + b"\0" * (limit + 1 - len(frame)))):
-            t = time.monotonic()
-            raw.send(msg)
-            lat = []
-            while not raw.poll(0):
-                t1 = time.monotonic()
-                eng.sched.ping()
-                lat.append(time.monotonic() - t1)
-                if time.monotonic() - t > 120:
-                    raise AssertionError(f"{label}: no answer in 120 s")
-            reply = p.decode_reply(raw.recv())
-            results[label] = {"bytes": len(msg), "answer_s": round(time.monotonic() - t, 3),
-                              "reply": type(reply).__name__,
-                              "code": ErrorCode(reply.code).name if getattr(reply, "code", 0)
-                              else "", "bystander_ping_max_s": round(max(lat, default=0), 3)}
-            if isinstance(reply, p.PrepareStoreReply):
-                eng.sched.abort_store([r for r in reply.slots if r >= 0])
-                raw.send(p.encode(p.AbortStoreRequest(4, [r for r in reply.slots if r >= 0])))
-                assert raw.poll(30_000)
-                raw.recv()
-        eng.sched.release(pinned.leases)
-        hit = eng.sched.lookup(eng.ns, [eng.keys(ids)], pin=True)
-        eng.mem.blocks[8:16] = 0xA5
-        ok = eng.worker.wait([eng.worker.submit_load(eng.reg, hit.slots[0], list(range(8, 16)))],
-                             30)[0].ok
-        intact = int(ok and hit.hits[0] == 8 and eng.mismatches(list(range(8, 16)),
-                                                                 eng.keys(ids)) == 0)
-        eng.sched.release(hit.leases)
-    finally:
-        raw.close(0)
-        ctx.term()
-        eng.close()
-        d.stop()
-        d.cleanup()
-    return {"exhaustion_max_request_s": max(r["answer_s"] for r in results.values()),
-            "exhaustion_max_request_intact": intact,
-            "exhaustion_max_request_detail": results}
-
-
 def run(workdir: Path, clients: int = 1000) -> dict:
+    from bench.soak import exhaustion
     out: dict = {}
-    for part in (access, crafted_names, tenants, pool_full, shm_full, max_requests):
+    for part in (access, crafted_names, tenants):
         out.update(part(workdir))
-    out.update(many_clients(workdir, clients))
+    out.update(exhaustion.run(workdir, clients))
     return out
