@@ -3,7 +3,8 @@ of them (lookups, leases, loads, fills from a lower tier) and housekeeping.
 
 ``Index`` builds its parts at construction and hands each its collaborators: ``Namespaces``
 (``daemon/namespaces.py``: layouts, quotas, usage), ``Extents`` (``daemon/extents.py``: space),
-``SlotTable`` (``daemon/slot_table.py``: every slot's state, the LRU, room), ``StorePath``
+``SlotTable`` (``daemon/slot_table.py``: every slot's state, the LRU), ``Room``
+(``daemon/room.py``: where new slots come from), ``StorePath``
 (``daemon/stores.py``: reservations and keyed stores). The server and the copy jobs call the
 index; the parts never call it back.
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from kvpool.daemon.extents import FILLING, Extents, SizeClass, Slot
 from kvpool.daemon.namespaces import Namespaces
 from kvpool.daemon.pool import COMMITTED, Pool
+from kvpool.daemon.room import Room
 from kvpool.daemon.slot_table import SlotTable
 from kvpool.daemon.stores import OpenedStore, StorePath
 from kvpool.shared.errors import LeaseExpired, OutOfRange
@@ -63,7 +65,8 @@ class Index:
         self.namespaces = Namespaces(pool, namespace_quota)
         self.extents = Extents(pool)
         self.table = SlotTable(pool, self.extents, self.namespaces)
-        self.stores = StorePath(self.table, self.namespaces, pool, write_timeout_s,
+        self.room = Room(self.table, self.extents, self.namespaces)
+        self.stores = StorePath(self.table, self.room, self.namespaces, pool, write_timeout_s,
                                 reserve_ttl_s, defer_claims)
         self.stats = LookupStats()
         self._leases: dict[int, Lease] = {}
@@ -310,8 +313,7 @@ class Index:
                 break
             n += 1
         cls: SizeClass = self.extents.size_class(layout.slot_bytes)
-        n = self.table.fit_quota(ns, cls.slot_bytes, n)
-        slots = self.table.allocate(cls, n)
+        slots = self.room.allocate(cls, self.room.fit_quota(ns, cls.slot_bytes, n))
         self.table.claim(slots, ns, keys[:len(slots)], FILLING, 0, now)
         for s in slots:
             s.pins = 1

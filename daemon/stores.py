@@ -33,6 +33,7 @@ from typing import Callable
 from kvpool.daemon.extents import SizeClass, Slot
 from kvpool.daemon.namespaces import Namespaces
 from kvpool.daemon.pool import WRITING, Pool
+from kvpool.daemon.room import Room
 from kvpool.daemon.slot_table import SlotTable
 from kvpool.daemon.tickets import Grant, Tickets
 from kvpool.shared.errors import LayoutMismatch, OutOfRange, ProtocolError, UnknownId
@@ -70,9 +71,10 @@ class _Binding:
 class StorePath:
     """Reservations and stores. Callers: the server's dispatch and the copy jobs (event loop)."""
 
-    def __init__(self, table: SlotTable, namespaces: Namespaces, pool: Pool,
+    def __init__(self, table: SlotTable, room: Room, namespaces: Namespaces, pool: Pool,
                  write_timeout_s: float, reserve_ttl_s: float, defer_claims: bool = True) -> None:
         self.table = table
+        self.room = room
         self.namespaces = namespaces
         self.pool = pool
         self.write_timeout_s = write_timeout_s
@@ -273,7 +275,7 @@ class StorePath:
         fresh = duplicate.count(False)
         slot_bytes = grants[0].slot_bytes           # a namespace's tickets are of one size
         cls = self.table.extents.size_class(slot_bytes)
-        room = self.table.allocate(cls, self.table.fit_quota(ns, slot_bytes, fresh))
+        room = self.room.allocate(cls, self.room.fit_quota(ns, slot_bytes, fresh))
         if not any(duplicate) and len(room) == len(keys):
             slots: list[Slot | None] = room         # type: ignore[assignment]
         else:
