@@ -445,6 +445,8 @@ class RemoteTier(LowerTier):
         self.status = "ok"
         self._full_warned = False
         # A master that restarted has lost every object; what we knew is no longer true.
+        if self._present:
+            self.events.dropped(list(self._present))
         self._present.clear()
         self._present_bytes = 0
         if back:
@@ -461,6 +463,8 @@ class RemoteTier(LowerTier):
         if self._state not in (UP, CONNECTING):
             return
         self.io_errors += 1
+        if self._present:
+            self.events.dropped(list(self._present))     # nothing can be fetched while off
         self._state = DOWN
         self.status = f"off: {what} failed: {exc}"
         log.error("REMOTE TIER OFF: %s against Mooncake master %s failed: %s. kvpoold serves "
@@ -470,20 +474,26 @@ class RemoteTier(LowerTier):
     # ---- internals -------------------------------------------------------------------------
 
     def _remember(self, key: bytes, slot_bytes: int) -> None:
+        """``key`` is in the store (published by this host, or found by a probe): told to the
+        shared-memory index as a remote block, so schedulers here see it without asking."""
         present = self._present
         old = present.pop(key, None)
         if old is not None:
             self._present_bytes -= old
+        else:
+            self.events.held([key])
         present[key] = slot_bytes
         self._present_bytes += slot_bytes
         while len(present) > PRESENT_MAX:
-            _, size = present.popitem(last=False)
+            gone, size = present.popitem(last=False)
             self._present_bytes -= size
+            self.events.dropped([gone])
 
     def _forget_key(self, key: bytes) -> None:
         size = self._present.pop(key, None)
         if size is not None:
             self._present_bytes -= size
+            self.events.dropped([key])
 
     @staticmethod
     def _fetch_blocks(n: int) -> int:
