@@ -66,10 +66,12 @@ def capacity_bits(capacity: int) -> int:
 
 def home(key: bytes, bits: int) -> int:
     """The first entry to probe for a 32-byte ``key`` (namespace + block hash) in a table of
-    ``2**bits`` entries: the four key words folded, multiplied, top ``bits`` bits. The reader
-    computes the same with numpy (``client/index_reader.py``)."""
+    ``2**bits`` entries: the namespace's two words and the hash's first folded, multiplied, top
+    ``bits`` bits (block hashes are BLAKE2b: one word of one is as good as all of it, and the
+    reader saves numpy passes on every lookup). The reader computes the same with numpy
+    (``client/index_reader.py``)."""
     w = (int.from_bytes(key[0:8], "little") ^ int.from_bytes(key[8:16], "little")
-         ^ int.from_bytes(key[16:24], "little") ^ int.from_bytes(key[24:32], "little"))
+         ^ int.from_bytes(key[16:24], "little"))
     return ((w * _MUL) & _MASK64) >> (64 - bits)
 
 
