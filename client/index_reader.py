@@ -85,11 +85,42 @@ class IndexReader:
         the count: they, not the keys, are the cost); the few keys displaced by a collision are
         followed one by one in Python (a table at most 3/4 full displaces about one key in 200
         by more than a step or two)."""
+        got = self._home_pass(ns, hashes)
+        if got is None:
+            return None
+        loc, ref, displaced, home, want = got
+        if displaced.any():
+            self._follow(np.flatnonzero(displaced).tolist(), home, want, loc, ref)
+        return loc, ref
+
+    def leading(self, ns: bytes, hashes: Sequence[bytes]
+                ) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """The run of leading hits of ``hashes`` (in any tier), their locations and refs;
+        None when superseded. Keys past the first miss are not followed (a prefix ends there)."""
+        got = self._home_pass(ns, hashes)
+        if got is None:
+            return None
+        loc, ref, displaced, home, want = got
+        missed = (loc == _ZERO) & ~displaced          # a definite miss: EMPTY, or torn
+        first = np.flatnonzero(missed)
+        end = int(first[0]) if first.size else len(loc)
+        for i in np.flatnonzero(displaced[:end]).tolist():
+            self._follow([i], home, want, loc, ref)
+            if not loc[i]:
+                end = i
+                break
+        return end, loc[:end], ref[:end]
+
+    def _home_pass(self, ns: bytes, hashes: Sequence[bytes]):
+        """Every key's home entry, read under its seqlock: (locations and refs of the keys
+        found there, which keys sit elsewhere in the cluster, homes, key words); None when
+        superseded."""
         if self._buf[self._superseded_at]:
             return None
         n = len(hashes)
         if not n:
-            return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
+            empty = np.zeros(0, np.uint64)
+            return empty, empty, np.zeros(0, bool), empty, np.zeros((0, 4), np.uint64)
         raw = b"".join(hashes)
         hw = np.frombuffer(raw, np.uint64).reshape(n, 2)
         nsw = np.frombuffer(ns, np.uint64)
@@ -103,12 +134,8 @@ class IndexReader:
         stable = (state == again) & ((state & _ODD) == _ZERO)
         match = stable & (rows[:, 2:] == want).all(1)
         where = state & _LOCATION
-        loc = where * match
-        ref = rows[:, 1] * match
         displaced = stable & (where != _ZERO) & ~match
-        if displaced.any():
-            self._follow(np.flatnonzero(displaced).tolist(), home, want, loc, ref)
-        return loc, ref
+        return where * match, rows[:, 1] * match, displaced, home, want
 
     def _follow(self, todo: list[int], home: np.ndarray, want: np.ndarray, loc: np.ndarray,
                 ref: np.ndarray) -> None:
@@ -128,18 +155,6 @@ class IndexReader:
                     loc[i] = state & 0xFF
                     ref[i] = body[0]
                     break
-
-    def leading(self, ns: bytes, hashes: Sequence[bytes]) -> tuple[int, np.ndarray,
-                                                                   np.ndarray] | None:
-        """The run of leading hits of ``hashes`` (in any tier), their locations and refs;
-        None when superseded."""
-        got = self.find(ns, hashes)
-        if got is None:
-            return None
-        loc, ref = got
-        misses = np.flatnonzero(loc == f.EMPTY)
-        n = int(misses[0]) if misses.size else len(hashes)
-        return n, loc[:n], ref[:n]
 
     def close(self) -> None:
         self._words = self._state = None    # type: ignore[assignment]

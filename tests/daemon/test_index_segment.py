@@ -176,3 +176,20 @@ def test_the_reader_hashes_keys_as_the_writer_does():
         with np.errstate(over="ignore"):
             got = (folded * np.uint64(f.HASH_MULTIPLIER)) >> np.uint64(64 - bits)
         assert got.tolist() == want
+
+
+def test_leading_runs_follow_displaced_keys_and_stop_at_the_first_miss(segment):
+    """A table 3/4 full: most keys sit past their home entry. The leading run of any list is
+    exactly its keys up to the first one not published, wherever in their clusters they sit."""
+    reader = IndexReader.open(segment.name)
+    rng = random.Random(9)
+    published = set(rng.sample(range(4000), 3000))
+    for i in published:
+        segment.put(key(i), f.POOL, i + 1)
+    for _ in range(300):
+        ids = rng.sample(range(4000), rng.randrange(1, 64))
+        ids.sort(key=lambda i: i not in published)   # mostly hits first, then misses
+        want = next((n for n, i in enumerate(ids) if i not in published), len(ids))
+        n, loc, ref = reader.leading(NS, [key(i)[16:] for i in ids])
+        assert n == want and ref.tolist() == [i + 1 for i in ids[:n]]
+    reader.close()
