@@ -89,13 +89,13 @@ def kvpool_connector_methods(sock: str, tmp: str, async_scheduling: bool,
     ``OTHER_METHODS``; ``_steps``: the timed phase's scheduler steps; ``_loaded_requests``).
     Without ``plan_stores`` the timed phase plans no store (the planner answers nothing): the
     cost of everything else."""
-    os.environ["KVPOOL_CONNECTOR_TIMING"] = os.path.join(tmp, "timing")
     from bench.vllm_scheduler import Engine
 
     e = Engine(Path(tmp), sock, async_scheduling=async_scheduling, num_blocks=NUM_GPU_BLOCKS,
                max_num_seqs=n, max_num_batched_tokens=MAX_BATCHED_TOKENS, write_kv=False,
                kv_events=False, engine_id=f"bench-{SCHEDULERS[async_scheduling]}",
-               extra={"timeout_ms": 10_000})
+               extra={"timeout_ms": 10_000,
+                      "connector_timing": os.path.join(tmp, "timing")})
     timer = e.connector._timer
     assert timer is not None
     try:
