@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import itertools
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -37,10 +38,19 @@ OTHER_METHODS = ("on_new_request", "get_external_cache_hit_sources", "has_pendin
 SCHEDULERS = {False: "Scheduler", True: "AsyncScheduler"}
 
 
-def drive_load(e, n: int, decode: int, base: int, before_timed: Callable[[], None]) -> int:
+_runs = itertools.count()
+
+
+def drive_load(e, n: int, decode: int, before_timed: Callable[[], None]) -> dict[str, int]:
     """Run the load on engine ``e`` (a ``bench/vllm_driver.py`` ``SchedulerDriver``); call
-    ``before_timed`` once the cache is seeded and vLLM's prefix cache emptied. Returns the
-    scheduler steps of the timed phase."""
+    ``before_timed`` once the cache is seeded and vLLM's prefix cache emptied. Returns the timed
+    phase's scheduler steps (``_steps``) and requests that loaded a hit (``_loaded_requests``).
+
+    Each run's prompts come from token ids of its own: the pool outlives each engine (vLLM's CPU
+    cache does not), and a run whose prompts shared blocks with an earlier run's would find more
+    hits than the load has (before, ours under AsyncScheduler found the Scheduler run's prompts:
+    412 requests loaded a hit, seeds included, for 256)."""
+    base = next(_runs) * 1000 * (n + 1)
     for i in range(n):
         start = base + 1000 * i
         e.add(f"seed{i}", list(range(start, start + PROMPT_TOKENS)), max_tokens=1)
@@ -50,13 +60,15 @@ def drive_load(e, n: int, decode: int, base: int, before_timed: Callable[[], Non
     gc.collect()
     gc.freeze()      # as vLLM's engine core does after start-up
     try:
-        steps_before = e.stats.steps
+        steps_before, seeds_loaded = e.stats.steps, set(e.stats.loaded_reqs)
         for i in range(n):
             start = base + 1000 * i
             e.add(f"r{i}", list(range(start, start + HIT_TOKENS)) +
                   list(range(start + 600, start + 720 + i % 16)), max_tokens=decode)
         e.run(timeout_s=600)
-        return e.stats.steps - steps_before
+        loaded = len(e.stats.loaded_reqs - seeds_loaded)
+        assert loaded >= n // 2, f"only {loaded} of {n} requests loaded a hit"
+        return {"_steps": e.stats.steps - steps_before, "_loaded_requests": loaded}
     finally:
         gc.unfreeze()
 
@@ -105,10 +117,8 @@ def kvpool_connector_methods(sock: str, tmp: str, async_scheduling: bool,
             _clear(timer, other)
             if not plan_stores:
                 e.connector.scheduler.planner.plan = lambda *a, **k: []
-        steps = drive_load(e, n, decode, 100_000 if async_scheduling else 0, before_timed)
-        assert len(e.stats.loaded_reqs) >= n // 2, f"only {len(e.stats.loaded_reqs)} loads"
-        return {**_called(timer), "_other": _called(other), "_steps": steps,
-                "_loaded_requests": len(e.stats.loaded_reqs)}
+        load = drive_load(e, n, decode, before_timed)
+        return {**_called(timer), "_other": _called(other), **load}
     finally:
         e.close()
         atexit.unregister(timer.dump)   # its directory goes with the run
@@ -133,14 +143,12 @@ def vllm_connector_methods(tmp: str, async_scheduling: bool, n: int = CONNECTOR_
 
         def before_timed() -> None:
             _clear(timer, other)
-            seeded.update(stored=e.stored_blocks, loads=e.load_jobs)
-        steps = drive_load(e, n, decode, 100_000 if async_scheduling else 0, before_timed)
+            seeded.update(stored=e.stored_blocks, loaded=e.loaded_blocks)
+        load = drive_load(e, n, decode, before_timed)
         assert seeded["stored"] >= n * PROMPT_TOKENS // 16 // 2, \
             f"its CPU cache took {seeded['stored']} blocks of the seed prompts"
-        assert len(e.stats.loaded_reqs) >= n // 2, f"only {len(e.stats.loaded_reqs)} loads"
-        return {**_called(timer), "_other": _called(other), "_steps": steps,
-                "_loaded_requests": len(e.stats.loaded_reqs),
-                "_loaded_blocks": e.loaded_blocks,
+        return {**_called(timer), "_other": _called(other), **load,
+                "_loaded_blocks": e.loaded_blocks - seeded["loaded"],
                 "_stored_blocks": e.stored_blocks - seeded["stored"]}
     finally:
         e.close()
