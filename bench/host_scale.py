@@ -57,7 +57,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from control_plane import LOOKUP_KEYS, lookup_setup, lookup_worker, pct  # noqa: E402
+from control_plane import LOOKUP_KEYS, lookup_setup, pct  # noqa: E402
+from bench.control_plane_lookups import (  # noqa: E402
+    roundtrip_lookup_worker as lookup_worker)
 from gpu_transfer import PinnedBuffers, start_daemon  # noqa: E402
 from bench.gpu_worker import ShmPool, Worker, gpu_count  # noqa: E402
 from pd_handoff import handoff  # noqa: E402

@@ -1,8 +1,8 @@
 """A vLLM engine without a GPU: the real scheduler plus fake workers running our connector.
 
-``Engine`` builds a real ``Scheduler`` or ``AsyncScheduler`` (vLLM 0.33, pure Python) that loads
-``KVPoolConnector`` through ``kv_connector_module_path`` like the engine core does, and one
-``FakeWorker`` per TP rank. A fake worker owns host KV tensors in POSIX shm, runs the
+``Engine`` (a ``bench/vllm_driver.py`` ``SchedulerDriver``) builds a real ``Scheduler`` or
+``AsyncScheduler`` (vLLM 0.33, pure Python) that loads ``KVPoolConnector`` through
+``kv_connector_module_path`` like the engine core does, and one ``FakeWorker`` per TP rank. A fake worker owns host KV tensors in POSIX shm, runs the
 connector's worker role exactly in the order vLLM's model runner does, "computes" KV by writing
 a deterministic pattern of (token, position, layer, KV head) into its heads of the scheduled
 slots (vLLM's split: ``KV_HEADS`` over the TP ranks, replicated past TP=2), and checks
@@ -14,60 +14,26 @@ core does with async scheduling.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import (CacheConfig, DeviceConfig, KVEventsConfig,  # noqa: E402
-                         KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                         VllmConfig)
+from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
-                                        KVCacheGroupSpec, SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from bench.vllm_driver import (BS, HEAD, KV_HEADS, Group, SchedulerDriver,  # noqa: E402
+                               fake_token, kv_cache_config, local_heads, vllm_config)
 from kvpool.client.host_memory import SharedHostMemory  # noqa: E402
 from kvpool.client.vllm import KVPoolConnector  # noqa: E402
 from kvpool.client.vllm.meta import StepMeta  # noqa: E402
-
-BS = 16
-KV_HEADS, HEAD = 2, 16     # the model's KV heads (TINY_LLAMA), split over the TP ranks
-EOS = 50256
-TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "num_hidden_layers": 2, "head_dim": 16, "vocab_size": 51200,
-              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-              "bos_token_id": 1, "eos_token_id": EOS, "torch_dtype": "float16",
-              "tie_word_embeddings": False}
-
-
-def model_dir(root: Path) -> str:
-    d = root / "tiny-llama"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return str(d)
-
-
-def fake_token(pos: int) -> int:
-    """What the fake model samples at position ``pos`` (known before the scheduler hears it)."""
-    return 1000 + pos % 997
-
-
-def local_heads(tp: int) -> int:
-    """KV heads per rank, as vLLM splits them (at least one: replicated past TP=KV_HEADS)."""
-    return max(1, KV_HEADS // tp)
 
 
 def _pattern(token: int, pos: int, layer: int, kv: int, heads: range) -> torch.Tensor:
@@ -185,12 +151,6 @@ class HeldStores:
         return [by_id[j] for j in job_ids]
 
 
-@dataclass
-class Group:
-    layers: list[str]
-    sliding_window: int | None = None
-
-
 class FakeWorker:
     """One TP rank: KV tensors in shm, the connector's worker role, a pattern-writing model."""
 
@@ -253,19 +213,7 @@ class FakeWorker:
         self.mem.close()
 
 
-@dataclass
-class Stats:
-    steps: int = 0
-    idle_steps: int = 0        # steps that scheduled nothing (waiting on transfers)
-    loaded_reqs: set[str] = field(default_factory=set)
-    failed_loads: set[str] = field(default_factory=set)
-    finished: list[str] = field(default_factory=list)
-    params: dict[str, dict | None] = field(default_factory=dict)   # kv_transfer_params out
-    scheduled: dict[str, int] = field(default_factory=dict)   # tokens computed per request
-    max_steps: int = 5000
-
-
-class Engine:
+class Engine(SchedulerDriver):
     """A scheduler and ``tp`` fake workers, driven step by step like vLLM's engine core."""
 
     def __init__(self, root: Path, socket: str, *, async_scheduling: bool, tp: int = 1,
@@ -276,8 +224,6 @@ class Engine:
                  hold_stores: bool = False, late_stores: int = 0, max_num_seqs: int = 16,
                  write_kv: bool = True, kv_events: bool = True, step_s: float = 0.0,
                  scheduler_first: bool = False) -> None:
-        model = ModelConfig(model=model_dir(root), dtype="float16", seed=42,
-                            skip_tokenizer_init=True)
         self.groups = ([Group(["model.layers.0.self_attn"]),
                         Group(["model.layers.1.self_attn"], sliding_window=32)] if hybrid else
                        [Group(["model.layers.0.self_attn", "model.layers.1.self_attn"])])
@@ -285,38 +231,16 @@ class Engine:
         # the tests about a slow daemon set their own.
         extra_config = {"socket": socket, "timeout_ms": 10000, "reconnect_backoff_ms": 50,
                         **(extra or {})}
-        self.cfg = VllmConfig(
-            model_config=model,
-            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                             max_num_batched_tokens=max_num_batched_tokens,
-                                             max_model_len=2048, enable_chunked_prefill=True,
-                                             is_encoder_decoder=False,
-                                             async_scheduling=async_scheduling),
-            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-            parallel_config=ParallelConfig(tensor_parallel_size=tp),
-            kv_transfer_config=KVTransferConfig(
+        self.cfg = vllm_config(
+            root, KVTransferConfig(
                 kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.client.vllm",
                 kv_role=kv_role, engine_id=engine_id, kv_connector_extra_config=extra_config,
                 kv_load_failure_policy=load_failure_policy),
-            device_config=DeviceConfig("cpu"),
-            # vLLM's KV events on (published nowhere), so the connector reports its own.
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-            if kv_events else None)
-        self.cfg.cache_config.num_gpu_blocks = num_blocks
-        specs = []
-        heads = local_heads(tp)
-        for g in self.groups:
-            if g.sliding_window:
-                spec = SlidingWindowSpec(block_size=BS, num_kv_heads=heads, head_size=HEAD,
-                                         dtype=torch.float16, sliding_window=g.sliding_window)
-            else:
-                spec = FullAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=HEAD,
-                                         dtype=torch.float16)
-            specs.append(KVCacheGroupSpec(g.layers, spec))
-        # What vLLM's engine core resolves and hands to both roles.
-        self.kv_cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                    kv_cache_groups=specs,
-                                    kv_cache_layout="BLNHC" if block_outermost else "LBNHC")
+            async_scheduling=async_scheduling, tp=tp, num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            kv_events=kv_events)
+        self.kv_cfg = kv_cache_config(self.groups, tp, num_blocks,
+                                      "BLNHC" if block_outermost else "LBNHC")
         # vLLM's order: the workers register their KV caches, then the engine core builds
         # the scheduler (and its connector). scheduler_first: the other way round, as after a
         # daemon restart where the scheduler may reconnect before its workers re-register.
@@ -324,19 +248,11 @@ class Engine:
         if not scheduler_first:
             self.workers = [FakeWorker(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
                             for r in range(tp)]
-        cls = self.cfg.scheduler_config.get_scheduler_cls()
-        self.sched = cls(vllm_config=self.cfg, kv_cache_config=self.kv_cfg, block_size=BS,
-                         structured_output_manager=StructuredOutputManager(self.cfg),
-                         log_stats=True)
-        self.is_async = async_scheduling
-        assert type(self.sched).__name__ == ("AsyncScheduler" if async_scheduling else "Scheduler")
+        super().__init__(self.cfg, self.kv_cfg, async_scheduling=async_scheduling, step_s=step_s)
         self.connector: KVPoolConnector = self.sched.connector
         if scheduler_first:
             self.workers = [FakeWorker(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
                             for r in range(tp)]
-        # How long a step that computes something takes (a GPU step: 5-50 ms); a step with
-        # nothing scheduled returns at once, as vLLM's engine core does.
-        self.step_s = step_s
         # vLLM drains connector events every step; keep a copy for the tests.
         self.events: list = []
         take = self.connector.take_events
@@ -354,30 +270,14 @@ class Engine:
         # (release_stores); late_stores: that many steps after they were made.
         self.held = [HeldStores(w.conn.worker, late_stores or None) for w in self.workers] \
             if hold_stores or late_stores else []
-        self.stats = Stats()
         # write_kv=False (benchmarks): the fake model writes no KV and loads are not checked;
         # the connector and daemon do exactly the same work.
         self.write_kv = write_kv
-        self._queue: list[tuple[object, ModelRunnerOutput]] = []
-        init_none_hash(sha256)
         self.fail_next_loads = 0   # test hook: make the loads of the next N steps fail
         self._bad_loads: set[str] = set()
-        self.preemptions: set[str] = set()
         self.flushed_tickets = 0   # stores the workers had to finish before blocks were reused
 
     # ---- requests ------------------------------------------------------------------------
-
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4,
-            cache_salt: str | None = None, kv_transfer_params: dict | None = None) -> Request:
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                            extra_args={"kv_transfer_params": kv_transfer_params}
-                            if kv_transfer_params else None)
-        sp.update_from_generation_config({}, EOS)
-        req = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp,
-                      pooling_params=None, block_hasher=get_request_block_hasher(BS, sha256),
-                      cache_salt=cache_salt)
-        self.sched.add_request(req)
-        return req
 
     def release_stores(self, n: int | None = None) -> None:
         """Let the ``n`` oldest held store jobs of every rank go to the daemon."""
@@ -394,54 +294,6 @@ class Engine:
         self.sched.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
 
     # ---- stepping ------------------------------------------------------------------------
-
-    def step(self) -> None:
-        """One engine-core step: schedule, execute; apply outputs one (sync) or two (async)
-        steps deep."""
-        so = self.sched.schedule()
-        started = time.perf_counter()
-        out = self._execute(so)
-        if self.step_s and so.total_num_scheduled_tokens:
-            # The model's forward pass: the connector's stores and loads overlap it.
-            rest = self.step_s - (time.perf_counter() - started)
-            if rest > 0:
-                time.sleep(rest)
-        self._queue.append((so, out))
-        if not self.is_async or len(self._queue) > 1:
-            self._apply(*self._queue.pop(0))
-        self.stats.steps += 1
-        if so.total_num_scheduled_tokens == 0:
-            self.stats.idle_steps += 1
-            time.sleep(0.0005)   # only transfers in flight: let the daemon work
-
-    def drain_queue(self) -> None:
-        while self._queue:
-            self._apply(*self._queue.pop(0))
-
-    def run(self, until=None, timeout_s: float = 60.0) -> None:
-        """Step until ``until()`` (default: no requests and no pending work), bounded."""
-        deadline = time.monotonic() + timeout_s
-        done = until or (lambda: not self.sched.has_requests() and not self._queue)
-        while not done():
-            if not self.sched.has_requests() and self._queue:
-                self.drain_queue()
-                continue
-            self.step()
-            busy = self.stats.steps - self.stats.idle_steps
-            if time.monotonic() > deadline or busy > self.stats.max_steps:
-                raise AssertionError(f"engine did not settle after {self.stats.steps} steps: "
-                                     f"{self.describe()}")
-        if until is None:
-            self.drain_queue()
-
-    def _apply(self, so, out: ModelRunnerOutput) -> None:
-        self.preemptions.update(so.preempted_req_ids or ())
-        eco = self.sched.update_from_output(so, out)
-        for outs in eco.values():
-            for o in outs.outputs:
-                if o.finished:
-                    self.stats.finished.append(o.request_id)
-                    self.stats.params[o.request_id] = o.kv_transfer_params
 
     def _execute(self, so) -> ModelRunnerOutput:
         meta = so.kv_connector_metadata
