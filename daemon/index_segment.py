@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import posix_ipc
 
 from kvpool.shared import index_format as f
+from kvpool.shared.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvpool.daemon.extents import Slot
@@ -68,7 +69,15 @@ class IndexSegment:
             os.fchmod(self._shm.fd, mode)
             if gid >= 0:
                 os.fchown(self._shm.fd, -1, gid)
+            # Reserved now, as the pool is: a page first touched when /dev/shm is full would
+            # be a SIGBUS in the daemon's next publish, not an error at start.
+            os.posix_fallocate(self._shm.fd, 0, size)
             self._buf = mmap.mmap(self._shm.fd, size)
+        except OSError as e:
+            self._shm.close_fd()
+            posix_ipc.unlink_shared_memory(name)
+            raise ConfigError(f"cannot reserve {size} bytes in /dev/shm for the index {name}: "
+                              f"{e.strerror}; lower index_entries or make room") from None
         except BaseException:
             self._shm.close_fd()
             posix_ipc.unlink_shared_memory(name)

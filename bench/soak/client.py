@@ -88,6 +88,20 @@ class Engine:
         got = self.mem.blocks[blocks]
         return int((got != pattern(keys, self.block_bytes)).any(axis=1).sum())
 
+    def split_failed(self, dst: list[int], ids: list[int],
+                     failed: tuple[int, ...]) -> tuple[tuple[list[int], list[bytes]], list[int]]:
+        """A load's blocks as ((copied blocks, their keys), blocks the daemon reported failed:
+        evicted since the lookup and held nowhere else)."""
+        bad = set(failed)
+        keep = [j for j in range(len(dst)) if j not in bad]
+        return ([dst[j] for j in keep], self.keys([ids[j] for j in keep])), \
+            [dst[j] for j in sorted(bad)]
+
+    def overwritten(self, blocks: list[int]) -> int:
+        """Blocks of a load reported failed that hold anything but the poison written before
+        it: a failed block is never written, least of all from a reused slot."""
+        return int((self.mem.blocks[blocks] != POISON).any(axis=1).sum()) if blocks else 0
+
     def close(self) -> None:
         self.worker.close()
         self.sched.close()
@@ -102,7 +116,7 @@ def integrity(p: dict) -> None:
     stats = dict(transfers=0, stored=0, loaded=0, corrupted=0, store_jobs=0, load_jobs=0,
                  failed_loads=0, failed_stores=0, aborted_before=0, aborted_during=0,
                  not_written=0, short_grants=0, expired_loads=0, expired_ok=0, double_releases=0, unpinned=0,
-                 lookups=0, hits=0, unavailable=0, codes={})
+                 lookups=0, hits=0, unavailable=0, stale_blocks=0, keyed_loads=0, codes={})
     universe, ttl = p["keys"], p["lease_ttl_s"]
     half = p["max_batch"]
     recent: deque[int] = deque(maxlen=4 * half)
@@ -117,16 +131,22 @@ def integrity(p: dict) -> None:
     def load(ids: list[int], refs: list[int]) -> bool:
         dst = list(range(half, half + len(ids)))
         eng.mem.blocks[dst] = POISON
-        job = eng.worker.submit_load(eng.reg, refs, dst)
+        # Half the loads name their keys (the connector's way: a block evicted since the
+        # lookup is found again by key), half only the refs (a stale ref must fail alone).
+        keyed = rng.random() < 0.5
+        stats["keyed_loads"] += keyed
+        job = eng.worker.submit_load(eng.reg, refs, dst, keys=eng.keys(ids) if keyed else ())
         done = eng.worker.wait([job], 30)[0]
         stats["load_jobs"] += 1
         if not done.ok:
             stats["failed_loads"] += 1
             code(done.code)
             return False
-        stats["corrupted"] += eng.mismatches(dst, eng.keys(ids))
-        stats["loaded"] += len(ids)
-        stats["transfers"] += len(ids)
+        loaded, stale = eng.split_failed(dst, ids, done.failed)
+        stats["stale_blocks"] += len(stale)
+        stats["corrupted"] += eng.mismatches(*loaded) + eng.overwritten(stale)
+        stats["loaded"] += len(loaded[0])
+        stats["transfers"] += len(loaded[0])
         return True
 
     while stats["transfers"] < p["transfers"] and time.monotonic() < deadline:
@@ -345,8 +365,9 @@ def writer(p: dict) -> None:
                 acked.extend(mine)
                 log.write("".join(f"k {i}\n" for i in mine))
             if got and done[-1].ok:
-                corrupted += eng.mismatches(dst, eng.keys([i for i, _ in got]))
-                loaded += len(got)
+                fine, stale = eng.split_failed(dst, [i for i, _ in got], done[-1].failed)
+                corrupted += eng.mismatches(*fine) + eng.overwritten(stale)
+                loaded += len(fine[0])
             timed(eng.sched.release, hit.leases)
             if p["pace_s"]:
                 time.sleep(p["pace_s"])

@@ -21,6 +21,9 @@ def test_integrity_under_constant_eviction(tmp_path):
     r = integrity.run(tmp_path, **CI["integrity"])
     assert r["transfers"] >= CI["integrity"]["transfers"]
     assert r["integrity_detail"]["after_exit"]["evictions"] > 1000, "the pool must evict all the time"
+    # Loads after their lookup's block was evicted must happen, and each such block fail alone
+    # (poison kept), else the optimistic-load path went untested.
+    assert r["integrity_detail"]["stale_blocks"] > 0, r["integrity_detail"]
     _met(r)
 
 
