@@ -363,7 +363,7 @@ class Engine:
         self.fail_next_loads = 0   # test hook: make the loads of the next N steps fail
         self._bad_loads: set[str] = set()
         self.preemptions: set[str] = set()
-        self.flushed_tickets = 0   # stores the workers had to finish before blocks were reused
+        self.flushed_batches = 0   # stores the workers had to finish before blocks were reused
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -450,7 +450,7 @@ class Engine:
         for rid, n in so.num_scheduled_tokens.items():
             self.stats.scheduled[rid] = self.stats.scheduled.get(rid, 0) + n
         outs = []
-        self.flushed_tickets += len(meta.flush_tickets)
+        self.flushed_batches += len(meta.flush_batches)
         for slow in self.slow:
             slow.step += 1
         for held in self.held:
@@ -531,9 +531,9 @@ class Engine:
         sc, role = self.sched, self.connector.scheduler
         counts = sc.get_request_counts()
         return (f"requests={list(sc.requests)} running/waiting={counts} "
-                f"finished_ids={sc.finished_req_ids} tickets={list(role.tickets.by_id)} "
+                f"finished_ids={sc.finished_req_ids} batches={list(role.batches.by_id)} "
                 f"release={role.lookups.release} free_ready={role.backlog.free_ready} "
-                f"retry={role.lookups.retry} abort={role.tickets.abort_slots} "
+                f"retry={role.lookups.retry} abort={role.batches.abort_tickets} "
                 f"reqs={list(role._reqs)} queue={len(self._queue)} "
                 f"backlog={sorted(role.backlog.backlog)} worker store jobs="
                 f"{[dict(w.conn.worker._store_jobs) for w in self.workers]} in flight="
@@ -549,7 +549,7 @@ class Engine:
         role = self.connector.scheduler
         assert role is not None
         assert not role._reqs, f"connector still tracks {list(role._reqs)}"
-        assert not role.tickets.by_id, f"connector still has tickets {list(role.tickets.by_id)}"
+        assert not role.batches.by_id, f"connector still has batches {list(role.batches.by_id)}"
         if info_client is not None:
             deadline = time.monotonic() + timeout_s
             while True:

@@ -48,13 +48,14 @@ LOOKUP_BLOCKS_PER_STEP = 512
 # to a step (5-50 ms on a GPU), short next to a queue that outlasts the stores beside it.
 LOOKUP_STALE_S = 0.25
 
-# One group's answer for one request: (first block asked, hit, slots, lease).
+# One group's answer for one request: (first block asked, hit, slot refs, lease).
 Answer = tuple[int, int, list[int], int]
 
 
 class Lookups:
-    """Called from vLLM's scheduler thread only. ``committed`` is the tickets' per-group map
-    of keys known to be in the pool (``tickets.py``): a lookup that misses one forgets it."""
+    """Called from vLLM's scheduler thread only. ``committed`` is the store batches' per-group
+    map of keys known to be in the pool (``store_batches.py``): a lookup that misses one
+    forgets it."""
 
     def __init__(self, groups: list[Any], block_tokens: int, client: Any, link: DaemonLink,
                  reqs: dict[str, ReqState], pd: PdStream,

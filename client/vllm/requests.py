@@ -40,11 +40,11 @@ class ReqState:
     lo: int = 0                # min(cursor): a request with no block past it has none to store
     pooled: int = 0            # leading blocks this request loaded from the pool (held there)
     store_run: int = 1         # blocks a running request's store waits to gather (1: producer)
-    # tickets.py
-    tickets: set[int] = field(default_factory=set)
+    # store_batches.py
+    batches: set[int] = field(default_factory=set)
     finishing: bool = False    # request_finished returned True: free via free_now
     finished: bool = False
-    backlog_until: float = 0.0  # finished, blocks kept for stores waiting on slots until then
+    backlog_until: float = 0.0  # finished, blocks kept for stores waiting on tickets until then
     # P/D: a producer stores every block (also those it loaded) and hands the prompt over; a
     # consumer waits (bounded) for the producer's blocks to land before taking its hit.
     producer: bool = False

@@ -10,13 +10,13 @@ the parts that do the work, in order:
 - ``pd_stream.py``: P/D consumers loading a prefill's hand-off chunk by chunk;
 - ``store_planner.py``: which full blocks are stored each step (the life of one store is
   described there);
-- ``tickets.py``: store tickets until every rank acked them, KV events, and the backlog of
+- ``store_batches.py``: store batches until every rank acked them, KV events, and the backlog of
   finished requests keeping their blocks for their stores;
 - ``store_losses.py``: full blocks not stored, by reason.
 
 No method vLLM calls here waits on the daemon: lookups go out at the end of a step and are
 answered at the start of the next (``None`` meanwhile: "ask again next step"), stores take
-slots from the client's stock, and releases, aborts and resets are sent without waiting. A
+tickets from the client's stock, and releases, aborts and resets are sent without waiting. A
 daemon that is missing or slow turns into zero hits and skipped stores (``DaemonUnavailable``
 is caught by the parts, never raised to vLLM).
 
@@ -24,8 +24,8 @@ Lifecycle of a request, as vLLM drives it:
 ``get_num_new_matched_tokens`` (queue a lookup, answer ``None`` until it lands, then the hit)
 → ``update_state_after_alloc`` (turn the hit into load specs, or release the lease)
 → ``build_connector_meta`` each step (stores of newly full blocks)
-→ ``update_connector_output`` (load done: release the lease; store tickets acked by every rank)
-→ ``request_finished`` (keep the blocks while tickets are in flight; free them via ``free_now``).
+→ ``update_connector_output`` (load done: release the lease; store batches acked by every rank)
+→ ``request_finished`` (keep the blocks while stores are in flight; free them via ``free_now``).
 
 This module is the only part that imports vLLM's types (``StepMeta``, ``WorkerAcks``).
 """
@@ -45,7 +45,7 @@ from kvpool.client.vllm.specs import LoadSpec
 from kvpool.client.vllm.store_losses import StoreLosses
 from kvpool.client.vllm.lazy_store import LazyStore
 from kvpool.client.vllm.store_planner import StorePlanner, handed_blocks
-from kvpool.client.vllm.tickets import Backlog, Tickets
+from kvpool.client.vllm.store_batches import Backlog, StoreBatches
 from kvpool.client.vllm.keys import GroupInfo, RequestKeys
 from kvpool.client.vllm.meta import StepMeta, WorkerAcks
 from kvpool.shared.errors import DaemonUnavailable
@@ -96,11 +96,11 @@ class SchedulerRole:
         self.link = DaemonLink(client, backoff_s, backoff_max_s)
         self.backlog = Backlog(bt, client, self.link, self._reqs, namespaces, self.losses,
                                store_wait_s)
-        self.tickets = Tickets(groups, bt, world_size, client, self.link, self.backlog,
+        self.batches = StoreBatches(groups, bt, world_size, client, self.link, self.backlog,
                                self.losses, events_enabled)
         self.pd = PdStream(groups, bt, self._reqs, self._step_loads, pd_wait_s, pd_stream)
         self.lookups = Lookups(groups, bt, client, self.link, self._reqs, self.pd,
-                               self.tickets.committed)
+                               self.batches.committed)
         self.loads = Loads(groups, bt, self._reqs, self._step_loads, self.lookups)
         # store_policy "lazy": blocks are remembered, and stored when vLLM's prefix cache is
         # about to evict them (store_planner.py says how); horizon_blocks is how far one
@@ -109,14 +109,14 @@ class SchedulerRole:
         if store_policy not in ("eager", "lazy"):
             raise ValueError(f"store_policy must be eager or lazy, not {store_policy!r}")
         self.lazy = LazyStore(max(1, horizon_blocks)) if store_policy == "lazy" else None
-        self.planner = StorePlanner(groups, bt, client, self.link, self._reqs, self.tickets,
+        self.planner = StorePlanner(groups, bt, client, self.link, self._reqs, self.batches,
                                     self.backlog, self.losses, self.lazy,
                                     store_min_prefix_tokens, horizon_blocks)
         # Benchmarks only (connector timing on): told (wall time, tokens scheduled, blocks
         # planned) of each step that planned stores.
         self.store_log: Callable[[float, int, int], None] | None = None
         if self.enabled:
-            # Connect and start stocking slots now (start-up, not a step: this may wait up to
+            # Connect and start stocking tickets now (start-up, not a step: this may wait up to
             # timeout_ms once), so the first steps find them.
             for g in groups:
                 self.client.keep_stock(g.namespace)
@@ -224,26 +224,26 @@ class SchedulerRole:
         # Stores still reading blocks that are handed to a request this step must finish
         # first (preempted requests' blocks; sliding-window blocks freed and reused).
         flush: set[int] = set()
-        if self.tickets.by_id:
+        if self.batches.by_id:
             handed = handed_blocks(so)
             if handed:
-                flush = self.tickets.reading(handed)
+                flush = self.batches.reading(handed)
         preempted = [st for st in map(self._reqs.get, so.preempted_req_ids or ())
                      if st is not None]
         for st in preempted:
-            flush.update(st.tickets)
+            flush.update(st.batches)
             self.lookups.consume(st, keep_leases=False)
-        meta.flush_tickets = sorted(flush)
+        meta.flush_batches = sorted(flush)
         # The step's messages go before store planning, whose budget runs from the step's
         # start: planning gets what they left of it, so a step that sends a lookup batch
         # does not also plan for the full budget.
-        self.tickets.send_aborts()
+        self.batches.send_aborts()
         self.lookups.send_releases()
         self.lookups.send()
         meta.stores = self.planner.plan(so, started, preempted)
         if self.store_log is not None and meta.stores:
             self.store_log(time.time(), so.total_num_scheduled_tokens,
-                           sum(len(s.slots) for s in meta.stores))
+                           sum(len(s.tickets) for s in meta.stores))
         for st in preempted:
             st.set_cursor(0)        # it resumes from token 0 (keys stored now are skipped)
         meta.free_now = self.backlog.take_free()
@@ -260,7 +260,7 @@ class SchedulerRole:
     def update_connector_output(self, out: "KVConnectorOutput") -> None:
         acks = out.kv_connector_worker_meta
         if isinstance(acks, WorkerAcks):
-            self.tickets.acked(acks.done, acks.failed)
+            self.batches.acked(acks.done, acks.failed)
         self.loads.finished(out.finished_recving, out.failed_recving, out.invalid_block_ids)
 
     # ---- finish, reset, events --------------------------------------------------------------
@@ -281,7 +281,7 @@ class SchedulerRole:
         self.lookups.consume(st, keep_leases=False)
         if self.planner.below_min_prefix(st):
             st.set_cursor(st.full_blocks(self.block_tokens))    # nothing of it is stored
-        if self.backlog.keeps(st) or st.tickets:
+        if self.backlog.keeps(st) or st.batches:
             st.finishing = True
             return True, params
         self._reqs.pop(request.request_id, None)
@@ -301,8 +301,8 @@ class SchedulerRole:
         # that step has nothing to compute, so it stores them (the engine is idle, or shutting
         # down cleanly) and the cache outlives the engine as under eager.
         lazy = self.lazy
-        return bool(self.tickets.by_id or self.backlog.free_ready or self.lookups.release
-                    or self.tickets.abort_slots or self.lookups.retry or self.pd.streams
+        return bool(self.batches.by_id or self.backlog.free_ready or self.lookups.release
+                    or self.batches.abort_tickets or self.lookups.retry or self.pd.streams
                     or self.backlog.backlog
                     or (lazy is not None and (lazy.num_pending or lazy.num_in_flight)))
 
@@ -312,13 +312,13 @@ class SchedulerRole:
         not be sent (vLLM then reports the reset as failed).
 
         Stores planned before the reset must never show up after it (a reset often follows a
-        weight update): their slots are given back first, on the same connection, so a store
+        weight update): their tickets are given back first, on the same connection, so a store
         that reaches the daemon later finds its slot gone and commits nothing.
         """
         ok = self.link.pump()
         if ok:
-            ok = self.tickets.send_reset()
-        self.tickets.reset()
+            ok = self.batches.send_reset()
+        self.batches.reset()
         if self.lazy is not None:
             self.lazy.reset()            # remembered KV is stale after a reset
         for st in self._reqs.values():
@@ -328,7 +328,7 @@ class SchedulerRole:
         return ok
 
     def take_events(self) -> Iterable[Any]:
-        return self.tickets.take_events()
+        return self.batches.take_events()
 
     def shutdown(self) -> None:
         self.losses.maybe_log(final=True)

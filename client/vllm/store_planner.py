@@ -4,25 +4,27 @@ The life of one store (described here once; the other parts point to it):
 
 1. ``SchedulerRole.build_connector_meta`` calls ``StorePlanner.plan`` with the step's
    ``SchedulerOutput``. Requests vLLM handed new blocks this step join the planner's queue;
-   finished requests that still have full blocks to store (``tickets.Backlog.todo``) go first.
+   finished requests that still have full blocks to store (``Backlog.todo``) go first.
 2. The planner cuts each request's newly full blocks into runs (``_plan_request``): keys in
-   flight (``Tickets.keys_in_flight``), planned earlier this step, or remembered as committed
-   (``Tickets.committed``) are skipped, so a key is stored once.
-3. It takes writable slots for the runs from the client's stock of reservations
-   (``SchedulerClient.take_slots``; the client refills the stock in the background, never in a
-   step). Runs the stock cannot cover are cut (``_cut_runs``): planned again next step while a
-   refill is coming (an empty grant only says this client's tickets are at their cap), else
-   counted lost (``reserve_refused``: the daemon answered with an error).
-4. ``Tickets.add`` records one ticket per group and step and returns its ``StoreSpec`` (slots,
-   GPU block ids, keys, the grant), which goes to every worker in the step's ``StepMeta``.
-5. Each worker (``worker.py``) submits a keyed store of its shard; the daemon binds each
-   reserved slot to its key when the store arrives (dropping a duplicate of a key it holds),
-   copies once the engine's compute stream reached the step, and commits a slot when every
-   rank's shard has landed.
-6. Each worker acks the ticket in ``WorkerAcks``; ``Tickets.acked`` resolves it once every rank
-   has: committed keys are remembered (and become KV events), a failed rank aborts the slots
-   and counts the blocks lost (``store_failed``), and a finished request with no ticket left is
-   freed through ``tickets.Backlog``.
+   flight (``StoreBatches.keys_in_flight``), planned earlier this step, or remembered as
+   committed (``StoreBatches.committed``) are skipped, so a key is stored once.
+3. It takes a ticket for each block from the client's stock (``SchedulerClient.take_slots``:
+   tickets the daemon granted ahead of need, bound to no key or slot yet; the client asks for
+   more in the background, never in a step). Runs the stock cannot cover are cut
+   (``_cut_runs``): planned again next step while more tickets are coming (an empty grant only
+   says this client holds as many as it may), else counted lost (``reserve_refused``: the
+   daemon answered the reservation with an error).
+4. ``StoreBatches.add`` records one store batch per group and step and returns its
+   ``StoreSpec`` (tickets, GPU block ids, keys, the daemon life that granted the tickets),
+   which goes to every worker in the step's ``StepMeta``.
+5. Each worker (``worker.py``) submits a keyed store of its shard; the daemon gives each
+   ticket a slot for its key when the first rank's store arrives (dropping a duplicate of a key
+   it holds), copies once the engine's compute stream reached the step, and commits a slot
+   when every rank's shard has landed.
+6. Each worker acks the batch in ``WorkerAcks``; ``StoreBatches.acked`` resolves it once every
+   rank has: committed keys are remembered (and become KV events), a failed rank aborts the
+   tickets and counts the blocks lost (``store_failed``), and a finished request with no batch
+   left is freed through ``Backlog``.
 
 A request vLLM preempts loses its GPU blocks inside ``schedule()``, before the connector hears
 of it, and resumes from token 0: its full blocks not yet planned (the planning queue lags on a
@@ -61,7 +63,7 @@ from kvpool.client.vllm.lazy_store import Due, LazyStore
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import StoreSpec
 from kvpool.client.vllm.store_losses import PREEMPTED, RESERVE_REFUSED, StoreLosses
-from kvpool.client.vllm.tickets import Backlog, Run, Tickets
+from kvpool.client.vllm.store_batches import Backlog, Run, StoreBatches
 
 _NOTHING: dict[bytes, None] = {}
 # Store planning per step is bounded: a burst of prefills fills hundreds of blocks in one
@@ -88,7 +90,7 @@ STORE_LATE_PIECE_BLOCKS = 8
 # time: it ends this long after build_connector_meta started, whichever is first.
 STORE_STEP_BUDGET_S = 150e-6
 # A decoding request's new blocks are planned once they add up to this many tokens: a decode
-# fills one block every block_size steps, so with 16-token blocks a ticket takes 8 of them
+# fills one block every block_size steps, so with 16-token blocks a batch takes 8 of them
 # instead of 1, which cuts the per-request work of decode steps (hashing stays per block).
 # Prompt blocks are planned as their prefill chunk fills them. Finished requests (the
 # backlog) and P/D producers plan whatever they have.
@@ -130,7 +132,7 @@ class StorePlanner:
     (``plan``); ``kv_cache_manager`` is vLLM's, bound after construction."""
 
     def __init__(self, groups: list[Any], block_tokens: int, client: Any, link: DaemonLink,
-                 reqs: dict[str, ReqState], tickets: Tickets, backlog: Backlog,
+                 reqs: dict[str, ReqState], batches: StoreBatches, backlog: Backlog,
                  losses: StoreLosses, lazy: LazyStore | None = None,
                  min_prefix_tokens: int = 0, horizon_blocks: int = 0) -> None:
         self.groups = groups
@@ -138,7 +140,7 @@ class StorePlanner:
         self.client = client
         self._link = link
         self._reqs = reqs
-        self._tickets = tickets
+        self._batches = batches
         self._backlog = backlog
         self._losses = losses
         self._namespaces = [g.namespace for g in groups]
@@ -147,15 +149,15 @@ class StorePlanner:
         # each new request starts with this (a P/D producer with 1).
         self.store_run = max(1, -(-STORE_RUN_TOKENS // block_tokens)) if block_tokens else 1
         # Requests with blocks to plan, oldest first (deferred by the step budget, or waiting
-        # for slots): request id -> when it first waited.
+        # for tickets): request id -> when it first waited.
         self.queue: OrderedDict[str, float] = OrderedDict()
         # store_policy "lazy" (None: eager), and what it needs to store a remembered block: per
-        # GPU block id, the request and block index it holds (for the ticket and its KV event;
+        # GPU block id, the request and block index it holds (for the batch and its KV event;
         # overwritten when the block id is remembered again, so bounded by the GPU's blocks),
-        # and per lazy ticket, the GPU blocks it pins until it resolves.
+        # and per lazy batch, the GPU blocks it pins until it resolves.
         self.lazy = lazy
         self._lazy_owner: dict[int, tuple[ReqState, int]] = {}
-        self._lazy_tickets: dict[int, list[int]] = {}
+        self._lazy_batches: dict[int, list[int]] = {}
         self.min_prefix_tokens = min_prefix_tokens
         # Free blocks below which a step is under memory pressure (STORE_PRESSURE_BUDGET_S);
         # 0: never.
@@ -186,8 +188,8 @@ class StorePlanner:
     def plan(self, so: Any, step_started: float,
              preempted: Sequence[ReqState] = ()) -> list[StoreSpec]:
         """Newly full blocks of every scheduled request (and of finished ones waiting for
-        slots), minus keys in flight or known to be in the pool, each given a reserved slot
-        from the client's stock. Never waits: blocks the stock cannot cover yet are planned
+        tickets), minus keys in flight or known to be in the pool, each given a ticket from
+        the client's stock. Never waits: blocks the stock cannot cover yet are planned
         again next step (or skipped when the pool has no room).
 
         Only requests that vLLM handed new blocks this step are looked at (new and resumed
@@ -199,7 +201,7 @@ class StorePlanner:
         until ``STORE_STEP_BUDGET_S`` after ``step_started`` (perf_counter). ``preempted``:
         requests vLLM preempted in this step's ``schedule()``, their cursors not yet reset;
         their unplanned full blocks go first, whatever the budget (see the module's docstring)."""
-        if self._lazy_tickets:
+        if self._lazy_batches:
             self._release_lazy()
         if self.kv_cache_manager is None or not self._link.ok():
             return []
@@ -267,12 +269,12 @@ class StorePlanner:
             if not runs:
                 continue
             total = sum(len(keys) for _, _, keys, _ in runs)
-            refs, grant = self.client.take_slots(g.namespace, total)
-            if len(refs) < total:
-                runs = self._cut_runs(gi, g.namespace, runs, len(refs), now, step.preempted)
+            tickets, granted_by = self.client.take_slots(g.namespace, total)
+            if len(tickets) < total:
+                runs = self._cut_runs(gi, g.namespace, runs, len(tickets), now, step.preempted)
             if not runs:
                 continue
-            specs.append(self._tickets.add(gi, runs, refs, grant))
+            specs.append(self._batches.add(gi, runs, tickets, granted_by))
         for st in finished:
             if st.request.request_id in todo:
                 continue            # cut short by the stock: planned again next step
@@ -332,31 +334,32 @@ class StorePlanner:
         for gi, blocks in enumerate(per_group):
             if not blocks:
                 continue
-            refs, grant = self.client.take_slots(self.groups[gi].namespace, len(blocks))
-            short = blocks[len(refs):]
+            tickets, granted_by = self.client.take_slots(self.groups[gi].namespace,
+                                                         len(blocks))
+            short = blocks[len(tickets):]
             if short:
                 bids = [d.block_id for d in short]
                 lazy.release(pool, bids)
                 lazy.remember(pool, gi, bids, [d.key for d in short])
-                blocks = blocks[:len(refs)]
+                blocks = blocks[:len(tickets)]
             if not blocks:
                 continue
             runs: list[Run] = []
             for d in blocks:
                 st, index = self._lazy_owner[d.block_id]
                 runs.append((st, (index,), [d.key], [d.block_id]))
-            spec = self._tickets.add(gi, runs, refs, grant)
-            self._lazy_tickets[spec.ticket] = [d.block_id for d in blocks]
+            spec = self._batches.add(gi, runs, tickets, granted_by)
+            self._lazy_batches[spec.batch] = [d.block_id for d in blocks]
             specs.append(spec)
         return specs
 
     def _release_lazy(self) -> None:
-        """Unpin the GPU blocks of lazy tickets every rank has reported (stored or failed)."""
-        live = self._tickets.by_id
-        done = [tid for tid in self._lazy_tickets if tid not in live]
+        """Unpin the GPU blocks of lazy batches every rank has reported (stored or failed)."""
+        live = self._batches.by_id
+        done = [b for b in self._lazy_batches if b not in live]
         if done and self.kv_cache_manager is not None:
             pool = self.kv_cache_manager.block_pool
-            self.lazy.release(pool, [b for tid in done for b in self._lazy_tickets.pop(tid)])
+            self.lazy.release(pool, [blk for b in done for blk in self._lazy_batches.pop(b)])
 
     def _plan_from(self, fifo: OrderedDict, step: _StepPlan, stop_at: float,
                    one_at_least: bool, waited_since: float | None = None,
@@ -420,7 +423,7 @@ class StorePlanner:
             if hi <= lo:
                 continue
             keys = st.keys.range(req, gi, lo, hi)
-            inflight, taken = self._tickets.keys_in_flight[gi], step.seen[gi]
+            inflight, taken = self._batches.keys_in_flight[gi], step.seen[gi]
             known = self._known(gi, st)
             if 0 in bids or not inflight.keys().isdisjoint(keys) \
                     or not taken.isdisjoint(keys) or not known.keys().isdisjoint(keys):
@@ -482,13 +485,13 @@ class StorePlanner:
     def _known(self, gi: int, st: ReqState) -> dict[bytes, None]:
         """Keys of group ``gi`` that ``st`` need not store again: those known to be in the
         pool (a P/D hand-off stores every block: the decode side must find each one)."""
-        return self._tickets.committed[gi] if not st.producer else _NOTHING
+        return self._batches.committed[gi] if not st.producer else _NOTHING
 
     def _to_store(self, gi: int, st: ReqState, step: _StepPlan, keys: list[bytes],
                   bids: list[int]) -> list[int]:
         """Indexes into ``keys``/``bids`` of the blocks to plan: a real block (not 0) whose key
         is neither in flight, nor planned this step, nor known to be in the pool."""
-        inflight, taken, known = self._tickets.keys_in_flight[gi], step.seen[gi], \
+        inflight, taken, known = self._batches.keys_in_flight[gi], step.seen[gi], \
             self._known(gi, st)
         return [j for j, (k, b) in enumerate(zip(keys, bids))
                 if b and k not in inflight and k not in taken and k not in known]
@@ -508,7 +511,8 @@ class StorePlanner:
     def _cut_runs(self, gi: int, namespace: bytes, runs: list[Run], n: int,
                   now: float, preempted: frozenset[str] = frozenset()) -> list[Run]:
         """The stock covers only ``n`` blocks: keep the runs' first ``n``; the others are
-        planned again next step while slots are coming, else (reservations refused) skipped."""
+        planned again next step while tickets are coming, else (reservations refused)
+        skipped."""
         coming = self.client.reserving(namespace)
         out = []
         for st, index, keys, bids in runs:
@@ -517,7 +521,7 @@ class StorePlanner:
                 n -= len(keys)
                 continue
             if st.request.request_id in preempted:
-                # Its blocks are free in vLLM: they cannot wait for the next step's slots.
+                # Its blocks are free in vLLM: they cannot wait for the next step's tickets.
                 self._losses.add(PREEMPTED, len(keys) - n)
             elif coming:
                 st.cursor[gi] = min(st.cursor[gi], index[n])

@@ -173,7 +173,7 @@ def test_preemption_during_stores_and_loads(make_engine, info, async_scheduling)
     assert sorted(e.stats.finished) == sorted(prompts)
     preempted = [r for r in e.stats.finished if r in e.preemptions]
     assert preempted, "the small GPU cache must have preempted someone"
-    assert e.flushed_tickets, "a preempted request's stores should have been in flight"
+    assert e.flushed_batches, "a preempted request's stores should have been in flight"
     assert e.stats.loaded_reqs, "a preempted request should have resumed from the pool"
     e.assert_clean(info)
 
@@ -257,14 +257,14 @@ def test_sliding_window_and_full_attention_groups(make_engine, info, async_sched
 def test_tp2_stores_commit_only_after_every_rank(make_engine, info, async_scheduling):
     e = make_engine(async_scheduling=async_scheduling, tp=2)
     role = e.connector.scheduler
-    # A ticket reported by one rank stays in flight; the second rank's report resolves it.
+    # A batch reported by one rank stays in flight; the second rank's report resolves it.
     e.add("a", prompt(40), max_tokens=1)
-    e.run(until=lambda: role.tickets.by_id)
+    e.run(until=lambda: role.batches.by_id)
     from vllm.v1.outputs import KVConnectorOutput
-    tid = next(iter(role.tickets.by_id))
-    held = role.tickets.by_id[tid]
-    role.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=WorkerAcks({tid: 1})))
-    assert tid in role.tickets.by_id and held.done == 1
+    batch = next(iter(role.batches.by_id))
+    held = role.batches.by_id[batch]
+    role.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=WorkerAcks({batch: 1})))
+    assert batch in role.batches.by_id and held.done == 1
     held.done = 0                                   # give the real acks their say
     e.run()
     assert e.stats.finished == ["a"]
@@ -303,7 +303,7 @@ def test_in_flight_stores_are_not_planned_twice(make_engine, info, async_schedul
     role.build_connector_meta = spy
     shared = prompt(64)
     e.add("a", shared + [1] * 5, max_tokens=2)
-    e.run(until=lambda: any(role.tickets.keys_in_flight))   # a's 4 blocks planned, in flight
+    e.run(until=lambda: any(role.batches.keys_in_flight))   # a's 4 blocks planned, in flight
     e.add("b", shared + [2] * 5, max_tokens=2)
     e.run()
     assert len(planned) == len(set(planned)), "a key was planned twice"
@@ -593,12 +593,12 @@ def test_decode_blocks_are_stored_in_runs_and_the_rest_when_the_request_ends(
 
 
 def test_remembered_keys_are_bounded_and_the_newest_kept(make_engine, info, monkeypatch):
-    from kvpool.client.vllm import tickets
+    from kvpool.client.vllm import store_batches
 
-    monkeypatch.setattr(tickets, "_MAX_REMEMBERED_KEYS", 3)
+    monkeypatch.setattr(store_batches, "_MAX_REMEMBERED_KEYS", 3)
     e = make_engine(async_scheduling=False)
     role = e.connector.scheduler
-    e.add("a", prompt(70), max_tokens=1)                 # 4 full blocks, one ticket
+    e.add("a", prompt(70), max_tokens=1)                 # 4 full blocks, one batch
     e.run()
     wait_for(lambda: info.info().stored_blocks == 4, 10, "4 blocks committed")
     e.add("b", prompt(40, 5000), max_tokens=1)           # 2 more
@@ -614,7 +614,7 @@ def test_remembered_keys_are_bounded_and_the_newest_kept(make_engine, info, monk
     a = RequestKeys(_Req(prompt(70)), role.groups)
     b = RequestKeys(_Req(prompt(40, 5000)), role.groups)
     newest = a.keys(_Req(prompt(70)), 0, 4)[3:] + b.keys(_Req(prompt(40, 5000)), 0, 2)
-    assert list(role.tickets.committed[0]) == newest
+    assert list(role.batches.committed[0]) == newest
     e.assert_clean(info)
 
 
@@ -629,10 +629,10 @@ def test_finished_requests_waiting_past_store_wait_free_their_blocks_unstored(
     e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
     role = e.connector.scheduler
     role.backlog.store_wait_s = 0.0          # a finished request waits for no planning at all
-    # The loss needs slots in hand while the requests finish (no stock means no planning at
+    # The loss needs tickets in hand while the requests finish (no stock means no planning at
     # all): step the idle engine until its first reservation is in.
     ns = role.groups[0].namespace
-    wait_for(lambda: e.step() or role.client.stock(ns), 10, "the first reserved slots")
+    wait_for(lambda: e.step() or role.client.stock(ns), 10, "the first tickets")
     for i in range(8):
         e.add(f"s{i}", prompt(70, 1000 * (i + 1)), max_tokens=1)
     e.run()

@@ -153,7 +153,7 @@ def test_a_preempted_requests_blocks_are_stored_though_planning_lagged(
         return build(so)
 
     role.build_connector_meta = spy
-    e.run(until=lambda: bool(held) and not role.tickets.by_id, timeout_s=60)
+    e.run(until=lambda: bool(held) and not role.batches.by_id, timeout_s=60)
     resumed = [rid for rid in held if e.sched.requests[rid].num_computed_tokens]
     assert not resumed, f"{resumed} resumed before the check: the test proves nothing"
     ns = role.groups[0].namespace

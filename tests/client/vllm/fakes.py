@@ -10,7 +10,7 @@ from typing import Any
 from kvpool.client.vllm.daemon_link import DaemonLink
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.store_losses import StoreLosses
-from kvpool.client.vllm.tickets import Backlog, Tickets
+from kvpool.client.vllm.store_batches import Backlog, StoreBatches
 from kvpool.client.vllm.keys import GroupInfo, RequestKeys
 from kvpool.shared.errors import DaemonUnavailable
 
@@ -38,11 +38,11 @@ class FakeCall:
 
 
 class FakeClient:
-    """A ``SchedulerClient`` as the parts use it: a stock of slot refs per namespace (filled
+    """A ``SchedulerClient`` as the parts use it: a stock of tickets per namespace (filled
     by the test), lookups answered by the test, and the no-wait sends recorded."""
 
-    def __init__(self, slots: int = 0, reserving: bool = True, up: bool = True) -> None:
-        self.slots: dict[bytes, list[int]] = {NS: list(range(100, 100 + slots))}
+    def __init__(self, tickets: int = 0, reserving: bool = True, up: bool = True) -> None:
+        self.tickets: dict[bytes, list[int]] = {NS: list(range(100, 100 + tickets))}
         self.is_reserving = reserving
         self.up = up
         self.calls: list[FakeCall] = []
@@ -63,19 +63,19 @@ class FakeClient:
         self._check()
 
     def keep_stock(self, namespace: bytes) -> None:
-        self.slots.setdefault(namespace, [])
+        self.tickets.setdefault(namespace, [])
 
     def stock(self, namespace: bytes) -> int:
-        return len(self.slots.get(namespace, ()))
+        return len(self.tickets.get(namespace, ()))
 
     def reserving(self, namespace: bytes) -> bool:
         return self.is_reserving
 
     def take_slots(self, namespace: bytes, n: int) -> tuple[list[int], str]:
         self.taken.append((namespace, n))
-        have = self.slots.setdefault(namespace, [])
+        have = self.tickets.setdefault(namespace, [])
         out, have[:] = have[:n], have[n:]
-        return out, "grant-1"
+        return out, "daemon-1"
 
     def lookup_start(self, namespace: bytes, key_lists: list[list[bytes]],
                      pin: bool = False) -> FakeCall:
@@ -174,8 +174,8 @@ class Parts:
         self.link = DaemonLink(client)
         self.backlog = Backlog(BT, client, self.link, self.reqs, [NS], self.losses,
                                store_wait_s)
-        self.tickets = Tickets([GROUP], BT, world_size, client, self.link, self.backlog,
+        self.batches = StoreBatches([GROUP], BT, world_size, client, self.link, self.backlog,
                                self.losses, events_enabled=False)
-        self.planner = StorePlanner([GROUP], BT, client, self.link, self.reqs, self.tickets,
+        self.planner = StorePlanner([GROUP], BT, client, self.link, self.reqs, self.batches,
                                     self.backlog, self.losses)
         self.manager = self.planner.kv_cache_manager = FakeManager()

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 PARTS = ("daemon_link", "lookups", "loads", "pd_stream", "requests", "specs", "store_losses",
-         "store_planner", "tickets")
+         "store_planner", "store_batches")
 
 
 def test_importing_the_parts_loads_no_vllm():

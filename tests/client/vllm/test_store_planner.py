@@ -24,27 +24,27 @@ def ample(monkeypatch):
     monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)
 
 
-def test_a_prefill_stores_its_full_blocks_in_one_ticket_with_slots_from_the_stock(ample):
-    p = Parts(FakeClient(slots=10))
+def test_a_prefill_stores_its_full_blocks_in_one_batch_with_tickets_from_the_stock(ample):
+    p = Parts(FakeClient(tickets=10))
     req = request("a", list(range(70)))           # 4 full blocks, 6 tokens over
     st = state(p.reqs, req)
     p.manager.tables["a"] = [11, 12, 13, 14, 15]
     [spec] = plan(p, step_output(new={"a": 70}))
-    assert (spec.ticket, spec.group, spec.grant) == (1, 0, "grant-1")
-    assert spec.slots == [100, 101, 102, 103]
+    assert (spec.batch, spec.group, spec.granted_by) == (1, 0, "daemon-1")
+    assert spec.tickets == [100, 101, 102, 103]
     assert spec.block_ids == [11, 12, 13, 14]
     assert spec.keys == keys(req, 0, 4)
     assert p.client.taken == [(NS, 4)]
-    assert st.cursor == [4] and st.lo == 4 and st.tickets == {1}
-    assert p.tickets.keys_in_flight[0] == dict.fromkeys(keys(req, 0, 4), 1)
-    assert p.tickets.block_reader == {11: 1, 12: 1, 13: 1, 14: 1}
+    assert st.cursor == [4] and st.lo == 4 and st.batches == {1}
+    assert p.batches.keys_in_flight[0] == dict.fromkeys(keys(req, 0, 4), 1)
+    assert p.batches.block_reader == {11: 1, 12: 1, 13: 1, 14: 1}
     # The next step has nothing new to store.
     req.num_computed_tokens = 70
     assert plan(p, step_output(cached={"a": 1})) == []
 
 
 def test_keys_in_flight_or_committed_are_not_planned_again(ample):
-    p = Parts(FakeClient(slots=10))
+    p = Parts(FakeClient(tickets=10))
     tokens = list(range(40))                       # 2 full blocks
     state(p.reqs, request("a", tokens))
     p.manager.tables["a"] = [1, 2, 3]
@@ -55,18 +55,18 @@ def test_keys_in_flight_or_committed_are_not_planned_again(ample):
     [spec] = plan(p, step_output(new={"b": 60}))
     assert spec.block_ids == [6] and spec.keys == keys(request("b", tokens + [7] * 20), 2, 3)
     # Once committed (every rank acked), a third copy is not planned either.
-    p.tickets.acked({1: 1, 2: 1}, {})
+    p.batches.acked({1: 1, 2: 1}, {})
     state(p.reqs, request("c", tokens + [7] * 20))
     p.manager.tables["c"] = [8, 9, 10, 11]
     assert plan(p, step_output(new={"c": 60})) == []
-    assert p.client.slots[NS] == list(range(103, 110))
+    assert p.client.tickets[NS] == list(range(103, 110))
 
 
 def test_a_long_prefill_is_planned_in_pieces_within_the_budget(monkeypatch):
     monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)   # every step is late
     monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)
     monkeypatch.setattr(store_planner, "STORE_LATE_PIECE_BLOCKS", 3)
-    p = Parts(FakeClient(slots=20))
+    p = Parts(FakeClient(tickets=20))
     long = state(p.reqs, request("long", list(range(170))))      # 10 full blocks
     p.manager.tables["long"] = list(range(1, 12))
     per_step = [sum(len(s.keys) for s in plan(p, step_output(new={"long": 170})))]
@@ -79,7 +79,7 @@ def test_a_long_prefill_is_planned_in_pieces_within_the_budget(monkeypatch):
 
 def test_pieces_of_an_ample_budget_plan_the_whole_prefill_in_one_step(ample, monkeypatch):
     monkeypatch.setattr(store_planner, "STORE_PIECE_BLOCKS", 3)
-    p = Parts(FakeClient(slots=20))
+    p = Parts(FakeClient(tickets=20))
     state(p.reqs, request("long", list(range(170))))
     p.manager.tables["long"] = list(range(1, 12))
     [spec] = plan(p, step_output(new={"long": 170}))
@@ -87,25 +87,25 @@ def test_pieces_of_an_ample_budget_plan_the_whole_prefill_in_one_step(ample, mon
 
 
 def test_a_short_stock_cuts_the_runs_and_plans_the_rest_when_slots_come(ample):
-    p = Parts(FakeClient(slots=3, reserving=True))
+    p = Parts(FakeClient(tickets=3, reserving=True))
     a = state(p.reqs, request("a", list(range(40))))           # 2 full blocks each
     b = state(p.reqs, request("b", list(range(500, 540))))
     p.manager.tables.update(a=[1, 2, 3], b=[4, 5, 6])
     [spec] = plan(p, step_output(new={"a": 40, "b": 40}))
-    assert spec.block_ids == [1, 2, 4] and spec.slots == [100, 101, 102]
+    assert spec.block_ids == [1, 2, 4] and spec.tickets == [100, 101, 102]
     assert b.cursor == [1] and b.lo == 1 and list(p.planner.queue) == ["b"]
     assert a.cursor == [2]
     a.request.num_computed_tokens = b.request.num_computed_tokens = 40
     assert p.losses.total == 0
     # No slot in hand, a refill coming: the queue waits (asking for slots).
     assert plan(p, step_output()) == [] and p.client.taken[-1] == (NS, 0)
-    p.client.slots[NS] = [200]
+    p.client.tickets[NS] = [200]
     [spec] = plan(p, step_output())
-    assert spec.block_ids == [5] and spec.slots == [200] and spec.ticket == 2
+    assert spec.block_ids == [5] and spec.tickets == [200] and spec.batch == 2
 
 
 def test_a_short_stock_with_reservations_refused_counts_the_rest_lost(ample):
-    p = Parts(FakeClient(slots=3, reserving=False))
+    p = Parts(FakeClient(tickets=3, reserving=False))
     state(p.reqs, request("a", list(range(40))))
     b = state(p.reqs, request("b", list(range(500, 540))))
     p.manager.tables.update(a=[1, 2, 3], b=[4, 5, 6])
@@ -128,7 +128,7 @@ def test_the_policy_gathers_a_decode_run_and_stores_a_prefill_at_once():
 
 
 def test_a_decode_waits_for_its_run_of_blocks(ample):
-    p = Parts(FakeClient(slots=20))
+    p = Parts(FakeClient(tickets=20))
     st = state(p.reqs, request("d", list(range(70 + 50)), computed=70 + 49, prompt=70),
                store_run=8)
     st.set_cursor(4)
@@ -142,7 +142,7 @@ def test_a_decode_waits_for_its_run_of_blocks(ample):
 
 
 def test_nothing_is_planned_while_the_daemon_backs_off(ample):
-    p = Parts(FakeClient(slots=10))
+    p = Parts(FakeClient(tickets=10))
     state(p.reqs, request("a", list(range(40))))
     p.manager.tables["a"] = [1, 2, 3]
     p.link.failed(RuntimeError("down"))
@@ -165,7 +165,7 @@ def preempt(p: Parts, req, cached: dict[int, int]):
 def test_a_preempted_requests_unplanned_blocks_are_stored_from_the_prefix_cache(monkeypatch):
     monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
     monkeypatch.setattr(store_planner, "STORE_STEP_BUDGET_S", 0.0)
-    p = Parts(FakeClient(slots=10))
+    p = Parts(FakeClient(tickets=10))
     a = request("a", list(range(50)), prompt=49)   # 3 full blocks: decoding
     a.num_output_tokens = 1
     st = state(p.reqs, a)
@@ -175,11 +175,11 @@ def test_a_preempted_requests_unplanned_blocks_are_stored_from_the_prefix_cache(
     [spec] = p.planner.plan(so, time.perf_counter(), [st])
     assert spec.block_ids == [13] and spec.keys == keys(a, 2, 3)
     assert p.losses.totals["preempted"] == 1      # block 1: reused before it was planned
-    assert st.tickets == {spec.ticket}
+    assert st.batches == {spec.batch}
 
 
 def test_a_preempted_request_with_no_slot_in_hand_counts_its_blocks_lost(monkeypatch):
-    p = Parts(FakeClient(slots=1, reserving=True))
+    p = Parts(FakeClient(tickets=1, reserving=True))
     a = request("a", list(range(50)), prompt=49)
     a.num_output_tokens = 1
     st = state(p.reqs, a)
@@ -202,12 +202,12 @@ def test_under_memory_pressure_a_step_plans_the_whole_queue(monkeypatch):
             p.manager.tables[r] = [10 * ord(r), 10 * ord(r) + 1, 10 * ord(r) + 2]
         return plan(p, step_output(new=dict.fromkeys("abcd", 33)))
 
-    calm = Parts(FakeClient(slots=20))
+    calm = Parts(FakeClient(tickets=20))
     calm.planner.pressure_blocks = 8
     [spec] = burst(calm)
     assert len(spec.block_ids) == 2 and len(calm.planner.queue) == 3
     # Fewer free GPU blocks than one schedule() may take: a preemption may come next step.
-    tight = Parts(FakeClient(slots=20))
+    tight = Parts(FakeClient(tickets=20))
     tight.planner.pressure_blocks = 8
     tight.manager.block_pool.free = 7
     [spec] = burst(tight)

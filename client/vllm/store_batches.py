@@ -1,13 +1,14 @@
-"""Store tickets until every rank acked them, and finished requests kept for their stores.
+"""Store batches until every rank acked them, and finished requests kept for their stores.
 
-The end of the store path described in ``store_planner.py``: a ticket is one group's stores of
-one step. ``Tickets`` owns the tickets in flight and the worker acks that resolve them (done
-when every rank reported it; committed only if none failed, else its slots are aborted and its
+The end of the store path described in ``store_planner.py``: a *store batch* is one group's
+stores planned in one step (the connector's unit of acknowledgement; the daemon never sees it).
+``StoreBatches`` owns the batches in flight and the worker acks that resolve them (done when
+every rank reported it; committed only if none failed, else its tickets are aborted and its
 blocks counted lost), the keys in flight and the keys remembered as committed (so neither is
-planned again), which ticket last read each GPU block (a block handed to another request must
-be flushed first), and the KV events built from committed tickets when vLLM asks for them.
+planned again), which batch last read each GPU block (a block handed to another request must
+be flushed first), and the KV events built from committed batches when vLLM asks for them.
 ``Backlog`` owns the finished requests that keep their GPU blocks (vLLM's delayed free) while
-stores are in flight or their last blocks wait for slots, bounded by ``store_wait_s``, and
+stores are in flight or their last blocks wait for tickets, bounded by ``store_wait_s``, and
 which of them vLLM may free now (``free_ready``, handed over as ``StepMeta.free_now``).
 
 Never waits, and never calls vLLM's code except to build its KV event structs, imported only
@@ -40,7 +41,7 @@ Run = tuple[ReqState, Sequence[int], list[bytes], list[int]]
 
 @dataclass(eq=False)
 class _Run:
-    """The blocks of one request in a ticket."""
+    """The blocks of one request in a batch."""
 
     req: ReqState
     indices: Sequence[int]     # block positions in the request (a range when contiguous)
@@ -48,14 +49,15 @@ class _Run:
 
 
 @dataclass(eq=False)
-class Ticket:
-    """One store: the blocks of one group planned in one step, for every request (the workers
-    copy them in one job per group and step anyway, so finer tickets would buy nothing)."""
+class StoreBatch:
+    """One store batch: the blocks of one group planned in one step, for every request (the
+    workers copy them in one job per group and step anyway, so finer batches would buy
+    nothing)."""
 
     group: int
     runs: list[_Run]
     keys: list[bytes]
-    slots: list[int]
+    tickets: list[int]         # the daemon's tickets the keys are stored through
     block_ids: list[int]
     done: int = 0              # ranks that reported it
     failed: int = 0            # ranks that reported a failure
@@ -75,7 +77,7 @@ class Backlog:
         self._reqs = reqs
         self._namespaces = namespaces
         self._losses = losses
-        # A finished request waits this long at most for slots to store its last blocks.
+        # A finished request waits this long at most for tickets to store its last blocks.
         self.store_wait_s = store_wait_s
         # Finished requests keeping their blocks for their stores, in the order they finished
         # (which is their backlog_until order); those with blocks still to plan, in that order
@@ -88,7 +90,7 @@ class Backlog:
 
     def keeps(self, st: ReqState) -> bool:
         """``st`` finished (and loads nothing): True if it keeps its blocks because full ones
-        are not stored yet and slots may still come; otherwise those blocks are counted lost."""
+        are not stored yet and tickets may still come; otherwise those blocks are counted lost."""
         bt = self.block_tokens
         if not (st.has_unstored_blocks(bt) and st.keys.cacheable):
             return False
@@ -97,7 +99,7 @@ class Backlog:
         elif not any(map(self.client.reserving, self._namespaces)):
             self._losses.add(RESERVE_REFUSED, st.full_blocks(bt) - st.lo)
         else:
-            # Full blocks wait for slots from the stock: keep them until they are stored.
+            # Full blocks wait for tickets from the stock: keep them until they are stored.
             rid = st.request.request_id
             st.backlog_until = time.monotonic() + self.store_wait_s
             self.backlog[rid] = None
@@ -105,10 +107,10 @@ class Backlog:
             return True
         return False
 
-    def ticket_done(self, st: ReqState) -> None:
-        """One of ``st``'s tickets resolved: a finishing request with none left and nothing
-        in the backlog may be freed."""
-        if st.finishing and not st.tickets:
+    def batch_done(self, st: ReqState) -> None:
+        """One of ``st``'s store batches resolved: a finishing request with none left and
+        nothing in the backlog may be freed."""
+        if st.finishing and not st.batches:
             rid = st.request.request_id
             if rid not in self.backlog and self._reqs.get(rid) is st:
                 self.free_ready.append(rid)
@@ -144,14 +146,14 @@ class Backlog:
             st = self._reqs.get(rid)
             if st is not None and st.keys.cacheable and st.has_unstored_blocks(bt):
                 self._losses.add(reason, st.full_blocks(bt) - st.lo)
-            if st is not None and not st.tickets:
+            if st is not None and not st.batches:
                 self.free_ready.append(rid)
                 self._reqs.pop(rid, None)
         self._losses.maybe_log()
 
 
-class Tickets:
-    """Store tickets in flight and what their resolution leaves behind. Called from vLLM's
+class StoreBatches:
+    """Store batches in flight and what their resolution leaves behind. Called from vLLM's
     scheduler thread only."""
 
     def __init__(self, groups: list[Any], block_tokens: int, world_size: int, client: Any,
@@ -164,28 +166,30 @@ class Tickets:
         self._link = link
         self._backlog = backlog
         self._losses = losses
-        self.by_id: dict[int, Ticket] = {}
-        self._next_ticket = 1
-        # Per group: key -> ticket storing it. Per GPU block: the ticket that last read it
-        # (entries of resolved tickets stay, and are ignored: the map is bounded by the number
+        self.by_id: dict[int, StoreBatch] = {}
+        self._next_batch = 1
+        # Per group: key -> batch storing it. Per GPU block: the batch that last read it
+        # (entries of resolved batches stay, and are ignored: the map is bounded by the number
         # of GPU blocks, and nothing is deleted per block on the hot path).
         self.keys_in_flight: list[dict[bytes, int]] = [{} for _ in groups]
         self.block_reader: dict[int, int] = {}
         # Per group, keys known to be in the pool (see _MAX_REMEMBERED_KEYS). The dicts are
         # shared with lookups.py, which forgets a key a lookup missed: never rebound.
         self.committed: list[dict[bytes, None]] = [{} for _ in groups]
-        self.abort_slots: list[int] = []    # slots of failed tickets, aborted next step
+        self.abort_tickets: list[int] = []  # tickets of failed batches, aborted next step
         # KV events are built only if vLLM publishes them, and only when it asks for them
-        # (take_events), from the tickets that committed.
+        # (take_events), from the batches that committed.
         self.events_enabled = events_enabled
-        self._stored: list[Ticket] = []
+        self._stored: list[StoreBatch] = []
         self._events: list[Any] = []
 
-    def add(self, gi: int, runs: list[Run], refs: list[int], grant: str) -> StoreSpec:
-        """A ticket for group ``gi``'s ``runs``, stored into the reserved slots ``refs`` (at
-        least as many as the runs' keys); its spec for the workers."""
-        tid = self._next_ticket
-        self._next_ticket += 1
+    def add(self, gi: int, runs: list[Run], tickets: list[int],
+            granted_by: str) -> StoreSpec:
+        """A batch for group ``gi``'s ``runs``, stored through the daemon's ``tickets`` (at
+        least as many as the runs' keys; ``granted_by``: the daemon life whose grant they came
+        from); its spec for the workers."""
+        batch_id = self._next_batch
+        self._next_batch += 1
         all_keys: list[bytes] = []
         all_bids: list[int] = []
         parts = []
@@ -193,42 +197,42 @@ class Tickets:
             all_keys += keys
             all_bids += bids
             parts.append(_Run(st, index, keys))
-            st.tickets.add(tid)
-        refs = refs[:len(all_keys)]
-        self.by_id[tid] = Ticket(gi, parts, all_keys, refs, all_bids)
-        self.keys_in_flight[gi].update(dict.fromkeys(all_keys, tid))
-        self.block_reader.update(dict.fromkeys(all_bids, tid))
-        return StoreSpec(tid, gi, refs, all_bids, all_keys, grant)
+            st.batches.add(batch_id)
+        tickets = tickets[:len(all_keys)]
+        self.by_id[batch_id] = StoreBatch(gi, parts, all_keys, tickets, all_bids)
+        self.keys_in_flight[gi].update(dict.fromkeys(all_keys, batch_id))
+        self.block_reader.update(dict.fromkeys(all_bids, batch_id))
+        return StoreSpec(batch_id, gi, tickets, all_bids, all_keys, granted_by)
 
     def reading(self, handed: Iterable[int]) -> set[int]:
-        """Tickets in flight still reading any of the GPU blocks ``handed`` to a request this
+        """Batches in flight still reading any of the GPU blocks ``handed`` to a request this
         step (preempted requests' blocks; sliding-window blocks freed and reused): the workers
         must finish them before the step's forward runs."""
         flush: set[int] = set()
-        tickets, last = self.by_id, self.block_reader
+        batches, last = self.by_id, self.block_reader
         for b in last.keys() & handed:
-            if last[b] in tickets:
+            if last[b] in batches:
                 flush.add(last[b])
         return flush
 
     def acked(self, done: dict[int, int], failed: dict[int, int]) -> None:
-        """Workers reported these tickets (``WorkerAcks``, summed over the ranks that
-        reported this step): a ticket every rank reported is resolved."""
-        for tid, n in done.items():
-            t = self.by_id.get(tid)
+        """Workers reported these batches (``WorkerAcks``, summed over the ranks that
+        reported this step): a batch every rank reported is resolved."""
+        for batch_id, n in done.items():
+            t = self.by_id.get(batch_id)
             if t is None:
                 continue
             t.done += n
-            t.failed += failed.get(tid, 0)
+            t.failed += failed.get(batch_id, 0)
             if t.done >= self.world_size:
-                self._resolve(tid, t)
+                self._resolve(batch_id, t)
 
-    def _resolve(self, tid: int, t: Ticket) -> None:
-        del self.by_id[tid]
+    def _resolve(self, batch_id: int, t: StoreBatch) -> None:
+        del self.by_id[batch_id]
         if not t.stale:     # (a reset emptied the in-flight map; others may use it since)
             deque(map(self.keys_in_flight[t.group].pop, t.keys, repeat(None)), maxlen=0)
         if t.failed:
-            self.abort_slots.extend(t.slots)
+            self.abort_tickets.extend(t.tickets)
             if not t.stale:
                 self._losses.add(STORE_FAILED, len(t.keys))
         elif not t.stale:
@@ -241,21 +245,21 @@ class Tickets:
             if self.events_enabled:
                 self._stored.append(t)
         for run in t.runs:
-            run.req.tickets.discard(tid)
-            self._backlog.ticket_done(run.req)
+            run.req.batches.discard(batch_id)
+            self._backlog.batch_done(run.req)
 
     def send_aborts(self) -> None:
-        if self.abort_slots:
-            slots, self.abort_slots = self.abort_slots, []
-            self._link.nowait(self.client.abort_nowait, slots)
+        if self.abort_tickets:
+            tickets, self.abort_tickets = self.abort_tickets, []
+            self._link.nowait(self.client.abort_nowait, tickets)
 
     def send_reset(self) -> bool:
-        """Give back the slots of every ticket in flight, then forget every block of this
+        """Give back the tickets of every batch in flight, then forget every block of this
         engine's namespaces in the pool, on one connection and without waiting, so a store
-        that reaches the daemon later finds its slot gone and commits nothing; False if
+        that reaches the daemon later finds its ticket gone and commits nothing; False if
         either could not be sent."""
         ok = True
-        stale = [ref for t in self.by_id.values() for ref in t.slots]
+        stale = [ref for t in self.by_id.values() for ref in t.tickets]
         if stale:
             ok = self._link.nowait(self.client.abort_nowait, stale)
         for g in self.groups:
@@ -263,7 +267,7 @@ class Tickets:
         return ok
 
     def reset(self) -> None:
-        """The pool forgot this engine's blocks: tickets in flight never count as committed,
+        """The pool forgot this engine's blocks: batches in flight never count as committed,
         no key is in flight or remembered any more, and vLLM hears of every remembered key's
         removal (after the stores it has not heard of yet)."""
         from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
@@ -292,7 +296,7 @@ class Tickets:
             for run in t.runs:
                 self._committed_event(t, run)
 
-    def _committed_event(self, t: Ticket, run: _Run) -> None:
+    def _committed_event(self, t: StoreBatch, run: _Run) -> None:
         from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
 
         st = run.req
