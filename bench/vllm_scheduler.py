@@ -285,6 +285,9 @@ class Engine:
         # the tests about a slow daemon set their own.
         extra_config = {"socket": socket, "timeout_ms": 10000, "reconnect_backoff_ms": 50,
                         **(extra or {})}
+        # store_wait_s followed timeout_ms until it had a setting of its own (issue 38); the
+        # suites were written against that.
+        extra_config.setdefault("store_wait_s", extra_config["timeout_ms"] / 1000)
         self.cfg = VllmConfig(
             model_config=model,
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,

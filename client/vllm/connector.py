@@ -78,8 +78,7 @@ SCHEDULER_METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc",
                      "request_finished_all_groups")
 
 # kv_connector_extra_config keys that are not ClientConfig fields.
-CONNECTOR_KEYS = ("model_id", "pd_wait_s", "quota", "pd_handoff", "pd_stream",
-                  "load_failure_policy")
+CONNECTOR_KEYS = ("model_id", "quota", "pd_handoff", "pd_stream", "load_failure_policy")
 
 
 def client_config(extra: dict[str, Any]) -> ClientConfig:
@@ -163,18 +162,16 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
         self._timer: CallTimer | None = None
         if role == KVConnectorRole.SCHEDULER:
             from kvpool.client.scheduler import SchedulerClient
+            from kvpool.client.vllm.budgets import Budgets
             from kvpool.client.vllm.lazy_store import horizon_for
             from kvpool.client.vllm.scheduler import SchedulerRole
 
             client = SchedulerClient(config, name=f"vllm scheduler {engine_id}",
                                      engine_id=engine_id)
             self.scheduler = SchedulerRole(
-                groups, pc.world_size, client, config.reconnect_backoff_ms / 1000,
-                config.reconnect_backoff_max_ms / 1000,
+                groups, pc.world_size, client, Budgets.from_config(config),
                 kv_producer=self._kv_transfer_config.kv_role == "kv_producer",
-                engine_id=engine_id, tp_size=pc.tensor_parallel_size,
-                pd_wait_s=float(extra.get("pd_wait_s", 3.0)), pd_stream=pd_stream,
-                store_wait_s=config.timeout_ms / 1000,
+                engine_id=engine_id, tp_size=pc.tensor_parallel_size, pd_stream=pd_stream,
                 store_policy=config.store_policy,
                 horizon_blocks=horizon_for(vllm_config, kv_cache_config),
                 store_min_prefix_tokens=config.store_min_prefix_tokens,

@@ -14,7 +14,7 @@ queued behind the earlier ones would carry that step's misses to their schedule,
 stores that landed meanwhile. So an answer short of the request's prompt is dropped and asked
 again when vLLM asks about it later and the pool may hold more by then (``_stale``): this engine
 has since committed the first block the answer missed, or (for other engines' stores) the answer
-is ``LOOKUP_STALE_S`` old. An answer taken in this step or the last is never stale, so a slow
+is ``Budgets.lookup_stale_s`` old. An answer taken in this step or the last is never stale, so a slow
 step cannot keep a request asking forever; a full hit and a P/D hand-off's answers are kept.
 
 Owns the queue, the batch in flight, answers nobody waits for any more (their leases get
@@ -27,9 +27,9 @@ What a P/D consumer's answer means is asked of ``pd_stream.py``. Never waits.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Iterable
 
+from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.daemon_link import DaemonLink
 from kvpool.client.vllm.pd_stream import PdStream
 from kvpool.client.vllm.requests import ReqState
@@ -43,10 +43,6 @@ logger = logging.getLogger("kvpool.vllm")
 # anyway). A single request larger than the bound still goes whole. Stores are not bounded:
 # a block not planned in the step it fills may never be stored if the engine stops right after.
 LOOKUP_BLOCKS_PER_STEP = 512
-# An answer short of the whole prompt, taken in two or more steps before, is asked again when
-# vLLM asks about its request this long after it came (see the module's docstring): long next
-# to a step (5-50 ms on a GPU), short next to a queue that outlasts the stores beside it.
-LOOKUP_STALE_S = 0.25
 
 # One group's answer for one request: (first block asked, hit, slot refs, lease).
 Answer = tuple[int, int, list[int], int]
@@ -59,7 +55,7 @@ class Lookups:
 
     def __init__(self, groups: list[Any], block_tokens: int, client: Any, link: DaemonLink,
                  reqs: dict[str, ReqState], pd: PdStream,
-                 committed: list[dict[bytes, None]]) -> None:
+                 committed: list[dict[bytes, None]], budgets: Budgets) -> None:
         self.groups = groups
         self.block_tokens = block_tokens
         self.client = client
@@ -67,6 +63,8 @@ class Lookups:
         self._reqs = reqs
         self._pd = pd
         self._committed = committed
+        self._clock = budgets.clock
+        self._stale_s = budgets.lookup_stale_s
         self._windowed = any(g.window_blocks is not None for g in groups)
         self.queued: list[str] = []       # request ids, in order (a few may be stale)
         self.retry: list[str] = []        # P/D consumers to look up again next step
@@ -107,7 +105,7 @@ class Lookups:
         """Whether a partial answer may have been overtaken by stores (see the docstring)."""
         if st.stream_end or st.expect_blocks or step - st.answered_step < 2:
             return False
-        if time.monotonic() - st.answered_at > LOOKUP_STALE_S:
+        if self._clock() - st.answered_at > self._stale_s:
             return True
         req, hit = st.request, st.hit
         return any(g.window_blocks is None and committed
@@ -306,7 +304,7 @@ class Lookups:
                 continue
             st.state = "idle"
             st.hit = hit
-            st.answered_at, st.answered_step = time.monotonic(), step
+            st.answered_at, st.answered_step = self._clock(), step
             st.leases = leases
             st.hit_start = [start for start, _, _, _ in answers]
             st.slots = [slots for _, _, slots, _ in answers]

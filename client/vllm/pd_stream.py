@@ -16,9 +16,9 @@ its metadata. Never calls the daemon and never waits.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
+from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import LoadSpec
 
@@ -29,11 +29,11 @@ class PdStream:
     """Called from vLLM's scheduler thread only, by the scheduler's other parts."""
 
     def __init__(self, groups: list[Any], block_tokens: int, reqs: dict[str, ReqState],
-                 step_loads: list[LoadSpec], pd_wait_s: float = 3.0,
-                 pd_stream: bool = True) -> None:
+                 step_loads: list[LoadSpec], budgets: Budgets, pd_stream: bool = True) -> None:
         self._groups = groups
         self.block_tokens = block_tokens
-        self.pd_wait_s = pd_wait_s
+        self.pd_wait_s = budgets.pd_wait_s
+        self._clock = budgets.clock
         self._reqs = reqs
         self._step_loads = step_loads
         self.streams: set[str] = set()   # P/D consumers loading chunks as they land
@@ -51,12 +51,12 @@ class PdStream:
         and it can stream, it takes the whole hand-off now (``stream_to``)."""
         full = (st.request.num_tokens - 1) // self.block_tokens
         want = min(st.expect_blocks, full) if st.expect_blocks else 0
-        if want and (hit is None or hit < want) and time.monotonic() < st.wait_until:
+        if want and (hit is None or hit < want) and self._clock() < st.wait_until:
             if hit and self.can_stream:
                 # The producer's stores are landing: take the whole hand-off now, load what
                 # is here, and the rest chunk by chunk as it commits.
                 st.stream_to = want
-                st.wait_until = time.monotonic() + self.pd_wait_s
+                st.wait_until = self._clock() + self.pd_wait_s
                 return False
             return True
         return False
@@ -74,7 +74,7 @@ class PdStream:
             st.load_blocks.extend(ids[first:end])
         self.streams.add(st.request.request_id)
         # vLLM may have taken a while to find room for it: the wait starts now.
-        st.wait_until = time.monotonic() + self.pd_wait_s
+        st.wait_until = self._clock() + self.pd_wait_s
 
     def answer(self, st: ReqState, answers: list[tuple[int, int, list[int], int]]) -> bool:
         """Load what has committed since the last round; True if the rest is still to come
@@ -88,7 +88,7 @@ class PdStream:
                 self._step_loads.append(LoadSpec(rid, gi, slots[:new], st.stream_ids[gi][a:b],
                                                  final=last))
             st.stream_next = b
-            st.wait_until = time.monotonic() + self.pd_wait_s
+            st.wait_until = self._clock() + self.pd_wait_s
             if last:
                 self.streams.discard(rid)
                 st.stream_end, st.stream_ids = 0, []
@@ -114,7 +114,7 @@ class PdStream:
 
     def expire(self) -> None:
         """End the streams that made no progress for ``pd_wait_s`` (once per step)."""
-        now = time.monotonic()
+        now = self._clock()
         for st in [self._reqs[r] for r in self.streams]:
             if now >= st.wait_until:
                 self.end(st, report_missing=True)

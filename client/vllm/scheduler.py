@@ -36,6 +36,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.daemon_link import DaemonLink
 from kvpool.client.vllm.loads import Loads
 from kvpool.client.vllm.lookups import Lookups
@@ -64,10 +65,9 @@ class SchedulerRole:
     and are called only from vLLM's scheduler thread."""
 
     def __init__(self, groups: list[GroupInfo], world_size: int, client: Any,
-                 backoff_s: float = 0.2, backoff_max_s: float = 5.0, *,
+                 budgets: Budgets | None = None, *,
                  kv_producer: bool = False, engine_id: str = "", tp_size: int = 1,
-                 pd_wait_s: float = 3.0, pd_stream: bool = True,
-                 store_wait_s: float = 2.0, events_enabled: bool = True,
+                 pd_stream: bool = True, events_enabled: bool = True,
                  store_policy: str = "eager", store_min_prefix_tokens: int = 0,
                  horizon_blocks: int = 0) -> None:
         self.groups = groups
@@ -75,7 +75,8 @@ class SchedulerRole:
         self.kv_producer = kv_producer
         self.engine_id = engine_id
         self.tp_size = tp_size
-        self.pd_wait_s = pd_wait_s
+        self.budgets = budgets = budgets if budgets is not None else Budgets.from_config()
+        self._clock = budgets.clock
         self.client = client
         sizes = {g.block_tokens for g in groups}
         # One token→block grid for every group: vLLM's hybrid allocator gives attention groups
@@ -91,16 +92,16 @@ class SchedulerRole:
         # hands them over (the list is shared with them: emptied, never rebound).
         self._step_loads: list[LoadSpec] = []
         # Full blocks given up without being stored, by reason.
-        self.losses = StoreLosses()
+        self.losses = StoreLosses(budgets.report_interval_s, budgets.clock)
         namespaces = [g.namespace for g in groups]
-        self.link = DaemonLink(client, backoff_s, backoff_max_s)
+        self.link = DaemonLink(client, budgets)
         self.backlog = Backlog(bt, client, self.link, self._reqs, namespaces, self.losses,
-                               store_wait_s)
+                               budgets)
         self.batches = StoreBatches(groups, bt, world_size, client, self.link, self.backlog,
                                self.losses, events_enabled)
-        self.pd = PdStream(groups, bt, self._reqs, self._step_loads, pd_wait_s, pd_stream)
+        self.pd = PdStream(groups, bt, self._reqs, self._step_loads, budgets, pd_stream)
         self.lookups = Lookups(groups, bt, client, self.link, self._reqs, self.pd,
-                               self.batches.committed)
+                               self.batches.committed, budgets)
         self.loads = Loads(groups, bt, self._reqs, self._step_loads, self.lookups)
         # store_policy "lazy": blocks are remembered, and stored when vLLM's prefix cache is
         # about to evict them (store_planner.py says how); horizon_blocks is how far one
@@ -110,7 +111,7 @@ class SchedulerRole:
             raise ValueError(f"store_policy must be eager or lazy, not {store_policy!r}")
         self.lazy = LazyStore(max(1, horizon_blocks)) if store_policy == "lazy" else None
         self.planner = StorePlanner(groups, bt, client, self.link, self._reqs, self.batches,
-                                    self.backlog, self.losses, self.lazy,
+                                    self.backlog, self.losses, budgets, self.lazy,
                                     store_min_prefix_tokens, horizon_blocks)
         # Benchmarks only (connector timing on): told (wall time, tokens scheduled, blocks
         # planned) of each step that planned stores.
@@ -152,7 +153,7 @@ class SchedulerRole:
             if params.get("do_remote_prefill") and params.get("kvpool_tokens"):
                 # Whatever TP size the prefill ran (kvpool_tp): its ranks stored every head.
                 st.expect_blocks = int(params["kvpool_tokens"]) // self.block_tokens
-                st.wait_until = time.monotonic() + self.pd_wait_s
+                st.wait_until = self._clock() + self.budgets.pd_wait_s
         return st
 
     def on_new_request(self, request: "Request") -> None:
@@ -216,7 +217,7 @@ class SchedulerRole:
         meta = StepMeta()
         if not self.enabled:
             return meta
-        started = time.perf_counter()
+        started = self._clock()
         self.link.pump()
         self.lookups.poll(self._steps)
         if self.pd.streams:

@@ -17,12 +17,12 @@ when events are asked for.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from itertools import islice, repeat
 from typing import Any, Iterable, Sequence
 
+from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.daemon_link import DaemonLink
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import StoreSpec
@@ -70,7 +70,7 @@ class Backlog:
 
     def __init__(self, block_tokens: int, client: Any, link: DaemonLink,
                  reqs: dict[str, ReqState], namespaces: list[bytes], losses: StoreLosses,
-                 store_wait_s: float = 2.0) -> None:
+                 budgets: Budgets) -> None:
         self.block_tokens = block_tokens
         self.client = client
         self._link = link
@@ -78,7 +78,8 @@ class Backlog:
         self._namespaces = namespaces
         self._losses = losses
         # A finished request waits this long at most for tickets to store its last blocks.
-        self.store_wait_s = store_wait_s
+        self.store_wait_s = budgets.store_wait_s
+        self._clock = budgets.clock
         # Finished requests keeping their blocks for their stores, in the order they finished
         # (which is their backlog_until order); those with blocks still to plan, in that order
         # (the store planner takes them first); and those whose blocks all got planned since
@@ -101,7 +102,7 @@ class Backlog:
         else:
             # Full blocks wait for tickets from the stock: keep them until they are stored.
             rid = st.request.request_id
-            st.backlog_until = time.monotonic() + self.store_wait_s
+            st.backlog_until = self._clock() + self.store_wait_s
             self.backlog[rid] = None
             self.todo[rid] = None
             return True
@@ -131,7 +132,7 @@ class Backlog:
         else:
             reason = STORE_WAIT
             leaving, self.planned = self.planned, []
-            now = time.monotonic()
+            now = self._clock()
             for rid in self.backlog:          # the oldest first: stop at one still in time
                 st = self._reqs.get(rid)
                 if st is not None and now < st.backlog_until:

@@ -42,22 +42,21 @@ free queue is shorter than that reach (blocks freed then could be evicted before
 step sees them). ``store_min_prefix_tokens``: requests shorter than that store nothing (P/D
 hand-offs excepted).
 
-Owns the planning queue and its budgets (a step never spends more than about
-``STORE_PLAN_BUDGET_S`` planning, ``STORE_PRESSURE_BUDGET_S`` when vLLM is short of free
-blocks; the rest waits, in order), the pieces a long prefill is cut
-into, and the question of when a request's full blocks go (``blocks_to_gather``, the store
-policy). Never waits for the daemon and never does per-block Python work on the hot path: the
+Owns the planning queue and how its budgets are spent (``budgets.py``: a step never spends
+more than about ``Budgets.plan_s`` planning, ``Budgets.pressure_s`` when vLLM is short of free
+blocks; the rest waits, in order), the pieces a long prefill is cut into, and the question of
+when a request's full blocks go (``blocks_to_gather``, the store policy). Never waits for the daemon and never does per-block Python work on the hot path: the
 work per block is C-level list, set and dict operations over each request's run of new blocks.
 """
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from typing import Any, Sequence
 
+from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.daemon_link import DaemonLink
 from kvpool.client.vllm.lazy_store import Due, LazyStore
 from kvpool.client.vllm.requests import ReqState
@@ -66,18 +65,12 @@ from kvpool.client.vllm.store_losses import PREEMPTED, RESERVE_REFUSED, StoreLos
 from kvpool.client.vllm.store_batches import Backlog, Run, StoreBatches
 
 _NOTHING: dict[bytes, None] = {}
-# Store planning per step is bounded: a burst of prefills fills hundreds of blocks in one
-# step, and planning them all at once would add a millisecond to that step. A step plans
-# requests, in the order their blocks filled, until it has spent this much time on them (at
-# least one request); the others wait for the next step, their blocks still allocated to them
-# (a request that finishes meanwhile keeps them, in the backlog, until they are planned). While
-# the queue's front has waited STORE_DEFER_MAX_S, a step spends STORE_OVERDUE_BUDGET_S more on
-# it, in late pieces (at least one): an overload gets more planning per step, but bounded, so
-# it lags instead of slowing the engine (it used to plan every overdue request whole: steps of
-# several ms on a slow host). Finished requests' blocks are bounded by store_wait_s either way.
-STORE_PLAN_BUDGET_S = 100e-6
-STORE_DEFER_MAX_S = 0.5
-STORE_OVERDUE_BUDGET_S = 50e-6
+# Store planning per step is bounded (Budgets.plan_s): a step plans requests, in the order
+# their blocks filled, until the budget is spent (at least one piece of one request); the
+# others wait for the next step, their blocks still allocated to them (a request that finishes
+# meanwhile keeps them, in the backlog, until they are planned or Budgets.store_wait_s passed).
+# While the queue's front has waited Budgets.overdue_after_s, a step spends Budgets.overdue_s
+# more on it, in late pieces (at least one).
 # A long prompt's prefill chunk fills hundreds of blocks in one step (8192 tokens: 512 blocks
 # of 16): a request is planned in pieces of at most this many blocks, so the budget is checked
 # between pieces and the rest of its blocks wait at the front of the queue.
@@ -85,21 +78,12 @@ STORE_PIECE_BLOCKS = 32
 # A step whose budget is spent before planning starts still plans one piece, so the queue
 # always moves, but a small one: this many blocks (~25 us).
 STORE_LATE_PIECE_BLOCKS = 8
-# The planning budget ends early in a step whose other work (lookup answers taken in, the
-# next lookup batch and the step's other messages sent, all before planning) already took
-# time: it ends this long after build_connector_meta started, whichever is first.
-STORE_STEP_BUDGET_S = 150e-6
 # A decoding request's new blocks are planned once they add up to this many tokens: a decode
 # fills one block every block_size steps, so with 16-token blocks a batch takes 8 of them
 # instead of 1, which cuts the per-request work of decode steps (hashing stays per block).
 # Prompt blocks are planned as their prefill chunk fills them. Finished requests (the
 # backlog) and P/D producers plan whatever they have.
 STORE_RUN_TOKENS = 128
-# Under memory pressure (vLLM's free blocks fewer than one schedule() can take), the next
-# schedule() may preempt a running request and hand its blocks to another before its store is
-# planned: the step plans the queue for up to this long instead (the engine is about to
-# recompute anyway; a block stored now is one it need not recompute).
-STORE_PRESSURE_BUDGET_S = 1e-3
 
 
 @dataclass(eq=False)
@@ -133,7 +117,7 @@ class StorePlanner:
 
     def __init__(self, groups: list[Any], block_tokens: int, client: Any, link: DaemonLink,
                  reqs: dict[str, ReqState], batches: StoreBatches, backlog: Backlog,
-                 losses: StoreLosses, lazy: LazyStore | None = None,
+                 losses: StoreLosses, budgets: Budgets, lazy: LazyStore | None = None,
                  min_prefix_tokens: int = 0, horizon_blocks: int = 0) -> None:
         self.groups = groups
         self.block_tokens = block_tokens
@@ -143,6 +127,8 @@ class StorePlanner:
         self._batches = batches
         self._backlog = backlog
         self._losses = losses
+        self._budgets = budgets
+        self._clock = budgets.clock
         self._namespaces = [g.namespace for g in groups]
         self.kv_cache_manager: Any = None
         # Blocks a running request's stores gather before they go (see STORE_RUN_TOKENS);
@@ -159,7 +145,7 @@ class StorePlanner:
         self._lazy_owner: dict[int, tuple[ReqState, int]] = {}
         self._lazy_batches: dict[int, list[int]] = {}
         self.min_prefix_tokens = min_prefix_tokens
-        # Free blocks below which a step is under memory pressure (STORE_PRESSURE_BUDGET_S);
+        # Free blocks below which a step is under memory pressure (Budgets.pressure_s);
         # 0: never.
         self.pressure_blocks = horizon_blocks
 
@@ -197,8 +183,8 @@ class StorePlanner:
         the next block then, and the filled one's tokens are all known by then, also under
         async scheduling); a request that finishes with a full block not yet stored is taken
         in by the backlog (``request_finished``). They join a queue, which a step works
-        through for ``STORE_PLAN_BUDGET_S`` (see there), after the backlog's, and at most
-        until ``STORE_STEP_BUDGET_S`` after ``step_started`` (perf_counter). ``preempted``:
+        through for ``Budgets.plan_s``, after the backlog's, and at most until
+        ``Budgets.step_s`` after ``step_started`` (on the budgets' clock). ``preempted``:
         requests vLLM preempted in this step's ``schedule()``, their cursors not yet reset;
         their unplanned full blocks go first, whatever the budget (see the module's docstring)."""
         if self._lazy_batches:
@@ -215,7 +201,8 @@ class StorePlanner:
         """``plan`` for the queue and the backlog; with ``remember``, the runs of requests that
         are not P/D hand-offs are remembered there instead of stored (the lazy policy)."""
         queue = self.queue
-        now = time.monotonic()
+        clock, budgets = self._clock, self._budgets
+        now = clock()
         cached = so.scheduled_cached_reqs
         get, n_sched_of, bt = self._reqs.get, so.num_scheduled_tokens, self.block_tokens
         # Only those with a run of blocks to store join (most decodes that got a new block
@@ -247,19 +234,18 @@ class StorePlanner:
             self._plan_preempted(st, step)
         if self.pressure_blocks and \
                 self.kv_cache_manager.block_pool.get_num_free_blocks() < self.pressure_blocks:
-            stop_at = time.perf_counter() + STORE_PRESSURE_BUDGET_S
+            stop_at = clock() + budgets.pressure_s
         else:
-            stop_at = min(time.perf_counter() + STORE_PLAN_BUDGET_S,
-                          step_started + STORE_STEP_BUDGET_S)
+            stop_at = min(clock() + budgets.plan_s, step_started + budgets.step_s)
         # Finished requests hold GPU blocks for these stores: they go first. Those the budget
         # leaves wait in the backlog (bounded by store_wait_s, see Backlog.end).
         finished = self._plan_from(todo, step, stop_at, True)
         self._plan_from(queue, step, stop_at, not finished)
         # The rest wait for the next step, in order; those at the front that have waited too
         # long get a second, bounded budget (at least a late piece).
-        overdue = now - STORE_DEFER_MAX_S
+        overdue = now - budgets.overdue_after_s
         if queue and next(iter(queue.values())) <= overdue:
-            self._plan_from(queue, step, time.perf_counter() + STORE_OVERDUE_BUDGET_S, True,
+            self._plan_from(queue, step, clock() + budgets.overdue_s, True,
                             waited_since=overdue, piece=STORE_LATE_PIECE_BLOCKS)
         if remember is not None:
             self._remember(remember, step)
@@ -364,16 +350,16 @@ class StorePlanner:
     def _plan_from(self, fifo: OrderedDict, step: _StepPlan, stop_at: float,
                    one_at_least: bool, waited_since: float | None = None,
                    piece: int | None = None) -> list[ReqState]:
-        """Plan the requests at the front of ``fifo`` (taking them out) until ``stop_at``, a
-        piece (``STORE_PIECE_BLOCKS``) at a time, the first whatever the time if
-        ``one_at_least``; a request with blocks left after its piece stays at the front.
-        With ``waited_since``, only requests queued by then; ``piece`` overrides the piece
-        size. Returns those planned, still known."""
+        """Plan the requests at the front of ``fifo`` (taking them out) until ``stop_at`` (on
+        the budgets' clock; reaching it counts as spent), a piece (``STORE_PIECE_BLOCKS``) at a
+        time, the first whatever the time if ``one_at_least``; a request with blocks left after
+        its piece stays at the front. With ``waited_since``, only requests queued by then;
+        ``piece`` overrides the piece size. Returns those planned, still known."""
         planned: list[ReqState] = []
         while fifo:
             if waited_since is not None and next(iter(fifo.values())) > waited_since:
                 break
-            late = time.perf_counter() > stop_at
+            late = self._clock() >= stop_at
             if late and not one_at_least:
                 break
             one_at_least = False

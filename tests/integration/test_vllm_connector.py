@@ -20,6 +20,9 @@ from tests.integration.vllm_params import SCHEDULERS, STEP_SPEEDS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
+# Budgets that leave store planning one late piece a step (no overdue budget either).
+NO_PLANNING_TIME = {"store_plan_budget_us": 0, "store_pressure_budget_us": 0,
+                    "store_overdue_after_s": 60}
 
 
 def prompt(n: int, start: int = 100) -> list[int]:
@@ -489,16 +492,12 @@ def test_a_burst_of_requests_is_looked_up_over_several_steps(
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 @pytest.mark.parametrize("max_tokens", [1, 8], ids=["finish-at-once", "keep-running"])
 def test_a_burst_of_stores_is_planned_over_several_steps(
-        make_engine, info, monkeypatch, async_scheduling, max_tokens):
-    from kvpool.client.vllm import store_planner
-
+        make_engine, info, async_scheduling, max_tokens):
     # No time for planning at all: one request per step. 8 requests of 4 full blocks each
     # fill them in one step. (No overdue budget either: on a loaded 2-core machine a step can
-    # take over STORE_DEFER_MAX_S, and that budget then plans more requests in a step.)
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)
-    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
+    # take over store_overdue_after_s, and that budget then plans more requests in a step.)
+    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024,
+                    extra=NO_PLANNING_TIME)
     role = e.connector.scheduler
     planned = spy_planned_blocks(role)
     for i in range(8):
@@ -525,12 +524,10 @@ def test_a_long_prompt_is_planned_in_pieces_over_several_steps(
 
     # No time for planning: each step plans one late piece, of 3 blocks (not a full piece of
     # 6). One prefill fills 10 blocks.
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)     # (see above)
     monkeypatch.setattr(store_planner, "STORE_PIECE_BLOCKS", 6)
     monkeypatch.setattr(store_planner, "STORE_LATE_PIECE_BLOCKS", 3)
-    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
+    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024,
+                    extra=NO_PLANNING_TIME)
     role = e.connector.scheduler
     planned = spy_planned_blocks(role)
     e.add("long", prompt(170), max_tokens=max_tokens)
@@ -546,19 +543,15 @@ def test_a_long_prompt_is_planned_in_pieces_over_several_steps(
 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
-@pytest.mark.parametrize("overdue_budget_s", [60.0, 0.0], ids=["ample", "none"])
+@pytest.mark.parametrize("overdue_budget_us", [1_000_000, 0], ids=["ample", "none"])
 def test_a_store_deferred_too_long_gets_a_second_bounded_budget(
-        make_engine, info, monkeypatch, async_scheduling, overdue_budget_s):
-    from kvpool.client.vllm import store_planner
-
+        make_engine, info, async_scheduling, overdue_budget_us):
     # No time for planning, and every wait too long: the overdue budget alone decides. With
     # none, a step plans the queue's forced piece and one overdue piece (a request of 4 blocks
     # each), never all 8 requests at once.
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_OVERDUE_BUDGET_S", overdue_budget_s)
-    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
+    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024,
+                    extra={**NO_PLANNING_TIME, "store_overdue_after_s": 0,
+                           "store_overdue_budget_us": overdue_budget_us})
     role = e.connector.scheduler
     planned = spy_planned_blocks(role)
     for i in range(8):
@@ -566,7 +559,7 @@ def test_a_store_deferred_too_long_gets_a_second_bounded_budget(
     e.run()
     wait_for(lambda: info.info().stored_blocks == 32, 10, "all 32 blocks committed")
     steps = [n for n in planned if n]
-    if overdue_budget_s:
+    if overdue_budget_us:
         assert steps == [32], planned
     else:
         assert sum(steps) == 32 and max(steps) <= 8 and len(steps) >= 4, planned
@@ -620,15 +613,11 @@ def test_remembered_keys_are_bounded_and_the_newest_kept(make_engine, info, monk
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_finished_requests_waiting_past_store_wait_free_their_blocks_unstored(
-        make_engine, info, monkeypatch, caplog, async_scheduling):
-    from kvpool.client.vllm import store_planner
-
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)   # one request a step
-    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)    # and no overdue budget
-    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
+        make_engine, info, caplog, async_scheduling):
+    # One request planned a step, and a finished request waits for no planning at all.
+    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024,
+                    extra={**NO_PLANNING_TIME, "store_wait_s": 0})
     role = e.connector.scheduler
-    role.backlog.store_wait_s = 0.0          # a finished request waits for no planning at all
     # The loss needs tickets in hand while the requests finish (no stock means no planning at
     # all): step the idle engine until its first reservation is in.
     ns = role.groups[0].namespace

@@ -4,9 +4,11 @@ the test, vLLM requests as plain objects, a KV-cache manager and a ``SchedulerOu
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
+from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.daemon_link import DaemonLink
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.store_losses import StoreLosses
@@ -18,6 +20,23 @@ BT = 16
 NS = b"ns-full"
 GROUP = GroupInfo(index=0, namespace=NS, identity="test model", block_tokens=BT,
                   layer_names=("layer.0",), sliding_window=None)
+
+
+class Clock:
+    """The parts' clock, moved by the test (``now``): time passes only when it says so, so a
+    budget of 0 is spent at once and any other never is."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def budgets(clock: Clock | None = None, **seconds: float) -> Budgets:
+    """The default budgets with ``seconds`` overridden (``Budgets`` field names), read on
+    ``clock`` (a new ``Clock`` if None)."""
+    return dataclasses.replace(Budgets.from_config(), clock=clock or Clock(), **seconds)
 
 
 class FakeCall:
@@ -164,18 +183,21 @@ class Parts:
     """The store side's parts wired as ``SchedulerRole`` wires them, for one full-attention
     group."""
 
-    def __init__(self, client: FakeClient, world_size: int = 1,
-                 store_wait_s: float = 2.0) -> None:
+    def __init__(self, client: FakeClient, world_size: int = 1, horizon_blocks: int = 0,
+                 **seconds: float) -> None:
         from kvpool.client.vllm.store_planner import StorePlanner
 
         self.client = client
+        self.clock = Clock()
+        self.budgets = budgets(self.clock, **seconds)
         self.reqs: dict[str, ReqState] = {}
-        self.losses = StoreLosses()
-        self.link = DaemonLink(client)
+        self.losses = StoreLosses(clock=self.clock)
+        self.link = DaemonLink(client, self.budgets)
         self.backlog = Backlog(BT, client, self.link, self.reqs, [NS], self.losses,
-                               store_wait_s)
+                               self.budgets)
         self.batches = StoreBatches([GROUP], BT, world_size, client, self.link, self.backlog,
                                self.losses, events_enabled=False)
         self.planner = StorePlanner([GROUP], BT, client, self.link, self.reqs, self.batches,
-                                    self.backlog, self.losses)
+                                    self.backlog, self.losses, self.budgets,
+                                    horizon_blocks=horizon_blocks)
         self.manager = self.planner.kv_cache_manager = FakeManager()

@@ -3,25 +3,25 @@ a load's report releases its leases, and a hand-off still landing streams in chu
 
 from __future__ import annotations
 
-import time
-
 from kvpool.client.vllm.daemon_link import DaemonLink
 from kvpool.client.vllm.loads import Loads
 from kvpool.client.vllm.lookups import Lookups
 from kvpool.client.vllm.pd_stream import PdStream
 from kvpool.client.vllm.specs import LoadSpec
 
-from .fakes import BT, GROUP, FakeClient, keys, request, state
+from .fakes import BT, GROUP, Clock, FakeClient, budgets, keys, request, state
 
 
 class Wired:
     def __init__(self, pd_wait_s: float = 3.0) -> None:
         self.client = FakeClient()
+        self.clock = Clock()
+        b = budgets(self.clock, pd_wait_s=pd_wait_s)
         self.reqs: dict = {}
         self.step_loads: list[LoadSpec] = []
-        link = DaemonLink(self.client)
-        self.pd = PdStream([GROUP], BT, self.reqs, self.step_loads, pd_wait_s)
-        self.lookups = Lookups([GROUP], BT, self.client, link, self.reqs, self.pd, [{}])
+        link = DaemonLink(self.client, b)
+        self.pd = PdStream([GROUP], BT, self.reqs, self.step_loads, b)
+        self.lookups = Lookups([GROUP], BT, self.client, link, self.reqs, self.pd, [{}], b)
         self.loads = Loads([GROUP], BT, self.reqs, self.step_loads, self.lookups)
 
 
@@ -63,7 +63,7 @@ def test_a_hand_off_streams_its_chunks_as_they_commit():
     w = Wired()
     st = state(w.reqs, request("d", list(range(70)), do_remote_prefill=True,
                                kvpool_tokens=64))
-    st.expect_blocks, st.wait_until = 4, time.monotonic() + 3
+    st.expect_blocks, st.wait_until = 4, w.clock() + 3
     # One block landed: a consumer that can stream takes the whole hand-off.
     assert not w.pd.keeps_waiting(st, 1) and st.stream_to == 4
     assert w.pd.keeps_waiting(st, 0)              # nothing landed: ask again

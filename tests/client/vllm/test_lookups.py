@@ -8,19 +8,21 @@ from kvpool.client.vllm.daemon_link import DaemonLink
 from kvpool.client.vllm.lookups import Lookups
 from kvpool.client.vllm.pd_stream import PdStream
 
-from .fakes import BT, GROUP, NS, FakeClient, keys, request, state
+from .fakes import BT, GROUP, NS, Clock, FakeClient, budgets, keys, request, state
 
 
 class Wired:
     def __init__(self, client: FakeClient) -> None:
         self.client = client
+        self.clock = Clock()
+        self.budgets = b = budgets(self.clock)
         self.reqs: dict = {}
         self.loads: list = []
-        self.link = DaemonLink(client)
+        self.link = DaemonLink(client, b)
         self.committed: list[dict[bytes, None]] = [{}]
-        self.pd = PdStream([GROUP], BT, self.reqs, self.loads)
+        self.pd = PdStream([GROUP], BT, self.reqs, self.loads, b)
         self.lookups = Lookups([GROUP], BT, client, self.link, self.reqs, self.pd,
-                               self.committed)
+                               self.committed, b)
 
 
 def test_a_steps_lookups_go_out_in_one_batch_and_answer_none_until_it_lands():
@@ -122,15 +124,7 @@ def test_a_miss_forgets_a_remembered_key():
     assert list(w.committed[0]) == [ks[0], ks[1], ks[3]]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-
-def answered(w: Wired, clock: Clock, hits: list[int]) -> list:
+def answered(w: Wired, hits: list[int]) -> list:
     """Requests of 4 full blocks each, looked up in step 0 and answered in step 1."""
     sts = [state(w.reqs, request(f"r{i}", list(range(100 * i, 100 * i + 70))))
            for i in range(len(hits))]
@@ -144,12 +138,9 @@ def answered(w: Wired, clock: Clock, hits: list[int]) -> list:
     return sts
 
 
-def test_a_partial_answer_is_asked_again_once_this_engine_stored_the_block_it_missed(
-        monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(lookups_module, "time", clock)
+def test_a_partial_answer_is_asked_again_once_this_engine_stored_the_block_it_missed():
     w = Wired(FakeClient())
-    part, miss, full = answered(w, clock, [2, 0, 4])
+    part, miss, full = answered(w, [2, 0, 4])
     # Steps later, vLLM asks again (the requests waited in its queue); nothing new stored.
     assert [w.lookups.match(st, 0, step=9) for st in (part, miss, full)] == [2, 0, 4]
     # This engine's stores committed the blocks both partial answers missed.
@@ -169,13 +160,11 @@ def test_a_partial_answer_is_asked_again_once_this_engine_stored_the_block_it_mi
     assert w.lookups.match(miss, 0, step=12) == 1          # one step old: still fresh
 
 
-def test_a_partial_answer_is_asked_again_when_old_but_never_in_the_step_after_it_came(
-        monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(lookups_module, "time", clock)
+def test_a_partial_answer_is_asked_again_when_old_but_never_in_the_step_after_it_came():
     w = Wired(FakeClient())
-    part, full = answered(w, clock, [1, 4])
-    clock.now += lookups_module.LOOKUP_STALE_S + 1         # another engine may have stored
+    clock = w.clock
+    part, full = answered(w, [1, 4])
+    clock.now += w.budgets.lookup_stale_s + 1              # another engine may have stored
     assert w.lookups.match(part, 0, step=2) == 1           # a slow step: the answer just came
     assert w.lookups.match(part, 0, step=3) is None
     assert w.lookups.match(full, 0, step=3) == 4

@@ -3,8 +3,6 @@ rank aborts its tickets, finished requests keep their blocks until stored or giv
 
 from __future__ import annotations
 
-import time
-
 from kvpool.client.vllm import store_batches as batches_module
 
 from .fakes import BT, FakeClient, Parts, keys, request, state
@@ -88,10 +86,10 @@ def test_a_finished_request_waits_in_the_backlog_then_frees_its_blocks_unstored(
     st.finished = True
     assert p.backlog.keeps(st)
     assert list(p.backlog.backlog) == ["a"] and list(p.backlog.todo) == ["a"]
-    assert st.backlog_until > time.monotonic() + 50
+    p.clock.now += 59.9
     p.backlog.end()                               # still in time: stays
     assert list(p.backlog.backlog) == ["a"] and p.backlog.free_ready == []
-    st.backlog_until = time.monotonic() - 1       # waited store_wait_s: gives up
+    p.clock.now += 0.1                            # waited store_wait_s: gives up
     p.backlog.end()
     assert p.backlog.backlog == {} and p.backlog.todo == {}
     assert p.losses.totals["store_wait"] == 3 and p.losses.total == 3

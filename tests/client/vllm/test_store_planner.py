@@ -1,11 +1,8 @@
 """The store planner without vLLM: which full blocks a step stores, in budgets and pieces,
-with slots from a fake client's stock."""
+with tickets from a fake client's stock. Time is the parts' clock, which moves only when a test
+moves it: a budget of 0 is spent at once, any other never is."""
 
 from __future__ import annotations
-
-import time
-
-import pytest
 
 from kvpool.client.vllm import store_planner
 
@@ -13,18 +10,10 @@ from .fakes import BT, NS, FakeClient, Parts, keys, request, state, step_output
 
 
 def plan(parts: Parts, so) -> list:
-    return parts.planner.plan(so, time.perf_counter())
+    return parts.planner.plan(so, parts.clock())
 
 
-@pytest.fixture
-def ample(monkeypatch):
-    """Budgets nothing on a loaded test machine runs out of."""
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 60.0)
-    monkeypatch.setattr(store_planner, "STORE_STEP_BUDGET_S", 60.0)
-    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)
-
-
-def test_a_prefill_stores_its_full_blocks_in_one_batch_with_tickets_from_the_stock(ample):
+def test_a_prefill_stores_its_full_blocks_in_one_batch_with_tickets_from_the_stock():
     p = Parts(FakeClient(tickets=10))
     req = request("a", list(range(70)))           # 4 full blocks, 6 tokens over
     st = state(p.reqs, req)
@@ -43,7 +32,7 @@ def test_a_prefill_stores_its_full_blocks_in_one_batch_with_tickets_from_the_sto
     assert plan(p, step_output(cached={"a": 1})) == []
 
 
-def test_keys_in_flight_or_committed_are_not_planned_again(ample):
+def test_keys_in_flight_or_committed_are_not_planned_again():
     p = Parts(FakeClient(tickets=10))
     tokens = list(range(40))                       # 2 full blocks
     state(p.reqs, request("a", tokens))
@@ -63,10 +52,8 @@ def test_keys_in_flight_or_committed_are_not_planned_again(ample):
 
 
 def test_a_long_prefill_is_planned_in_pieces_within_the_budget(monkeypatch):
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)   # every step is late
-    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)
     monkeypatch.setattr(store_planner, "STORE_LATE_PIECE_BLOCKS", 3)
-    p = Parts(FakeClient(tickets=20))
+    p = Parts(FakeClient(tickets=20), plan_s=0.0)          # every step is late
     long = state(p.reqs, request("long", list(range(170))))      # 10 full blocks
     p.manager.tables["long"] = list(range(1, 12))
     per_step = [sum(len(s.keys) for s in plan(p, step_output(new={"long": 170})))]
@@ -77,7 +64,7 @@ def test_a_long_prefill_is_planned_in_pieces_within_the_budget(monkeypatch):
     assert list(p.planner.queue) == []
 
 
-def test_pieces_of_an_ample_budget_plan_the_whole_prefill_in_one_step(ample, monkeypatch):
+def test_pieces_of_an_ample_budget_plan_the_whole_prefill_in_one_step(monkeypatch):
     monkeypatch.setattr(store_planner, "STORE_PIECE_BLOCKS", 3)
     p = Parts(FakeClient(tickets=20))
     state(p.reqs, request("long", list(range(170))))
@@ -86,7 +73,7 @@ def test_pieces_of_an_ample_budget_plan_the_whole_prefill_in_one_step(ample, mon
     assert spec.block_ids == list(range(1, 11))
 
 
-def test_a_short_stock_cuts_the_runs_and_plans_the_rest_when_slots_come(ample):
+def test_a_short_stock_cuts_the_runs_and_plans_the_rest_when_tickets_come():
     p = Parts(FakeClient(tickets=3, reserving=True))
     a = state(p.reqs, request("a", list(range(40))))           # 2 full blocks each
     b = state(p.reqs, request("b", list(range(500, 540))))
@@ -104,7 +91,7 @@ def test_a_short_stock_cuts_the_runs_and_plans_the_rest_when_slots_come(ample):
     assert spec.block_ids == [5] and spec.tickets == [200] and spec.batch == 2
 
 
-def test_a_short_stock_with_reservations_refused_counts_the_rest_lost(ample):
+def test_a_short_stock_with_reservations_refused_counts_the_rest_lost():
     p = Parts(FakeClient(tickets=3, reserving=False))
     state(p.reqs, request("a", list(range(40))))
     b = state(p.reqs, request("b", list(range(500, 540))))
@@ -127,7 +114,7 @@ def test_the_policy_gathers_a_decode_run_and_stores_a_prefill_at_once():
     assert p.planner.store_run == 128 // BT
 
 
-def test_a_decode_waits_for_its_run_of_blocks(ample):
+def test_a_decode_waits_for_its_run_of_blocks():
     p = Parts(FakeClient(tickets=20))
     st = state(p.reqs, request("d", list(range(70 + 50)), computed=70 + 49, prompt=70),
                store_run=8)
@@ -141,7 +128,7 @@ def test_a_decode_waits_for_its_run_of_blocks(ample):
     assert spec.block_ids == list(range(5, 13))
 
 
-def test_nothing_is_planned_while_the_daemon_backs_off(ample):
+def test_nothing_is_planned_while_the_daemon_backs_off():
     p = Parts(FakeClient(tickets=10))
     state(p.reqs, request("a", list(range(40))))
     p.manager.tables["a"] = [1, 2, 3]
@@ -162,39 +149,35 @@ def preempt(p: Parts, req, cached: dict[int, int]):
     return step_output()
 
 
-def test_a_preempted_requests_unplanned_blocks_are_stored_from_the_prefix_cache(monkeypatch):
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_STEP_BUDGET_S", 0.0)
-    p = Parts(FakeClient(tickets=10))
+def test_a_preempted_requests_unplanned_blocks_are_stored_from_the_prefix_cache():
+    p = Parts(FakeClient(tickets=10), plan_s=0.0, step_s=0.0)
     a = request("a", list(range(50)), prompt=49)   # 3 full blocks: decoding
     a.num_output_tokens = 1
     st = state(p.reqs, a)
     st.cursor, st.lo = [1], 1                     # block 0 was planned in an earlier step
     # Block 1 went to another request in the step that preempted a; blocks 2 and 0 are cached.
     so = preempt(p, a, {0: 10, 2: 13})
-    [spec] = p.planner.plan(so, time.perf_counter(), [st])
+    [spec] = p.planner.plan(so, p.clock(), [st])
     assert spec.block_ids == [13] and spec.keys == keys(a, 2, 3)
     assert p.losses.totals["preempted"] == 1      # block 1: reused before it was planned
     assert st.batches == {spec.batch}
 
 
-def test_a_preempted_request_with_no_slot_in_hand_counts_its_blocks_lost(monkeypatch):
+def test_a_preempted_request_with_no_ticket_in_hand_counts_its_blocks_lost():
     p = Parts(FakeClient(tickets=1, reserving=True))
     a = request("a", list(range(50)), prompt=49)
     a.num_output_tokens = 1
     st = state(p.reqs, a)
     so = preempt(p, a, {0: 10, 1: 11, 2: 12})
-    [spec] = p.planner.plan(so, time.perf_counter(), [st])
+    [spec] = p.planner.plan(so, p.clock(), [st])
     # Its blocks are free in vLLM: they cannot wait in the queue for the next step's slots.
     assert spec.block_ids == [10]
     assert p.losses.totals["preempted"] == 2 and not p.planner.queue
 
 
-def test_under_memory_pressure_a_step_plans_the_whole_queue(monkeypatch):
+def test_under_memory_pressure_a_step_plans_the_whole_queue():
     # Budgets spent before planning starts: normally one late piece of one request a step.
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_STEP_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 60.0)
+    spent = dict(plan_s=0.0, step_s=0.0)
 
     def burst(p: Parts) -> list:
         for r in "abcd":
@@ -202,13 +185,11 @@ def test_under_memory_pressure_a_step_plans_the_whole_queue(monkeypatch):
             p.manager.tables[r] = [10 * ord(r), 10 * ord(r) + 1, 10 * ord(r) + 2]
         return plan(p, step_output(new=dict.fromkeys("abcd", 33)))
 
-    calm = Parts(FakeClient(tickets=20))
-    calm.planner.pressure_blocks = 8
+    calm = Parts(FakeClient(tickets=20), horizon_blocks=8, **spent)
     [spec] = burst(calm)
     assert len(spec.block_ids) == 2 and len(calm.planner.queue) == 3
     # Fewer free GPU blocks than one schedule() may take: a preemption may come next step.
-    tight = Parts(FakeClient(tickets=20))
-    tight.planner.pressure_blocks = 8
+    tight = Parts(FakeClient(tickets=20), horizon_blocks=8, **spent)
     tight.manager.block_pool.free = 7
     [spec] = burst(tight)
     assert len(spec.block_ids) == 8 and not tight.planner.queue
