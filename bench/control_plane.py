@@ -258,7 +258,7 @@ def connector_methods(sock: str, tmp: str, async_scheduling: bool,
         gc.collect()
         gc.freeze()      # as vLLM's engine core does after start-up
         if not plan_stores:
-            e.connector.scheduler.planner.plan = lambda *a, **k: []
+            e.connector.scheduler.planner.plan = lambda *a, **k: ([], [])
         steps_before = e.stats.steps
         for i in range(n):
             start = base + 1000 * i

@@ -535,10 +535,10 @@ class Engine:
         counts = sc.get_request_counts()
         return (f"requests={list(sc.requests)} running/waiting={counts} "
                 f"finished_ids={sc.finished_req_ids} batches={list(role.batches.by_id)} "
-                f"release={role.lookups.release} free_ready={role.backlog.free_ready} "
+                f"release={role.lookups.release} free_now={role._free_now} "
                 f"retry={role.lookups.retry} abort={role.batches.abort_tickets} "
-                f"reqs={list(role._reqs)} queue={len(self._queue)} "
-                f"backlog={sorted(role.backlog.backlog)} worker store jobs="
+                f"kept={role.requests.kept_anywhere()} queue={len(self._queue)} "
+                f"backlog={sorted(role.backlog.tracked())} worker store jobs="
                 f"{[dict(w.conn.worker._store_jobs) for w in self.workers]} in flight="
                 f"{[sorted(w.conn.worker.client._in_flight) for w in self.workers]}")
 
@@ -551,7 +551,9 @@ class Engine:
         assert bp.get_num_free_blocks() == bp.num_gpu_blocks - 1, "GPU blocks leaked"
         role = self.connector.scheduler
         assert role is not None
-        assert not role._reqs, f"connector still tracks {list(role._reqs)}"
+        # One exit: no part of the connector keeps anything for a request once it left.
+        kept = role.requests.kept_anywhere()
+        assert not kept, f"connector still keeps state for {kept}"
         assert not role.batches.by_id, f"connector still has batches {list(role.batches.by_id)}"
         if info_client is not None:
             deadline = time.monotonic() + timeout_s

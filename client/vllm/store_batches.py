@@ -1,15 +1,14 @@
-"""Store batches until every rank acked them, and finished requests kept for their stores.
+"""Store batches until every rank acked them, and the keys this engine's stores committed.
 
 The end of the store path described in ``store_planner.py``: a *store batch* is one group's
 stores planned in one step (the connector's unit of acknowledgement; the daemon never sees it).
 ``StoreBatches`` owns the batches in flight and the worker acks that resolve them (done when
 every rank reported it; committed only if none failed, else its tickets are aborted and its
-blocks counted lost), the keys in flight and the keys remembered as committed (so neither is
-planned again), which batch last read each GPU block (a block handed to another request must
-be flushed first), and the KV events built from committed batches when vLLM asks for them.
-``Backlog`` owns the finished requests that keep their GPU blocks (vLLM's delayed free) while
-stores are in flight or their last blocks wait for tickets, bounded by ``store_wait_s``, and
-which of them vLLM may free now (``free_ready``, handed over as ``StepMeta.free_now``).
+blocks counted lost), the batches each request is in (a request keeps its GPU blocks until
+they resolve: ``acked`` returns the requests whose last one did), the keys in flight, which
+batch last read each GPU block (a block handed to another request must be flushed first), and
+the KV events built from committed batches when vLLM asks for them. ``CommittedKeys`` owns the
+keys remembered as committed (so none is planned again; a lookup that misses one forgets it).
 
 Never waits, and never calls vLLM's code except to build its KV event structs, imported only
 when events are asked for.
@@ -17,17 +16,15 @@ when events are asked for.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from itertools import islice, repeat
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Iterator, Sequence
 
-from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.daemon_link import DaemonLink
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import StoreSpec
-from kvpool.client.vllm.store_losses import (DAEMON_UNAVAILABLE, RESERVE_REFUSED, STORE_FAILED,
-                                             STORE_WAIT, StoreLosses)
+from kvpool.client.vllm.store_losses import STORE_FAILED, StoreLosses
 
 # Keys remembered as committed: to report BlockRemoved on reset, and to plan no store of a key
 # the pool holds (a GPU prefix hit, a recomputed preempted request). Bounded so a long-lived
@@ -64,93 +61,38 @@ class StoreBatch:
     stale: bool = False        # a cache reset happened since: never counts as committed
 
 
-class Backlog:
-    """Finished requests keeping their blocks for their stores. Called from vLLM's scheduler
-    thread only."""
+class CommittedKeys:
+    """Per group, the keys this engine's stores committed, oldest first, at most
+    ``_MAX_REMEMBERED_KEYS`` of them. Read by the store planner (a key the pool holds is not
+    stored again) and lookups; only the methods here change it."""
 
-    def __init__(self, block_tokens: int, client: Any, link: DaemonLink,
-                 reqs: dict[str, ReqState], namespaces: list[bytes], losses: StoreLosses,
-                 budgets: Budgets) -> None:
-        self.block_tokens = block_tokens
-        self.client = client
-        self._link = link
-        self._reqs = reqs
-        self._namespaces = namespaces
-        self._losses = losses
-        # A finished request waits this long at most for tickets to store its last blocks.
-        self.store_wait_s = budgets.store_wait_s
-        self._clock = budgets.clock
-        # Finished requests keeping their blocks for their stores, in the order they finished
-        # (which is their backlog_until order); those with blocks still to plan, in that order
-        # (the store planner takes them first); and those whose blocks all got planned since
-        # the last step (they leave the backlog).
-        self.backlog: dict[str, None] = {}
-        self.todo: OrderedDict[str, None] = OrderedDict()
-        self.planned: list[str] = []
-        self.free_ready: list[str] = []   # finished requests vLLM may free now
+    def __init__(self, num_groups: int) -> None:
+        self._per_group: list[dict[bytes, None]] = [{} for _ in range(num_groups)]
 
-    def keeps(self, st: ReqState) -> bool:
-        """``st`` finished (and loads nothing): True if it keeps its blocks because full ones
-        are not stored yet and tickets may still come; otherwise those blocks are counted lost."""
-        bt = self.block_tokens
-        if not (st.has_unstored_blocks(bt) and st.keys.cacheable):
-            return False
-        if not self._link.ok():
-            self._losses.add(DAEMON_UNAVAILABLE, st.full_blocks(bt) - st.lo)
-        elif not any(map(self.client.reserving, self._namespaces)):
-            self._losses.add(RESERVE_REFUSED, st.full_blocks(bt) - st.lo)
-        else:
-            # Full blocks wait for tickets from the stock: keep them until they are stored.
-            rid = st.request.request_id
-            st.backlog_until = self._clock() + self.store_wait_s
-            self.backlog[rid] = None
-            self.todo[rid] = None
-            return True
-        return False
+    def __getitem__(self, gi: int) -> dict[bytes, None]:
+        return self._per_group[gi]
 
-    def batch_done(self, st: ReqState) -> None:
-        """One of ``st``'s store batches resolved: a finishing request with none left and
-        nothing in the backlog may be freed."""
-        if st.finishing and not st.batches:
-            rid = st.request.request_id
-            if rid not in self.backlog and self._reqs.get(rid) is st:
-                self.free_ready.append(rid)
-                self._reqs.pop(rid, None)
+    def __iter__(self) -> Iterator[dict[bytes, None]]:
+        return iter(self._per_group)
 
-    def take_free(self) -> list[str]:
-        out, self.free_ready = self.free_ready, []
+    def add(self, gi: int, keys: list[bytes]) -> None:
+        remembered = self._per_group[gi]
+        remembered.update(dict.fromkeys(keys))
+        excess = len(remembered) - _MAX_REMEMBERED_KEYS
+        if excess > 0:      # the oldest first (a dict keeps insertion order)
+            for key in list(islice(remembered, excess)):
+                del remembered[key]
+
+    def forget(self, gi: int, key: bytes) -> None:
+        """A lookup missed ``key``: the pool let it go, and it may be stored again."""
+        self._per_group[gi].pop(key, None)
+
+    def take_all(self) -> list[list[bytes]]:
+        """Every key, per group, forgotten here (the pool forgot them: a reset)."""
+        out = [list(keys) for keys in self._per_group]
+        for keys in self._per_group:
+            keys.clear()
         return out
-
-    def end(self) -> None:
-        """Finished requests whose blocks are all planned (or that waited long enough, or
-        whose daemon is gone) let vLLM free their blocks once their stores have landed.
-        Costs what changed, not the backlog's length: it runs every step."""
-        if not self._link.ok():
-            leaving, reason = list(self.backlog), DAEMON_UNAVAILABLE
-        elif not any(map(self.client.reserving, self._namespaces)):
-            leaving, reason = list(self.backlog), RESERVE_REFUSED
-        else:
-            reason = STORE_WAIT
-            leaving, self.planned = self.planned, []
-            now = self._clock()
-            for rid in self.backlog:          # the oldest first: stop at one still in time
-                st = self._reqs.get(rid)
-                if st is not None and now < st.backlog_until:
-                    break
-                leaving.append(rid)
-        bt = self.block_tokens
-        for rid in leaving:
-            if rid not in self.backlog:
-                continue        # (left already)
-            del self.backlog[rid]
-            self.todo.pop(rid, None)
-            st = self._reqs.get(rid)
-            if st is not None and st.keys.cacheable and st.has_unstored_blocks(bt):
-                self._losses.add(reason, st.full_blocks(bt) - st.lo)
-            if st is not None and not st.batches:
-                self.free_ready.append(rid)
-                self._reqs.pop(rid, None)
-        self._losses.maybe_log()
 
 
 class StoreBatches:
@@ -158,25 +100,23 @@ class StoreBatches:
     scheduler thread only."""
 
     def __init__(self, groups: list[Any], block_tokens: int, world_size: int, client: Any,
-                 link: DaemonLink, backlog: Backlog, losses: StoreLosses,
+                 link: DaemonLink, losses: StoreLosses, committed: CommittedKeys,
                  events_enabled: bool = True) -> None:
         self.groups = groups
         self.block_tokens = block_tokens
         self.world_size = world_size
         self.client = client
         self._link = link
-        self._backlog = backlog
         self._losses = losses
+        self.committed = committed
         self.by_id: dict[int, StoreBatch] = {}
         self._next_batch = 1
+        self._of: dict[str, set[int]] = {}     # request id -> its batches in flight
         # Per group: key -> batch storing it. Per GPU block: the batch that last read it
         # (entries of resolved batches stay, and are ignored: the map is bounded by the number
         # of GPU blocks, and nothing is deleted per block on the hot path).
         self.keys_in_flight: list[dict[bytes, int]] = [{} for _ in groups]
         self.block_reader: dict[int, int] = {}
-        # Per group, keys known to be in the pool (see _MAX_REMEMBERED_KEYS). The dicts are
-        # shared with lookups.py, which forgets a key a lookup missed: never rebound.
-        self.committed: list[dict[bytes, None]] = [{} for _ in groups]
         self.abort_tickets: list[int] = []  # tickets of failed batches, aborted next step
         # KV events are built only if vLLM publishes them, and only when it asks for them
         # (take_events), from the batches that committed.
@@ -194,11 +134,15 @@ class StoreBatches:
         all_keys: list[bytes] = []
         all_bids: list[int] = []
         parts = []
+        of = self._of
         for st, index, keys, bids in runs:
             all_keys += keys
             all_bids += bids
             parts.append(_Run(st, index, keys))
-            st.batches.add(batch_id)
+            mine = of.get(st.request.request_id)
+            if mine is None:
+                mine = of[st.request.request_id] = set()
+            mine.add(batch_id)
         tickets = tickets[:len(all_keys)]
         self.by_id[batch_id] = StoreBatch(gi, parts, all_keys, tickets, all_bids)
         self.keys_in_flight[gi].update(dict.fromkeys(all_keys, batch_id))
@@ -216,9 +160,20 @@ class StoreBatches:
                 flush.add(last[b])
         return flush
 
-    def acked(self, done: dict[int, int], failed: dict[int, int]) -> None:
+    def of(self, rid: str) -> Collection[int]:
+        """The batches in flight that store blocks of ``rid``."""
+        return self._of.get(rid, ())
+
+    def pending(self, rid: str) -> bool:
+        """``rid`` has blocks in a batch in flight (its GPU blocks must stay until it
+        resolves)."""
+        return rid in self._of
+
+    def acked(self, done: dict[int, int], failed: dict[int, int]) -> list[ReqState]:
         """Workers reported these batches (``WorkerAcks``, summed over the ranks that
-        reported this step): a batch every rank reported is resolved."""
+        reported this step): a batch every rank reported is resolved. Returns the requests
+        whose last batch in flight resolved."""
+        settled: list[ReqState] = []
         for batch_id, n in done.items():
             t = self.by_id.get(batch_id)
             if t is None:
@@ -226,9 +181,10 @@ class StoreBatches:
             t.done += n
             t.failed += failed.get(batch_id, 0)
             if t.done >= self.world_size:
-                self._resolve(batch_id, t)
+                self._resolve(batch_id, t, settled)
+        return settled
 
-    def _resolve(self, batch_id: int, t: StoreBatch) -> None:
+    def _resolve(self, batch_id: int, t: StoreBatch, settled: list[ReqState]) -> None:
         del self.by_id[batch_id]
         if not t.stale:     # (a reset emptied the in-flight map; others may use it since)
             deque(map(self.keys_in_flight[t.group].pop, t.keys, repeat(None)), maxlen=0)
@@ -237,17 +193,18 @@ class StoreBatches:
             if not t.stale:
                 self._losses.add(STORE_FAILED, len(t.keys))
         elif not t.stale:
-            remembered = self.committed[t.group]
-            remembered.update(dict.fromkeys(t.keys))
-            excess = len(remembered) - _MAX_REMEMBERED_KEYS
-            if excess > 0:      # the oldest first (a dict keeps insertion order)
-                for key in list(islice(remembered, excess)):
-                    del remembered[key]
+            self.committed.add(t.group, t.keys)
             if self.events_enabled:
                 self._stored.append(t)
+        of = self._of
         for run in t.runs:
-            run.req.batches.discard(batch_id)
-            self._backlog.batch_done(run.req)
+            rid = run.req.request.request_id
+            mine = of.get(rid)
+            if mine is not None and batch_id in mine:
+                mine.discard(batch_id)
+                if not mine:
+                    del of[rid]
+                    settled.append(run.req)
 
     def send_aborts(self) -> None:
         if self.abort_tickets:
@@ -278,12 +235,18 @@ class StoreBatches:
             t.stale = True
         for inflight in self.keys_in_flight:
             inflight.clear()
-        for gi, remembered in enumerate(self.committed):
-            if remembered:
-                self._events.append(BlockRemoved(block_hashes=list(remembered),
-                                                 medium=MEDIUM_CPU,
+        for gi, removed in enumerate(self.committed.take_all()):
+            if removed:
+                self._events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM_CPU,
                                                  group_idx=self.groups[gi].index))
-                remembered.clear()
+
+    def forget(self, rid: str) -> None:
+        """``rid`` left: its batches still in flight resolve as usual (their KV events read
+        its tokens), but nobody hears that its last one did."""
+        self._of.pop(rid, None)
+
+    def tracked(self) -> Collection[str]:
+        return self._of.keys()
 
     def take_events(self) -> list[Any]:
         if self._stored:

@@ -41,10 +41,10 @@ def spy_planned_blocks(role) -> list[int]:
     planned: list[int] = []
     plan = role.planner.plan
 
-    def spy(so, step_started, preempted=()):
-        specs = plan(so, step_started, preempted)
+    def spy(so, step_started, preempted, manager):
+        specs, finished = plan(so, step_started, preempted, manager)
         planned.append(sum(len(s.keys) for s in specs))
-        return specs
+        return specs, finished
 
     role.planner.plan = spy
     return planned
@@ -151,7 +151,7 @@ def test_gpu_prefix_hit_covers_the_pool_hit_and_releases_the_lease(make_engine, 
 
     def spy(step):
         original(step)
-        leases.extend(x for st in role._reqs.values() for x in st.leases)
+        leases.extend(x for a in role.lookups._asks.values() for x in a.leases)
 
     role.lookups.poll = spy
     # The GPU prefix cache still holds a's 4 blocks; the pool has the same 4 and no more.

@@ -145,7 +145,7 @@ def test_a_preempted_requests_blocks_are_stored_though_planning_lagged(
             req = e.sched.requests[rid]
             if rid in held or req.num_preemptions > 1:
                 continue
-            keys = role._reqs[rid].keys.range(req, 0, 0, len(req.block_hashes))
+            keys = role.requests.get(rid).keys.range(req, 0, 0, len(req.block_hashes))
             held[rid] = [k for k, h in zip(keys, req.block_hashes)
                          if pool.get_cached_block(h, [0])]
         return build(so)
@@ -182,7 +182,7 @@ def test_under_memory_pressure_prompt_blocks_are_planned_before_a_preemption(
     def spy(so):
         nonlocal preemptions
         for rid in so.preempted_req_ids or ():
-            planned_at_preemption.setdefault(rid, role._reqs[rid].cursor[0])
+            planned_at_preemption.setdefault(rid, role.planner.cursor(rid).cursor[0])
             preemptions += 1
         return build(so)
 
