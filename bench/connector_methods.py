@@ -116,7 +116,7 @@ def kvpool_connector_methods(sock: str, tmp: str, async_scheduling: bool,
         def before_timed() -> None:
             _clear(timer, other)
             if not plan_stores:
-                e.connector.scheduler.planner.plan = lambda *a, **k: []
+                e.connector.scheduler.planner.plan = lambda *a, **k: ([], [])
         load = drive_load(e, n, decode, before_timed)
         return {**_called(timer), "_other": _called(other), **load}
     finally:

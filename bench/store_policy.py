@@ -100,7 +100,7 @@ def trace() -> dict:
                     deadline = time.monotonic() + 60
                     while (role.lazy is not None and (role.lazy.num_pending or
                                                       role.lazy.num_in_flight)
-                           or role.tickets.by_id):
+                           or role.batches.by_id):
                         assert time.monotonic() < deadline, "stores did not settle"
                         e.step()
                     info = observer.info()

@@ -231,6 +231,9 @@ class Engine(SchedulerDriver):
         # the tests about a slow daemon set their own.
         extra_config = {"socket": socket, "timeout_ms": 10000, "reconnect_backoff_ms": 50,
                         **(extra or {})}
+        # store_wait_s followed timeout_ms until it had a setting of its own (issue 38); the
+        # suites were written against that.
+        extra_config.setdefault("store_wait_s", extra_config["timeout_ms"] / 1000)
         self.cfg = vllm_config(
             root, KVTransferConfig(
                 kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.client.vllm",
@@ -275,7 +278,7 @@ class Engine(SchedulerDriver):
         self.write_kv = write_kv
         self.fail_next_loads = 0   # test hook: make the loads of the next N steps fail
         self._bad_loads: set[str] = set()
-        self.flushed_tickets = 0   # stores the workers had to finish before blocks were reused
+        self.flushed_batches = 0   # stores the workers had to finish before blocks were reused
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -302,7 +305,7 @@ class Engine(SchedulerDriver):
         for rid, n in so.num_scheduled_tokens.items():
             self.stats.scheduled[rid] = self.stats.scheduled.get(rid, 0) + n
         outs = []
-        self.flushed_tickets += len(meta.flush_tickets)
+        self.flushed_batches += len(meta.flush_batches)
         for slow in self.slow:
             slow.step += 1
         for held in self.held:
@@ -383,11 +386,11 @@ class Engine(SchedulerDriver):
         sc, role = self.sched, self.connector.scheduler
         counts = sc.get_request_counts()
         return (f"requests={list(sc.requests)} running/waiting={counts} "
-                f"finished_ids={sc.finished_req_ids} tickets={list(role.tickets.by_id)} "
-                f"release={role.lookups.release} free_ready={role.backlog.free_ready} "
-                f"retry={role.lookups.retry} abort={role.tickets.abort_slots} "
-                f"reqs={list(role._reqs)} queue={len(self._queue)} "
-                f"backlog={sorted(role.backlog.backlog)} worker store jobs="
+                f"finished_ids={sc.finished_req_ids} batches={list(role.batches.by_id)} "
+                f"release={role.lookups.release} free_now={role._free_now} "
+                f"retry={role.lookups.retry} abort={role.batches.abort_tickets} "
+                f"kept={role.requests.kept_anywhere()} queue={len(self._queue)} "
+                f"backlog={sorted(role.backlog.tracked())} worker store jobs="
                 f"{[dict(w.conn.worker._store_jobs) for w in self.workers]} in flight="
                 f"{[sorted(w.conn.worker.client._in_flight) for w in self.workers]}")
 
@@ -400,8 +403,10 @@ class Engine(SchedulerDriver):
         assert bp.get_num_free_blocks() == bp.num_gpu_blocks - 1, "GPU blocks leaked"
         role = self.connector.scheduler
         assert role is not None
-        assert not role._reqs, f"connector still tracks {list(role._reqs)}"
-        assert not role.tickets.by_id, f"connector still has tickets {list(role.tickets.by_id)}"
+        # One exit: no part of the connector keeps anything for a request once it left.
+        kept = role.requests.kept_anywhere()
+        assert not kept, f"connector still keeps state for {kept}"
+        assert not role.batches.by_id, f"connector still has batches {list(role.batches.by_id)}"
         if info_client is not None:
             deadline = time.monotonic() + timeout_s
             while True:

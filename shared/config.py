@@ -226,6 +226,53 @@ class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # and writes PATH.<pid>.json at shutdown (client/call_timing.py). Empty: off, since two
     # clock reads per call are cheap but not free on the scheduler's thread.
     connector_timing: str = ""
+    # ---- the vLLM connector's scheduler side: time budgets (client/vllm/budgets.py) ----
+    # A burst of prefills fills hundreds of blocks in one step, and planning all their stores
+    # at once would add a millisecond to that step. A step plans requests, in the order their
+    # blocks filled, until it has spent this much (at least one piece of one request); the
+    # others wait for the next step, their blocks still allocated to them.
+    store_plan_budget_us: Annotated[int, _doc(
+        "CPU time a scheduler step spends planning stores; the rest waits for the next step",
+        ge=0, le=1_000_000)] = 100
+    # The step's other work comes first (lookup answers taken in, the next lookup batch and
+    # the step's other messages sent): planning also stops this long after
+    # build_connector_meta started, so a step that sent a lookup batch does not also plan for
+    # the full budget.
+    store_step_budget_us: Annotated[int, _doc(
+        "planning stops this long after the step's connector work started, whichever first",
+        ge=0, le=1_000_000)] = 150
+    # An overload gets more planning per step, but bounded, so it lags instead of slowing the
+    # engine (planning every overdue request whole made steps of several ms on a slow host).
+    store_overdue_after_s: Annotated[float, _doc(
+        "a request whose blocks waited this long for planning gets store_overdue_budget_us "
+        "more in each step", ge=0, le=3600)] = 0.5
+    store_overdue_budget_us: Annotated[int, _doc(
+        "extra CPU time per step for requests waiting past store_overdue_after_s",
+        ge=0, le=1_000_000)] = 50
+    # With fewer free GPU blocks than one schedule() can take, the next schedule() may preempt
+    # a request and hand its blocks to another before their store is planned; the engine is
+    # about to recompute anyway, and a block stored now is one it need not recompute.
+    store_pressure_budget_us: Annotated[int, _doc(
+        "planning time of a step under GPU memory pressure (then the whole queue is planned "
+        "up to this)", ge=0, le=1_000_000)] = 1000
+    # Its own value since issue 38 (it used to be timeout_ms, the daemon's answer time): the
+    # blocks are held in vLLM's GPU cache meanwhile, so it is short next to a request's life.
+    store_wait_s: Annotated[float, _doc(
+        "longest a finished request keeps its GPU blocks waiting for tickets or planning time "
+        "for its last stores; past it they are counted lost (store_wait)", ge=0, le=3600)] = 2.0
+    # vLLM asks about a waiting request long before it schedules it; an answer that short may
+    # have been overtaken by stores meanwhile. Long next to a step (5-50 ms on a GPU), short
+    # next to a queue that outlasts the stores beside it.
+    lookup_stale_s: Annotated[float, _doc(
+        "a lookup answer short of the prompt is asked again when it is this old (and at least "
+        "two steps old)", ge=0, le=3600)] = 0.25
+    pd_wait_s: Annotated[float, _doc(
+        "P/D decode side: a hand-off with no new block for this long is given up (the blocks "
+        "that did not come are recomputed)", ge=0, le=3600)] = 3.0
+    # One warning per step under a long overload would drown the engine's log.
+    unstored_report_s: Annotated[float, _doc(
+        "at most one warning per this many seconds sums up full blocks not stored",
+        gt=0, le=86_400)] = 10.0
 
     @property
     def socket_path(self) -> str:

@@ -6,9 +6,9 @@ vLLM loads the connector by module path and class name::
 
 (it imports this package, then reads ``KVPoolConnector`` from it). The facade lives in
 ``connector.py``; its names are exported here lazily, through the module ``__getattr__``, so
-that importing a part (``kvpool.client.vllm.store_planner``, ``.tickets``, ...) does not import
-vLLM: the parts are plain Python, tested without it. This file must never import vLLM, nor any
-part, at import time.
+that importing a part (``kvpool.client.vllm.store_planner``, ``.store_batches``, ...) does not
+import vLLM: the parts are plain Python, tested without it. This file must never import vLLM,
+nor any part, at import time.
 """
 
 from __future__ import annotations

@@ -78,8 +78,7 @@ SCHEDULER_METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc",
                      "request_finished_all_groups")
 
 # kv_connector_extra_config keys that are not ClientConfig fields.
-CONNECTOR_KEYS = ("model_id", "pd_wait_s", "quota", "pd_handoff", "pd_stream",
-                  "load_failure_policy")
+CONNECTOR_KEYS = ("model_id", "quota", "pd_handoff", "pd_stream", "load_failure_policy")
 
 
 def client_config(extra: dict[str, Any]) -> ClientConfig:
@@ -162,29 +161,28 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerRole | None = None
         self._timer: CallTimer | None = None
         if role == KVConnectorRole.SCHEDULER:
+            from kvpool.client.call_timing import maybe_time
             from kvpool.client.scheduler import SchedulerClient
+            from kvpool.client.vllm.budgets import Budgets
             from kvpool.client.vllm.lazy_store import horizon_for
+            from kvpool.client.vllm.parts import RoleSettings
             from kvpool.client.vllm.scheduler import SchedulerRole
 
+            self._timer = maybe_time(self, SCHEDULER_METHODS, config.connector_timing)
             client = SchedulerClient(config, name=f"vllm scheduler {engine_id}",
                                      engine_id=engine_id)
-            self.scheduler = SchedulerRole(
-                groups, pc.world_size, client, config.reconnect_backoff_ms / 1000,
-                config.reconnect_backoff_max_ms / 1000,
+            settings = RoleSettings(
+                groups, Budgets.from_config(config), world_size=pc.world_size,
                 kv_producer=self._kv_transfer_config.kv_role == "kv_producer",
-                engine_id=engine_id, tp_size=pc.tensor_parallel_size,
-                pd_wait_s=float(extra.get("pd_wait_s", 3.0)), pd_stream=pd_stream,
-                store_wait_s=config.timeout_ms / 1000,
-                store_policy=config.store_policy,
-                horizon_blocks=horizon_for(vllm_config, kv_cache_config),
-                store_min_prefix_tokens=config.store_min_prefix_tokens,
+                engine_id=engine_id, tp_size=pc.tensor_parallel_size, pd_stream=pd_stream,
                 events_enabled=bool(getattr(vllm_config.kv_events_config,
-                                            "enable_kv_cache_events", False)))
-            from kvpool.client.call_timing import maybe_time
-
-            self._timer = maybe_time(self, SCHEDULER_METHODS, config.connector_timing)
-            if self._timer is not None:
-                self.scheduler.store_log = self._timer.line_log("store_steps")
+                                            "enable_kv_cache_events", False)),
+                store_policy=config.store_policy,
+                store_min_prefix_tokens=config.store_min_prefix_tokens,
+                horizon_blocks=horizon_for(vllm_config, kv_cache_config))
+            self.scheduler = SchedulerRole(
+                client, settings,
+                self._timer.line_log("store_steps") if self._timer is not None else None)
         else:
             from kvpool.client.vllm.worker import WorkerRole
             from kvpool.client.worker import WorkerClient
@@ -272,7 +270,7 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.scheduler is not None:
-            self.scheduler.kv_cache_manager = kv_cache_manager
+            self.scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def on_new_request(self, request: "Request") -> None:
         assert self.scheduler is not None

@@ -11,9 +11,9 @@ made in the background by ``SchedulerClient``. Never raises ``DaemonUnavailable`
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable
 
+from kvpool.client.vllm.budgets import Budgets
 from kvpool.shared.errors import DaemonUnavailable, KvpoolError
 
 logger = logging.getLogger("kvpool.vllm")
@@ -22,24 +22,26 @@ logger = logging.getLogger("kvpool.vllm")
 class DaemonLink:
     """Called from vLLM's scheduler thread only."""
 
-    def __init__(self, client: Any, backoff_s: float = 0.2, backoff_max_s: float = 5.0) -> None:
+    def __init__(self, client: Any, budgets: Budgets) -> None:
         self.client = client
         self.pumped = False               # the last pump found the daemon connected
-        self._backoff_s, self._backoff_max_s = backoff_s, backoff_max_s
-        self._retry_at = 0.0
-        self._fail_backoff = backoff_s
+        self._clock = budgets.clock
+        self._backoff_s, self._backoff_max_s = budgets.backoff_s, budgets.backoff_max_s
+        self._retry_at = float("-inf")
+        self._fail_backoff = budgets.backoff_s
 
     def ok(self) -> bool:
         """False while backing off after a failure: use no daemon call then."""
-        return time.monotonic() >= self._retry_at
+        return self._clock() >= self._retry_at
 
     def failed(self, err: Exception) -> None:
         """The daemon failed a call: back off (doubling up to ``backoff_max_s``); one warning
         per outage, not one per call."""
-        if time.monotonic() >= self._retry_at:
+        now = self._clock()
+        if now >= self._retry_at:
             logger.warning("kvpool daemon unavailable (%s); serving without the pool, retrying "
                            "in %.1f s", err, self._fail_backoff)
-        self._retry_at = time.monotonic() + self._fail_backoff
+        self._retry_at = now + self._fail_backoff
         self._fail_backoff = min(self._fail_backoff * 2, self._backoff_max_s)
 
     def succeeded(self) -> None:

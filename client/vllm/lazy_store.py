@@ -18,19 +18,26 @@ Blocks named due are pinned at once (``BlockPool.touch`` takes them out of the f
 that neither the next step's allocations nor its compute can overwrite them while the store is
 in flight; the caller releases each one with ``release`` when its store landed or was given up.
 
-Only the scheduler thread calls it, inside vLLM's scheduler hooks; it does no I/O and never
-talks to the daemon.
+``LazyPolicy`` is the planner's side of the policy: it remembers the blocks the planner would
+store, and turns the due ones into store batches of their own.
+
+Only the scheduler thread calls them, inside vLLM's scheduler hooks; they do no I/O and talk
+to the daemon only through the client's stock of tickets (``take_slots``, never waiting).
 """
 
 from __future__ import annotations
 
-from itertools import islice
+from itertools import islice, repeat
 from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Sequence
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvpool.client.vllm.requests import ReqState
+    from kvpool.client.vllm.specs import StoreSpec
+    from kvpool.client.vllm.store_batches import Run, StoreBatches
 
 # Reasons a remembered block was never stored, the keys of ``LazyStore.dropped``.
 # "evicted": the block lost its prefix-cache entry before it came due: vLLM reused it (a step
@@ -286,3 +293,84 @@ class LazyStore:
         bids.discard(bid)
         if not bids:
             del self._by_key[entry.key]
+
+
+class LazyPolicy:
+    """The lazy store policy's side of planning: blocks the planner would store are remembered
+    in ``store`` instead, and stored in batches of their own when due. Owns what storing a
+    remembered block needs (the request and block index each remembered GPU block holds, for
+    its batch and KV event: overwritten when the block id is remembered again, so bounded by
+    the GPU's blocks) and, per lazy batch, the GPU blocks it pins until it resolves. Called by
+    ``StorePlanner`` on vLLM's scheduler thread only."""
+
+    def __init__(self, store: LazyStore, groups: list[Any], client: Any,
+                 batches: "StoreBatches") -> None:
+        self.store = store
+        self._groups = groups
+        self.client = client
+        self._batches = batches
+        self._owner: dict[int, tuple["ReqState", int]] = {}
+        self._pins: dict[int, list[int]] = {}       # lazy batch id -> GPU blocks it pins
+
+    def release_done(self, block_pool: "BlockPool | None") -> None:
+        """Unpin the GPU blocks of lazy batches every rank has reported (stored or failed)."""
+        if not self._pins or block_pool is None:
+            return
+        live = self._batches.by_id
+        done = [b for b in self._pins if b not in live]
+        if done:
+            self.store.release(block_pool, [blk for b in done for blk in self._pins.pop(b)])
+
+    def remember(self, block_pool: "BlockPool", wanted: list[list["Run"]]
+                 ) -> list[list["Run"]]:
+        """``wanted`` (per group, the runs a step plans) without the runs of requests that are
+        not P/D hand-offs, whose blocks are remembered instead; blocks it cannot track (no
+        prefix-cache hash) stay planned."""
+        owner = self._owner
+        out = []
+        for gi, runs in enumerate(wanted):
+            kept: list["Run"] = []
+            for st, index, keys, bids in runs:
+                if st.producer:
+                    kept.append((st, index, keys, bids))
+                    continue
+                owner.update(zip(bids, zip(repeat(st), index)))
+                untracked = self.store.remember(block_pool, gi, bids, keys)
+                if untracked:
+                    now = {d.block_id for d in untracked}
+                    pick = [j for j, b in enumerate(bids) if b in now]
+                    kept.append((st, [index[j] for j in pick], [keys[j] for j in pick],
+                                 [bids[j] for j in pick]))
+            out.append(kept)
+        return out
+
+    def store_due(self, block_pool: "BlockPool", due: list[Due]) -> list["StoreSpec"]:
+        """Batches for remembered blocks ``due`` (pinned by ``LazyStore``), one per group.
+        Blocks the stock has no tickets for go back to being remembered (unpinned, still
+        cached)."""
+        per_group: list[list[Due]] = [[] for _ in self._groups]
+        for d in due:
+            per_group[d.group].append(d)
+        specs: list["StoreSpec"] = []
+        store = self.store
+        for gi, blocks in enumerate(per_group):
+            if not blocks:
+                continue
+            tickets, granted_by = self.client.take_slots(self._groups[gi].namespace,
+                                                         len(blocks))
+            short = blocks[len(tickets):]
+            if short:
+                bids = [d.block_id for d in short]
+                store.release(block_pool, bids)
+                store.remember(block_pool, gi, bids, [d.key for d in short])
+                blocks = blocks[:len(tickets)]
+            if not blocks:
+                continue
+            runs: list["Run"] = []
+            for d in blocks:
+                st, index = self._owner[d.block_id]
+                runs.append((st, (index,), [d.key], [d.block_id]))
+            spec = self._batches.add(gi, runs, tickets, granted_by)
+            self._pins[spec.batch] = [d.block_id for d in blocks]
+            specs.append(spec)
+        return specs

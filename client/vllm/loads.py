@@ -1,42 +1,60 @@
 """Loads: a pool hit turned into load specs once vLLM allocated its blocks, until reported done.
 
-Owns the loads in flight: the keys being loaded (so a second request wanting them waits for
-the first and then takes them from vLLM's GPU prefix cache instead of loading them twice), and
-what a load's report (``finished_recving``, failed loads and invalid blocks) does to a request:
-its leases go to ``lookups.release``; a failed load is never offered again and its blocks are
-stored again once recomputed. A hit's slots and leases come from ``lookups.py``; a P/D
-hand-off still landing streams its other chunks through ``pd_stream.py``. Never calls the
-daemon and never waits.
+Owns the loads in flight: the GPU blocks each one writes (a reported invalid block among them
+fails it) and the keys being loaded (so a second request wanting them waits for the first and
+then takes them from vLLM's GPU prefix cache instead of loading them twice). ``start`` turns the
+hit ``lookups.py`` hands over into load specs and returns them; ``finished`` reads a step's
+load reports (``finished_recving``, failed loads, invalid blocks) and returns which loads ended
+and whether they failed, for the role to tell the lookups (pins go, a failed hit is never
+offered again) and the store planner (recomputed blocks are stored again). A P/D hand-off still
+landing streams its other chunks through ``pd_stream.py``. Never calls the daemon and never
+waits.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from itertools import repeat
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Collection, Iterable, NamedTuple
 
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import LoadSpec
 
 if TYPE_CHECKING:
-    from kvpool.client.vllm.lookups import Lookups
+    from kvpool.client.vllm.lookups import Hit
+
+
+class LoadPlan(NamedTuple):
+    """What ``Loads.start`` made of a hit vLLM accepted."""
+
+    end: int                   # end of the external blocks (a hand-off may stream up to it)
+    first: int                 # first block not in the pool yet (== end unless streaming)
+    specs: list[LoadSpec]      # for this step's metadata
+    pooled: int                # leading blocks the load brings in from the pool
+
+
+@dataclass(eq=False, slots=True)
+class _Load:
+    blocks: list[int]          # GPU blocks it writes
+    keys: list[bytes]          # group-0 keys it loads (others wanting them wait)
 
 
 class Loads:
-    """Called from vLLM's scheduler thread only; specs go to ``step_loads``, the list the
-    scheduler hands over in the step's metadata."""
+    """Called from vLLM's scheduler thread only."""
 
-    def __init__(self, groups: list[Any], block_tokens: int, reqs: dict[str, ReqState],
-                 step_loads: list[LoadSpec], lookups: "Lookups") -> None:
+    def __init__(self, groups: list[Any], block_tokens: int) -> None:
         self.groups = groups
         self.block_tokens = block_tokens
-        self._reqs = reqs
-        self._step_loads = step_loads
-        self._lookups = lookups
+        self._loads: dict[str, _Load] = {}
         # Group-0 keys of loads in flight -> the request loading them. One loader per key (the
         # others wait for it, see waits_for), so marks are set and cleared per request with
         # C-level dict operations.
         self.loading_keys: dict[bytes, str] = {}
+
+    def busy(self, rid: str) -> bool:
+        """``rid``'s load is in flight (vLLM holds it in WAITING_FOR_REMOTE_KVS)."""
+        return rid in self._loads
 
     def waits_for(self, st: ReqState, num_computed_tokens: int, end: int) -> bool:
         """Another request is loading some of ``st``'s blocks before ``end``: wait for it and
@@ -47,72 +65,74 @@ class Loads:
         return not self.loading_keys.keys().isdisjoint(
             st.keys.range(st.request, 0, first, end))
 
-    def start(self, st: ReqState, table: Any, num_external_tokens: int
-              ) -> tuple[int, int, list[LoadSpec]]:
-        """vLLM accepted ``num_external_tokens`` of ``st``'s hit and allocated GPU blocks
-        (``table``: per vLLM group, block ids): queue the specs of the blocks the pool holds
-        now. Returns (end of the external blocks, first block not in the pool, the specs)."""
+    def start(self, st: ReqState, hit: "Hit", table: Any,
+              num_external_tokens: int) -> LoadPlan:
+        """vLLM accepted ``num_external_tokens`` of ``hit`` and allocated GPU blocks
+        (``table``: per vLLM group, block ids): the specs of the blocks the pool holds now (not
+        final when the rest of a hand-off streams in later), or one that loads nothing, so the
+        workers still report the request received and vLLM lets it go on."""
         request = st.request
+        rid = request.request_id
         bt = self.block_tokens
-        local_blocks = st.local_tokens // bt
-        end = (st.local_tokens + num_external_tokens) // bt
-        assert end <= max(st.hit, st.stream_to), "vLLM accepted more external tokens than offered"
-        hit = min(end, st.hit)          # blocks in the pool now; the rest of a hand-off streams
-        loads = []
+        local_blocks = hit.local_tokens // bt
+        end = (hit.local_tokens + num_external_tokens) // bt
+        assert end <= hit.offered, "vLLM accepted more external tokens than offered"
+        pooled = min(end, hit.blocks)   # blocks in the pool now; the rest of a hand-off streams
+        first = max(pooled, local_blocks)
+        streams = end > first
+        specs = []
         unloadable = False
         for gi, g in enumerate(self.groups):
             ids = table[g.index]
             slots, bids = [], []
-            for i in range(local_blocks, hit):
+            for i in range(local_blocks, pooled):
                 if i >= len(ids) or ids[i] == 0:     # a null block: outside the window
                     continue
-                k = i - st.hit_start[gi]
-                if not 0 <= k < len(st.slots[gi]):
+                k = i - hit.starts[gi]
+                if not 0 <= k < len(hit.slots[gi]):
                     # vLLM keeps more of the window than was looked up: never leave a block
                     # it counts as computed unwritten; fail the load and let it recompute.
                     unloadable = True
                     continue
-                slots.append(st.slots[gi][k])
+                slots.append(hit.slots[gi][k])
                 bids.append(ids[i])
             if slots:
-                loads.append(LoadSpec(request.request_id, gi, slots, bids))
+                specs.append(LoadSpec(rid, gi, slots, bids, final=not streams))
         if unloadable:
-            loads = [LoadSpec(request.request_id, 0, [], [b for spec in loads
-                                                          for b in spec.block_ids],
-                              failed=True)]
-        st.loading = True
-        st.pooled = 0 if unloadable else hit
-        st.load_blocks = [b for spec in loads for b in spec.block_ids]
-        st.load_keys = st.keys.range(request, 0, local_blocks, end)
-        self.loading_keys.update(dict.fromkeys(st.load_keys, request.request_id))
-        self._step_loads.extend(loads)
-        return end, max(hit, local_blocks), loads
-
-    def nothing_to_copy(self, st: ReqState) -> None:
-        """All needed blocks were local: the workers still report the request as received so
-        vLLM leaves WAITING_FOR_REMOTE_KVS."""
-        self._step_loads.append(LoadSpec(st.request.request_id, 0, [], []))
+            specs = [LoadSpec(rid, 0, [], [b for spec in specs for b in spec.block_ids],
+                              failed=True, final=not streams)]
+        blocks = [b for spec in specs for b in spec.block_ids]
+        if streams:
+            for g in self.groups:
+                blocks.extend(table[g.index][first:end])
+        elif not specs:
+            specs = [LoadSpec(rid, 0, [], [])]
+        keys = st.keys.range(request, 0, local_blocks, end)
+        self._loads[rid] = _Load(blocks, keys)
+        self.loading_keys.update(dict.fromkeys(keys, rid))
+        return LoadPlan(end, first, specs, 0 if unloadable else pooled)
 
     def finished(self, finished_recving: Iterable[str] | None,
                  failed_recving: Iterable[str] | None, invalid_block_ids: set[int] | None
-                 ) -> None:
-        """The workers reported these loads done (``KVConnectorOutput``'s fields): their
-        leases go; a failed one is stored again once recomputed, and never loaded again."""
+                 ) -> list[tuple[str, bool]]:
+        """The workers reported these loads done (``KVConnectorOutput``'s fields): (request
+        id, whether its load failed) for each load of ours that ended."""
         failed = set(failed_recving or ())
         invalid = invalid_block_ids or set()
+        out = []
         for rid in finished_recving or ():
-            st = self._reqs.get(rid)
-            if st is None or not st.loading:
+            load = self._loads.pop(rid, None)
+            if load is None:
                 continue
-            st.loading = False
-            deque(map(self.loading_keys.pop, st.load_keys, repeat(None)), maxlen=0)
-            st.load_keys = []
-            self._lookups.release.extend(st.leases)
-            st.leases, st.hit = [], None
-            if rid in failed or (invalid and not invalid.isdisjoint(st.load_blocks)):
-                st.set_cursor(0)    # recomputed blocks get stored again
-                st.pooled = 0
-                st.load_failed = True
-            st.load_blocks = []
-            if st.finished:
-                self._reqs.pop(rid, None)
+            deque(map(self.loading_keys.pop, load.keys, repeat(None)), maxlen=0)
+            out.append((rid, rid in failed
+                        or bool(invalid and not invalid.isdisjoint(load.blocks))))
+        return out
+
+    def forget(self, rid: str) -> None:
+        load = self._loads.pop(rid, None)
+        if load is not None:
+            deque(map(self.loading_keys.pop, load.keys, repeat(None)), maxlen=0)
+
+    def tracked(self) -> Collection[str]:
+        return self._loads.keys()

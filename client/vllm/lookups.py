@@ -1,38 +1,49 @@
 """Lookups: which leading blocks of a request the pool holds, asked in batches, never waited on.
 
-A request's first ``get_num_new_matched_tokens`` queues a lookup of its prompt's block keys. The
-lookups a step queues go out together at its end (``send``, from ``build_connector_meta``): one
-call per namespace for every queued request, about ``LOOKUP_BLOCKS_PER_STEP`` blocks a step, at
-most one batch in flight. Answers are taken in once at the start of the next step (``poll``);
-until its answer is in, a request's lookup answers ``None`` ("ask again next step"). A hit pins
-its slots with leases until it is loaded or given up (``consume``); leases nobody needs go to
-``release``, sent without waiting at the next step.
+What the rest of the scheduler side sees (the interface to keep when the internals change):
+``offer`` (blocks from block 0 the pool offers a request, None for "ask again next step"),
+``accept`` (vLLM allocated blocks for the offer: the ``Hit`` to load, its pins kept until
+``loaded``), ``decline`` (vLLM took none of it), ``follow`` (look up the rest of a P/D
+hand-off each step, for ``pd_stream.py``), ``loaded`` (the load was reported; a failed one is
+never offered again), ``begin_step``/``end_step`` around a step's other work, ``forget``.
+
+Inside, today: a request's first ``offer`` queues a lookup of its prompt's block keys. The
+lookups a step queues go out together at its end (``end_step``, from ``build_connector_meta``):
+one call per namespace for every queued request, about ``LOOKUP_BLOCKS_PER_STEP`` blocks a
+step, at most one batch in flight. Answers are taken in once at the start of the next step
+(``begin_step``); until its answer is in, a request's offer is None. A hit pins its slots with
+leases until it is loaded or declined; leases nobody needs are released without waiting at the
+next step.
 
 vLLM asks about every waiting request it walks past, which can be long before it schedules
 one: a burst of requests is looked up in its first step, and the later turns of a conversation
 queued behind the earlier ones would carry that step's misses to their schedule, past the
 stores that landed meanwhile. So an answer short of the request's prompt is dropped and asked
-again when vLLM asks about it later and the pool may hold more by then (``_stale``): this engine
-has since committed the first block the answer missed, or (for other engines' stores) the answer
-is ``LOOKUP_STALE_S`` old. An answer taken in this step or the last is never stale, so a slow
-step cannot keep a request asking forever; a full hit and a P/D hand-off's answers are kept.
+again when vLLM asks about it later and the pool may hold more by then (``_stale``): this
+engine has since committed the first block the answer missed, or (for other engines' stores)
+the answer is ``Budgets.lookup_stale_s`` old. An answer taken in this step or the last is never
+stale, so a slow step cannot keep a request asking forever; a full hit and a P/D hand-off's
+answers are kept.
 
-Owns the queue, the batch in flight, answers nobody waits for any more (their leases get
-released), combining per-group answers into one hit, and the leases to release. Talks to the
-daemon only through ``SchedulerClient``'s non-blocking calls, behind ``DaemonLink``; a daemon
-that is down or refuses turns into zero hits (``DaemonUnavailable`` is never raised to vLLM).
-What a P/D consumer's answer means is asked of ``pd_stream.py``. Never waits.
+Owns each request's lookup (``_Ask``: its state, answer, pins, what was offered), the queue,
+the batch in flight, answers nobody waits for any more (their leases get released), combining
+per-group answers into one hit, and the leases to release. Talks to the daemon only through
+``SchedulerClient``'s non-blocking calls, behind ``DaemonLink``; a daemon that is down or
+refuses turns into zero hits (``DaemonUnavailable`` is never raised to vLLM). What a P/D
+consumer's answer means is asked of ``pd_stream.py``. Never waits.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from typing import Any, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Collection, Iterable, NamedTuple
 
+from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.daemon_link import DaemonLink
-from kvpool.client.vllm.pd_stream import PdStream
+from kvpool.client.vllm.pd_stream import Answer, PdStream
 from kvpool.client.vllm.requests import ReqState
+from kvpool.client.vllm.store_batches import CommittedKeys
 from kvpool.shared.errors import DaemonUnavailable, KvpoolError
 
 logger = logging.getLogger("kvpool.vllm")
@@ -43,30 +54,58 @@ logger = logging.getLogger("kvpool.vllm")
 # anyway). A single request larger than the bound still goes whole. Stores are not bounded:
 # a block not planned in the step it fills may never be stored if the engine stops right after.
 LOOKUP_BLOCKS_PER_STEP = 512
-# An answer short of the whole prompt, taken in two or more steps before, is asked again when
-# vLLM asks about its request this long after it came (see the module's docstring): long next
-# to a step (5-50 ms on a GPU), short next to a queue that outlasts the stores beside it.
-LOOKUP_STALE_S = 0.25
 
-# One group's answer for one request: (first block asked, hit, slots, lease).
-Answer = tuple[int, int, list[int], int]
+# _Ask.state: no lookup wanted, queued for the step's batch, in the batch in flight.
+IDLE, QUEUED, SENT = "idle", "queued", "sent"
+
+
+class Hit(NamedTuple):
+    """What vLLM accepted of an offer, for ``loads.py`` to load."""
+
+    blocks: int                # leading blocks the pool holds (the answer)
+    offered: int               # blocks offered to vLLM (a streaming hand-off: all of it)
+    local_tokens: int          # vLLM's own prefix hit when it was offered
+    starts: list[int]          # per group: block index of slots[g][0]
+    slots: list[list[int]]     # per group: slot refs of the hit run
+
+
+@dataclass(eq=False, slots=True)
+class _Ask:
+    """One request's lookup: IDLE -> QUEUED -> SENT -> answered (``hit`` is not None)."""
+
+    st: ReqState
+    state: str = IDLE
+    target: int = 0            # block count the lookup asked for (the hit cannot exceed it)
+    rounds: int = 0
+    hit: int | None = None     # blocks available from the pool, from block 0
+    answered_at: float = 0.0   # when the hit came: clock time and the step that took it in
+    answered_step: int = 0     # (for _stale)
+    starts: list[int] = field(default_factory=list)
+    slots: list[list[int]] = field(default_factory=list)
+    leases: list[int] = field(default_factory=list)   # the answer's pins
+    held: list[int] = field(default_factory=list)     # pins kept for the load in flight
+    local_tokens: int = 0      # GPU prefix hit seen by the last offer
+    stream_to: int = 0         # offered to vLLM beyond the hit (a P/D hand-off streaming)
+    streaming: bool = False    # queued or sent for the rest of a hand-off
+    refused: bool = False      # a load of its hit failed: never offered again
 
 
 class Lookups:
-    """Called from vLLM's scheduler thread only. ``committed`` is the tickets' per-group map
-    of keys known to be in the pool (``tickets.py``): a lookup that misses one forgets it."""
+    """Called from vLLM's scheduler thread only. ``committed`` holds the keys this engine's
+    stores committed (``store_batches.py``): a lookup that misses one forgets it."""
 
     def __init__(self, groups: list[Any], block_tokens: int, client: Any, link: DaemonLink,
-                 reqs: dict[str, ReqState], pd: PdStream,
-                 committed: list[dict[bytes, None]]) -> None:
+                 pd: PdStream, committed: CommittedKeys, budgets: Budgets) -> None:
         self.groups = groups
         self.block_tokens = block_tokens
         self.client = client
         self._link = link
-        self._reqs = reqs
         self._pd = pd
         self._committed = committed
+        self._clock = budgets.clock
+        self._stale_s = budgets.lookup_stale_s
         self._windowed = any(g.window_blocks is not None for g in groups)
+        self._asks: dict[str, _Ask] = {}
         self.queued: list[str] = []       # request ids, in order (a few may be stale)
         self.retry: list[str] = []        # P/D consumers to look up again next step
         self.release: list[int] = []      # leases to release at the next step
@@ -75,56 +114,130 @@ class Lookups:
         self._orphans: list[Any] = []     # lookups nobody waits for; their leases get released
         self._polled = -1                 # the step whose answers were last taken in
 
-    def match(self, st: ReqState, num_computed_tokens: int, step: int) -> int | None:
+    # ---- what the other parts call --------------------------------------------------------
+
+    def offer(self, st: ReqState, num_computed_tokens: int, step: int) -> int | None:
         """Blocks from block 0 the pool offers ``st`` (also a P/D hand-off's blocks still to
-        stream), 0 for none, or None until its lookup is answered. Queues the lookup the first
-        time; takes in the daemon's answers once per step (``step``: build_connector_meta's
-        count)."""
-        if st.hit is not None and st.hit < st.target and self._stale(st, step):
-            self.consume(st, keep_leases=False)
-        if st.hit is None:
-            if st.state == "idle":
+        stream), 0 for none, or None until its lookup is answered. ``num_computed_tokens``:
+        vLLM's own prefix hit. Queues the lookup the first time; takes in the daemon's answers
+        once per step (``step``: build_connector_meta's count)."""
+        rid = st.request.request_id
+        a = self._asks.get(rid)
+        if a is None:
+            a = self._asks[rid] = _Ask(st)
+        if a.refused:
+            return 0
+        a.local_tokens = num_computed_tokens
+        if a.hit is not None and a.hit < a.target and self._stale(a, step):
+            self._reset(a, keep_leases=False)
+        if a.hit is None:
+            if a.state == IDLE:
                 bt = self.block_tokens
                 max_blocks = (st.request.num_tokens - 1) // bt
                 if max_blocks <= num_computed_tokens // bt:
                     return 0            # the GPU already holds every block we could offer
                 if not self._link.ok():
                     return 0
-                st.state, st.target, st.rounds = "queued", max_blocks, 0
-                self.queued.append(st.request.request_id)
+                a.state, a.target, a.rounds = QUEUED, max_blocks, 0
+                self.queued.append(rid)
             if self._polled != step:
                 # Once per step: answers that came since the last step. The step's queued
-                # lookups go out together at its end (send).
+                # lookups go out together at its end (end_step).
                 self._polled = step
                 self._link.pump()
-                self.poll(step)
-            if st.hit is None:
+                self.begin_step(step)
+            if a.hit is None:
                 return None
-        return max(st.hit, st.stream_to)
+        return max(a.hit, a.stream_to)
 
-    def _stale(self, st: ReqState, step: int) -> bool:
-        """Whether a partial answer may have been overtaken by stores (see the docstring)."""
-        if st.stream_end or st.expect_blocks or step - st.answered_step < 2:
+    def accept(self, st: ReqState) -> Hit | None:
+        """vLLM allocated blocks for ``st``'s offer: the hit to load (None if there is no
+        answer); its pins are kept until ``loaded``."""
+        a = self._asks.get(st.request.request_id)
+        if a is None or a.hit is None:
+            return None
+        hit = Hit(a.hit, max(a.hit, a.stream_to), a.local_tokens, a.starts, a.slots)
+        self._reset(a, keep_leases=True)
+        return hit
+
+    def decline(self, st: ReqState) -> int:
+        """``st``'s answer is not loaded (vLLM took none of it, preempted the request, or it
+        finished): its pins go. Returns the blocks the answer held (0 if none)."""
+        a = self._asks.get(st.request.request_id)
+        if a is None:
+            return 0
+        blocks = a.hit or 0
+        self._reset(a, keep_leases=False)
+        return blocks
+
+    def follow(self, st: ReqState) -> None:
+        """Look up the rest of ``st``'s hand-off (``PdStream.span``) in this step's batch, and
+        again each step while ``PdStream.answer`` says more is to come."""
+        a = self._asks[st.request.request_id]
+        a.state, a.streaming = QUEUED, True
+        self.queued.append(st.request.request_id)
+
+    def loaded(self, rid: str, failed: bool) -> None:
+        """``rid``'s load was reported: the pins it held go; a failed one is never offered
+        again (vLLM recomputes it, and its blocks are stored again)."""
+        a = self._asks.get(rid)
+        if a is None:
+            return
+        self.release.extend(a.held)
+        a.held, a.hit = [], None
+        if failed:
+            a.refused = True
+
+    def begin_step(self, step: int) -> None:
+        """Take in the answers that came (``step``: the build_connector_meta count)."""
+        self.poll(step)
+
+    def end_step(self) -> None:
+        """The step's messages: leases to release, then the step's batch of lookups."""
+        self.send_releases()
+        self.send()
+
+    def has_work(self) -> bool:
+        """Leases to release or hand-offs to ask about again: the engine must step again."""
+        return bool(self.release or self.retry)
+
+    def forget(self, rid: str) -> None:
+        a = self._asks.pop(rid, None)
+        if a is not None:
+            self.release.extend(a.leases)
+            self.release.extend(a.held)
+
+    def tracked(self) -> Collection[str]:
+        return self._asks.keys()
+
+    # ---- inside -----------------------------------------------------------------------------
+
+    def _reset(self, a: _Ask, keep_leases: bool) -> None:
+        """The answer is used up; its leases go now unless a load holds them."""
+        (a.held if keep_leases else self.release).extend(a.leases)
+        a.leases = []
+        a.state, a.hit, a.slots, a.starts = IDLE, None, [], []
+        a.stream_to = 0
+
+    def _wanted(self, a: _Ask) -> bool:
+        """False for an ask of the rest of a hand-off whose stream ended meanwhile (stalled,
+        or its request finished): it goes back to IDLE and its answer is let go."""
+        if a.streaming and self._pd.span(a.st.request.request_id) is None:
+            a.state, a.streaming = IDLE, False
             return False
-        if time.monotonic() - st.answered_at > LOOKUP_STALE_S:
+        return True
+
+    def _stale(self, a: _Ask, step: int) -> bool:
+        """Whether a partial answer may have been overtaken by stores (see the docstring)."""
+        st = a.st
+        if self._pd.expects(st.request.request_id) or step - a.answered_step < 2:
+            return False
+        if self._clock() - a.answered_at > self._stale_s:
             return True
-        req, hit = st.request, st.hit
+        req, hit = st.request, a.hit
         return any(g.window_blocks is None and committed
                    and st.keys.range(req, gi, hit, hit + 1)[0] in committed
                    for gi, (g, committed) in enumerate(zip(self.groups, self._committed)))
-
-    def ask(self, st: ReqState) -> None:
-        """Look ``st`` up in this step's batch (its target and stream are already set)."""
-        st.state = "queued"
-        self.queued.append(st.request.request_id)
-
-    def consume(self, st: ReqState, keep_leases: bool) -> None:
-        """The lookup result is used up; its leases go now unless a load holds them."""
-        if not keep_leases:
-            self.release.extend(st.leases)
-            st.leases = []
-        st.state, st.hit, st.slots, st.hit_start = "idle", None, [], []
-        st.stream_to = 0
 
     def send(self) -> None:
         """The step's batch: P/D consumers asking again join the queue; it goes out unless
@@ -149,8 +262,9 @@ class Lookups:
         if not self.queued:
             return
         if not self._link.ok():
+            asks = self._asks
             self._resolve_miss([r for r in dict.fromkeys(self.queued)
-                                if r in self._reqs and self._reqs[r].state == "queued"])
+                                if r in asks and asks[r].state == QUEUED])
             self.queued.clear()
             return
         if not self._link.pumped:   # (this step's pump ran before: it asked ready())
@@ -159,18 +273,20 @@ class Lookups:
         if not ids:
             return
         calls = []
+        span = self._pd.span
         try:
             for gi, g in enumerate(self.groups):
                 lists, spans = [], []
                 for rid in ids:
-                    st = self._reqs[rid]
-                    if st.stream_end:       # the blocks of the hand-off still to come
-                        start, end = st.stream_next, st.stream_end
+                    a = self._asks[rid]
+                    rest = span(rid) if a.streaming else None
+                    if rest is not None:    # the blocks of the hand-off still to come
+                        start, end = rest
                     elif g.window_blocks is None:
-                        start, end = 0, st.target
+                        start, end = 0, a.target
                     else:
-                        start, end = self._window_start(g, st.target), st.target
-                    lists.append(st.keys.range(st.request, gi, start, end))
+                        start, end = self._window_start(g, a.target), a.target
+                    lists.append(a.st.keys.range(a.st.request, gi, start, end))
                     spans.append((rid, start))
                 calls.append((self.client.lookup_start(g.namespace, lists, True), gi, spans,
                               lists))
@@ -180,7 +296,7 @@ class Lookups:
             self._resolve_miss(ids)
             return
         for rid in ids:
-            self._reqs[rid].state = "sent"
+            self._asks[rid].state = SENT
         self._inflight_calls = calls
         self._inflight_replies = [None] * len(calls)
 
@@ -188,19 +304,19 @@ class Lookups:
         """The queued requests this step's lookups ask for, about ``LOOKUP_BLOCKS_PER_STEP``
         blocks of them, in order; the rest stay queued for the next step. Costs the batch, not
         the queue: a burst of hundreds of requests waits there over several steps."""
-        queued, reqs = self.queued, self._reqs
+        queued, asks = self.queued, self._asks
         ids: list[str] = []
         taken: set[str] = set()
         budget, i = LOOKUP_BLOCKS_PER_STEP, 0
         for i, rid in enumerate(queued):
             if budget <= 0:
                 break
-            st = reqs.get(rid)
-            if st is None or st.state != "queued" or rid in taken:
-                continue        # (gone, answered meanwhile, or queued twice)
+            a = asks.get(rid)
+            if a is None or a.state != QUEUED or rid in taken or not self._wanted(a):
+                continue        # (gone, answered meanwhile, queued twice, or a stream ended)
             taken.add(rid)
             ids.append(rid)
-            budget -= st.target
+            budget -= a.target
         else:
             i = len(queued)
         self.queued = queued[i:]
@@ -208,15 +324,17 @@ class Lookups:
 
     def _resolve_miss(self, ids: Iterable[str]) -> None:
         for rid in ids:
-            st = self._reqs.get(rid)
-            if st is None:
+            a = self._asks.get(rid)
+            if a is None:
                 continue
-            if st.stream_end:
-                # The daemon is gone or refused: the rest of the hand-off will not come.
-                self._pd.end(st, report_missing=True)
+            if a.streaming:
+                if self._pd.span(rid) is not None:
+                    # The daemon is gone or refused: the rest of the hand-off will not come.
+                    self._pd.end(rid, report_missing=True)
+                a.state, a.streaming = IDLE, False
                 continue
-            st.state, st.hit = "idle", 0
-            st.slots, st.leases, st.hit_start = [], [], []
+            a.state, a.hit = IDLE, 0
+            a.slots, a.leases, a.starts = [], [], []
 
     def poll(self, step: int) -> None:
         """Collect the in-flight batch if every namespace has answered; never waits. ``step``:
@@ -272,50 +390,55 @@ class Lookups:
                 if known and hit < len(lists[k]):
                     # The first miss is news: a key we stored has been evicted since; it may
                     # be stored again.
-                    known.pop(lists[k][hit], None)
+                    self._committed.forget(gi, lists[k][hit])
         requeue = False
         for rid, answers in per_req.items():
-            st = self._reqs.get(rid)
+            a = self._asks.get(rid)
             leases = [lease for _, _, _, lease in answers if lease]
-            if st is None or st.state != "sent" or st.finished:
+            if a is None or a.state != SENT or a.st.finished or not self._wanted(a):
                 self.release.extend(leases)
                 continue
-            if st.stream_end:
-                st.leases.extend(leases)        # held until the whole load is reported done
-                st.state = "idle"
-                if self._pd.answer(st, answers):
-                    st.state = "queued"
+            st = a.st
+            if a.streaming:
+                a.held.extend(leases)           # held until the whole load is reported done
+                a.state = IDLE
+                if self._pd.answer(rid, answers):
+                    a.state = QUEUED
                     self.retry.append(rid)
+                else:
+                    a.streaming = False
                 continue
-            hit = self._combine(st, answers)
+            hit = self._combine(a, answers)
             # (a window group may have made _combine shrink the target: the hand-off is the
             # whole prompt but its last token, whatever this round found)
-            if st.expect_blocks and self._pd.keeps_waiting(st, hit):
+            stream_to = self._pd.admit(st, hit) if self._pd.expects(rid) else 0
+            if stream_to is None:
                 # Nothing landed yet (or a window group: wait for all of it).
                 self.release.extend(leases)
                 full = (st.request.num_tokens - 1) // self.block_tokens
-                st.state, st.target, st.rounds = "queued", full, 0
+                a.state, a.target, a.rounds = QUEUED, full, 0
                 self.retry.append(rid)
                 continue
             if hit is None:                 # a window elsewhere: ask again for that target
                 self.release.extend(leases)
-                st.state = "queued"
+                a.state = QUEUED
                 self.queued.append(rid)
                 requeue = True
                 continue
-            st.state = "idle"
-            st.hit = hit
-            st.answered_at, st.answered_step = time.monotonic(), step
-            st.leases = leases
-            st.hit_start = [start for start, _, _, _ in answers]
-            st.slots = [slots for _, _, slots, _ in answers]
+            a.state = IDLE
+            a.hit = hit
+            a.answered_at, a.answered_step = self._clock(), step
+            a.leases = leases
+            a.starts = [start for start, _, _, _ in answers]
+            a.slots = [slots for _, _, slots, _ in answers]
+            a.stream_to = stream_to
             if hit == 0:
                 self.release.extend(leases)
-                st.leases = []
+                a.leases = []
         if requeue:
             self._send_lookups()
 
-    def _combine(self, st: ReqState, answers: list[Answer]) -> int | None:
+    def _combine(self, a: _Ask, answers: list[Answer]) -> int | None:
         """The hit in blocks from per-group answers, or None to look up a shorter target.
 
         Full-attention groups need every block from 0; a sliding-window group needs only the
@@ -325,17 +448,17 @@ class Lookups:
         if not self._windowed:
             return min(a[1] for a in answers)
         full = [a[1] for g, a in zip(self.groups, answers) if g.window_blocks is None]
-        hit = min(full) if full else st.target
+        hit = min(full) if full else a.target
         if hit == 0:
             return 0
         for g, (start, n, _, _) in zip(self.groups, answers):
             if g.window_blocks is None:
                 continue
-            if hit != st.target:
-                if st.rounds:
+            if hit != a.target:
+                if a.rounds:
                     return 0
-                st.target, st.rounds = hit, st.rounds + 1
+                a.target, a.rounds = hit, a.rounds + 1
                 return None
-            if n < st.target - start:
+            if n < a.target - start:
                 return 0
         return hit

@@ -4,9 +4,9 @@ Owns the two per-step messages and nothing else: ``StepMeta`` (scheduler → eve
 by ``build_connector_meta``) and ``WorkerAcks`` (each worker → scheduler, summed over ranks by
 vLLM's output aggregator). Both are plain data: no daemon calls, no tensors.
 
-Stores are named by *tickets*: one per (group, step), covering every request's blocks the
-step stores (the workers copy them in one job anyway). A ticket is done when every rank has
-reported it; it is committed only if none of them failed.
+Stores are acknowledged by *store batch*: one per (group, step), covering every request's
+blocks the step stores (the workers copy them in one job anyway). A batch is done when every
+rank has reported it; it is committed only if none of them failed.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class StepMeta(KVConnectorMetadata):
     stores: list[StoreSpec] = field(default_factory=list)
     # Stores that must have finished reading their GPU blocks before this step's forward runs:
     # their blocks were freed (preemption, sliding window) and handed to someone else.
-    flush_tickets: list[int] = field(default_factory=list)
+    flush_batches: list[int] = field(default_factory=list)
     # Finished requests whose stores have all landed: every worker reports them as finished
     # sending this step, which lets vLLM free their blocks.
     free_now: list[str] = field(default_factory=list)
@@ -36,7 +36,7 @@ class StepMeta(KVConnectorMetadata):
 
 @dataclass
 class WorkerAcks(KVConnectorWorkerMetadata):
-    """Per ticket: how many ranks finished it, and how many of those failed."""
+    """Per store batch: how many ranks finished it, and how many of those failed."""
 
     done: dict[int, int] = field(default_factory=dict)
     failed: dict[int, int] = field(default_factory=dict)

@@ -5,38 +5,53 @@ A decode request told how many blocks the prefill hands over (``kvpool_tokens`` 
 of them from vLLM as soon as its first lookup finds one, loads what is committed, and then is
 looked up again once per step for the rest, loading each chunk as the prefill's stores commit
 it (``LoadSpec.final`` tells the workers when the last chunk went out). A hand-off that stops
-making progress for ``pd_wait_s`` (or a daemon that goes away) ends the stream: the blocks that
-never came are reported as load errors and vLLM recomputes from the first of them.
+making progress for ``Budgets.pd_wait_s`` (or a daemon that goes away) ends the stream: the
+blocks that never came are reported as load errors and vLLM recomputes from the first of them.
 
-Owns the streams in progress and the decisions above; ``lookups.py`` sends the lookups and asks
-here what an answer means, and the step's load specs go to the list the scheduler hands over in
-its metadata. Never calls the daemon and never waits.
+Owns each consumer's hand-off (how many blocks, until when it waits, which of its blocks are
+still to come and their GPU block ids) and the decisions above; ``lookups.py`` looks the rest
+up and asks here what an answer means. The load specs it makes wait in its own list until the
+step's metadata takes them (``take_specs``). Never calls the daemon and never waits.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Collection
 
+from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import LoadSpec
 
 logger = logging.getLogger("kvpool.vllm")
 
+# One group's answer for one request: (first block asked, hit, slot refs, lease).
+Answer = tuple[int, int, list[int], int]
+
+
+@dataclass(eq=False, slots=True)
+class _HandOff:
+    st: ReqState
+    expect_blocks: int         # blocks the prefill hands over
+    wait_until: float          # a hand-off making no progress until then is given up on
+    next: int = 0              # blocks [next, end) are allocated, not yet in the pool
+    end: int = 0               # 0: not streaming
+    ids: list[list[int]] = field(default_factory=list)   # per group: GPU block ids
+
 
 class PdStream:
     """Called from vLLM's scheduler thread only, by the scheduler's other parts."""
 
-    def __init__(self, groups: list[Any], block_tokens: int, reqs: dict[str, ReqState],
-                 step_loads: list[LoadSpec], pd_wait_s: float = 3.0,
+    def __init__(self, groups: list[Any], block_tokens: int, budgets: Budgets,
                  pd_stream: bool = True) -> None:
         self._groups = groups
         self.block_tokens = block_tokens
-        self.pd_wait_s = pd_wait_s
-        self._reqs = reqs
-        self._step_loads = step_loads
+        self.pd_wait_s = budgets.pd_wait_s
+        self._clock = budgets.clock
+        self._handoffs: dict[str, _HandOff] = {}
         self.streams: set[str] = set()   # P/D consumers loading chunks as they land
+        self._specs: list[LoadSpec] = []
         # Streaming needs every group to hold blocks [0, n) of the prompt: a sliding-window
         # group looks up (and keeps) only the window ending at the hit, which moves as chunks
         # land. Models with one wait for the whole hand-off and load it at once instead.
@@ -44,77 +59,102 @@ class PdStream:
         # load-failure policy turns into a failed request: pd_stream=False keeps the wait.
         self.can_stream = pd_stream and all(g.window_blocks is None for g in groups)
 
-    def keeps_waiting(self, st: ReqState, hit: int | None) -> bool:
-        """A consumer's lookup answered ``hit`` (None: ask again for another target): True if
+    def expect(self, st: ReqState, blocks: int) -> None:
+        """``st`` is the decode side of a hand-off of ``blocks`` blocks; it waits for them
+        (``pd_wait_s`` from now at most without progress)."""
+        self._handoffs[st.rid] = _HandOff(st, blocks, self._clock() + self.pd_wait_s)
+
+    def expects(self, rid: str) -> bool:
+        """``rid`` waits for a hand-off (its lookup answers say how much has landed)."""
+        return rid in self._handoffs
+
+    def span(self, rid: str) -> tuple[int, int] | None:
+        """Blocks of ``rid``'s hand-off still to come while it streams, else None."""
+        h = self._handoffs.get(rid)
+        return (h.next, h.end) if h is not None and h.end else None
+
+    def admit(self, st: ReqState, hit: int | None) -> int | None:
+        """A consumer's lookup answered ``hit`` (None: ask again for another target). None if
         it should drop the answer and look up again next step, because its hand-off has not
-        landed yet (or has a window group: it waits for all of it). When part of it landed
-        and it can stream, it takes the whole hand-off now (``stream_to``)."""
+        landed yet (or has a window group: it waits for all of it); else the blocks to offer
+        vLLM beyond the hit: the whole hand-off when part of it landed and it can stream, 0
+        otherwise."""
+        h = self._handoffs[st.rid]
         full = (st.request.num_tokens - 1) // self.block_tokens
-        want = min(st.expect_blocks, full) if st.expect_blocks else 0
-        if want and (hit is None or hit < want) and time.monotonic() < st.wait_until:
+        want = min(h.expect_blocks, full) if h.expect_blocks else 0
+        if want and (hit is None or hit < want) and self._clock() < h.wait_until:
             if hit and self.can_stream:
                 # The producer's stores are landing: take the whole hand-off now, load what
                 # is here, and the rest chunk by chunk as it commits.
-                st.stream_to = want
-                st.wait_until = time.monotonic() + self.pd_wait_s
-                return False
-            return True
-        return False
+                h.wait_until = self._clock() + self.pd_wait_s
+                return want
+            return None
+        return 0
 
-    def start(self, st: ReqState, table: Any, first: int, end: int,
-              loads: list[LoadSpec]) -> None:
+    def start(self, st: ReqState, table: Any, first: int, end: int) -> None:
         """vLLM allocated blocks [0, ``end``) for a hand-off whose blocks from ``first`` on are
-        not in the pool yet: ``loads`` (this step's, already queued) are its first chunk; the
-        caller queues its next lookup."""
-        for spec in loads:
-            spec.final = False
-        st.stream_ids = [list(table[g.index][:end]) for g in self._groups]
-        st.stream_next, st.stream_end = first, end
-        for ids in st.stream_ids:
-            st.load_blocks.extend(ids[first:end])
-        self.streams.add(st.request.request_id)
+        not in the pool yet (the load's first specs went out non-final); the caller has its
+        next lookup asked."""
+        h = self._handoffs[st.rid]
+        h.ids = [list(table[g.index][:end]) for g in self._groups]
+        h.next, h.end = first, end
+        self.streams.add(st.rid)
         # vLLM may have taken a while to find room for it: the wait starts now.
-        st.wait_until = time.monotonic() + self.pd_wait_s
+        h.wait_until = self._clock() + self.pd_wait_s
 
-    def answer(self, st: ReqState, answers: list[tuple[int, int, list[int], int]]) -> bool:
+    def answer(self, rid: str, answers: list[Answer]) -> bool:
         """Load what has committed since the last round; True if the rest is still to come
         (look it up again next step)."""
-        rid = st.request.request_id
+        h = self._handoffs[rid]
         new = min(n for _, n, _, _ in answers)
         if new:
-            a, b = st.stream_next, st.stream_next + new
-            last = b >= st.stream_end
+            a, b = h.next, h.next + new
+            last = b >= h.end
             for gi, (_, _, slots, _) in enumerate(answers):
-                self._step_loads.append(LoadSpec(rid, gi, slots[:new], st.stream_ids[gi][a:b],
-                                                 final=last))
-            st.stream_next = b
-            st.wait_until = time.monotonic() + self.pd_wait_s
+                self._specs.append(LoadSpec(rid, gi, slots[:new], h.ids[gi][a:b], final=last))
+            h.next = b
+            h.wait_until = self._clock() + self.pd_wait_s
             if last:
                 self.streams.discard(rid)
-                st.stream_end, st.stream_ids = 0, []
+                h.end, h.ids = 0, []
                 return False
         return True
 
-    def end(self, st: ReqState, report_missing: bool) -> None:
+    def end(self, rid: str, report_missing: bool) -> None:
         """No more chunks: the workers report the request once its loads in flight are done.
         Blocks that never came are load errors (vLLM recomputes from the first of them)
-        unless the request is gone anyway."""
-        rid = st.request.request_id
+        unless the request is gone anyway. A lookup of the rest still in flight finds the
+        stream ended and lets its answer go."""
+        h = self._handoffs[rid]
         self.streams.discard(rid)
-        st.state = "idle"               # a lookup still in flight gets its leases released
-        a, b = st.stream_next, st.stream_end
+        a, b = h.next, h.end
         if report_missing and a < b:
             logger.warning("kvpool: request %s: blocks %d..%d of its P/D hand-off did not "
                            "arrive; recomputing them", rid, a, b - 1)
-            for gi, ids in enumerate(st.stream_ids):
-                self._step_loads.append(LoadSpec(rid, gi, [], ids[a:b], failed=True))
+            for gi, ids in enumerate(h.ids):
+                self._specs.append(LoadSpec(rid, gi, [], ids[a:b], failed=True))
         else:
-            self._step_loads.append(LoadSpec(rid, 0, [], []))
-        st.stream_end, st.stream_ids = 0, []
+            self._specs.append(LoadSpec(rid, 0, [], []))
+        h.end, h.ids = 0, []
 
     def expire(self) -> None:
         """End the streams that made no progress for ``pd_wait_s`` (once per step)."""
-        now = time.monotonic()
-        for st in [self._reqs[r] for r in self.streams]:
-            if now >= st.wait_until:
-                self.end(st, report_missing=True)
+        now = self._clock()
+        for rid in [r for r in self.streams if now >= self._handoffs[r].wait_until]:
+            self.end(rid, report_missing=True)
+
+    def take_specs(self) -> list[LoadSpec]:
+        """The load specs made since the last call (chunks that landed, ended streams)."""
+        out, self._specs = self._specs, []
+        return out
+
+    @property
+    def has_specs(self) -> bool:
+        return bool(self._specs)
+
+    def forget(self, rid: str) -> None:
+        self._handoffs.pop(rid, None)
+        self.streams.discard(rid)
+
+    def tracked(self) -> Collection[str]:
+        return self._handoffs.keys()

@@ -1,71 +1,118 @@
-"""What the connector's scheduler side keeps about one vLLM request: ``ReqState``.
+"""The requests the connector's scheduler side knows: ``ReqState`` each, one way in, one way out.
 
-Owns the per-request fields and the few questions asked of them (full blocks, blocks not yet
-stored, the store cursor); every part of the scheduler side reads and writes them, each its own
-fields as noted. ``SchedulerRole`` owns the map of request id to ``ReqState`` and creates them;
-parts look requests up in that map and drop a request from it when it is done with. Plain
-data: no vLLM import, no daemon calls.
+``ReqState`` is what every part reads of a request and none but ``SchedulerRole`` writes: the
+vLLM request, its block keys, whether it hands its prompt over as a P/D producer, and where it
+is in its life (``finished``: vLLM called ``request_finished``; ``finishing``: vLLM keeps its
+blocks until the role names it in ``free_now``). What a part keeps about a request is its own,
+in its own map: the lookup's answer and pins (``lookups.py``), the load in flight
+(``loads.py``), the P/D hand-off (``pd_stream.py``), the store cursor (``store_planner.py``),
+the backlog's deadline (``backlog.py``), the store batches naming it (``store_batches.py``).
+
+``Requests`` owns the map of request id to ``ReqState``: ``admit`` creates one (and asks the
+parts that need it from the start to set up theirs), ``leave`` is the only way out: it drops
+the request from the map and asks every part to drop what it keeps for it. Plain data and
+bookkeeping: no vLLM import, no daemon calls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Collection, Iterator, Protocol, Sequence
+
+from kvpool.client.vllm.keys import GroupInfo, RequestKeys
 
 if TYPE_CHECKING:
-    from kvpool.client.vllm.keys import RequestKeys
+    from kvpool.client.vllm.pd_stream import PdStream
+    from kvpool.client.vllm.store_planner import StorePlanner
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ReqState:
     request: Any               # vLLM's Request (or any object with its fields, in tests)
-    keys: "RequestKeys"
-    # lookups.py: IDLE → QUEUED → SENT → hit is not None (a result, with leases until consumed)
-    state: str = "idle"
-    target: int = 0            # block count the lookup asked for (the hit cannot exceed it)
-    rounds: int = 0
-    hit: int | None = None     # blocks available from the pool, from block 0
-    answered_at: float = 0.0   # when the hit came: monotonic time and the step that took it
-    answered_step: int = 0     # in (lookups._stale)
-    hit_start: list[int] = field(default_factory=list)  # per group: block index of slots[g][0]
-    slots: list[list[int]] = field(default_factory=list)
-    leases: list[int] = field(default_factory=list)
-    local_tokens: int = 0      # GPU prefix hit seen by the last get_num_new_matched_tokens
-    # loads.py
-    loading: bool = False
-    load_blocks: list[int] = field(default_factory=list)
-    load_keys: list[bytes] = field(default_factory=list)
-    # store_planner.py
-    cursor: list[int] = field(default_factory=list)     # per group: next block to store
-    lo: int = 0                # min(cursor): a request with no block past it has none to store
-    pooled: int = 0            # leading blocks this request loaded from the pool (held there)
-    store_run: int = 1         # blocks a running request's store waits to gather (1: producer)
-    # tickets.py
-    tickets: set[int] = field(default_factory=set)
-    finishing: bool = False    # request_finished returned True: free via free_now
-    finished: bool = False
-    backlog_until: float = 0.0  # finished, blocks kept for stores waiting on slots until then
-    # P/D: a producer stores every block (also those it loaded) and hands the prompt over; a
-    # consumer waits (bounded) for the producer's blocks to land before taking its hit.
-    producer: bool = False
-    load_failed: bool = False  # a load from the pool failed: recompute, never offer it again
-    expect_blocks: int = 0
-    wait_until: float = 0.0    # a hand-off making no progress until then is given up on
-    # pd_stream.py: blocks [stream_next, stream_end) are allocated, not yet in the pool.
-    stream_to: int = 0         # offered to vLLM beyond the hit (until the allocation)
-    stream_next: int = 0
-    stream_end: int = 0        # 0: not streaming
-    stream_ids: list[list[int]] = field(default_factory=list)   # per group: GPU block ids
+    keys: RequestKeys
+    producer: bool = False     # P/D prefill: stores every block (also those it loaded)
+    finished: bool = False     # vLLM called request_finished
+    finishing: bool = False    # ... and was told to keep its blocks until free_now names it
 
-    def set_cursor(self, block: int) -> None:
-        """Store from ``block`` on in every group (blocks before it need no store)."""
-        self.cursor = [block] * len(self.cursor)
-        self.lo = block
+    @property
+    def rid(self) -> str:
+        return self.request.request_id
 
     def full_blocks(self, block_tokens: int) -> int:
         """Blocks whose tokens are all computed."""
         req = self.request
         return min(req.num_computed_tokens, req.num_tokens) // block_tokens
 
-    def has_unstored_blocks(self, block_tokens: int) -> bool:
-        return min(self.cursor) < self.full_blocks(block_tokens)
+
+class Part(Protocol):
+    """What ``Requests.leave`` asks of every part that keeps per-request state."""
+
+    def forget(self, rid: str) -> None:
+        """Drop whatever is kept for ``rid`` (answers nobody waits for go back to the daemon
+        as usual); a request not known is no error."""
+
+    def tracked(self) -> Collection[str]:
+        """The request ids it keeps anything for (for checks and tests, not the hot path)."""
+
+
+class Requests:
+    """Called from vLLM's scheduler thread only. ``parts`` are asked to forget a request that
+    leaves; ``planner`` and ``pd`` set up their state when one is admitted."""
+
+    def __init__(self, groups: list[GroupInfo], block_tokens: int, kv_producer: bool,
+                 planner: "StorePlanner", pd: "PdStream", parts: Sequence[Part]) -> None:
+        self._groups = groups
+        self._block_tokens = block_tokens
+        self._kv_producer = kv_producer
+        self._planner = planner
+        self._pd = pd
+        self._parts = parts
+        self._by_id: dict[str, ReqState] = {}
+
+    def get(self, rid: str) -> ReqState | None:
+        return self._by_id.get(rid)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[ReqState]:
+        return iter(list(self._by_id.values()))
+
+    def admit(self, request: Any) -> ReqState:
+        """``request`` entered the scheduler (or came back under an id whose earlier request
+        is still known: that one leaves first). A P/D producer (``kv_producer`` engine, or
+        ``do_remote_decode``) stores every block; a consumer told how many tokens the prefill
+        hands over (``kvpool_tokens``, whatever TP size the prefill ran: its ranks stored every
+        head) waits for them."""
+        rid = request.request_id
+        if rid in self._by_id:
+            self.leave(rid)
+        params = request.kv_transfer_params or {}
+        st = ReqState(request, RequestKeys(request, self._groups),
+                      producer=self._kv_producer or bool(params.get("do_remote_decode")))
+        self._by_id[rid] = st
+        self._planner.track(st)
+        blocks = int(params.get("kvpool_tokens") or 0) // (self._block_tokens or 1)
+        if params.get("do_remote_prefill") and blocks:
+            self._pd.expect(st, blocks)
+        return st
+
+    def leave(self, rid: str) -> None:
+        """The one way out: ``rid`` is forgotten here and by every part."""
+        self._by_id.pop(rid, None)
+        for part in self._parts:
+            part.forget(rid)
+
+    def kept_by(self, rid: str) -> list[str]:
+        """The parts (by class name) that keep state for ``rid``; empty once it left."""
+        held = ["Requests"] if rid in self._by_id else []
+        return held + [type(p).__name__ for p in self._parts if rid in p.tracked()]
+
+    def kept_anywhere(self) -> dict[str, list[str]]:
+        """Every request id some part keeps state for, and which parts: empty when every
+        request has left (checked at the end of the connector's tests)."""
+        out: dict[str, list[str]] = {rid: ["Requests"] for rid in self._by_id}
+        for p in self._parts:
+            for rid in p.tracked():
+                out.setdefault(rid, []).append(type(p).__name__)
+        return out

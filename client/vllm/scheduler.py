@@ -1,34 +1,40 @@
 """The connector's scheduler role: decides what to load and store, never moves bytes.
 
-Runs inside vLLM's scheduler (engine core) process, on its one thread. ``SchedulerRole`` owns
-the map of request id to ``ReqState`` (``requests.py``) and forwards each call vLLM makes to
-the parts that do the work, in order:
+Runs inside vLLM's scheduler (engine core) process, on its one thread. ``SchedulerRole`` gets
+its parts from ``parts.build_parts`` and forwards each call vLLM makes to them, in order; it
+owns what it hands vLLM (the step's load specs and the requests vLLM may free) and a request's
+life (``ReqState.finished``/``finishing``), and lets requests go through ``Requests.leave``,
+the one way out, when nothing needs them any more:
 
+- ``requests.py``: the requests known, admitted and let go;
 - ``daemon_link.py``: the daemon connection behind a circuit breaker;
-- ``lookups.py``: batched lookups, their hits and leases;
+- ``lookups.py``: which leading blocks the pool holds, and their pins;
 - ``loads.py``: a hit turned into load specs once vLLM allocated its blocks, until reported;
 - ``pd_stream.py``: P/D consumers loading a prefill's hand-off chunk by chunk;
 - ``store_planner.py``: which full blocks are stored each step (the life of one store is
   described there);
-- ``tickets.py``: store tickets until every rank acked them, KV events, and the backlog of
-  finished requests keeping their blocks for their stores;
-- ``store_losses.py``: full blocks not stored, by reason.
+- ``store_batches.py``: store batches until every rank acked them, and KV events;
+- ``backlog.py``: finished requests keeping their blocks until their last ones are planned;
+- ``store_losses.py``: full blocks not stored, by reason;
+- ``budgets.py``: every wall-clock budget, and the clock.
 
 No method vLLM calls here waits on the daemon: lookups go out at the end of a step and are
 answered at the start of the next (``None`` meanwhile: "ask again next step"), stores take
-slots from the client's stock, and releases, aborts and resets are sent without waiting. A
+tickets from the client's stock, and releases, aborts and resets are sent without waiting. A
 daemon that is missing or slow turns into zero hits and skipped stores (``DaemonUnavailable``
 is caught by the parts, never raised to vLLM).
 
 Lifecycle of a request, as vLLM drives it:
 ``get_num_new_matched_tokens`` (queue a lookup, answer ``None`` until it lands, then the hit)
-→ ``update_state_after_alloc`` (turn the hit into load specs, or release the lease)
+→ ``update_state_after_alloc`` (turn the hit into load specs, or let its pins go)
 → ``build_connector_meta`` each step (stores of newly full blocks)
-→ ``update_connector_output`` (load done: release the lease; store tickets acked by every rank)
-→ ``request_finished`` (keep the blocks while tickets are in flight; free them via ``free_now``).
+→ ``update_connector_output`` (load done: release the lease; store batches acked by every rank)
+→ ``request_finished`` (keep the blocks while stores are in flight; free them via ``free_now``)
+→ it leaves (``Requests.leave``) when finished and nothing is in flight for it.
 
 This module is the only part that imports vLLM's types (``StepMeta``, ``WorkerAcks``).
 """
+
 
 from __future__ import annotations
 
@@ -36,18 +42,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from kvpool.client.vllm.daemon_link import DaemonLink
-from kvpool.client.vllm.loads import Loads
-from kvpool.client.vllm.lookups import Lookups
-from kvpool.client.vllm.pd_stream import PdStream
+from kvpool.client.vllm.meta import StepMeta, WorkerAcks
+from kvpool.client.vllm.parts import RoleSettings, build_parts
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import LoadSpec
-from kvpool.client.vllm.store_losses import StoreLosses
-from kvpool.client.vllm.lazy_store import LazyStore
-from kvpool.client.vllm.store_planner import StorePlanner, handed_blocks
-from kvpool.client.vllm.tickets import Backlog, Tickets
-from kvpool.client.vllm.keys import GroupInfo, RequestKeys
-from kvpool.client.vllm.meta import StepMeta, WorkerAcks
+from kvpool.client.vllm.store_planner import handed_blocks
 from kvpool.shared.errors import DaemonUnavailable
 
 if TYPE_CHECKING:
@@ -61,21 +60,14 @@ logger = logging.getLogger("kvpool.vllm")
 
 class SchedulerRole:
     """See the module docstring. Public methods mirror ``KVConnectorBase_V1``'s scheduler side
-    and are called only from vLLM's scheduler thread."""
+    and are called only from vLLM's scheduler thread. ``store_log`` (benchmarks, connector
+    timing on): told (wall time, tokens scheduled, blocks planned) of each step that planned
+    stores."""
 
-    def __init__(self, groups: list[GroupInfo], world_size: int, client: Any,
-                 backoff_s: float = 0.2, backoff_max_s: float = 5.0, *,
-                 kv_producer: bool = False, engine_id: str = "", tp_size: int = 1,
-                 pd_wait_s: float = 3.0, pd_stream: bool = True,
-                 store_wait_s: float = 2.0, events_enabled: bool = True,
-                 store_policy: str = "eager", store_min_prefix_tokens: int = 0,
-                 horizon_blocks: int = 0) -> None:
-        self.groups = groups
-        self.world_size = world_size
-        self.kv_producer = kv_producer
-        self.engine_id = engine_id
-        self.tp_size = tp_size
-        self.pd_wait_s = pd_wait_s
+    def __init__(self, client: Any, settings: RoleSettings,
+                 store_log: Callable[[float, int, int], None] | None = None) -> None:
+        self.settings = settings
+        self.groups = groups = settings.groups
         self.client = client
         sizes = {g.block_tokens for g in groups}
         # One token→block grid for every group: vLLM's hybrid allocator gives attention groups
@@ -84,39 +76,22 @@ class SchedulerRole:
         if not self.enabled:
             logger.warning("kvpool: KV-cache groups %s cannot be pooled; connector idle",
                            [g.identity for g in groups])
-        self.block_tokens = bt = next(iter(sizes)) if sizes else 0
+        parts = self.parts = build_parts(client, settings)
+        self.block_tokens = parts.block_tokens
+        self.requests, self.link, self.losses = parts.requests, parts.link, parts.losses
+        self.lookups, self.loads, self.pd = parts.lookups, parts.loads, parts.pd
+        self.planner, self.batches, self.backlog = parts.planner, parts.batches, parts.backlog
+        self.lazy = parts.lazy
+        self._clock = settings.budgets.clock
+        self.store_log = store_log
+        self.kv_cache_manager: KVCacheManager | None = None   # bound by vLLM
         self._steps = 0                   # build_connector_meta calls so far
-        self._reqs: dict[str, ReqState] = {}
-        # The step's load specs: loads and the P/D stream add to them, build_connector_meta
-        # hands them over (the list is shared with them: emptied, never rebound).
+        # What the next step's metadata hands over: load specs made since the last step, and
+        # finished requests whose stores have all landed (vLLM frees their blocks).
         self._step_loads: list[LoadSpec] = []
-        # Full blocks given up without being stored, by reason.
-        self.losses = StoreLosses()
-        namespaces = [g.namespace for g in groups]
-        self.link = DaemonLink(client, backoff_s, backoff_max_s)
-        self.backlog = Backlog(bt, client, self.link, self._reqs, namespaces, self.losses,
-                               store_wait_s)
-        self.tickets = Tickets(groups, bt, world_size, client, self.link, self.backlog,
-                               self.losses, events_enabled)
-        self.pd = PdStream(groups, bt, self._reqs, self._step_loads, pd_wait_s, pd_stream)
-        self.lookups = Lookups(groups, bt, client, self.link, self._reqs, self.pd,
-                               self.tickets.committed)
-        self.loads = Loads(groups, bt, self._reqs, self._step_loads, self.lookups)
-        # store_policy "lazy": blocks are remembered, and stored when vLLM's prefix cache is
-        # about to evict them (store_planner.py says how); horizon_blocks is how far one
-        # schedule() reaches into vLLM's free queue (lazy_store.horizon_for; 0: unknown), which
-        # also tells the eager planner when preemption is near.
-        if store_policy not in ("eager", "lazy"):
-            raise ValueError(f"store_policy must be eager or lazy, not {store_policy!r}")
-        self.lazy = LazyStore(max(1, horizon_blocks)) if store_policy == "lazy" else None
-        self.planner = StorePlanner(groups, bt, client, self.link, self._reqs, self.tickets,
-                                    self.backlog, self.losses, self.lazy,
-                                    store_min_prefix_tokens, horizon_blocks)
-        # Benchmarks only (connector timing on): told (wall time, tokens scheduled, blocks
-        # planned) of each step that planned stores.
-        self.store_log: Callable[[float, int, int], None] | None = None
+        self._free_now: list[str] = []
         if self.enabled:
-            # Connect and start stocking slots now (start-up, not a step: this may wait up to
+            # Connect and start stocking tickets now (start-up, not a step: this may wait up to
             # timeout_ms once), so the first steps find them.
             for g in groups:
                 self.client.keep_stock(g.namespace)
@@ -125,13 +100,9 @@ class SchedulerRole:
                 self.link.failed(DaemonUnavailable("kvpoold not reachable at start"))
             self.link.pump()
 
-    @property
-    def kv_cache_manager(self) -> "KVCacheManager | None":
-        return self.planner.kv_cache_manager
-
-    @kv_cache_manager.setter
-    def kv_cache_manager(self, manager: "KVCacheManager | None") -> None:
-        self.planner.kv_cache_manager = manager
+    def bind_kv_cache_manager(self, manager: "KVCacheManager") -> None:
+        """vLLM's KV-cache manager, bound once vLLM built it (after the connector)."""
+        self.kv_cache_manager = manager
 
     @property
     def unstored_total(self) -> int:
@@ -140,20 +111,16 @@ class SchedulerRole:
     # ---- requests --------------------------------------------------------------------------
 
     def _state(self, request: "Request") -> ReqState:
-        st = self._reqs.get(request.request_id)
+        st = self.requests.get(request.request_id)
         if st is None or st.request is not request:
-            st = ReqState(request, RequestKeys(request, self.groups),
-                          cursor=[0] * len(self.groups))
-            self._reqs[request.request_id] = st
-            params = request.kv_transfer_params or {}
-            st.producer = self.kv_producer or bool(params.get("do_remote_decode"))
-            # A P/D hand-off stores every block as soon as it fills: the decode side streams.
-            st.store_run = 1 if st.producer else self.planner.store_run
-            if params.get("do_remote_prefill") and params.get("kvpool_tokens"):
-                # Whatever TP size the prefill ran (kvpool_tp): its ranks stored every head.
-                st.expect_blocks = int(params["kvpool_tokens"]) // self.block_tokens
-                st.wait_until = time.monotonic() + self.pd_wait_s
+            st = self.requests.admit(request)
         return st
+
+    def _free(self, rid: str) -> None:
+        """``rid`` finished and nothing is in flight for it: vLLM may free its blocks (it
+        kept them on our word), and it leaves."""
+        self._free_now.append(rid)
+        self.requests.leave(rid)
 
     def on_new_request(self, request: "Request") -> None:
         """A request entered the scheduler: hash its prompt's block keys now (as vLLM hashes
@@ -174,10 +141,9 @@ class SchedulerRole:
         if not self.enabled:
             return 0, False
         st = self._state(request)
-        if not st.keys.cacheable or request.skip_reading_prefix_cache or st.load_failed:
+        if not st.keys.cacheable or request.skip_reading_prefix_cache:
             return 0, False
-        st.local_tokens = num_computed_tokens
-        end = self.lookups.match(st, num_computed_tokens, self._steps)
+        end = self.lookups.offer(st, num_computed_tokens, self._steps)
         if end is None:
             return None, False
         ext = end * self.block_tokens - num_computed_tokens
@@ -189,26 +155,26 @@ class SchedulerRole:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
-        st = self._reqs.get(request.request_id)
-        if st is None or st.loading:
+        rid = request.request_id
+        st = self.requests.get(rid)
+        if st is None or self.loads.busy(rid):
             return
-        if num_external_tokens == 0 or st.hit is None:
+        hit = self.lookups.accept(st) if num_external_tokens else None
+        if hit is None:
             # Blocks the pool already holds need no store (those a load brought in, when vLLM
             # schedules the request after it); the GPU-cached ones past them do.
-            st.set_cursor(0 if st.producer else max(st.hit or 0, st.pooled))
-            self.lookups.consume(st, keep_leases=False)
+            held = self.lookups.decline(st)
+            self.planner.restart(rid, 0 if st.producer else max(held, self.planner.pooled(rid)))
             return
         table = blocks.get_block_ids()
-        end, first, loads = self.loads.start(st, table, num_external_tokens)
-        self.lookups.consume(st, keep_leases=True)
-        if end > first:
+        load = self.loads.start(st, hit, table, num_external_tokens)
+        self._step_loads += load.specs
+        if load.end > load.first:
             # A P/D hand-off still landing: these specs are its first chunk, not its last;
             # the rest is asked for in this step's batch.
-            self.pd.start(st, table, first, end, loads)
-            self.lookups.ask(st)
-        elif not loads:
-            self.loads.nothing_to_copy(st)
-        st.set_cursor(0 if st.producer else end)
+            self.pd.start(st, table, load.first, load.end)
+            self.lookups.follow(st)
+        self.planner.restart(rid, 0 if st.producer else load.end, pooled=load.pooled)
 
     # ---- per step: stores, flushes, releases -------------------------------------------------
 
@@ -216,42 +182,45 @@ class SchedulerRole:
         meta = StepMeta()
         if not self.enabled:
             return meta
-        started = time.perf_counter()
+        started = self._clock()
         self.link.pump()
-        self.lookups.poll(self._steps)
+        self.lookups.begin_step(self._steps)
         if self.pd.streams:
             self.pd.expire()
         # Stores still reading blocks that are handed to a request this step must finish
         # first (preempted requests' blocks; sliding-window blocks freed and reused).
         flush: set[int] = set()
-        if self.tickets.by_id:
+        if self.batches.by_id:
             handed = handed_blocks(so)
             if handed:
-                flush = self.tickets.reading(handed)
-        preempted = [st for st in map(self._reqs.get, so.preempted_req_ids or ())
+                flush = self.batches.reading(handed)
+        preempted = [st for st in map(self.requests.get, so.preempted_req_ids or ())
                      if st is not None]
         for st in preempted:
-            flush.update(st.tickets)
-            self.lookups.consume(st, keep_leases=False)
-        meta.flush_tickets = sorted(flush)
+            flush.update(self.batches.of(st.request.request_id))
+            self.lookups.decline(st)
+        meta.flush_batches = sorted(flush)
         # The step's messages go before store planning, whose budget runs from the step's
         # start: planning gets what they left of it, so a step that sends a lookup batch
         # does not also plan for the full budget.
-        self.tickets.send_aborts()
-        self.lookups.send_releases()
-        self.lookups.send()
-        meta.stores = self.planner.plan(so, started, preempted)
+        self.batches.send_aborts()
+        self.lookups.end_step()
+        meta.stores, planned = self.planner.plan(so, started, preempted, self.kv_cache_manager)
         if self.store_log is not None and meta.stores:
             self.store_log(time.time(), so.total_num_scheduled_tokens,
-                           sum(len(s.slots) for s in meta.stores))
+                           sum(len(s.tickets) for s in meta.stores))
         for st in preempted:
-            st.set_cursor(0)        # it resumes from token 0 (keys stored now are skipped)
-        meta.free_now = self.backlog.take_free()
-        if self.backlog.backlog:
-            self.backlog.end()
+            # It resumes from token 0 (keys stored now are skipped).
+            self.planner.restart(st.request.request_id, 0)
+        meta.free_now, self._free_now = self._free_now, []
+        if self.backlog:
+            for rid in self.backlog.end(planned):
+                if not self.batches.pending(rid):
+                    self._free(rid)     # (freed in the next step's metadata)
         # Last: polling, deadlines and a failed send above may all have added load specs.
-        meta.loads = self._step_loads[:]
-        self._step_loads.clear()
+        if self.pd.has_specs:
+            self._step_loads += self.pd.take_specs()
+        meta.loads, self._step_loads = self._step_loads, []
         self._steps += 1
         return meta
 
@@ -260,50 +229,61 @@ class SchedulerRole:
     def update_connector_output(self, out: "KVConnectorOutput") -> None:
         acks = out.kv_connector_worker_meta
         if isinstance(acks, WorkerAcks):
-            self.tickets.acked(acks.done, acks.failed)
-        self.loads.finished(out.finished_recving, out.failed_recving, out.invalid_block_ids)
+            for st in self.batches.acked(acks.done, acks.failed):
+                rid = st.request.request_id
+                if st.finishing and not self.backlog.holds(rid) \
+                        and self.requests.get(rid) is st:
+                    self._free(rid)
+        for rid, failed in self.loads.finished(out.finished_recving, out.failed_recving,
+                                               out.invalid_block_ids):
+            self.lookups.loaded(rid, failed)
+            if failed:
+                self.planner.restart(rid, 0, pooled=0)   # recomputed blocks get stored again
+            st = self.requests.get(rid)
+            if st is not None and st.finished:
+                self.requests.leave(rid)
 
     # ---- finish, reset, events --------------------------------------------------------------
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
-        st = self._reqs.get(request.request_id)
+        rid = request.request_id
+        st = self.requests.get(rid)
         if st is None or st.request is not request:
             return False, None
         params = self._handoff_params(st) if st.producer else None
         st.finished = True
-        if st.loading:
+        if self.loads.busy(rid):
             # vLLM keeps the blocks of a request aborted mid-load until the workers report
-            # the load; the lease goes when that report arrives.
-            if st.stream_end:
-                self.pd.end(st, report_missing=False)
+            # the load; it leaves when that report arrives.
+            if self.pd.span(rid) is not None:
+                self.pd.end(rid, report_missing=False)
             return False, params
         # A lookup reply that lands later finds the request gone and releases its leases.
-        self.lookups.consume(st, keep_leases=False)
+        self.lookups.decline(st)
         if self.planner.below_min_prefix(st):
-            st.set_cursor(st.full_blocks(self.block_tokens))    # nothing of it is stored
-        if self.backlog.keeps(st) or st.tickets:
+            self.planner.restart(rid, st.full_blocks(self.block_tokens))   # none is stored
+        if self.backlog.keeps(st) or self.batches.pending(rid):
             st.finishing = True
             return True, params
-        self._reqs.pop(request.request_id, None)
+        self.requests.leave(rid)
         return False, params
 
     def _handoff_params(self, st: ReqState) -> dict[str, Any]:
         """What a decode instance needs to take this prompt from the pool; shaped like the
         parameters vLLM's disaggregated-serving proxies pass from prefill to decode."""
         return {"do_remote_prefill": True, "do_remote_decode": False,
-                "remote_engine_id": self.engine_id, "remote_block_ids": None,
+                "remote_engine_id": self.settings.engine_id, "remote_block_ids": None,
                 "remote_host": None, "remote_port": None,
                 "kvpool_tokens": st.full_blocks(self.block_tokens) * self.block_tokens,
-                "kvpool_tp": self.tp_size}
+                "kvpool_tp": self.settings.tp_size}
 
     def has_pending_push_work(self) -> bool:
         # Remembered blocks (lazy) keep an engine with nothing left to do stepping once more:
         # that step has nothing to compute, so it stores them (the engine is idle, or shutting
         # down cleanly) and the cache outlives the engine as under eager.
         lazy = self.lazy
-        return bool(self.tickets.by_id or self.backlog.free_ready or self.lookups.release
-                    or self.tickets.abort_slots or self.lookups.retry or self.pd.streams
-                    or self.backlog.backlog
+        return bool(self.batches.by_id or self._free_now or self.lookups.has_work()
+                    or self.batches.abort_tickets or self.pd.streams or self.backlog
                     or (lazy is not None and (lazy.num_pending or lazy.num_in_flight)))
 
     def reset_cache(self) -> bool:
@@ -312,23 +292,23 @@ class SchedulerRole:
         not be sent (vLLM then reports the reset as failed).
 
         Stores planned before the reset must never show up after it (a reset often follows a
-        weight update): their slots are given back first, on the same connection, so a store
-        that reaches the daemon later finds its slot gone and commits nothing.
+        weight update): their tickets are given back first, on the same connection, so a store
+        that reaches the daemon later finds its ticket gone and commits nothing.
         """
         ok = self.link.pump()
         if ok:
-            ok = self.tickets.send_reset()
-        self.tickets.reset()
+            ok = self.batches.send_reset()
+        self.batches.reset()
         if self.lazy is not None:
             self.lazy.reset()            # remembered KV is stale after a reset
-        for st in self._reqs.values():
-            if not st.loading:
-                self.lookups.consume(st, keep_leases=False)
-            st.set_cursor(0)
+        for st in self.requests:
+            if not self.loads.busy(st.request.request_id):
+                self.lookups.decline(st)
+            self.planner.restart(st.request.request_id, 0)
         return ok
 
     def take_events(self) -> Iterable[Any]:
-        return self.tickets.take_events()
+        return self.batches.take_events()
 
     def shutdown(self) -> None:
         self.losses.maybe_log(final=True)

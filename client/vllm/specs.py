@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class LoadSpec:
-    """Copy pool ``slots`` into GPU ``block_ids`` of one group for one request.
+    """Copy the pool slots named by the slot refs ``slots`` (a lookup's answer) into GPU
+    ``block_ids`` of one group for one request.
 
     A request's load may come in several steps (a P/D consumer loads each chunk of the
     prefill's hand-off as it lands): the workers report the request as received only once a
@@ -31,12 +32,14 @@ class LoadSpec:
 
 @dataclass(slots=True)
 class StoreSpec:
-    """Copy GPU ``block_ids`` of one group into reserved pool ``slots``, binding each slot to
-    its block hash in ``keys`` (the daemon drops a duplicate of a key it already holds)."""
+    """Store GPU ``block_ids`` of one group through the daemon's ``tickets``, one per block:
+    the daemon finds each ticket a slot for its key in ``keys`` when the first rank's store
+    arrives (and drops a duplicate of a key it already holds). ``batch`` names the store batch
+    (one group's stores of one step) that every rank acks."""
 
-    ticket: int
+    batch: int
     group: int
-    slots: list[int]
+    tickets: list[int]
     block_ids: list[int]
     keys: list[bytes] = field(default_factory=list)
-    grant: str = ""     # the daemon life that reserved the slots (StoreRequest.grant)
+    granted_by: str = ""   # the daemon life whose grant the tickets came from (StoreRequest.grant)

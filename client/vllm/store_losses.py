@@ -18,7 +18,7 @@ logger = logging.getLogger("kvpool.vllm")
 
 # Why a full block was not stored (the label of kvpool_unstored_blocks in vLLM's stats).
 RESERVE_REFUSED = "reserve_refused"  # kvpoold answered a reservation with an error
-STORE_WAIT = "store_wait"            # a finished request waited store_wait_s for slots/planning
+STORE_WAIT = "store_wait"            # a finished request waited store_wait_s for tickets/planning
 DAEMON_UNAVAILABLE = "daemon_unavailable"   # the daemon was down or backing off
 STORE_FAILED = "store_failed"        # a worker reported the store job failed
 PREEMPTED = "preempted"              # vLLM reused a preempted request's block before its store
@@ -26,7 +26,7 @@ REASONS = (RESERVE_REFUSED, STORE_WAIT, DAEMON_UNAVAILABLE, STORE_FAILED, PREEMP
 
 _WHY = {RESERVE_REFUSED: "kvpoold refused the scheduler's reservations (the error is logged at "
                          "debug)",
-        STORE_WAIT: "a finished request waited store_wait_s for slots or planning time",
+        STORE_WAIT: "a finished request waited store_wait_s for tickets or planning time",
         DAEMON_UNAVAILABLE: "kvpoold was unreachable",
         STORE_FAILED: "a worker's store job failed",
         PREEMPTED: "vLLM gave a preempted request's block to another request before its store "

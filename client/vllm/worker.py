@@ -61,7 +61,7 @@ class WorkerRole:
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
         self._error_blocks: set[int] = set()
-        self._store_jobs: dict[int, list[int]] = {}  # job → tickets
+        self._store_jobs: dict[int, list[int]] = {}  # job → store batches
         self._acks = WorkerAcks()
 
     # ---- registration --------------------------------------------------------------------
@@ -113,10 +113,10 @@ class WorkerRole:
 
     def handle_preemptions(self, meta: StepMeta) -> None:
         """Stores still reading blocks that this step reuses must finish before the forward."""
-        if not meta.flush_tickets or not self._store_jobs:
+        if not meta.flush_batches or not self._store_jobs:
             return
-        want = set(meta.flush_tickets)
-        jobs = [j for j, tickets in self._store_jobs.items() if want.intersection(tickets)]
+        want = set(meta.flush_batches)
+        jobs = [j for j, batches in self._store_jobs.items() if want.intersection(batches)]
         if not jobs:
             return
         try:
@@ -160,28 +160,29 @@ class WorkerRole:
     def wait_for_save(self, meta: StepMeta) -> None:
         if not meta.stores:
             return
-        # One job per group (and per daemon life that granted the slots: two only around a
+        # One job per group (and per daemon life that granted the tickets: two only around a
         # daemon restart, when the older ones are refused).
         by_group: dict[tuple[int, str], tuple[list[int], list[int], list[int], list[bytes]]] = {}
         for spec in meta.stores:
-            slots, bids, tickets, keys = by_group.setdefault((spec.group, spec.grant),
-                                                             ([], [], [], []))
-            slots.extend(spec.slots)
+            tickets, bids, batches, keys = by_group.setdefault((spec.group, spec.granted_by),
+                                                               ([], [], [], []))
+            tickets.extend(spec.tickets)
             bids.extend(spec.block_ids)
-            tickets.append(spec.ticket)
+            batches.append(spec.batch)
             keys.extend(spec.keys)
         event = self._events.store_event()
-        for (gi, grant), (slots, bids, tickets, keys) in by_group.items():
+        for (gi, granted_by), (tickets, bids, batches, keys) in by_group.items():
             reg = self._regs.get(gi)
             try:
                 if reg is None:
                     raise KeyError("group not registered")
-                job = self.client.submit_store(reg, bids, slots, event, keys=keys, grant=grant)
+                job = self.client.submit_store(reg, bids, tickets, event, keys=keys,
+                                               grant=granted_by)
             except (DaemonUnavailable, KeyError) as e:
                 logger.debug("kvpool: store not submitted (%s)", e)
-                self._ack(tickets, ok=False)
+                self._ack(batches, ok=False)
                 continue
-            self._store_jobs[job] = tickets
+            self._store_jobs[job] = batches
 
     def get_transfer_results(self, meta: StepMeta | None) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) on this rank."""
@@ -220,11 +221,11 @@ class WorkerRole:
                     self._load_pending[rid] -= 1
                     self._maybe_finish_load(rid)
                 continue
-            tickets = self._store_jobs.pop(c.job_id, None)
-            if tickets is not None:
+            batches = self._store_jobs.pop(c.job_id, None)
+            if batches is not None:
                 if not c.ok:   # (counted by the scheduler role as store_failed)
                     logger.debug("kvpool: store job failed (%s)", c.message)
-                self._ack(tickets, c.ok)
+                self._ack(batches, c.ok)
 
     def _maybe_finish_load(self, req_id: str) -> None:
         """Report the request received once its last spec came and all its jobs are done."""
@@ -241,8 +242,8 @@ class WorkerRole:
             else:
                 self._recv_failed.add(req_id)
 
-    def _ack(self, tickets: list[int], ok: bool) -> None:
-        for t in tickets:
+    def _ack(self, batches: list[int], ok: bool) -> None:
+        for t in batches:
             self._acks.done[t] = self._acks.done.get(t, 0) + 1
             if not ok:
                 self._acks.failed[t] = self._acks.failed.get(t, 0) + 1

@@ -20,6 +20,9 @@ from tests.integration.vllm_params import SCHEDULERS, STEP_SPEEDS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
+# Budgets that leave store planning one late piece a step (no overdue budget either).
+NO_PLANNING_TIME = {"store_plan_budget_us": 0, "store_pressure_budget_us": 0,
+                    "store_overdue_after_s": 60}
 
 
 def prompt(n: int, start: int = 100) -> list[int]:
@@ -38,10 +41,10 @@ def spy_planned_blocks(role) -> list[int]:
     planned: list[int] = []
     plan = role.planner.plan
 
-    def spy(so, step_started, preempted=()):
-        specs = plan(so, step_started, preempted)
+    def spy(so, step_started, preempted, manager):
+        specs, finished = plan(so, step_started, preempted, manager)
         planned.append(sum(len(s.keys) for s in specs))
-        return specs
+        return specs, finished
 
     role.planner.plan = spy
     return planned
@@ -148,7 +151,7 @@ def test_gpu_prefix_hit_covers_the_pool_hit_and_releases_the_lease(make_engine, 
 
     def spy(step):
         original(step)
-        leases.extend(x for st in role._reqs.values() for x in st.leases)
+        leases.extend(x for a in role.lookups._asks.values() for x in a.leases)
 
     role.lookups.poll = spy
     # The GPU prefix cache still holds a's 4 blocks; the pool has the same 4 and no more.
@@ -173,7 +176,7 @@ def test_preemption_during_stores_and_loads(make_engine, info, async_scheduling)
     assert sorted(e.stats.finished) == sorted(prompts)
     preempted = [r for r in e.stats.finished if r in e.preemptions]
     assert preempted, "the small GPU cache must have preempted someone"
-    assert e.flushed_tickets, "a preempted request's stores should have been in flight"
+    assert e.flushed_batches, "a preempted request's stores should have been in flight"
     assert e.stats.loaded_reqs, "a preempted request should have resumed from the pool"
     e.assert_clean(info)
 
@@ -257,14 +260,14 @@ def test_sliding_window_and_full_attention_groups(make_engine, info, async_sched
 def test_tp2_stores_commit_only_after_every_rank(make_engine, info, async_scheduling):
     e = make_engine(async_scheduling=async_scheduling, tp=2)
     role = e.connector.scheduler
-    # A ticket reported by one rank stays in flight; the second rank's report resolves it.
+    # A batch reported by one rank stays in flight; the second rank's report resolves it.
     e.add("a", prompt(40), max_tokens=1)
-    e.run(until=lambda: role.tickets.by_id)
+    e.run(until=lambda: role.batches.by_id)
     from vllm.v1.outputs import KVConnectorOutput
-    tid = next(iter(role.tickets.by_id))
-    held = role.tickets.by_id[tid]
-    role.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=WorkerAcks({tid: 1})))
-    assert tid in role.tickets.by_id and held.done == 1
+    batch = next(iter(role.batches.by_id))
+    held = role.batches.by_id[batch]
+    role.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=WorkerAcks({batch: 1})))
+    assert batch in role.batches.by_id and held.done == 1
     held.done = 0                                   # give the real acks their say
     e.run()
     assert e.stats.finished == ["a"]
@@ -303,7 +306,7 @@ def test_in_flight_stores_are_not_planned_twice(make_engine, info, async_schedul
     role.build_connector_meta = spy
     shared = prompt(64)
     e.add("a", shared + [1] * 5, max_tokens=2)
-    e.run(until=lambda: any(role.tickets.keys_in_flight))   # a's 4 blocks planned, in flight
+    e.run(until=lambda: any(role.batches.keys_in_flight))   # a's 4 blocks planned, in flight
     e.add("b", shared + [2] * 5, max_tokens=2)
     e.run()
     assert len(planned) == len(set(planned)), "a key was planned twice"
@@ -489,16 +492,12 @@ def test_a_burst_of_requests_is_looked_up_over_several_steps(
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 @pytest.mark.parametrize("max_tokens", [1, 8], ids=["finish-at-once", "keep-running"])
 def test_a_burst_of_stores_is_planned_over_several_steps(
-        make_engine, info, monkeypatch, async_scheduling, max_tokens):
-    from kvpool.client.vllm import store_planner
-
+        make_engine, info, async_scheduling, max_tokens):
     # No time for planning at all: one request per step. 8 requests of 4 full blocks each
     # fill them in one step. (No overdue budget either: on a loaded 2-core machine a step can
-    # take over STORE_DEFER_MAX_S, and that budget then plans more requests in a step.)
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)
-    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
+    # take over store_overdue_after_s, and that budget then plans more requests in a step.)
+    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024,
+                    extra=NO_PLANNING_TIME)
     role = e.connector.scheduler
     planned = spy_planned_blocks(role)
     for i in range(8):
@@ -525,12 +524,10 @@ def test_a_long_prompt_is_planned_in_pieces_over_several_steps(
 
     # No time for planning: each step plans one late piece, of 3 blocks (not a full piece of
     # 6). One prefill fills 10 blocks.
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)     # (see above)
     monkeypatch.setattr(store_planner, "STORE_PIECE_BLOCKS", 6)
     monkeypatch.setattr(store_planner, "STORE_LATE_PIECE_BLOCKS", 3)
-    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
+    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024,
+                    extra=NO_PLANNING_TIME)
     role = e.connector.scheduler
     planned = spy_planned_blocks(role)
     e.add("long", prompt(170), max_tokens=max_tokens)
@@ -546,19 +543,15 @@ def test_a_long_prompt_is_planned_in_pieces_over_several_steps(
 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
-@pytest.mark.parametrize("overdue_budget_s", [60.0, 0.0], ids=["ample", "none"])
+@pytest.mark.parametrize("overdue_budget_us", [1_000_000, 0], ids=["ample", "none"])
 def test_a_store_deferred_too_long_gets_a_second_bounded_budget(
-        make_engine, info, monkeypatch, async_scheduling, overdue_budget_s):
-    from kvpool.client.vllm import store_planner
-
+        make_engine, info, async_scheduling, overdue_budget_us):
     # No time for planning, and every wait too long: the overdue budget alone decides. With
     # none, a step plans the queue's forced piece and one overdue piece (a request of 4 blocks
     # each), never all 8 requests at once.
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_OVERDUE_BUDGET_S", overdue_budget_s)
-    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
+    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024,
+                    extra={**NO_PLANNING_TIME, "store_overdue_after_s": 0,
+                           "store_overdue_budget_us": overdue_budget_us})
     role = e.connector.scheduler
     planned = spy_planned_blocks(role)
     for i in range(8):
@@ -566,7 +559,7 @@ def test_a_store_deferred_too_long_gets_a_second_bounded_budget(
     e.run()
     wait_for(lambda: info.info().stored_blocks == 32, 10, "all 32 blocks committed")
     steps = [n for n in planned if n]
-    if overdue_budget_s:
+    if overdue_budget_us:
         assert steps == [32], planned
     else:
         assert sum(steps) == 32 and max(steps) <= 8 and len(steps) >= 4, planned
@@ -593,12 +586,12 @@ def test_decode_blocks_are_stored_in_runs_and_the_rest_when_the_request_ends(
 
 
 def test_remembered_keys_are_bounded_and_the_newest_kept(make_engine, info, monkeypatch):
-    from kvpool.client.vllm import tickets
+    from kvpool.client.vllm import store_batches
 
-    monkeypatch.setattr(tickets, "_MAX_REMEMBERED_KEYS", 3)
+    monkeypatch.setattr(store_batches, "_MAX_REMEMBERED_KEYS", 3)
     e = make_engine(async_scheduling=False)
     role = e.connector.scheduler
-    e.add("a", prompt(70), max_tokens=1)                 # 4 full blocks, one ticket
+    e.add("a", prompt(70), max_tokens=1)                 # 4 full blocks, one batch
     e.run()
     wait_for(lambda: info.info().stored_blocks == 4, 10, "4 blocks committed")
     e.add("b", prompt(40, 5000), max_tokens=1)           # 2 more
@@ -614,25 +607,21 @@ def test_remembered_keys_are_bounded_and_the_newest_kept(make_engine, info, monk
     a = RequestKeys(_Req(prompt(70)), role.groups)
     b = RequestKeys(_Req(prompt(40, 5000)), role.groups)
     newest = a.keys(_Req(prompt(70)), 0, 4)[3:] + b.keys(_Req(prompt(40, 5000)), 0, 2)
-    assert list(role.tickets.committed[0]) == newest
+    assert list(role.batches.committed[0]) == newest
     e.assert_clean(info)
 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_finished_requests_waiting_past_store_wait_free_their_blocks_unstored(
-        make_engine, info, monkeypatch, caplog, async_scheduling):
-    from kvpool.client.vllm import store_planner
-
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)   # one request a step
-    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)    # and no overdue budget
-    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024)
+        make_engine, info, caplog, async_scheduling):
+    # One request planned a step, and a finished request waits for no planning at all.
+    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=1024,
+                    extra={**NO_PLANNING_TIME, "store_wait_s": 0})
     role = e.connector.scheduler
-    role.backlog.store_wait_s = 0.0          # a finished request waits for no planning at all
-    # The loss needs slots in hand while the requests finish (no stock means no planning at
+    # The loss needs tickets in hand while the requests finish (no stock means no planning at
     # all): step the idle engine until its first reservation is in.
     ns = role.groups[0].namespace
-    wait_for(lambda: e.step() or role.client.stock(ns), 10, "the first reserved slots")
+    wait_for(lambda: e.step() or role.client.stock(ns), 10, "the first tickets")
     for i in range(8):
         e.add(f"s{i}", prompt(70, 1000 * (i + 1)), max_tokens=1)
     e.run()

@@ -119,7 +119,7 @@ def test_pd_hand_off_through_the_pool(engines, daemon, observer, async_schedulin
     pe.run(until=lambda: "r1" in pe.stats.params)
     params = pe.stats.params["r1"]
     assert params["kvpool_tokens"] == 6 * BS and params["remote_engine_id"] == "prefill"
-    assert pe.connector.scheduler.tickets.by_id, "its blocks stay allocated until the stores land"
+    assert pe.connector.scheduler.batches.by_id, "its blocks stay allocated until the stores land"
     pe.run()
     de.add("r1", tokens, max_tokens=5, kv_transfer_params=params)
     de.run()

@@ -16,7 +16,6 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
-from kvpool.client.vllm import store_planner  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402
 
 from bench.vllm_scheduler import BS, Engine  # noqa: E402
@@ -43,18 +42,17 @@ def stored(daemon) -> int:
         c.close()
 
 
-def preempting_engine(make_engine, monkeypatch, async_scheduling: bool, step_s: float,
-                      pressure_budget_s: float) -> Engine:
+def preempting_engine(make_engine, async_scheduling: bool, step_s: float,
+                      pressure_budget_us: int) -> Engine:
     """Store planning starved to one late piece (8 blocks) a step, except for the pressure
     budget; 4 prompts of 12 full blocks + 15 tokens added: one decode token fills a 13th
     block, the next needs a 14th, and 53 GPU blocks hold 4 x 13 + 1, so vLLM preempts a
     request two steps after the prefill."""
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_STEP_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)
-    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", pressure_budget_s)
     e = make_engine(async_scheduling=async_scheduling, step_s=step_s, num_blocks=54,
-                    max_num_batched_tokens=1024)
+                    max_num_batched_tokens=1024,
+                    extra={"store_plan_budget_us": 0, "store_step_budget_us": 0,
+                           "store_overdue_after_s": 60,
+                           "store_pressure_budget_us": pressure_budget_us})
     for i, p in enumerate(prompts(4, 13)):
         e.add(f"r{i}", p[:12 * BS + 15], max_tokens=40)
     return e
@@ -130,13 +128,13 @@ def test_daemon_restarted_under_an_idle_engine_stores_the_next_burst_whole(
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 @pytest.mark.parametrize("step_s", STEP_SPEEDS)
 def test_a_preempted_requests_blocks_are_stored_though_planning_lagged(
-        make_engine, daemon, info, monkeypatch, async_scheduling, step_s):
+        make_engine, daemon, info, async_scheduling, step_s):
     # Planning starved: when vLLM preempts a request two steps after the prefill, most
     # prompts' blocks were never planned, and vLLM frees the
     # preempted one's blocks inside schedule(), before the connector hears of it. It resumes
     # from token 0, so what is not stored then is recomputed (the real CPU engine lost every
     # resumed hit this way on a slow host).
-    e = preempting_engine(make_engine, monkeypatch, async_scheduling, step_s, 0.0)
+    e = preempting_engine(make_engine, async_scheduling, step_s, 0)
     role = e.connector.scheduler
     pool = e.sched.kv_cache_manager.block_pool
     held: dict[str, list[bytes]] = {}     # preempted request -> keys of blocks vLLM still held
@@ -147,13 +145,13 @@ def test_a_preempted_requests_blocks_are_stored_though_planning_lagged(
             req = e.sched.requests[rid]
             if rid in held or req.num_preemptions > 1:
                 continue
-            keys = role._reqs[rid].keys.range(req, 0, 0, len(req.block_hashes))
+            keys = role.requests.get(rid).keys.range(req, 0, 0, len(req.block_hashes))
             held[rid] = [k for k, h in zip(keys, req.block_hashes)
                          if pool.get_cached_block(h, [0])]
         return build(so)
 
     role.build_connector_meta = spy
-    e.run(until=lambda: bool(held) and not role.tickets.by_id, timeout_s=60)
+    e.run(until=lambda: bool(held) and not role.batches.by_id, timeout_s=60)
     resumed = [rid for rid in held if e.sched.requests[rid].num_computed_tokens]
     assert not resumed, f"{resumed} resumed before the check: the test proves nothing"
     ns = role.groups[0].namespace
@@ -170,12 +168,12 @@ def test_a_preempted_requests_blocks_are_stored_though_planning_lagged(
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 @pytest.mark.parametrize("step_s", STEP_SPEEDS)
 def test_under_memory_pressure_prompt_blocks_are_planned_before_a_preemption(
-        make_engine, daemon, monkeypatch, async_scheduling, step_s):
+        make_engine, daemon, async_scheduling, step_s):
     # The same starved planning as above, but vLLM's free blocks are fewer than one schedule()
     # can take from the first step on: the planner spends its pressure budget, so a request
     # preempted two steps after its prefill had every prompt block planned already, including
     # those vLLM hands to another request inside the preempting schedule().
-    e = preempting_engine(make_engine, monkeypatch, async_scheduling, step_s, 60.0)
+    e = preempting_engine(make_engine, async_scheduling, step_s, 1_000_000)
     role = e.connector.scheduler
     planned_at_preemption: dict[str, int] = {}
     preemptions = 0
@@ -184,7 +182,7 @@ def test_under_memory_pressure_prompt_blocks_are_planned_before_a_preemption(
     def spy(so):
         nonlocal preemptions
         for rid in so.preempted_req_ids or ():
-            planned_at_preemption.setdefault(rid, role._reqs[rid].cursor[0])
+            planned_at_preemption.setdefault(rid, role.planner.cursor(rid).cursor[0])
             preemptions += 1
         return build(so)
 

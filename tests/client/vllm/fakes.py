@@ -1,23 +1,42 @@
 """Small stand-ins for what the scheduler side's parts talk to, so they are tested without
-vLLM and without a daemon: a ``SchedulerClient`` with a stock of slots and lookups answered by
-the test, vLLM requests as plain objects, a KV-cache manager and a ``SchedulerOutput``."""
+vLLM and without a daemon: a ``SchedulerClient`` with a stock of tickets and lookups answered
+by the test, vLLM requests as plain objects, a KV-cache manager, a ``SchedulerOutput`` and a
+clock the test moves. The parts themselves are wired by ``build_parts``, as the role wires
+them (``Rig``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
-from kvpool.client.vllm.daemon_link import DaemonLink
-from kvpool.client.vllm.requests import ReqState
-from kvpool.client.vllm.store_losses import StoreLosses
-from kvpool.client.vllm.tickets import Backlog, Tickets
+from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.keys import GroupInfo, RequestKeys
+from kvpool.client.vllm.parts import Parts, RoleSettings, build_parts
+from kvpool.client.vllm.requests import ReqState
 from kvpool.shared.errors import DaemonUnavailable
 
 BT = 16
 NS = b"ns-full"
 GROUP = GroupInfo(index=0, namespace=NS, identity="test model", block_tokens=BT,
                   layer_names=("layer.0",), sliding_window=None)
+
+
+class Clock:
+    """The parts' clock, moved by the test (``now``): time passes only when it says so, so a
+    budget of 0 is spent at once and any other never is."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def budgets(clock: Clock | None = None, **seconds: float) -> Budgets:
+    """The default budgets with ``seconds`` overridden (``Budgets`` field names), read on
+    ``clock`` (a new ``Clock`` if None)."""
+    return dataclasses.replace(Budgets.from_config(), clock=clock or Clock(), **seconds)
 
 
 class FakeCall:
@@ -38,11 +57,11 @@ class FakeCall:
 
 
 class FakeClient:
-    """A ``SchedulerClient`` as the parts use it: a stock of slot refs per namespace (filled
+    """A ``SchedulerClient`` as the parts use it: a stock of tickets per namespace (filled
     by the test), lookups answered by the test, and the no-wait sends recorded."""
 
-    def __init__(self, slots: int = 0, reserving: bool = True, up: bool = True) -> None:
-        self.slots: dict[bytes, list[int]] = {NS: list(range(100, 100 + slots))}
+    def __init__(self, tickets: int = 0, reserving: bool = True, up: bool = True) -> None:
+        self.tickets: dict[bytes, list[int]] = {NS: list(range(100, 100 + tickets))}
         self.is_reserving = reserving
         self.up = up
         self.calls: list[FakeCall] = []
@@ -63,19 +82,19 @@ class FakeClient:
         self._check()
 
     def keep_stock(self, namespace: bytes) -> None:
-        self.slots.setdefault(namespace, [])
+        self.tickets.setdefault(namespace, [])
 
     def stock(self, namespace: bytes) -> int:
-        return len(self.slots.get(namespace, ()))
+        return len(self.tickets.get(namespace, ()))
 
     def reserving(self, namespace: bytes) -> bool:
         return self.is_reserving
 
     def take_slots(self, namespace: bytes, n: int) -> tuple[list[int], str]:
         self.taken.append((namespace, n))
-        have = self.slots.setdefault(namespace, [])
+        have = self.tickets.setdefault(namespace, [])
         out, have[:] = have[:n], have[n:]
-        return out, "grant-1"
+        return out, "daemon-1"
 
     def lookup_start(self, namespace: bytes, key_lists: list[list[bytes]],
                      pin: bool = False) -> FakeCall:
@@ -104,15 +123,14 @@ def request(rid: str, tokens: list[int], computed: int = 0, prompt: int | None =
                            num_computed_tokens=computed,
                            num_prompt_tokens=len(tokens) if prompt is None else prompt,
                            cache_salt=None, lora_request=None, mm_features=None,
-                           prompt_embeds=None, kv_transfer_params=params or None)
+                           prompt_embeds=None, kv_transfer_params=params or None,
+                           skip_reading_prefix_cache=False, block_hashes=[],
+                           num_output_tokens=0)
 
 
-def state(reqs: dict[str, ReqState], req: SimpleNamespace, groups=(GROUP,),
-          store_run: int = 1) -> ReqState:
-    st = ReqState(req, RequestKeys(req, list(groups)), cursor=[0] * len(groups),
-                  store_run=store_run)
-    reqs[req.request_id] = st
-    return st
+def state(rig: "Rig", req: SimpleNamespace) -> ReqState:
+    """``req`` admitted as the role admits a request vLLM adds."""
+    return rig.requests.admit(req)
 
 
 def keys(req: SimpleNamespace, start: int, stop: int) -> list[bytes]:
@@ -149,33 +167,39 @@ class FakeManager:
 
 
 def step_output(new: dict[str, int] = {}, cached: dict[str, int] = {},  # noqa: B006
-                ) -> SimpleNamespace:
+                preempted: tuple[str, ...] = ()) -> SimpleNamespace:
     """A ``SchedulerOutput``: ``new``/``cached`` map request ids to tokens scheduled (cached
-    requests all got a new block)."""
+    requests all got a new block); ``preempted``: ids vLLM preempted in this step."""
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=([],)) for r in new],
         scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached),
                                               new_block_ids=[([1],)] * len(cached)),
         num_scheduled_tokens={**new, **cached}, scheduled_spec_decode_tokens={},
-        preempted_req_ids=set())
+        total_num_scheduled_tokens=sum(new.values()) + sum(cached.values()),
+        preempted_req_ids=set(preempted))
 
 
-class Parts:
-    """The store side's parts wired as ``SchedulerRole`` wires them, for one full-attention
-    group."""
+class Rig:
+    """The scheduler side's parts as ``build_parts`` wires them (for the role too), for one
+    full-attention group unless told, with the fakes they talk to: ``client``, a ``clock`` the
+    test moves, vLLM's KV-cache ``manager``. A part is read as an attribute (``rig.planner``)."""
 
-    def __init__(self, client: FakeClient, world_size: int = 1,
-                 store_wait_s: float = 2.0) -> None:
-        from kvpool.client.vllm.store_planner import StorePlanner
+    def __init__(self, client: FakeClient | None = None, world_size: int = 1,
+                 horizon_blocks: int = 0, groups: tuple = (GROUP,), **seconds: float) -> None:
+        self.client = client if client is not None else FakeClient()
+        self.clock = Clock()
+        self.budgets = budgets(self.clock, **seconds)
+        self.settings = RoleSettings(list(groups), self.budgets, world_size=world_size,
+                                     events_enabled=False, horizon_blocks=horizon_blocks)
+        self.parts: Parts = build_parts(self.client, self.settings)
+        self.manager = FakeManager()
 
-        self.client = client
-        self.reqs: dict[str, ReqState] = {}
-        self.losses = StoreLosses()
-        self.link = DaemonLink(client)
-        self.backlog = Backlog(BT, client, self.link, self.reqs, [NS], self.losses,
-                               store_wait_s)
-        self.tickets = Tickets([GROUP], BT, world_size, client, self.link, self.backlog,
-                               self.losses, events_enabled=False)
-        self.planner = StorePlanner([GROUP], BT, client, self.link, self.reqs, self.tickets,
-                                    self.backlog, self.losses)
-        self.manager = self.planner.kv_cache_manager = FakeManager()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.parts, name)
+
+    def plan(self, so: SimpleNamespace, preempted: list[ReqState] | tuple = ()) -> list:
+        """One step's store planning, begun now; its specs."""
+        return self.planner.plan(so, self.clock(), preempted, self.manager)[0]
+
+    def cursor(self, rid: str) -> list[int]:
+        return self.planner.cursor(rid).cursor

@@ -1,92 +1,94 @@
 """Loads and the P/D stream without vLLM: a hit becomes load specs once blocks are allocated,
-a load's report releases its leases, and a hand-off still landing streams in chunks."""
+a load's report says which loads ended and whether they failed, and a hand-off still landing
+streams in chunks (time is the test's clock)."""
 
 from __future__ import annotations
 
-import time
-
-from kvpool.client.vllm.daemon_link import DaemonLink
-from kvpool.client.vllm.loads import Loads
-from kvpool.client.vllm.lookups import Lookups
-from kvpool.client.vllm.pd_stream import PdStream
+from kvpool.client.vllm.lookups import Hit
 from kvpool.client.vllm.specs import LoadSpec
 
-from .fakes import BT, GROUP, FakeClient, keys, request, state
+from .fakes import BT, FakeClient, Rig, keys, request, state
 
 
-class Wired:
-    def __init__(self, pd_wait_s: float = 3.0) -> None:
-        self.client = FakeClient()
-        self.reqs: dict = {}
-        self.step_loads: list[LoadSpec] = []
-        link = DaemonLink(self.client)
-        self.pd = PdStream([GROUP], BT, self.reqs, self.step_loads, pd_wait_s)
-        self.lookups = Lookups([GROUP], BT, self.client, link, self.reqs, self.pd, [{}])
-        self.loads = Loads([GROUP], BT, self.reqs, self.step_loads, self.lookups)
+def hit(n: int, slots: list[int], local_tokens: int = 0, offered: int = 0) -> Hit:
+    return Hit(n, max(n, offered), local_tokens, [0], [slots])
 
 
-def hit(st, n: int, slots: list[int], lease: int) -> None:
-    st.hit, st.hit_start, st.slots, st.leases = n, [0], [slots], [lease]
+def consumer(w: Rig, rid: str = "d"):
+    """A P/D decode request told the prefill hands over 4 blocks."""
+    return state(w, request(rid, list(range(70)), do_remote_prefill=True, kvpool_tokens=64))
 
 
-def test_a_hit_becomes_load_specs_and_its_report_releases_the_lease():
-    w = Wired()
-    st = state(w.reqs, request("a", list(range(70))))
-    hit(st, 4, [30, 31, 32, 33], 9)
-    st.local_tokens = 16                          # block 0 is in the GPU prefix cache
-    end, first, loads = w.loads.start(st, ([5, 6, 7, 8, 9],), 3 * BT)
-    assert (end, first) == (4, 4)
-    assert w.step_loads == loads == [LoadSpec("a", 0, [31, 32, 33], [6, 7, 8])]
-    assert st.loading and st.pooled == 4 and st.load_blocks == [6, 7, 8]
-    assert list(w.loads.loading_keys) == keys(st.request, 1, 4)
+def test_a_hit_becomes_load_specs_and_its_report_ends_the_load():
+    w = Rig(FakeClient())
+    st = state(w, request("a", list(range(70))))
+    # block 0 is in the GPU prefix cache
+    load = w.loads.start(st, hit(4, [30, 31, 32, 33], local_tokens=16), ([5, 6, 7, 8, 9],),
+                         3 * BT)
+    assert (load.end, load.first, load.pooled) == (4, 4, 4)
+    assert load.specs == [LoadSpec("a", 0, [31, 32, 33], [6, 7, 8])]
+    assert w.loads.busy("a") and list(w.loads.loading_keys) == keys(st.request, 1, 4)
     # Another request wanting those blocks waits for this load.
-    b = state(w.reqs, request("b", list(range(70)) + [1]))
+    b = state(w, request("b", list(range(70)) + [1]))
     assert w.loads.waits_for(b, 0, 4) and not w.loads.waits_for(b, 64, 4)
-    w.loads.finished(["a"], None, None)
-    assert not st.loading and w.loads.loading_keys == {}
-    assert w.lookups.release == [9] and st.leases == [] and not st.load_failed
+    assert w.loads.finished(["a"], None, None) == [("a", False)]
+    assert not w.loads.busy("a") and w.loads.loading_keys == {}
+    assert w.loads.finished(["a"], None, None) == []      # reported once
 
 
-def test_a_failed_load_is_stored_again_and_never_offered_again():
-    w = Wired()
-    st = state(w.reqs, request("a", list(range(70))))
-    hit(st, 4, [30, 31, 32, 33], 9)
-    w.loads.start(st, ([5, 6, 7, 8],), 4 * BT)
-    st.set_cursor(4)
-    st.finished = True
-    w.loads.finished(["a"], None, {7})            # one block came back invalid
-    assert st.load_failed and st.cursor == [0] and st.pooled == 0
-    assert w.reqs == {}                           # finished meanwhile: forgotten
+def test_a_load_with_an_invalid_block_failed():
+    w = Rig(FakeClient())
+    st = state(w, request("a", list(range(70))))
+    w.loads.start(st, hit(4, [30, 31, 32, 33]), ([5, 6, 7, 8],), 4 * BT)
+    assert w.loads.finished(["a"], None, {7}) == [("a", True)]   # one block came back invalid
+    state(w, request("b", list(range(70))))
+    w.loads.start(w.requests.get("b"), hit(4, [30, 31, 32, 33]), ([1, 2, 3, 4],), 4 * BT)
+    assert w.loads.finished(["b"], ["b"], None) == [("b", True)]
+
+
+def test_all_blocks_local_still_sends_a_spec_so_the_request_is_reported():
+    w = Rig(FakeClient())
+    st = state(w, request("a", list(range(70))))
+    load = w.loads.start(st, hit(2, [30, 31], local_tokens=32), ([5, 6, 7],), 0)
+    assert load.specs == [LoadSpec("a", 0, [], [])] and (load.end, load.first) == (2, 2)
 
 
 def test_a_hand_off_streams_its_chunks_as_they_commit():
-    w = Wired()
-    st = state(w.reqs, request("d", list(range(70)), do_remote_prefill=True,
-                               kvpool_tokens=64))
-    st.expect_blocks, st.wait_until = 4, time.monotonic() + 3
+    w = Rig(FakeClient())
+    st = consumer(w)
     # One block landed: a consumer that can stream takes the whole hand-off.
-    assert not w.pd.keeps_waiting(st, 1) and st.stream_to == 4
-    assert w.pd.keeps_waiting(st, 0)              # nothing landed: ask again
-    hit(st, 1, [40], 9)
-    end, first, loads = w.loads.start(st, ([5, 6, 7, 8],), 4 * BT)
-    assert (end, first) == (4, 1)
-    w.pd.start(st, ([5, 6, 7, 8],), first, end, loads)
-    assert [s.final for s in w.step_loads] == [False] and w.pd.streams == {"d"}
-    assert (st.stream_next, st.stream_end, st.stream_ids) == (1, 4, [[5, 6, 7, 8]])
-    assert w.pd.answer(st, [(1, 2, [41, 42], 0)])           # blocks 1, 2 came
-    assert w.step_loads[-1] == LoadSpec("d", 0, [41, 42], [6, 7], final=False)
-    assert not w.pd.answer(st, [(3, 1, [43], 0)])           # the last one
-    assert w.step_loads[-1] == LoadSpec("d", 0, [43], [8], final=True)
-    assert w.pd.streams == set() and st.stream_end == 0
+    assert w.pd.admit(st, 1) == 4
+    assert w.pd.admit(st, 0) is None              # nothing landed: ask again
+    load = w.loads.start(st, hit(1, [40], offered=4), ([5, 6, 7, 8],), 4 * BT)
+    assert (load.end, load.first) == (4, 1)
+    assert [s.final for s in load.specs] == [False]
+    w.pd.start(st, ([5, 6, 7, 8],), load.first, load.end)
+    assert w.pd.streams == {"d"} and w.pd.span("d") == (1, 4)
+    assert w.pd.answer("d", [(1, 2, [41, 42], 0)])            # blocks 1, 2 came
+    assert w.pd.take_specs() == [LoadSpec("d", 0, [41, 42], [6, 7], final=False)]
+    assert not w.pd.answer("d", [(3, 1, [43], 0)])            # the last one
+    assert w.pd.take_specs() == [LoadSpec("d", 0, [43], [8], final=True)]
+    assert w.pd.streams == set() and w.pd.span("d") is None
 
 
 def test_a_stalled_hand_off_reports_its_missing_blocks_as_load_errors():
-    w = Wired(pd_wait_s=0.0)
-    st = state(w.reqs, request("d", list(range(70))))
-    st.expect_blocks, st.stream_to = 4, 4      # (as keeps_waiting leaves it)
-    hit(st, 1, [40], 9)
-    end, first, loads = w.loads.start(st, ([5, 6, 7, 8],), 4 * BT)
-    w.pd.start(st, ([5, 6, 7, 8],), first, end, loads)
+    w = Rig(FakeClient(), pd_wait_s=1.0)
+    st = consumer(w)
+    assert w.pd.admit(st, 1) == 4
+    load = w.loads.start(st, hit(1, [40], offered=4), ([5, 6, 7, 8],), 4 * BT)
+    w.pd.start(st, ([5, 6, 7, 8],), load.first, load.end)
+    w.clock.now += 0.9
+    w.pd.expire()                                 # still in time
+    assert w.pd.take_specs() == [] and w.pd.span("d") == (1, 4)
+    w.clock.now += 0.1
     w.pd.expire()
-    assert w.step_loads[-1] == LoadSpec("d", 0, [], [6, 7, 8], failed=True)
-    assert w.pd.streams == set() and st.stream_end == 0
+    assert w.pd.take_specs() == [LoadSpec("d", 0, [], [6, 7, 8], failed=True)]
+    assert w.pd.streams == set() and w.pd.span("d") is None
+
+
+def test_a_consumer_past_its_wait_takes_what_it_found():
+    w = Rig(FakeClient(), pd_wait_s=1.0)
+    st = consumer(w)
+    assert w.pd.admit(st, 0) is None
+    w.clock.now += 1.0
+    assert w.pd.admit(st, 0) == 0                  # gives up waiting: recompute

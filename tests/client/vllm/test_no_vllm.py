@@ -6,8 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-PARTS = ("daemon_link", "lookups", "loads", "pd_stream", "requests", "specs", "store_losses",
-         "store_planner", "tickets")
+PARTS = ("backlog", "budgets", "daemon_link", "lazy_store", "lookups", "loads", "parts",
+         "pd_stream", "requests", "specs", "store_batches", "store_losses", "store_planner")
 
 
 def test_importing_the_parts_loads_no_vllm():

@@ -1,73 +1,61 @@
 """The store planner without vLLM: which full blocks a step stores, in budgets and pieces,
-with slots from a fake client's stock."""
+with tickets from a fake client's stock. Time is the parts' clock, which moves only when a test
+moves it: a budget of 0 is spent at once, any other never is."""
 
 from __future__ import annotations
 
-import time
-
-import pytest
-
 from kvpool.client.vllm import store_planner
 
-from .fakes import BT, NS, FakeClient, Parts, keys, request, state, step_output
+from .fakes import BT, NS, FakeClient, Rig, keys, request, state, step_output
 
 
-def plan(parts: Parts, so) -> list:
-    return parts.planner.plan(so, time.perf_counter())
+def plan(rig: Rig, so) -> list:
+    return rig.plan(so)
 
 
-@pytest.fixture
-def ample(monkeypatch):
-    """Budgets nothing on a loaded test machine runs out of."""
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 60.0)
-    monkeypatch.setattr(store_planner, "STORE_STEP_BUDGET_S", 60.0)
-    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)
-
-
-def test_a_prefill_stores_its_full_blocks_in_one_ticket_with_slots_from_the_stock(ample):
-    p = Parts(FakeClient(slots=10))
+def test_a_prefill_stores_its_full_blocks_in_one_batch_with_tickets_from_the_stock():
+    p = Rig(FakeClient(tickets=10))
     req = request("a", list(range(70)))           # 4 full blocks, 6 tokens over
-    st = state(p.reqs, req)
+    st = state(p, req)
     p.manager.tables["a"] = [11, 12, 13, 14, 15]
     [spec] = plan(p, step_output(new={"a": 70}))
-    assert (spec.ticket, spec.group, spec.grant) == (1, 0, "grant-1")
-    assert spec.slots == [100, 101, 102, 103]
+    assert (spec.batch, spec.group, spec.granted_by) == (1, 0, "daemon-1")
+    assert spec.tickets == [100, 101, 102, 103]
     assert spec.block_ids == [11, 12, 13, 14]
     assert spec.keys == keys(req, 0, 4)
     assert p.client.taken == [(NS, 4)]
-    assert st.cursor == [4] and st.lo == 4 and st.tickets == {1}
-    assert p.tickets.keys_in_flight[0] == dict.fromkeys(keys(req, 0, 4), 1)
-    assert p.tickets.block_reader == {11: 1, 12: 1, 13: 1, 14: 1}
+    assert p.cursor("a") == [4] and p.planner.cursor("a").lo == 4
+    assert p.batches.of("a") == {1}
+    assert p.batches.keys_in_flight[0] == dict.fromkeys(keys(req, 0, 4), 1)
+    assert p.batches.block_reader == {11: 1, 12: 1, 13: 1, 14: 1}
     # The next step has nothing new to store.
     req.num_computed_tokens = 70
     assert plan(p, step_output(cached={"a": 1})) == []
 
 
-def test_keys_in_flight_or_committed_are_not_planned_again(ample):
-    p = Parts(FakeClient(slots=10))
+def test_keys_in_flight_or_committed_are_not_planned_again():
+    p = Rig(FakeClient(tickets=10))
     tokens = list(range(40))                       # 2 full blocks
-    state(p.reqs, request("a", tokens))
+    state(p, request("a", tokens))
     p.manager.tables["a"] = [1, 2, 3]
     assert len(plan(p, step_output(new={"a": 40}))) == 1
     # b computed the same blocks while a's store is in flight: nothing to plan.
-    state(p.reqs, request("b", tokens + [7] * 20))  # 3 full blocks: only the third is new
+    state(p, request("b", tokens + [7] * 20))  # 3 full blocks: only the third is new
     p.manager.tables["b"] = [4, 5, 6, 7]
     [spec] = plan(p, step_output(new={"b": 60}))
     assert spec.block_ids == [6] and spec.keys == keys(request("b", tokens + [7] * 20), 2, 3)
     # Once committed (every rank acked), a third copy is not planned either.
-    p.tickets.acked({1: 1, 2: 1}, {})
-    state(p.reqs, request("c", tokens + [7] * 20))
+    p.batches.acked({1: 1, 2: 1}, {})
+    state(p, request("c", tokens + [7] * 20))
     p.manager.tables["c"] = [8, 9, 10, 11]
     assert plan(p, step_output(new={"c": 60})) == []
-    assert p.client.slots[NS] == list(range(103, 110))
+    assert p.client.tickets[NS] == list(range(103, 110))
 
 
 def test_a_long_prefill_is_planned_in_pieces_within_the_budget(monkeypatch):
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)   # every step is late
-    monkeypatch.setattr(store_planner, "STORE_DEFER_MAX_S", 60.0)
     monkeypatch.setattr(store_planner, "STORE_LATE_PIECE_BLOCKS", 3)
-    p = Parts(FakeClient(slots=20))
-    long = state(p.reqs, request("long", list(range(170))))      # 10 full blocks
+    p = Rig(FakeClient(tickets=20), plan_s=0.0)          # every step is late
+    long = state(p, request("long", list(range(170))))      # 10 full blocks
     p.manager.tables["long"] = list(range(1, 12))
     per_step = [sum(len(s.keys) for s in plan(p, step_output(new={"long": 170})))]
     long.request.num_computed_tokens = 170
@@ -77,61 +65,60 @@ def test_a_long_prefill_is_planned_in_pieces_within_the_budget(monkeypatch):
     assert list(p.planner.queue) == []
 
 
-def test_pieces_of_an_ample_budget_plan_the_whole_prefill_in_one_step(ample, monkeypatch):
+def test_pieces_of_an_ample_budget_plan_the_whole_prefill_in_one_step(monkeypatch):
     monkeypatch.setattr(store_planner, "STORE_PIECE_BLOCKS", 3)
-    p = Parts(FakeClient(slots=20))
-    state(p.reqs, request("long", list(range(170))))
+    p = Rig(FakeClient(tickets=20))
+    state(p, request("long", list(range(170))))
     p.manager.tables["long"] = list(range(1, 12))
     [spec] = plan(p, step_output(new={"long": 170}))
     assert spec.block_ids == list(range(1, 11))
 
 
-def test_a_short_stock_cuts_the_runs_and_plans_the_rest_when_slots_come(ample):
-    p = Parts(FakeClient(slots=3, reserving=True))
-    a = state(p.reqs, request("a", list(range(40))))           # 2 full blocks each
-    b = state(p.reqs, request("b", list(range(500, 540))))
+def test_a_short_stock_cuts_the_runs_and_plans_the_rest_when_tickets_come():
+    p = Rig(FakeClient(tickets=3, reserving=True))
+    a = state(p, request("a", list(range(40))))           # 2 full blocks each
+    b = state(p, request("b", list(range(500, 540))))
     p.manager.tables.update(a=[1, 2, 3], b=[4, 5, 6])
     [spec] = plan(p, step_output(new={"a": 40, "b": 40}))
-    assert spec.block_ids == [1, 2, 4] and spec.slots == [100, 101, 102]
-    assert b.cursor == [1] and b.lo == 1 and list(p.planner.queue) == ["b"]
-    assert a.cursor == [2]
+    assert spec.block_ids == [1, 2, 4] and spec.tickets == [100, 101, 102]
+    assert p.cursor("b") == [1] and p.planner.cursor("b").lo == 1
+    assert list(p.planner.queue) == ["b"] and p.cursor("a") == [2]
     a.request.num_computed_tokens = b.request.num_computed_tokens = 40
     assert p.losses.total == 0
-    # No slot in hand, a refill coming: the queue waits (asking for slots).
+    # No ticket in hand, more coming: the queue waits (asking for tickets).
     assert plan(p, step_output()) == [] and p.client.taken[-1] == (NS, 0)
-    p.client.slots[NS] = [200]
+    p.client.tickets[NS] = [200]
     [spec] = plan(p, step_output())
-    assert spec.block_ids == [5] and spec.slots == [200] and spec.ticket == 2
+    assert spec.block_ids == [5] and spec.tickets == [200] and spec.batch == 2
 
 
-def test_a_short_stock_with_reservations_refused_counts_the_rest_lost(ample):
-    p = Parts(FakeClient(slots=3, reserving=False))
-    state(p.reqs, request("a", list(range(40))))
-    b = state(p.reqs, request("b", list(range(500, 540))))
+def test_a_short_stock_with_reservations_refused_counts_the_rest_lost():
+    p = Rig(FakeClient(tickets=3, reserving=False))
+    state(p, request("a", list(range(40))))
+    b = state(p, request("b", list(range(500, 540))))
     p.manager.tables.update(a=[1, 2, 3], b=[4, 5, 6])
     [spec] = plan(p, step_output(new={"a": 40, "b": 40}))
     assert spec.block_ids == [1, 2, 4]
     assert p.losses.totals["reserve_refused"] == 1
-    assert b.cursor == [2] and list(p.planner.queue) == []
+    assert p.cursor("b") == [2] and list(p.planner.queue) == []
 
 
 def test_the_policy_gathers_a_decode_run_and_stores_a_prefill_at_once():
-    p = Parts(FakeClient())
-    prefill = state(p.reqs, request("p", list(range(70)), computed=16), store_run=8)
-    decode = state(p.reqs, request("d", list(range(100)), computed=99, prompt=70), store_run=8)
-    decode.set_cursor(4)                          # its prompt's blocks are planned
-    assert p.planner.blocks_to_gather(prefill) == 1
-    assert p.planner.blocks_to_gather(decode) == 8
+    p = Rig(FakeClient())
+    state(p, request("p", list(range(70)), computed=16))
+    decode = state(p, request("d", list(range(100)), computed=99, prompt=70))
+    p.planner.restart("d", 4)                     # its prompt's blocks are planned
+    assert p.planner.blocks_to_gather("p") == 1
+    assert p.planner.blocks_to_gather("d") == 8
     decode.finished = True
-    assert p.planner.blocks_to_gather(decode) == 1
+    assert p.planner.blocks_to_gather("d") == 1
     assert p.planner.store_run == 128 // BT
 
 
-def test_a_decode_waits_for_its_run_of_blocks(ample):
-    p = Parts(FakeClient(slots=20))
-    st = state(p.reqs, request("d", list(range(70 + 50)), computed=70 + 49, prompt=70),
-               store_run=8)
-    st.set_cursor(4)
+def test_a_decode_waits_for_its_run_of_blocks():
+    p = Rig(FakeClient(tickets=20))
+    st = state(p, request("d", list(range(70 + 50)), computed=70 + 49, prompt=70))
+    p.planner.restart("d", 4)
     p.manager.tables["d"] = list(range(1, 9))
     assert plan(p, step_output(cached={"d": 1})) == []          # 7 full blocks: 3 new
     st.request.all_token_ids += list(range(80))
@@ -141,16 +128,16 @@ def test_a_decode_waits_for_its_run_of_blocks(ample):
     assert spec.block_ids == list(range(5, 13))
 
 
-def test_nothing_is_planned_while_the_daemon_backs_off(ample):
-    p = Parts(FakeClient(slots=10))
-    state(p.reqs, request("a", list(range(40))))
+def test_nothing_is_planned_while_the_daemon_backs_off():
+    p = Rig(FakeClient(tickets=10))
+    state(p, request("a", list(range(40))))
     p.manager.tables["a"] = [1, 2, 3]
     p.link.failed(RuntimeError("down"))
     assert plan(p, step_output(new={"a": 40})) == []
     assert p.client.taken == []
 
 
-def preempt(p: Parts, req, cached: dict[int, int]):
+def preempt(p: Rig, req, cached: dict[int, int]):
     """vLLM preempted ``req`` in this step's schedule(): its blocks are freed (its table gone,
     its computed tokens 0); ``cached`` maps its block indexes to the GPU blocks still in the
     prefix cache. Returns the step's ``SchedulerOutput``."""
@@ -162,53 +149,47 @@ def preempt(p: Parts, req, cached: dict[int, int]):
     return step_output()
 
 
-def test_a_preempted_requests_unplanned_blocks_are_stored_from_the_prefix_cache(monkeypatch):
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_STEP_BUDGET_S", 0.0)
-    p = Parts(FakeClient(slots=10))
+def test_a_preempted_requests_unplanned_blocks_are_stored_from_the_prefix_cache():
+    p = Rig(FakeClient(tickets=10), plan_s=0.0, step_s=0.0)
     a = request("a", list(range(50)), prompt=49)   # 3 full blocks: decoding
     a.num_output_tokens = 1
-    st = state(p.reqs, a)
-    st.cursor, st.lo = [1], 1                     # block 0 was planned in an earlier step
+    st = state(p, a)
+    p.planner.restart("a", 1)                     # block 0 was planned in an earlier step
     # Block 1 went to another request in the step that preempted a; blocks 2 and 0 are cached.
     so = preempt(p, a, {0: 10, 2: 13})
-    [spec] = p.planner.plan(so, time.perf_counter(), [st])
+    [spec] = p.plan(so, [st])
     assert spec.block_ids == [13] and spec.keys == keys(a, 2, 3)
     assert p.losses.totals["preempted"] == 1      # block 1: reused before it was planned
-    assert st.tickets == {spec.ticket}
+    assert p.batches.of("a") == {spec.batch}
 
 
-def test_a_preempted_request_with_no_slot_in_hand_counts_its_blocks_lost(monkeypatch):
-    p = Parts(FakeClient(slots=1, reserving=True))
+def test_a_preempted_request_with_no_ticket_in_hand_counts_its_blocks_lost():
+    p = Rig(FakeClient(tickets=1, reserving=True))
     a = request("a", list(range(50)), prompt=49)
     a.num_output_tokens = 1
-    st = state(p.reqs, a)
+    st = state(p, a)
     so = preempt(p, a, {0: 10, 1: 11, 2: 12})
-    [spec] = p.planner.plan(so, time.perf_counter(), [st])
+    [spec] = p.plan(so, [st])
     # Its blocks are free in vLLM: they cannot wait in the queue for the next step's slots.
     assert spec.block_ids == [10]
     assert p.losses.totals["preempted"] == 2 and not p.planner.queue
 
 
-def test_under_memory_pressure_a_step_plans_the_whole_queue(monkeypatch):
+def test_under_memory_pressure_a_step_plans_the_whole_queue():
     # Budgets spent before planning starts: normally one late piece of one request a step.
-    monkeypatch.setattr(store_planner, "STORE_PLAN_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_STEP_BUDGET_S", 0.0)
-    monkeypatch.setattr(store_planner, "STORE_PRESSURE_BUDGET_S", 60.0)
+    spent = dict(plan_s=0.0, step_s=0.0)
 
-    def burst(p: Parts) -> list:
+    def burst(p: Rig) -> list:
         for r in "abcd":
-            state(p.reqs, request(r, [ord(r)] * 33))      # 2 full blocks each
+            state(p, request(r, [ord(r)] * 33))      # 2 full blocks each
             p.manager.tables[r] = [10 * ord(r), 10 * ord(r) + 1, 10 * ord(r) + 2]
         return plan(p, step_output(new=dict.fromkeys("abcd", 33)))
 
-    calm = Parts(FakeClient(slots=20))
-    calm.planner.pressure_blocks = 8
+    calm = Rig(FakeClient(tickets=20), horizon_blocks=8, **spent)
     [spec] = burst(calm)
     assert len(spec.block_ids) == 2 and len(calm.planner.queue) == 3
     # Fewer free GPU blocks than one schedule() may take: a preemption may come next step.
-    tight = Parts(FakeClient(slots=20))
-    tight.planner.pressure_blocks = 8
+    tight = Rig(FakeClient(tickets=20), horizon_blocks=8, **spent)
     tight.manager.block_pool.free = 7
     [spec] = burst(tight)
     assert len(spec.block_ids) == 8 and not tight.planner.queue
