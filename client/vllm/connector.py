@@ -17,6 +17,7 @@ tensors.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Iterable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -30,7 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpool.client.vllm.compat import CompatMixin, check_version
-from kvpool.client.vllm.keys import build_groups
+from kvpool.client.vllm.groups import pool_groups
 from kvpool.client.vllm.meta import StepMeta
 from kvpool.shared.config import ClientConfig, build_config, env_layer, parse_size
 
@@ -146,9 +147,9 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
         config = client_config(extra)
         _apply_load_failure_policy(self._kv_transfer_config, extra)
         if role == KVConnectorRole.SCHEDULER and (warning := check_version()):
-            import logging
             logging.getLogger("kvpool.vllm").warning(warning)
-        groups = build_groups(vllm_config, kv_cache_config, extra)
+        model = pool_groups(vllm_config, kv_cache_config, extra)
+        groups = model.groups
         engine_id = self._kv_transfer_config.engine_id or ""
         quota_bytes = parse_size(extra.get("quota", 0))
         # No effect since prefill and decode may run different TP sizes (it declared P/D so
@@ -168,6 +169,8 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
 
             client = SchedulerClient(config, name=f"vllm scheduler {engine_id}",
                                      engine_id=engine_id)
+            for note in model.notes:
+                logging.getLogger("kvpool.vllm").info("kvpool: %s", note)
             self.scheduler = SchedulerRole(
                 groups, pc.world_size, client, config.reconnect_backoff_ms / 1000,
                 config.reconnect_backoff_max_ms / 1000,
@@ -179,7 +182,8 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
                 horizon_blocks=horizon_for(vllm_config, kv_cache_config),
                 store_min_prefix_tokens=config.store_min_prefix_tokens,
                 events_enabled=bool(getattr(vllm_config.kv_events_config,
-                                            "enable_kv_cache_events", False)))
+                                            "enable_kv_cache_events", False)),
+                refusal=model.refusal)
             from kvpool.client.call_timing import maybe_time
 
             self._timer = maybe_time(self, SCHEDULER_METHODS, config.connector_timing)

@@ -15,6 +15,7 @@ from collections import deque
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Iterable
 
+from kvpool.client.vllm.hybrid import MISSING
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import LoadSpec
 
@@ -67,9 +68,10 @@ class Loads:
                 if i >= len(ids) or ids[i] == 0:     # a null block: outside the window
                     continue
                 k = i - st.hit_start[gi]
-                if not 0 <= k < len(st.slots[gi]):
-                    # vLLM keeps more of the window than was looked up: never leave a block
-                    # it counts as computed unwritten; fail the load and let it recompute.
+                if not 0 <= k < len(st.slots[gi]) or st.slots[gi][k] == MISSING:
+                    # vLLM keeps more of the window (or of a state group) than the pool
+                    # offered: never leave a block it counts as computed unwritten; fail the
+                    # whole load and let it recompute.
                     unloadable = True
                     continue
                 slots.append(st.slots[gi][k])

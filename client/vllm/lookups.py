@@ -31,6 +31,8 @@ import time
 from typing import Any, Iterable
 
 from kvpool.client.vllm.daemon_link import DaemonLink
+from kvpool.client.vllm.hybrid import (GroupAnswer, keep_resume_lease, merge_state_answer,
+                                       resume_blocks, state_key_lists)
 from kvpool.client.vllm.pd_stream import PdStream
 from kvpool.client.vllm.requests import ReqState
 from kvpool.shared.errors import DaemonUnavailable, KvpoolError
@@ -48,8 +50,9 @@ LOOKUP_BLOCKS_PER_STEP = 512
 # to a step (5-50 ms on a GPU), short next to a queue that outlasts the stores beside it.
 LOOKUP_STALE_S = 0.25
 
-# One group's answer for one request: (first block asked, hit, slots, lease).
-Answer = tuple[int, int, list[int], int]
+# One group's answer for one request: (first block asked, hit, slots, leases). A state group's
+# (hybrid.py) has a slot ref or MISSING per block asked, and a lease or 0 per block.
+Answer = tuple[int, int, list[int], list[int]]
 
 
 class Lookups:
@@ -67,6 +70,9 @@ class Lookups:
         self._pd = pd
         self._committed = committed
         self._windowed = any(g.window_blocks is not None for g in groups)
+        # Hybrid models: a hit is all groups or none (hybrid.resume_blocks).
+        self._kinds = [g.kind for g in groups]
+        self._stateful = "state" in self._kinds
         self.queued: list[str] = []       # request ids, in order (a few may be stale)
         self.retry: list[str] = []        # P/D consumers to look up again next step
         self.release: list[int] = []      # leases to release at the next step
@@ -166,13 +172,18 @@ class Lookups:
                     st = self._reqs[rid]
                     if st.stream_end:       # the blocks of the hand-off still to come
                         start, end = st.stream_next, st.stream_end
+                    elif g.state:           # a hit must end past the GPU's own
+                        start, end = min(st.local_tokens // self.block_tokens, st.target), \
+                            st.target
                     elif g.window_blocks is None:
                         start, end = 0, st.target
                     else:
                         start, end = self._window_start(g, st.target), st.target
                     lists.append(st.keys.range(st.request, gi, start, end))
                     spans.append((rid, start))
-                calls.append((self.client.lookup_start(g.namespace, lists, True), gi, spans,
+                sent = [k for ks in map(state_key_lists, lists) for k in ks] if g.state \
+                    else lists
+                calls.append((self.client.lookup_start(g.namespace, sent, True), gi, spans,
                               lists))
         except DaemonUnavailable as e:
             self._link.failed(e)
@@ -264,11 +275,14 @@ class Lookups:
         self._inflight_calls, self._inflight_replies = [], []
         per_req: dict[str, list[Answer]] = {}
         for (call, gi, spans, lists), reply in zip(calls, replies):
+            if self.groups[gi].state:
+                self._state_answers(per_req, spans, lists, reply)
+                continue
             known = self._committed[gi]
             for k, (rid, start) in enumerate(spans):
                 hit = reply.hits[k]
                 per_req.setdefault(rid, []).append(
-                    (start, hit, reply.slots[k], reply.leases[k]))
+                    (start, hit, reply.slots[k], [reply.leases[k]]))
                 if known and hit < len(lists[k]):
                     # The first miss is news: a key we stored has been evicted since; it may
                     # be stored again.
@@ -276,7 +290,7 @@ class Lookups:
         requeue = False
         for rid, answers in per_req.items():
             st = self._reqs.get(rid)
-            leases = [lease for _, _, _, lease in answers if lease]
+            leases = [lease for _, _, _, ls in answers for lease in ls if lease]
             if st is None or st.state != "sent" or st.finished:
                 self.release.extend(leases)
                 continue
@@ -306,6 +320,8 @@ class Lookups:
             st.state = "idle"
             st.hit = hit
             st.answered_at, st.answered_step = time.monotonic(), step
+            if self._stateful:
+                leases = self._resume_leases(answers, hit)
             st.leases = leases
             st.hit_start = [start for start, _, _, _ in answers]
             st.slots = [slots for _, _, slots, _ in answers]
@@ -318,24 +334,45 @@ class Lookups:
     def _combine(self, st: ReqState, answers: list[Answer]) -> int | None:
         """The hit in blocks from per-group answers, or None to look up a shorter target.
 
-        Full-attention groups need every block from 0; a sliding-window group needs only the
-        window ending at the hit. Windows were asked for ending at ``target``: when the full
-        groups hit less, the window moves, and one more round asks for the window there.
+        A model with one kind of group: the shortest run. Otherwise all groups or none
+        (``hybrid.resume_blocks``): full-attention groups need every block from 0, a
+        sliding-window group the window ending at the hit, a state group the state at its end.
+        Windows were asked for ending at ``target``: when the others allow less, one more round
+        asks for the window there.
         """
-        if not self._windowed:
+        if not self._windowed and not self._stateful:
             return min(a[1] for a in answers)
-        full = [a[1] for g, a in zip(self.groups, answers) if g.window_blocks is None]
-        hit = min(full) if full else st.target
-        if hit == 0:
-            return 0
-        for g, (start, n, _, _) in zip(self.groups, answers):
-            if g.window_blocks is None:
+        got = resume_blocks(self._kinds, [g.window_blocks for g in self.groups],
+                            [GroupAnswer(start, st.target, slots)
+                             for start, _, slots, _ in answers],
+                            st.target, retried=st.rounds > 0)
+        if got.ask_again_at:
+            st.target, st.rounds = got.ask_again_at, st.rounds + 1
+            return None
+        return got.blocks
+
+    def _state_answers(self, per_req: dict[str, list[Answer]], spans: list[tuple[str, int]],
+                       lists: list[list[bytes]], reply: Any) -> None:
+        """A state group's per-key replies (``hybrid.state_key_lists``), folded back into one
+        answer per request."""
+        at = 0
+        for (rid, start), keys in zip(spans, lists):
+            n = len(keys)
+            refs, leases = merge_state_answer(reply.hits[at:at + n], reply.slots[at:at + n],
+                                              reply.leases[at:at + n])
+            at += n
+            per_req.setdefault(rid, []).append((start, n, refs, leases))
+
+    def _resume_leases(self, answers: list[Answer], hit: int) -> list[int]:
+        """The leases a load at ``hit`` needs (every run's; of a state group, its state at the
+        hit's end): the other states found are released now."""
+        keep = []
+        for g, (start, _, _, leases) in zip(self.groups, answers):
+            if not g.state:
+                keep.extend(x for x in leases if x)
                 continue
-            if hit != st.target:
-                if st.rounds:
-                    return 0
-                st.target, st.rounds = hit, st.rounds + 1
-                return None
-            if n < st.target - start:
-                return 0
-        return hit
+            lease, spare = keep_resume_lease(start, leases, hit)
+            self.release.extend(spare)
+            if lease:
+                keep.append(lease)
+        return keep

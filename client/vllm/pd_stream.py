@@ -39,10 +39,11 @@ class PdStream:
         self.streams: set[str] = set()   # P/D consumers loading chunks as they land
         # Streaming needs every group to hold blocks [0, n) of the prompt: a sliding-window
         # group looks up (and keeps) only the window ending at the hit, which moves as chunks
-        # land. Models with one wait for the whole hand-off and load it at once instead.
+        # land, and a state group only the state at the hit's end. Models with either wait for
+        # the whole hand-off and load it at once instead.
         # A stalled stream reports its missing blocks as load errors, which vLLM's "fail"
         # load-failure policy turns into a failed request: pd_stream=False keeps the wait.
-        self.can_stream = pd_stream and all(g.window_blocks is None for g in groups)
+        self.can_stream = pd_stream and all(g.kind == "full" for g in groups)
 
     def keeps_waiting(self, st: ReqState, hit: int | None) -> bool:
         """A consumer's lookup answered ``hit`` (None: ask again for another target): True if
@@ -76,7 +77,8 @@ class PdStream:
         # vLLM may have taken a while to find room for it: the wait starts now.
         st.wait_until = time.monotonic() + self.pd_wait_s
 
-    def answer(self, st: ReqState, answers: list[tuple[int, int, list[int], int]]) -> bool:
+    def answer(self, st: ReqState, answers: list[tuple[int, int, list[int], list[int]]]
+               ) -> bool:
         """Load what has committed since the last round; True if the rest is still to come
         (look it up again next step)."""
         rid = st.request.request_id

@@ -69,7 +69,7 @@ class SchedulerRole:
                  pd_wait_s: float = 3.0, pd_stream: bool = True,
                  store_wait_s: float = 2.0, events_enabled: bool = True,
                  store_policy: str = "eager", store_min_prefix_tokens: int = 0,
-                 horizon_blocks: int = 0) -> None:
+                 horizon_blocks: int = 0, refusal: str = "") -> None:
         self.groups = groups
         self.world_size = world_size
         self.kv_producer = kv_producer
@@ -78,12 +78,13 @@ class SchedulerRole:
         self.pd_wait_s = pd_wait_s
         self.client = client
         sizes = {g.block_tokens for g in groups}
-        # One token→block grid for every group: vLLM's hybrid allocator gives attention groups
-        # one block size; anything else is served by recompute rather than guessed at.
-        self.enabled = bool(groups) and len(sizes) == 1
+        # One token→block grid for every group, and every group of the model pooled
+        # (groups.py; ``refusal`` says why not): anything else is served by recompute rather
+        # than guessed at.
+        self.enabled = bool(groups) and len(sizes) == 1 and not refusal
         if not self.enabled:
-            logger.warning("kvpool: KV-cache groups %s cannot be pooled; connector idle",
-                           [g.identity for g in groups])
+            logger.warning("kvpool: stores and hits are off for this model: %s",
+                           refusal or f"KV-cache groups {[g.identity for g in groups]}")
         self.block_tokens = bt = next(iter(sizes)) if sizes else 0
         self._steps = 0                   # build_connector_meta calls so far
         self._reqs: dict[str, ReqState] = {}

@@ -144,8 +144,11 @@ class StorePlanner:
         self._namespaces = [g.namespace for g in groups]
         self.kv_cache_manager: Any = None
         # Blocks a running request's stores gather before they go (see STORE_RUN_TOKENS);
-        # each new request starts with this (a P/D producer with 1).
-        self.store_run = max(1, -(-STORE_RUN_TOKENS // block_tokens)) if block_tokens else 1
+        # each new request starts with this (a P/D producer with 1). With a state group, 1:
+        # vLLM lets go of a decode's state block a step after it fills (it stays cached only
+        # until reused), and such models' blocks are large (256 tokens and up).
+        self.store_run = max(1, -(-STORE_RUN_TOKENS // block_tokens)) \
+            if block_tokens and not any(g.state for g in groups) else 1
         # Requests with blocks to plan, oldest first (deferred by the step budget, or waiting
         # for slots): request id -> when it first waited.
         self.queue: OrderedDict[str, float] = OrderedDict()
@@ -409,7 +412,10 @@ class StorePlanner:
             if n_full <= lo:
                 continue
             st.cursor[gi] = n_full
-            if tables is not None:
+            if g.state:
+                bids = self._cached_states(req, g.index, lo, n_full)
+                hi = lo + len(bids)
+            elif tables is not None:
                 blocks = tables[g.index].get(rid) or ()
                 hi = min(n_full, len(blocks))
                 bids = [b.block_id for b in blocks[lo:hi]]
@@ -466,8 +472,9 @@ class StorePlanner:
             # 0 where the hash is no longer cached (as a null block: nothing to store)
             bids = [b[0].block_id if b else 0
                     for b in map(pool.get_cached_block, hashes[lo:n], repeat([g.index]))]
-            found_to = next((len(bids) - i for i, b in enumerate(reversed(bids)) if b), 0)
-            lost = max(lost, bids[:max(found_to, computed - lo)].count(0))
+            if not g.state:     # (a state group keeps some boundaries only: nulls are not lost)
+                found_to = next((len(bids) - i for i, b in enumerate(reversed(bids)) if b), 0)
+                lost = max(lost, bids[:max(found_to, computed - lo)].count(0))
             st.cursor[gi] = n
             keys = st.keys.range(req, gi, lo, n)
             keep = self._to_store(gi, st, step, keys, bids)
@@ -478,6 +485,21 @@ class StorePlanner:
             step.wanted[gi].append((st, [lo + j for j in keep], keys, [bids[j] for j in keep]))
         st.lo = min(st.cursor)
         self._losses.add(PREEMPTED, lost)
+
+    def _cached_states(self, req: Any, group: int, lo: int, hi: int) -> list[int]:
+        """The GPU blocks holding the states of ``req``'s blocks ``[lo, hi)`` in vLLM state
+        group ``group`` (0 where vLLM kept none). Found by vLLM's block hashes, not the
+        request's table: in align mode vLLM frees a state block once the next state is
+        computed (``remove_skipped_blocks``), often before its store is planned, and it stays in
+        the prefix cache under its hash until handed out again (a store reading it then is
+        flushed first: ``Tickets.reading``). vLLM hashes a block only once it holds the state
+        its prefix ends with, so a hash hit is never a half-made state."""
+        hashes = req.block_hashes
+        if len(hashes) != req.num_tokens // self.block_tokens:
+            return [0] * (hi - lo)      # hashed at another granularity: nothing to match
+        pool = self.kv_cache_manager.block_pool
+        return [b[0].block_id if b else 0
+                for b in map(pool.get_cached_block, hashes[lo:hi], repeat([group]))]
 
     def _known(self, gi: int, st: ReqState) -> dict[bytes, None]:
         """Keys of group ``gi`` that ``st`` need not store again: those known to be in the
