@@ -189,6 +189,7 @@ class HeldStores:
 class Group:
     layers: list[str]
     sliding_window: int | None = None
+    spec: object = None     # a KVCacheSpec taken as it is (a state group: bench/vllm_hybrid.py)
 
 
 class FakeWorker:
@@ -206,20 +207,24 @@ class FakeWorker:
         self.conn.worker.tp_rank = rank
         self.groups = groups
         self.layers = [name for g in groups for name in g.layers]
-        nb = kv_cfg.num_blocks
-        page = 2 * BS * local * HEAD * 2
-        self.mem = SharedHostMemory(len(self.layers) * nb * page)
-        flat = self.mem.tensor.view(torch.float16)
-        if block_outermost:   # BL...: one block of every layer is contiguous
-            full = flat.view(nb, len(self.layers), 2, BS, local, HEAD)
-            self.kv = {name: full[:, i] for i, name in enumerate(self.layers)}
-        else:                 # LB...: each layer its own region, (num_blocks, 2, bs, H, D)
-            full = flat.view(len(self.layers), nb, 2, BS, local, HEAD)
-            self.kv = {name: full[i] for i, name in enumerate(self.layers)}
+        self.kv = self._allocate(kv_cfg.num_blocks, local, block_outermost)
         self.conn.register_kv_caches(self.kv)
         self.loads: dict[str, list[tuple[int, list[int]]]] = {}   # req → [(group, block ids)]
         self.load_history: dict[str, list[tuple[int, list[int]]]] = {}
         self.verified_blocks = 0
+
+    def _allocate(self, nb: int, local: int, block_outermost: bool) -> dict[str, torch.Tensor]:
+        """The attention layers' KV tensors, in one shm segment (``self.mem``)."""
+        layers = [name for g in self.groups if g.spec is None for name in g.layers]
+        page = 2 * BS * local * HEAD * 2
+        self.mem = SharedHostMemory(len(layers) * nb * page)
+        flat = self.mem.tensor.view(torch.float16)
+        if block_outermost:   # BL...: one block of every layer is contiguous
+            full = flat.view(nb, len(layers), 2, BS, local, HEAD)
+            return {name: full[:, i] for i, name in enumerate(layers)}
+        # LB...: each layer its own region, (num_blocks, 2, bs, H, D)
+        full = flat.view(len(layers), nb, 2, BS, local, HEAD)
+        return {name: full[i] for i, name in enumerate(layers)}
 
     def write(self, block_table: tuple[list[int], ...], tokens: list[int], start: int,
               n: int) -> None:
@@ -275,12 +280,18 @@ class Engine:
                  load_failure_policy: str = "recompute", slow_stores: int = 0,
                  hold_stores: bool = False, late_stores: int = 0, max_num_seqs: int = 16,
                  write_kv: bool = True, kv_events: bool = True, step_s: float = 0.0,
-                 scheduler_first: bool = False) -> None:
+                 scheduler_first: bool = False, groups: list[Group] | None = None,
+                 worker_cls: type[FakeWorker] = FakeWorker) -> None:
         model = ModelConfig(model=model_dir(root), dtype="float16", seed=42,
                             skip_tokenizer_init=True)
-        self.groups = ([Group(["model.layers.0.self_attn"]),
-                        Group(["model.layers.1.self_attn"], sliding_window=32)] if hybrid else
-                       [Group(["model.layers.0.self_attn", "model.layers.1.self_attn"])])
+        self.groups = groups or ([Group(["model.layers.0.self_attn"]),
+                                  Group(["model.layers.1.self_attn"], sliding_window=32)]
+                                 if hybrid else
+                                 [Group(["model.layers.0.self_attn", "model.layers.1.self_attn"])])
+        # A state group (vLLM's MambaSpec) needs the cache mode that keeps states per block.
+        states = any(g.spec is not None and type(g.spec).__name__ == "MambaSpec"
+                     for g in self.groups)
+        mamba = {"mamba_cache_mode": "align", "mamba_block_size": BS} if states else {}
         # A generous timeout: these tests are about correctness on a loaded 2-core machine;
         # the tests about a slow daemon set their own.
         extra_config = {"socket": socket, "timeout_ms": 10000, "reconnect_backoff_ms": 50,
@@ -292,7 +303,7 @@ class Engine:
                                              max_model_len=2048, enable_chunked_prefill=True,
                                              is_encoder_decoder=False,
                                              async_scheduling=async_scheduling),
-            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True, **mamba),
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.client.vllm",
@@ -306,7 +317,9 @@ class Engine:
         specs = []
         heads = local_heads(tp)
         for g in self.groups:
-            if g.sliding_window:
+            if g.spec is not None:
+                spec = g.spec
+            elif g.sliding_window:
                 spec = SlidingWindowSpec(block_size=BS, num_kv_heads=heads, head_size=HEAD,
                                          dtype=torch.float16, sliding_window=g.sliding_window)
             else:
@@ -322,7 +335,7 @@ class Engine:
         # daemon restart where the scheduler may reconnect before its workers re-register.
         # No priming either way: the first step runs as soon as the engine is built.
         if not scheduler_first:
-            self.workers = [FakeWorker(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
+            self.workers = [worker_cls(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
                             for r in range(tp)]
         cls = self.cfg.scheduler_config.get_scheduler_cls()
         self.sched = cls(vllm_config=self.cfg, kv_cache_config=self.kv_cfg, block_size=BS,
@@ -332,7 +345,7 @@ class Engine:
         assert type(self.sched).__name__ == ("AsyncScheduler" if async_scheduling else "Scheduler")
         self.connector: KVPoolConnector = self.sched.connector
         if scheduler_first:
-            self.workers = [FakeWorker(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
+            self.workers = [worker_cls(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
                             for r in range(tp)]
         # How long a step that computes something takes (a GPU step: 5-50 ms); a step with
         # nothing scheduled returns at once, as vLLM's engine core does.
