@@ -16,7 +16,8 @@ import pytest
 
 from bench.vllm_engine.hybrid_model import HYBRID_BLOCK
 from bench.vllm_engine.runner import ROOT
-from tests.engine.conftest import BaselineRun, assert_same_outputs, prompts
+from tests.conftest import wait_for
+from tests.engine.conftest import assert_same_outputs, prompts
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -25,6 +26,7 @@ MAX_TOKENS = 6
 # A zeroed state moves the test model's next logprobs by ~1; a right one by bfloat16 noise.
 STATE_EFFECT = 0.05
 HYBRID = {"init": "hybrid", "load_format": "dummy", "dtype": "bfloat16"}
+STATE_GROUPS = 3    # the model's gated-delta-net layers, one KV-cache group each
 
 
 def gen(ps=P, **kw):
@@ -39,45 +41,59 @@ def hybrid_model(engine_python, tmp_path_factory) -> str:
     return str(path)
 
 
+class Scripted:
+    """An engine's step outputs, read as tests ask for them (so its start-up overlaps theirs)
+    and kept for the next test that asks."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.outs: list[dict] = []
+
+    def step(self, i: int) -> dict:
+        if not self.outs:
+            self.engine.wait_ready()
+        while len(self.outs) <= i:
+            self.outs.append(self.engine.next())
+        return self.outs[i]
+
+
 @pytest.fixture(scope="module")
 def hybrid_baseline(engine_python, hybrid_model, tmp_path_factory):
-    """The hybrid engine without kvpool, in process (so it can zero its cached states): P
-    computed, P again (its own prefix cache hits), the cached states zeroed, P again. Started
-    when the first test asks for it and read when a test needs it, so it starts up beside the
-    tests' own engines."""
+    """The hybrid engine without kvpool, in process (so it can zero its cached states):
+    0: P; 1: P again (its own prefix cache hits); 2: the cached states zeroed; 3: P again;
+    4: its prefix cache reset; 5: waits for a chat's second turn (``go(prompts=...)``); 6: that
+    turn."""
     from bench.vllm_engine.runner import Engine
 
-    steps = [gen(), gen(), {"op": "zero_states"}, gen()]
+    steps = [gen(), gen(), {"op": "zero_states"}, gen(), {"op": "reset"}, wait("turn 2"),
+             gen()]
     e = Engine(engine_python, {"model": hybrid_model, "socket": None, "inprocess": True,
                                **HYBRID, "steps": steps},
                tmp_path_factory.mktemp("hybrid-baseline"), "hybrid-baseline")
-    run = _Steps(e, len(steps))
-    yield run
-    run.close()
+    yield Scripted(e)
+    e.close()
 
 
-class _Steps(BaselineRun):
-    """A ``BaselineRun`` whose engine runs several steps: ``outputs()`` is the first one's,
-    ``steps()`` all of them."""
+@pytest.fixture
+def hybrid_engines(engine_python, hybrid_model, tmp_path):
+    """``start(socket, steps, name)``: the hybrid engine with kvpool, as a user runs it."""
+    from bench.vllm_engine.runner import Engine
 
-    def __init__(self, engine, n: int) -> None:
-        super().__init__(engine)
-        self._n = n
-        self._steps: list[dict] | None = None
+    made = []
 
-    def steps(self) -> list[dict]:
-        if self._steps is None:
-            e = self._engine
-            try:
-                e.wait_ready()
-                self._steps = [e.next() for _ in range(self._n)]
-                e.finish()
-            finally:
-                e.close()
-        return self._steps
+    def start(socket: str, steps: list[dict], name: str, **settings):
+        e = Engine(engine_python, {"model": hybrid_model, "socket": socket, **HYBRID,
+                                   "steps": steps, **settings}, tmp_path, name)
+        made.append(e)
+        return e
 
-    def outputs(self) -> dict:
-        return self.steps()[0]
+    yield start
+    for e in made:
+        e.close()
+
+
+def wait(name):
+    return {"op": "wait", "name": name}
 
 
 def worst_logprob_gap(a: dict, b: dict) -> float:
@@ -86,7 +102,7 @@ def worst_logprob_gap(a: dict, b: dict) -> float:
 
 
 def test_the_output_depends_on_the_recurrent_state(hybrid_baseline):
-    first, again, zeroed, after = hybrid_baseline.steps()
+    first, again, zeroed, after = map(hybrid_baseline.step, range(4))
     full = (len(P[0]) - 1) // HYBRID_BLOCK * HYBRID_BLOCK
     assert first["cached_tokens"] == [0] * len(P), first["cached_tokens"]
     # vLLM's own prefix cache: attention blocks and the state at their end; same output.
@@ -100,3 +116,56 @@ def test_the_output_depends_on_the_recurrent_state(hybrid_baseline):
     assert gap > STATE_EFFECT, \
         f"zeroing the cached states moved the logprobs by only {gap:.2e}: the test model's " \
         f"output does not depend on its recurrent state, so no test on it can catch a bad one"
+
+
+def turn2(first: dict) -> list[list[int]]:
+    """A chat's second turn: each prompt, its answer, and 300 new tokens."""
+    more = prompts(len(P), seed=22, tokens=300)
+    return [p + list(t) + m for p, t, m in zip(P, first["tokens"], more)]
+
+
+def test_kvpool_serves_the_hybrid_model_across_engines_and_a_daemon_restart(
+        daemon, hybrid_engines, observer, hybrid_baseline):
+    # Engine a computes P, forgets its own prefix cache and takes P back from the pool: every
+    # group, the states at the hits' ends among them. The daemon is then SIGKILLed and
+    # restarted (it adopts its pool); engine b, another process started beside a, takes the
+    # chat's second turn from the pool. Every logprob as without kvpool.
+    a = hybrid_engines(daemon.socket, [gen(), {"op": "reset"}, gen()], "a")
+    b = hybrid_engines(daemon.socket, [wait("restarted"), gen(), {"op": "reset"},
+                                       wait("again"), gen()], "b")
+    want = hybrid_baseline.step(0)
+    a.wait_ready()
+    assert_same_outputs(a.next(), want, "engine a, turn 1")
+    full = (len(P[0]) - 1) // HYBRID_BLOCK
+    wait_for(lambda: observer.info().stored_blocks >= len(P) * (full + STATE_GROUPS), 60,
+             lambda: f"turn 1's attention blocks and states to be stored: {observer.info()}")
+    assert a.next()["ok"], "reset_prefix_cache refused"
+    again = a.next()
+    assert_same_outputs(again, want, "engine a, after its prefix cache was reset")
+    assert again["cached_tokens"] == [full * HYBRID_BLOCK] * len(P), again["cached_tokens"]
+    # Per prompt: its full attention blocks, and one state per state group (at the hit's end).
+    info = observer.info()
+    assert info.loaded_blocks == len(P) * (full + STATE_GROUPS), info
+    a.finish()
+    assert "stores and hits are off" not in a.stderr()
+
+    daemon.kill()
+    daemon.restart()
+    second = turn2(want)
+    hybrid_baseline.step(5)
+    hybrid_baseline.engine.go(prompts=second)
+    want2 = hybrid_baseline.step(6)
+    b.wait_ready()
+    assert b.next()["waiting"] == "restarted"
+    b.go(prompts=second)
+    # An idle engine reconnects at its next step and its scheduler never waits for it: the
+    # first run after the restart may miss; both must be right, and one must hit.
+    runs = [b.next()]
+    assert b.next()["ok"] and b.next()["waiting"] == "again"
+    b.go(prompts=second)
+    runs.append(b.next())
+    for k, got in enumerate(runs):
+        assert_same_outputs(got, want2, f"engine b, turn 2, run {k + 1}")
+    assert any(c and c >= full * HYBRID_BLOCK for got in runs for c in got["cached_tokens"]), \
+        f"engine b never hit the pool: {[got['cached_tokens'] for got in runs]}"
+    b.finish()
