@@ -237,8 +237,8 @@ class Lookups:
             for call in self._orphans:
                 try:
                     reply = call.result()
-                except DaemonUnavailable:
-                    continue
+                except KvpoolError:
+                    continue    # answered with an error (or never): it pinned nothing
                 if reply is None:
                     still.append(call)
                 else:

@@ -135,3 +135,86 @@ def test_only_the_lease_of_the_state_a_hit_loads_is_kept():
     assert keep_resume_lease(2, [0, 11, 0, 12], 4) == (11, [12])
     assert keep_resume_lease(2, [0, 11, 0, 12], 0) == (0, [11, 12])
     assert keep_resume_lease(2, [5], 1) == (0, [5])     # the hit ends before the states asked
+
+
+# ---- the rule inside the connector's lookups (no vLLM, a fake daemon) ----------------------
+
+def _wired(groups):
+    from kvpool.client.vllm.daemon_link import DaemonLink
+    from kvpool.client.vllm.lookups import Lookups
+    from kvpool.client.vllm.pd_stream import PdStream
+
+    from .fakes import BT, FakeClient
+
+    client = FakeClient()
+    reqs: dict = {}
+    lookups = Lookups(groups, BT, client, DaemonLink(client), reqs,
+                      PdStream(groups, BT, reqs, []), [{} for _ in groups])
+    return client, reqs, lookups
+
+
+def _groups():
+    from dataclasses import replace
+
+    from .fakes import GROUP
+
+    return [GROUP, replace(GROUP, index=1, namespace=b"ns-state", state=True)]
+
+
+def test_state_groups_are_asked_key_by_key_past_the_gpu_and_the_hit_takes_all_groups():
+    from .fakes import request, state
+
+    groups = _groups()
+    client, reqs, lookups = _wired(groups)
+    st = state(reqs, request("a", list(range(100))), groups=groups)   # 6 blocks to offer
+    st.local_tokens = 32                                  # the GPU holds 2 blocks (as
+    assert lookups.match(st, 32, step=0) is None          # SchedulerRole records it)
+    lookups.send()
+    full, states = client.calls
+    assert [len(k) for k in full.key_lists] == [6]
+    assert [len(k) for k in states.key_lists] == [1, 1, 1, 1]     # blocks 2..5, one each
+    # Attention holds 5 blocks; states were kept after blocks 3 and 5 (indexes 2 and 4 of
+    # the request, the 1st and 3rd keys asked) and 6.
+    full.answer([5], [[10, 11, 12, 13, 14]], [70])
+    states.answer([1, 0, 1, 1], [[20], [], [22], [23]], [71, 0, 72, 73])
+    assert lookups.match(st, 32, step=1) == 5
+    # The state at the hit's end (block 4) is kept; the other states' leases go at once.
+    assert st.slots == [[10, 11, 12, 13, 14], [20, MISSING, 22, 23]]
+    assert st.hit_start == [0, 2]
+    assert sorted(st.leases) == [70, 72] and sorted(lookups.release) == [71, 73]
+
+
+def test_no_state_at_any_boundary_the_attention_reaches_is_no_hit():
+    from .fakes import request, state
+
+    groups = _groups()
+    client, reqs, lookups = _wired(groups)
+    st = state(reqs, request("a", list(range(100))), groups=groups)
+    assert lookups.match(st, 0, step=0) is None
+    lookups.send()
+    full, states = client.calls
+    full.answer([6], [[10, 11, 12, 13, 14, 15]], [70])
+    states.answer([0] * 6, [[]] * 6, [0] * 6)
+    assert lookups.match(st, 0, step=1) == 0
+    assert st.leases == [] and lookups.release == [70]
+
+
+def test_a_lookup_refused_beside_others_in_flight_reaches_vllm_as_no_hit_never_an_error():
+    # The daemon forgot this client (silent past its peer timeout): the first namespace's
+    # answer is an error; the other calls of the batch become orphans, whose error answers
+    # at the next step must not escape either (it used to: the engine core died).
+    from kvpool.shared.errors import HelloRequired
+
+    from .fakes import request, state
+
+    groups = _groups()
+    client, reqs, lookups = _wired(groups)
+    st = state(reqs, request("a", list(range(100))), groups=groups)
+    assert lookups.match(st, 0, step=0) is None
+    lookups.send()
+    full, states = client.calls
+    full.error = HelloRequired("say Hello first")
+    assert lookups.match(st, 0, step=1) == 0
+    states.error = HelloRequired("say Hello first")
+    lookups.poll(step=2)
+    assert lookups._orphans == []
