@@ -124,6 +124,15 @@ def turn2(first: dict) -> list[list[int]]:
     return [p + list(t) + m for p, t, m in zip(P, first["tokens"], more)]
 
 
+@pytest.fixture
+def daemon(daemon_factory):
+    """The test daemon, releasing a silent client after 15 s instead of 2: three engines start
+    together on two loaded cores here, and an engine core importing and warming up can keep
+    its heartbeat thread from the GIL for seconds (it was released once mid-start-up; its
+    first turn then missed and its blocks were never stored)."""
+    return daemon_factory(extra=["--peer-timeout-ms", "15000"])
+
+
 def test_kvpool_serves_the_hybrid_model_across_engines_and_a_daemon_restart(
         daemon, hybrid_engines, observer, hybrid_baseline):
     # Engine a computes P, forgets its own prefix cache and takes P back from the pool: every
