@@ -413,7 +413,7 @@ class StorePlanner:
                 continue
             st.cursor[gi] = n_full
             if g.state:
-                bids = self._cached_states(req, g.index, lo, n_full)
+                bids = self._state_blocks(req, tables, g.index, lo, n_full)
                 hi = lo + len(bids)
             elif tables is not None:
                 blocks = tables[g.index].get(rid) or ()
@@ -486,20 +486,31 @@ class StorePlanner:
         st.lo = min(st.cursor)
         self._losses.add(PREEMPTED, lost)
 
-    def _cached_states(self, req: Any, group: int, lo: int, hi: int) -> list[int]:
+    def _state_blocks(self, req: Any, tables: list[dict[str, list[Any]]] | None, group: int,
+                      lo: int, hi: int) -> list[int]:
         """The GPU blocks holding the states of ``req``'s blocks ``[lo, hi)`` in vLLM state
-        group ``group`` (0 where vLLM kept none). Found by vLLM's block hashes, not the
-        request's table: in align mode vLLM frees a state block once the next state is
-        computed (``remove_skipped_blocks``), often before its store is planned, and it stays in
-        the prefix cache under its hash until handed out again (a store reading it then is
-        flushed first: ``Tickets.reading``). vLLM hashes a block only once it holds the state
-        its prefix ends with, so a hash hit is never a half-made state."""
+        group ``group`` (0 where vLLM kept none): the request's table where it still holds
+        one, else the block vLLM's prefix cache holds under that block's hash. In align mode
+        vLLM frees a state block once the next state is computed (``remove_skipped_blocks``),
+        often before a decode's store is planned; it stays in the prefix cache until handed out
+        again (a store reading it then is flushed first: ``Tickets.reading``). vLLM 0.32 hashes
+        a block a step after it fills, 0.33 in the step: either way a non-null table entry or a
+        hash hit holds the state its prefix ends with."""
+        if tables is not None:
+            row = tables[group].get(req.request_id) or ()
+            ids = [b.block_id for b in row[lo:hi]]
+        else:
+            ids = self.kv_cache_manager.get_block_ids(req.request_id)[group][lo:hi]
+        ids += [0] * (hi - lo - len(ids))
         hashes = req.block_hashes
-        if len(hashes) != req.num_tokens // self.block_tokens:
-            return [0] * (hi - lo)      # hashed at another granularity: nothing to match
+        if 0 not in ids or len(hashes) != req.num_tokens // self.block_tokens:
+            return ids      # (hashed at another granularity: nothing to match)
         pool = self.kv_cache_manager.block_pool
-        return [b[0].block_id if b else 0
-                for b in map(pool.get_cached_block, hashes[lo:hi], repeat([group]))]
+        for j, b in enumerate(ids):
+            if not b:
+                hit = pool.get_cached_block(hashes[lo + j], [group])
+                ids[j] = hit[0].block_id if hit else 0
+        return ids
 
     def _known(self, gi: int, st: ReqState) -> dict[bytes, None]:
         """Keys of group ``gi`` that ``st`` need not store again: those known to be in the

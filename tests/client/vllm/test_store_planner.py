@@ -212,3 +212,31 @@ def test_under_memory_pressure_a_step_plans_the_whole_queue(monkeypatch):
     tight.manager.block_pool.free = 7
     [spec] = burst(tight)
     assert len(spec.block_ids) == 8 and not tight.planner.queue
+
+
+
+def test_a_state_group_stores_the_states_vllm_kept_from_its_table_or_its_prefix_cache(
+        ample):
+    # A state group: block i holds the state after i + 1 blocks where vLLM kept one. The table
+    # still holds the state after 2 blocks (block 21); vLLM already let go of the one after 1
+    # (block 20: null in the table, still cached under its hash); it kept none after 3 or 4.
+    from dataclasses import replace
+
+    from kvpool.client.vllm.store_planner import StorePlanner
+
+    from .fakes import GROUP
+
+    p = Parts(FakeClient(slots=10))
+    groups = [replace(GROUP, state=True)]
+    planner = StorePlanner(groups, BT, p.client, p.link, p.reqs, p.tickets, p.backlog,
+                           p.losses)
+    planner.kv_cache_manager = p.manager
+    assert planner.store_run == 1       # a decode's states go the step they fill
+    req = request("a", list(range(70)))
+    req.block_hashes = [f"h{i}" for i in range(4)]
+    st = state(p.reqs, req, groups=groups)
+    p.manager.tables["a"] = [0, 0, 21, 0, 0]
+    p.manager.block_pool.cached["h1"] = 20
+    [spec] = planner.plan(step_output(new={"a": 70}), time.perf_counter())
+    assert spec.block_ids == [20, 21] and spec.keys == keys(req, 1, 3)
+    assert st.cursor == [4]
