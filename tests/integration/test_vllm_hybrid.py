@@ -23,15 +23,12 @@ from tests.conftest import wait_for  # noqa: E402
 
 from bench.vllm_hybrid import HybridWorker, hybrid_groups  # noqa: E402
 from bench.vllm_scheduler import BS, fake_token  # noqa: E402
+from tests.integration.test_vllm_connector import prompt, seed  # noqa: E402
 from tests.integration.vllm_params import SCHEDULERS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 STATE = 2       # the state group's position (full attention, window, state)
-
-
-def prompt(n: int, start: int = 100) -> list[int]:
-    return list(range(start, start + n))
 
 
 @pytest.fixture
@@ -87,17 +84,15 @@ def test_multi_turn_loads_every_group_and_the_state_at_the_hits_end(hybrid, info
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_shared_prefix_is_loaded_once_and_resumed_from_by_all(hybrid, info, async_scheduling):
     e = hybrid(async_scheduling=async_scheduling)
-    shared = prompt(64)
-    e.add("seed", shared + [1], max_tokens=1)
+    shared = prompt(100)                            # states kept at 64 and 96 tokens
+    seed(e, shared + [1])
+    for i, extra in enumerate((10, 25, 40)):
+        e.add(f"r{i}", shared + [2000 + i] * extra, max_tokens=2)
     e.run()
-    assert e.sched.reset_prefix_cache()
-    for i in range(3):
-        e.add(f"r{i}", shared + [2000 + i] * 10, max_tokens=3)
-    e.run()
-    # One loads the 4 shared blocks and the state after them; the others resume from vLLM's
-    # own prefix cache (the fake model checks the state each resumed from).
-    assert len(e.stats.loaded_reqs) == 1
-    assert e.workers[0].verified_states == 1
+    # One loads the 6 shared blocks and the state after them; the others resume there from
+    # vLLM's own prefix cache (the fake model checks the state each resumed from).
+    [loader] = e.stats.loaded_reqs
+    assert loaded_groups(e, loader)[0] == 6 and e.workers[0].verified_states == 1
     assert sorted(e.stats.finished[-3:]) == ["r0", "r1", "r2"]
     e.assert_clean(info)
 
@@ -107,9 +102,7 @@ def test_a_state_that_misses_while_attention_hits_gives_no_external_tokens(
         hybrid, daemon, info, async_scheduling):
     e = hybrid(async_scheduling=async_scheduling)
     p = prompt(100)
-    e.add("seed", p, max_tokens=1)
-    e.run()
-    assert e.sched.reset_prefix_cache()
+    seed(e, p)
     groups = e.connector.scheduler.groups
     req = SimpleNamespace(all_token_ids=p, cache_salt=None, lora_request=None, mm_features=[],
                           prompt_embeds=None)
@@ -133,9 +126,7 @@ def test_a_state_that_misses_while_attention_hits_gives_no_external_tokens(
 def test_a_failed_state_load_recomputes_the_whole_request(hybrid, info, async_scheduling):
     e = hybrid(async_scheduling=async_scheduling)
     p = prompt(100)
-    e.add("seed", p, max_tokens=1)
-    e.run()
-    assert e.sched.reset_prefix_cache()
+    seed(e, p)
 
     def break_state_loads(meta):
         """Point only the state group's load at a slot of another tenancy: it fails while the
@@ -236,9 +227,7 @@ def test_daemon_restart_keeps_states_and_a_new_engine_resumes_on_them(
 def test_tp2_states_are_stored_and_loaded_per_rank(hybrid, info):
     e = hybrid(async_scheduling=False, tp=2)
     p = prompt(100)
-    e.add("seed", p, max_tokens=1)
-    e.run()
-    assert e.sched.reset_prefix_cache()
+    seed(e, p)
     e.add("b", p + [3] * 20, max_tokens=2)
     e.run()
     assert e.stats.loaded_reqs == {"b"}

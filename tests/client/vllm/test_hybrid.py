@@ -153,6 +153,21 @@ def _wired(groups):
     return client, reqs, lookups
 
 
+def _asked(local_tokens: int = 0):
+    """A 100-token request (6 blocks to offer) looked up in a full and a state group; returns
+    (lookups, its state, the full group's call, the state group's call)."""
+    from .fakes import request, state
+
+    groups = _groups()
+    client, reqs, lookups = _wired(groups)
+    st = state(reqs, request("a", list(range(100))), groups=groups)
+    st.local_tokens = local_tokens      # (as SchedulerRole records it)
+    assert lookups.match(st, local_tokens, step=0) is None
+    lookups.send()
+    full, states = client.calls
+    return lookups, st, full, states
+
+
 def _groups():
     from dataclasses import replace
 
@@ -162,15 +177,7 @@ def _groups():
 
 
 def test_state_groups_are_asked_key_by_key_past_the_gpu_and_the_hit_takes_all_groups():
-    from .fakes import request, state
-
-    groups = _groups()
-    client, reqs, lookups = _wired(groups)
-    st = state(reqs, request("a", list(range(100))), groups=groups)   # 6 blocks to offer
-    st.local_tokens = 32                                  # the GPU holds 2 blocks (as
-    assert lookups.match(st, 32, step=0) is None          # SchedulerRole records it)
-    lookups.send()
-    full, states = client.calls
+    lookups, st, full, states = _asked(local_tokens=32)   # the GPU holds 2 blocks
     assert [len(k) for k in full.key_lists] == [6]
     assert [len(k) for k in states.key_lists] == [1, 1, 1, 1]     # blocks 2..5, one each
     # Attention holds 5 blocks; states were kept after blocks 3 and 5 (indexes 2 and 4 of
@@ -185,14 +192,7 @@ def test_state_groups_are_asked_key_by_key_past_the_gpu_and_the_hit_takes_all_gr
 
 
 def test_no_state_at_any_boundary_the_attention_reaches_is_no_hit():
-    from .fakes import request, state
-
-    groups = _groups()
-    client, reqs, lookups = _wired(groups)
-    st = state(reqs, request("a", list(range(100))), groups=groups)
-    assert lookups.match(st, 0, step=0) is None
-    lookups.send()
-    full, states = client.calls
+    lookups, st, full, states = _asked()
     full.answer([6], [[10, 11, 12, 13, 14, 15]], [70])
     states.answer([0] * 6, [[]] * 6, [0] * 6)
     assert lookups.match(st, 0, step=1) == 0
@@ -205,14 +205,7 @@ def test_a_lookup_refused_beside_others_in_flight_reaches_vllm_as_no_hit_never_a
     # at the next step must not escape either (it used to: the engine core died).
     from kvpool.shared.errors import HelloRequired
 
-    from .fakes import request, state
-
-    groups = _groups()
-    client, reqs, lookups = _wired(groups)
-    st = state(reqs, request("a", list(range(100))), groups=groups)
-    assert lookups.match(st, 0, step=0) is None
-    lookups.send()
-    full, states = client.calls
+    lookups, st, full, states = _asked()
     full.error = HelloRequired("say Hello first")
     assert lookups.match(st, 0, step=1) == 0
     states.error = HelloRequired("say Hello first")
