@@ -66,11 +66,12 @@ def local_heads(tp: int) -> int:
 class Group:
     layers: list[str]
     sliding_window: int | None = None
+    spec: object = None     # a KVCacheSpec taken as it is (a state group: bench/vllm_hybrid.py)
 
 
 def vllm_config(root: Path, kv_transfer: KVTransferConfig, *, async_scheduling: bool, tp: int,
                 num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
-                kv_events: bool) -> VllmConfig:
+                kv_events: bool, mamba_align: bool = False) -> VllmConfig:
     """vLLM's config of the tiny model on CPU with ``kv_transfer``'s connector: chunked prefill,
     prefix caching, ``num_blocks`` GPU blocks of ``BS`` tokens."""
     model = ModelConfig(model=model_dir(root), dtype="float16", seed=42, skip_tokenizer_init=True)
@@ -81,7 +82,10 @@ def vllm_config(root: Path, kv_transfer: KVTransferConfig, *, async_scheduling: 
                                          max_model_len=2048, enable_chunked_prefill=True,
                                          is_encoder_decoder=False,
                                          async_scheduling=async_scheduling),
-        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+        # A state group (vLLM's MambaSpec) needs the cache mode that keeps states per block.
+        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True,
+                                 **({"mamba_cache_mode": "align", "mamba_block_size": BS}
+                                    if mamba_align else {})),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
         kv_transfer_config=kv_transfer,
         device_config=DeviceConfig("cpu"),
@@ -97,7 +101,9 @@ def kv_cache_config(groups: list[Group], tp: int, num_blocks: int, layout: str) 
     specs = []
     heads = local_heads(tp)
     for g in groups:
-        if g.sliding_window:
+        if g.spec is not None:
+            spec = g.spec
+        elif g.sliding_window:
             spec = SlidingWindowSpec(block_size=BS, num_kv_heads=heads, head_size=HEAD,
                                      dtype=torch.float16, sliding_window=g.sliding_window)
         else:

@@ -166,20 +166,24 @@ class FakeWorker:
         self.conn.worker.tp_rank = rank
         self.groups = groups
         self.layers = [name for g in groups for name in g.layers]
-        nb = kv_cfg.num_blocks
-        page = 2 * BS * local * HEAD * 2
-        self.mem = SharedHostMemory(len(self.layers) * nb * page)
-        flat = self.mem.tensor.view(torch.float16)
-        if block_outermost:   # BL...: one block of every layer is contiguous
-            full = flat.view(nb, len(self.layers), 2, BS, local, HEAD)
-            self.kv = {name: full[:, i] for i, name in enumerate(self.layers)}
-        else:                 # LB...: each layer its own region, (num_blocks, 2, bs, H, D)
-            full = flat.view(len(self.layers), nb, 2, BS, local, HEAD)
-            self.kv = {name: full[i] for i, name in enumerate(self.layers)}
+        self.kv = self._allocate(kv_cfg.num_blocks, local, block_outermost)
         self.conn.register_kv_caches(self.kv)
         self.loads: dict[str, list[tuple[int, list[int]]]] = {}   # req → [(group, block ids)]
         self.load_history: dict[str, list[tuple[int, list[int]]]] = {}
         self.verified_blocks = 0
+
+    def _allocate(self, nb: int, local: int, block_outermost: bool) -> dict[str, torch.Tensor]:
+        """The attention layers' KV tensors, in one shm segment (``self.mem``)."""
+        layers = [name for g in self.groups if g.spec is None for name in g.layers]
+        page = 2 * BS * local * HEAD * 2
+        self.mem = SharedHostMemory(len(layers) * nb * page)
+        flat = self.mem.tensor.view(torch.float16)
+        if block_outermost:   # BL...: one block of every layer is contiguous
+            full = flat.view(nb, len(layers), 2, BS, local, HEAD)
+            return {name: full[:, i] for i, name in enumerate(layers)}
+        # LB...: each layer its own region, (num_blocks, 2, bs, H, D)
+        full = flat.view(len(layers), nb, 2, BS, local, HEAD)
+        return {name: full[i] for i, name in enumerate(layers)}
 
     def write(self, block_table: tuple[list[int], ...], tokens: list[int], start: int,
               n: int) -> None:
@@ -223,10 +227,14 @@ class Engine(SchedulerDriver):
                  load_failure_policy: str = "recompute", slow_stores: int = 0,
                  hold_stores: bool = False, late_stores: int = 0, max_num_seqs: int = 16,
                  write_kv: bool = True, kv_events: bool = True, step_s: float = 0.0,
-                 scheduler_first: bool = False) -> None:
-        self.groups = ([Group(["model.layers.0.self_attn"]),
-                        Group(["model.layers.1.self_attn"], sliding_window=32)] if hybrid else
-                       [Group(["model.layers.0.self_attn", "model.layers.1.self_attn"])])
+                 scheduler_first: bool = False, groups: list[Group] | None = None,
+                 worker_cls: type[FakeWorker] = FakeWorker) -> None:
+        self.groups = groups or ([Group(["model.layers.0.self_attn"]),
+                                  Group(["model.layers.1.self_attn"], sliding_window=32)]
+                                 if hybrid else
+                                 [Group(["model.layers.0.self_attn", "model.layers.1.self_attn"])])
+        states = any(g.spec is not None and type(g.spec).__name__ == "MambaSpec"
+                     for g in self.groups)
         # A generous timeout: these tests are about correctness on a loaded 2-core machine;
         # the tests about a slow daemon set their own.
         extra_config = {"socket": socket, "timeout_ms": 10000, "reconnect_backoff_ms": 50,
@@ -241,7 +249,7 @@ class Engine(SchedulerDriver):
                 kv_load_failure_policy=load_failure_policy),
             async_scheduling=async_scheduling, tp=tp, num_blocks=num_blocks,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            kv_events=kv_events)
+            kv_events=kv_events, mamba_align=states)
         self.kv_cfg = kv_cache_config(self.groups, tp, num_blocks,
                                       "BLNHC" if block_outermost else "LBNHC")
         # vLLM's order: the workers register their KV caches, then the engine core builds
@@ -249,12 +257,12 @@ class Engine(SchedulerDriver):
         # daemon restart where the scheduler may reconnect before its workers re-register.
         # No priming either way: the first step runs as soon as the engine is built.
         if not scheduler_first:
-            self.workers = [FakeWorker(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
+            self.workers = [worker_cls(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
                             for r in range(tp)]
         super().__init__(self.cfg, self.kv_cfg, async_scheduling=async_scheduling, step_s=step_s)
         self.connector: KVPoolConnector = self.sched.connector
         if scheduler_first:
-            self.workers = [FakeWorker(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
+            self.workers = [worker_cls(self.cfg, self.kv_cfg, self.groups, r, block_outermost)
                             for r in range(tp)]
         # vLLM drains connector events every step; keep a copy for the tests.
         self.events: list = []

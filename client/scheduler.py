@@ -431,5 +431,9 @@ class SchedulerClient:
                 raise DaemonUnavailable("kvpoold did not answer the lookup in time")
             return None
         if isinstance(reply, p.ErrorReply):
+            if reply.code == ErrorCode.HELLO_REQUIRED:
+                # The daemon released this client (silent too long, or restarted): the next
+                # call says Hello again instead of being refused the same way.
+                self._t.disconnect(backoff=False)
             raise error_from_code(reply.code, reply.message)
         return reply

@@ -9,15 +9,23 @@ driver prints one JSON line prefixed ``@@`` on stdout as it finishes it, so the 
 between steps:
 
 - ``{"op": "generate", "prompts": [[ids]], "max_tokens": N, "params": [kv_transfer_params]}``
-  prints ``tokens``, ``logprobs`` (of each sampled token), ``kv_transfer_params``, the wall time
+  prints ``tokens``, ``logprobs`` (of each sampled token), ``kv_transfer_params``,
+  ``cached_tokens`` (prompt tokens not computed), the wall time
   and per-request TTFT (``first_token_s``, from vLLM's request metrics when present).
 - ``{"op": "reset"}``: ``reset_prefix_cache()`` (the engine forgets its own prefix cache),
   retried for up to a minute: vLLM refuses while finished requests still hold blocks (the
   connector keeps them until their stores land), as an operator's retry would.
+- ``{"op": "zero_states"}``: zero every recurrent state vLLM's prefix cache holds (a hybrid
+  model, engine built with ``"inprocess": true``; ``hybrid_model.zero_cached_states``); prints
+  how many blocks.
 - ``{"op": "wait", "name": X}``: prints ``{"waiting": X}`` and blocks until a line arrives on
   stdin (the test's "go"); a JSON line sets fields of the next generate step: ``params``
   (a P/D proxy handing the prefill's answer to the decode instance) or ``prompts`` (a chat's
   next turn, which depends on the last answer).
+
+Spec keys beside the engine settings: ``"init": "hybrid"`` re-initialises the weights of the tiny
+hybrid model (``bench.vllm_engine.hybrid_model``) after a dummy load; ``"inprocess": true`` runs
+vLLM's engine core in this process (what ``zero_states`` needs).
 
 The ready line lists the pids of the engine's processes (the driver leads its own session), so
 a test can name the KV segments they own.
@@ -89,6 +97,8 @@ def generate(llm, step: dict) -> dict:
         res["kv_transfer_params"].append(o.kv_transfer_params)
         # vLLM's own arrival-to-first-token latency (needs disable_log_stats=False).
         res["first_token_s"].append(getattr(o.metrics, "first_token_latency", None) or None)
+        # Prompt tokens vLLM did not compute (its prefix cache and the connector's hits).
+        res.setdefault("cached_tokens", []).append(getattr(o, "num_cached_tokens", None))
         res["preemptions"] = res.get("preemptions", 0) + getattr(o.metrics, "num_preemptions", 0)
     return res
 
@@ -96,8 +106,20 @@ def generate(llm, step: dict) -> dict:
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
+    if spec.get("inprocess"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if spec.get("init"):
+        # apply_model sends a function to the workers: by reference (a module function here),
+        # which vLLM's serializer accepts only with this set.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     t0 = time.perf_counter()
     llm = build_llm(spec)
+    if spec.get("init") == "hybrid":
+        from bench.vllm_engine.hybrid_model import init_weights
+
+        llm.apply_model(init_weights)
+    elif spec.get("init"):
+        raise SystemExit(f"driver: unknown init {spec['init']!r}")
     emit({"ready": True, "startup_s": time.perf_counter() - t0,
           "pids": session_pids(os.getsid(0))})
     given: dict = {}
@@ -113,6 +135,10 @@ def main() -> None:
                 time.sleep(0.05)
                 ok, tries = llm.reset_prefix_cache(), tries + 1
             emit({"step": i, "op": op, "ok": bool(ok), "tries": tries})
+        elif op == "zero_states":
+            from bench.vllm_engine.hybrid_model import zero_cached_states
+
+            emit({"step": i, "op": op, "blocks": zero_cached_states(llm)})
         elif op == "wait":
             emit({"step": i, "op": op, "waiting": step["name"]})
             line = sys.stdin.readline()

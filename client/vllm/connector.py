@@ -17,6 +17,7 @@ tensors.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Iterable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -30,7 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpool.client.vllm.compat import CompatMixin, check_version
-from kvpool.client.vllm.keys import build_groups
+from kvpool.client.vllm.groups import pool_groups
 from kvpool.client.vllm.meta import StepMeta
 from kvpool.shared.config import ClientConfig, build_config, env_layer, parse_size
 
@@ -145,9 +146,9 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
         config = client_config(extra)
         _apply_load_failure_policy(self._kv_transfer_config, extra)
         if role == KVConnectorRole.SCHEDULER and (warning := check_version()):
-            import logging
             logging.getLogger("kvpool.vllm").warning(warning)
-        groups = build_groups(vllm_config, kv_cache_config, extra)
+        model = pool_groups(vllm_config, kv_cache_config, extra)
+        groups = model.groups
         engine_id = self._kv_transfer_config.engine_id or ""
         quota_bytes = parse_size(extra.get("quota", 0))
         # No effect since prefill and decode may run different TP sizes (it declared P/D so
@@ -171,6 +172,8 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
             self._timer = maybe_time(self, SCHEDULER_METHODS, config.connector_timing)
             client = SchedulerClient(config, name=f"vllm scheduler {engine_id}",
                                      engine_id=engine_id)
+            for note in model.notes:
+                logging.getLogger("kvpool.vllm").info("kvpool: %s", note)
             settings = RoleSettings(
                 groups, Budgets.from_config(config), world_size=pc.world_size,
                 kv_producer=self._kv_transfer_config.kv_role == "kv_producer",
@@ -179,7 +182,8 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
                                             "enable_kv_cache_events", False)),
                 store_policy=config.store_policy,
                 store_min_prefix_tokens=config.store_min_prefix_tokens,
-                horizon_blocks=horizon_for(vllm_config, kv_cache_config))
+                horizon_blocks=horizon_for(vllm_config, kv_cache_config),
+                refusal=model.refusal)
             self.scheduler = SchedulerRole(
                 client, settings,
                 self._timer.line_log("store_steps") if self._timer is not None else None)

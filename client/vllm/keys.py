@@ -1,27 +1,25 @@
-"""Pool keys for vLLM requests: namespaces per KV-cache group, and each request's block keys.
+"""Pool keys for vLLM requests: the groups they belong to, and each request's block keys.
 
-Owns the mapping from what vLLM knows (the model, the KV-cache config, a ``Request``'s tokens,
-cache salt, LoRA and multimodal inputs) to kvpool keys. Both connector roles compute the same
-namespaces from the same inputs, so the scheduler can look up what the workers store. Never
-talks to the daemon and never uses vLLM's own block hashes: those are seeded per process unless
-``PYTHONHASHSEED`` is fixed, and a pool outlives processes.
+Owns the mapping from what vLLM knows about a request (its tokens, cache salt, LoRA and
+multimodal inputs) to kvpool keys, per KV-cache group (``GroupInfo``; which groups a model has
+and their namespaces: ``groups.py``). Both connector roles compute the same keys from the same
+inputs, so the scheduler can look up what the workers store. Never talks to the daemon and never
+uses vLLM's own block hashes: those are seeded per process unless ``PYTHONHASHSEED`` is fixed,
+and a pool outlives processes.
 
-Per group: a hybrid model (full attention + sliding window) has one namespace per KV-cache
-group, because a group's blocks hold different layers. Keys of one request chain over the same
-tokens in every group but start from the group's own seed.
+Per group: a hybrid model (full attention, sliding window, recurrent state) has one namespace
+per KV-cache group, because a group's blocks hold different layers. Keys of one request chain
+over the same tokens in every group but start from the group's own seed.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from kvpool.shared.keys import chain_block_hashes, chain_seed, make_namespace
+from kvpool.shared.keys import chain_block_hashes, chain_seed
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 
@@ -37,7 +35,19 @@ class GroupInfo:
     sliding_window: int | None  # tokens; None for full attention
     # The group's KV heads across all TP ranks (1 for MLA: one latent copy for every rank); the
     # workers register head-split layouts with it, so engines of every TP size share blocks.
+    # A state group: 1 when every rank holds the whole state, else 0 (rank-sharded).
     kv_heads: int = 0
+    # A recurrent-state group (Mamba, gated delta net): block i holds the state after
+    # (i + 1) * block_tokens tokens, where vLLM kept one (groups.py).
+    state: bool = False
+
+    @property
+    def kind(self) -> str:
+        """"full", "window" or "state": what a hit of h blocks needs of this group (the
+        blocks [0, h), the window's blocks before h, or the state in block h - 1)."""
+        if self.state:
+            return "state"
+        return "full" if self.sliding_window is None else "window"
 
     @property
     def window_blocks(self) -> int | None:
@@ -49,68 +59,6 @@ class GroupInfo:
         if self.sliding_window is None:
             return None
         return -(-(self.sliding_window - 1) // self.block_tokens) + 1
-
-
-def model_identity(vllm_config: "VllmConfig", extra: dict[str, Any]) -> str:
-    """The model part of every namespace. ``model_id`` in the extra config overrides it, so
-    engines serving one checkpoint from different paths can share a pool."""
-    if extra.get("model_id"):
-        return str(extra["model_id"])
-    mc = vllm_config.model_config
-    revision = getattr(mc, "revision", None) or ""
-    return f"{mc.model}@{revision}"
-
-
-def total_kv_heads(vllm_config: "VllmConfig", spec: Any, tp: int) -> int:
-    """KV heads of a group across all TP ranks: 1 where every rank holds the same single copy
-    (MLA, ``max_tp_shards=1``), else the model's KV heads when they agree with the spec's
-    per-rank count (vLLM replicates heads when there are fewer than ranks), else the per-rank
-    count times TP (a layer group sized otherwise than the model as a whole)."""
-    if getattr(spec, "max_tp_shards", None) == 1 or "MLA" in type(spec).__name__:
-        return 1
-    local = int(spec.num_kv_heads)
-    try:
-        total = int(vllm_config.model_config.get_total_num_kv_heads())
-    except (AttributeError, TypeError, ValueError):
-        total = 0
-    if total > 0 and max(1, total // tp) == local:
-        return total
-    return local * tp
-
-
-def build_groups(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
-                 extra: dict[str, Any]) -> list[GroupInfo]:
-    """Namespaces for every group the pool can hold (attention groups; not Mamba/recurrent).
-
-    The identity names everything that changes the bytes of a block: model, group layers and
-    spec (KV heads of the whole model, head size, dtype, window), block size and the resolved
-    KV-cache layout. Not the TP size: workers of every TP size store and load their own heads
-    of one slot (``kvpool.shared.layout``), so engines at TP 1, 2, 4, 8 share blocks. The
-    worker's registered ``Layout`` is checked against the namespace by the daemon, so a
-    disagreement is refused instead of sharing wrong bytes.
-    """
-    from vllm.v1.kv_cache_interface import AttentionSpec, SlidingWindowSpec
-
-    model = model_identity(vllm_config, extra)
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    layout = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout or "default"
-    out = []
-    for i, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        if not isinstance(spec, AttentionSpec):
-            continue
-        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        heads = total_kv_heads(vllm_config, spec, tp)
-        identity = (f"vllm-kv v2|{type(spec).__name__}|bs={spec.block_size}"
-                    f"|kv_heads={heads}|head={spec.head_size}/{spec.head_size_v}"
-                    f"|dtype={spec.dtype}|quant={getattr(spec, 'kv_quant_mode', '')}"
-                    f"|window={window}|layout={layout}"
-                    f"|layers={','.join(group.layer_names)}")
-        fp = hashlib.blake2b(identity.encode(), digest_size=16).digest()
-        out.append(GroupInfo(index=i, namespace=make_namespace(model, fp), identity=identity,
-                             block_tokens=spec.block_size, layer_names=tuple(group.layer_names),
-                             sliding_window=window, kv_heads=heads))
-    return out
 
 
 def request_salt(request: "Request") -> bytes:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Collection, Iterable, NamedTuple
 
+from kvpool.client.vllm.hybrid import MISSING
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import LoadSpec
 
@@ -89,9 +90,10 @@ class Loads:
                 if i >= len(ids) or ids[i] == 0:     # a null block: outside the window
                     continue
                 k = i - hit.starts[gi]
-                if not 0 <= k < len(hit.slots[gi]):
-                    # vLLM keeps more of the window than was looked up: never leave a block
-                    # it counts as computed unwritten; fail the load and let it recompute.
+                if not 0 <= k < len(hit.slots[gi]) or hit.slots[gi][k] == MISSING:
+                    # vLLM keeps more of the window (or of a state group) than the pool
+                    # offered: never leave a block it counts as computed unwritten; fail the
+                    # whole load and let it recompute.
                     unloadable = True
                     continue
                 slots.append(hit.slots[gi][k])

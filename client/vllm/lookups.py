@@ -41,6 +41,8 @@ from typing import Any, Collection, Iterable, NamedTuple
 
 from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.daemon_link import DaemonLink
+from kvpool.client.vllm.hybrid import (GroupAnswer, keep_resume_lease, merge_state_answer,
+                                       resume_blocks, state_key_lists)
 from kvpool.client.vllm.pd_stream import Answer, PdStream
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.store_batches import CommittedKeys
@@ -106,6 +108,9 @@ class Lookups:
         self._stale_s = budgets.lookup_stale_s
         self._windowed = any(g.window_blocks is not None for g in groups)
         self._asks: dict[str, _Ask] = {}
+        # Hybrid models: a hit is all groups or none (hybrid.resume_blocks).
+        self._kinds = [g.kind for g in groups]
+        self._stateful = "state" in self._kinds
         self.queued: list[str] = []       # request ids, in order (a few may be stale)
         self.retry: list[str] = []        # P/D consumers to look up again next step
         self.release: list[int] = []      # leases to release at the next step
@@ -282,13 +287,18 @@ class Lookups:
                     rest = span(rid) if a.streaming else None
                     if rest is not None:    # the blocks of the hand-off still to come
                         start, end = rest
+                    elif g.state:           # a hit must end past the GPU's own
+                        start, end = min(a.local_tokens // self.block_tokens, a.target), \
+                            a.target
                     elif g.window_blocks is None:
                         start, end = 0, a.target
                     else:
                         start, end = self._window_start(g, a.target), a.target
                     lists.append(a.st.keys.range(a.st.request, gi, start, end))
                     spans.append((rid, start))
-                calls.append((self.client.lookup_start(g.namespace, lists, True), gi, spans,
+                sent = [k for ks in map(state_key_lists, lists) for k in ks] if g.state \
+                    else lists
+                calls.append((self.client.lookup_start(g.namespace, sent, True), gi, spans,
                               lists))
         except DaemonUnavailable as e:
             self._link.failed(e)
@@ -344,8 +354,8 @@ class Lookups:
             for call in self._orphans:
                 try:
                     reply = call.result()
-                except DaemonUnavailable:
-                    continue
+                except KvpoolError:
+                    continue    # answered with an error (or never): it pinned nothing
                 if reply is None:
                     still.append(call)
                 else:
@@ -382,11 +392,14 @@ class Lookups:
         self._inflight_calls, self._inflight_replies = [], []
         per_req: dict[str, list[Answer]] = {}
         for (call, gi, spans, lists), reply in zip(calls, replies):
+            if self.groups[gi].state:
+                self._state_answers(per_req, spans, lists, reply)
+                continue
             known = self._committed[gi]
             for k, (rid, start) in enumerate(spans):
                 hit = reply.hits[k]
                 per_req.setdefault(rid, []).append(
-                    (start, hit, reply.slots[k], reply.leases[k]))
+                    (start, hit, reply.slots[k], [reply.leases[k]]))
                 if known and hit < len(lists[k]):
                     # The first miss is news: a key we stored has been evicted since; it may
                     # be stored again.
@@ -394,7 +407,7 @@ class Lookups:
         requeue = False
         for rid, answers in per_req.items():
             a = self._asks.get(rid)
-            leases = [lease for _, _, _, lease in answers if lease]
+            leases = [lease for _, _, _, ls in answers for lease in ls if lease]
             if a is None or a.state != SENT or a.st.finished or not self._wanted(a):
                 self.release.extend(leases)
                 continue
@@ -428,6 +441,8 @@ class Lookups:
             a.state = IDLE
             a.hit = hit
             a.answered_at, a.answered_step = self._clock(), step
+            if self._stateful:
+                leases = self._resume_leases(answers, hit)
             a.leases = leases
             a.starts = [start for start, _, _, _ in answers]
             a.slots = [slots for _, _, slots, _ in answers]
@@ -441,24 +456,45 @@ class Lookups:
     def _combine(self, a: _Ask, answers: list[Answer]) -> int | None:
         """The hit in blocks from per-group answers, or None to look up a shorter target.
 
-        Full-attention groups need every block from 0; a sliding-window group needs only the
-        window ending at the hit. Windows were asked for ending at ``target``: when the full
-        groups hit less, the window moves, and one more round asks for the window there.
+        A model with one kind of group: the shortest run. Otherwise all groups or none
+        (``hybrid.resume_blocks``): full-attention groups need every block from 0, a
+        sliding-window group the window ending at the hit, a state group the state at its end.
+        Windows were asked for ending at ``target``: when the others allow less, one more round
+        asks for the window there.
         """
-        if not self._windowed:
+        if not self._windowed and not self._stateful:
             return min(a[1] for a in answers)
-        full = [a[1] for g, a in zip(self.groups, answers) if g.window_blocks is None]
-        hit = min(full) if full else a.target
-        if hit == 0:
-            return 0
-        for g, (start, n, _, _) in zip(self.groups, answers):
-            if g.window_blocks is None:
+        got = resume_blocks(self._kinds, [g.window_blocks for g in self.groups],
+                            [GroupAnswer(start, a.target, slots)
+                             for start, _, slots, _ in answers],
+                            a.target, retried=a.rounds > 0)
+        if got.ask_again_at:
+            a.target, a.rounds = got.ask_again_at, a.rounds + 1
+            return None
+        return got.blocks
+
+    def _state_answers(self, per_req: dict[str, list[Answer]], spans: list[tuple[str, int]],
+                       lists: list[list[bytes]], reply: Any) -> None:
+        """A state group's per-key replies (``hybrid.state_key_lists``), folded back into one
+        answer per request."""
+        at = 0
+        for (rid, start), keys in zip(spans, lists):
+            n = len(keys)
+            refs, leases = merge_state_answer(reply.hits[at:at + n], reply.slots[at:at + n],
+                                              reply.leases[at:at + n])
+            at += n
+            per_req.setdefault(rid, []).append((start, n, refs, leases))
+
+    def _resume_leases(self, answers: list[Answer], hit: int) -> list[int]:
+        """The leases a load at ``hit`` needs (every run's; of a state group, its state at the
+        hit's end): the other states found are released now."""
+        keep = []
+        for g, (start, _, _, leases) in zip(self.groups, answers):
+            if not g.state:
+                keep.extend(x for x in leases if x)
                 continue
-            if hit != a.target:
-                if a.rounds:
-                    return 0
-                a.target, a.rounds = hit, a.rounds + 1
-                return None
-            if n < a.target - start:
-                return 0
-        return hit
+            lease, spare = keep_resume_lease(start, leases, hit)
+            self.release.extend(spare)
+            if lease:
+                keep.append(lease)
+        return keep

@@ -51,6 +51,8 @@ class RoleSettings:
     # unknown): the lazy policy's eviction horizon, and the eager planner's sign that a
     # preemption is near.
     horizon_blocks: int = 0
+    # Why this model is not pooled at all (groups.py), "" when it is.
+    refusal: str = ""
 
 
 @dataclass(frozen=True, eq=False)

@@ -27,7 +27,7 @@ from kvpool.client.vllm.specs import LoadSpec
 logger = logging.getLogger("kvpool.vllm")
 
 # One group's answer for one request: (first block asked, hit, slot refs, lease).
-Answer = tuple[int, int, list[int], int]
+Answer = tuple[int, int, list[int], list[int]]
 
 
 @dataclass(eq=False, slots=True)
@@ -54,10 +54,11 @@ class PdStream:
         self._specs: list[LoadSpec] = []
         # Streaming needs every group to hold blocks [0, n) of the prompt: a sliding-window
         # group looks up (and keeps) only the window ending at the hit, which moves as chunks
-        # land. Models with one wait for the whole hand-off and load it at once instead.
+        # land, and a state group only the state at the hit's end. Models with either wait for
+        # the whole hand-off and load it at once instead.
         # A stalled stream reports its missing blocks as load errors, which vLLM's "fail"
         # load-failure policy turns into a failed request: pd_stream=False keeps the wait.
-        self.can_stream = pd_stream and all(g.window_blocks is None for g in groups)
+        self.can_stream = pd_stream and all(g.kind == "full" for g in groups)
 
     def expect(self, st: ReqState, blocks: int) -> None:
         """``st`` is the decode side of a hand-off of ``blocks`` blocks; it waits for them

@@ -70,12 +70,13 @@ class SchedulerRole:
         self.groups = groups = settings.groups
         self.client = client
         sizes = {g.block_tokens for g in groups}
-        # One token→block grid for every group: vLLM's hybrid allocator gives attention groups
-        # one block size; anything else is served by recompute rather than guessed at.
-        self.enabled = bool(groups) and len(sizes) == 1
+        # One token→block grid for every group, and every group of the model pooled
+        # (groups.py; ``refusal`` says why not): anything else is served by recompute rather
+        # than guessed at.
+        self.enabled = bool(groups) and len(sizes) == 1 and not settings.refusal
         if not self.enabled:
-            logger.warning("kvpool: KV-cache groups %s cannot be pooled; connector idle",
-                           [g.identity for g in groups])
+            logger.warning("kvpool: stores and hits are off for this model: %s",
+                           settings.refusal or f"KV-cache groups {[g.identity for g in groups]}")
         parts = self.parts = build_parts(client, settings)
         self.block_tokens = parts.block_tokens
         self.requests, self.link, self.losses = parts.requests, parts.link, parts.losses

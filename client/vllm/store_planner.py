@@ -162,8 +162,11 @@ class StorePlanner:
         self._loads = loads
         self._namespaces = [g.namespace for g in groups]
         # Blocks a running request's stores gather before they go (see STORE_RUN_TOKENS);
-        # each new request starts with this (a P/D producer with 1).
-        self.store_run = max(1, -(-STORE_RUN_TOKENS // block_tokens)) if block_tokens else 1
+        # each new request starts with this (a P/D producer with 1). With a state group, 1:
+        # vLLM lets go of a decode's state block a step after it fills (it stays cached only
+        # until reused), and such models' blocks are large (256 tokens and up).
+        self.store_run = max(1, -(-STORE_RUN_TOKENS // block_tokens)) \
+            if block_tokens and not any(g.state for g in groups) else 1
         self._cursors: dict[str, StoreCursor] = {}
         # Requests with blocks to plan, oldest first (deferred by the step budget, or waiting
         # for tickets): request id -> when it first waited. Finished ones the backlog keeps
@@ -423,7 +426,10 @@ class StorePlanner:
             if n_full <= lo:
                 continue
             cursor[gi] = n_full
-            if tables is not None:
+            if g.state:
+                bids = self._state_blocks(req, step.manager, tables, g.index, lo, n_full)
+                hi = lo + len(bids)
+            elif tables is not None:
                 blocks = tables[g.index].get(rid) or ()
                 hi = min(n_full, len(blocks))
                 bids = [b.block_id for b in blocks[lo:hi]]
@@ -482,8 +488,9 @@ class StorePlanner:
             # 0 where the hash is no longer cached (as a null block: nothing to store)
             bids = [b[0].block_id if b else 0
                     for b in map(pool.get_cached_block, hashes[lo:n], repeat([g.index]))]
-            found_to = next((len(bids) - i for i, b in enumerate(reversed(bids)) if b), 0)
-            lost = max(lost, bids[:max(found_to, computed - lo)].count(0))
+            if not g.state:     # (a state group keeps some boundaries only: nulls are not lost)
+                found_to = next((len(bids) - i for i, b in enumerate(reversed(bids)) if b), 0)
+                lost = max(lost, bids[:max(found_to, computed - lo)].count(0))
             c.cursor[gi] = n
             keys = st.keys.range(req, gi, lo, n)
             keep = self._to_store(gi, st, step, keys, bids)
@@ -494,6 +501,33 @@ class StorePlanner:
             step.wanted[gi].append((st, [lo + j for j in keep], keys, [bids[j] for j in keep]))
         c.lo = min(c.cursor)
         self._losses.add(PREEMPTED, lost)
+
+    def _state_blocks(self, req: Any, manager: Any,
+                      tables: list[dict[str, list[Any]]] | None, group: int,
+                      lo: int, hi: int) -> list[int]:
+        """The GPU blocks holding the states of ``req``'s blocks ``[lo, hi)`` in vLLM state
+        group ``group`` (0 where vLLM kept none): the request's table where it still holds
+        one, else the block vLLM's prefix cache holds under that block's hash. In align mode
+        vLLM frees a state block once the next state is computed (``remove_skipped_blocks``),
+        often before a decode's store is planned; it stays in the prefix cache until handed out
+        again (a store reading it then is flushed first: ``StoreBatches.reading``). vLLM 0.32
+        hashes a block a step after it fills, 0.33 in the step: either way a non-null table
+        entry or a hash hit holds the state its prefix ends with."""
+        if tables is not None:
+            row = tables[group].get(req.request_id) or ()
+            ids = [b.block_id for b in row[lo:hi]]
+        else:
+            ids = manager.get_block_ids(req.request_id)[group][lo:hi]
+        ids += [0] * (hi - lo - len(ids))
+        hashes = req.block_hashes
+        if 0 not in ids or len(hashes) != req.num_tokens // self.block_tokens:
+            return ids      # (hashed at another granularity: nothing to match)
+        pool = manager.block_pool
+        for j, b in enumerate(ids):
+            if not b:
+                hit = pool.get_cached_block(hashes[lo + j], [group])
+                ids[j] = hit[0].block_id if hit else 0
+        return ids
 
     def _known(self, gi: int, st: ReqState) -> dict[bytes, None]:
         """Keys of group ``gi`` that ``st`` need not store again: those known to be in the

@@ -217,6 +217,12 @@ class WorkerRole:
                     logger.debug("kvpool: load job failed (%s); recomputing", c.message)
                     for rid, blocks in parts:
                         self._load_errors.setdefault(rid, []).extend(blocks)
+                elif c.failed:
+                    # Blocks the daemon could not load (evicted since the lookup, held by no
+                    # tier): left unwritten, so vLLM must recompute them like a failed load's.
+                    logger.debug("kvpool: %d block(s) of a load were gone; recomputing",
+                                 len(c.failed))
+                    self._fail_positions(parts, c.failed)
                 for rid in {rid for rid, _ in parts}:
                     self._load_pending[rid] -= 1
                     self._maybe_finish_load(rid)
@@ -226,6 +232,19 @@ class WorkerRole:
                 if not c.ok:   # (counted by the scheduler role as store_failed)
                     logger.debug("kvpool: store job failed (%s)", c.message)
                 self._ack(batches, c.ok)
+
+    def _fail_positions(self, parts: list[tuple[str, list[int]]],
+                        failed: tuple[int, ...]) -> None:
+        """Record the blocks at positions ``failed`` of a load job made of ``parts`` (its
+        requests' block ids, in the job's order) as load errors of their requests."""
+        bad = sorted(failed)
+        at, k = 0, 0
+        for rid, blocks in parts:
+            end = at + len(blocks)
+            while k < len(bad) and bad[k] < end:
+                self._load_errors.setdefault(rid, []).append(blocks[bad[k] - at])
+                k += 1
+            at = end
 
     def _maybe_finish_load(self, req_id: str) -> None:
         """Report the request received once its last spec came and all its jobs are done."""

@@ -303,3 +303,28 @@ def test_a_call_waiting_on_a_daemon_that_dies_fails_at_once(daemon):
     assert not t.is_alive() and time.monotonic() - t0 < 2.0, "the call waited for its timeout"
     assert isinstance(outcome[0], DaemonUnavailable)
     sched.close()
+
+
+def test_a_scheduler_the_daemon_released_says_hello_again_after_a_refused_lookup(daemon):
+    """A scheduler client the daemon released as silent (its heartbeats kept from running)
+    gets its next non-blocking lookup refused (HelloRequired); the call after that
+    reconnects instead of being refused the same way for good."""
+    from kvpool.shared.errors import HelloRequired
+
+    sched = SchedulerClient(daemon.client_config(), name="forgotten")
+    observer = SchedulerClient(daemon.client_config(), name="observer")
+    try:
+        assert sched.lookup(b"n" * 16, [[b"k" * 16]]).hits == [0]
+        sched._t._heartbeat.stop()
+        wait_for(lambda: "forgotten" not in {c.name for c in observer.info().clients}, 15,
+                 "the daemon to release the silent client")
+        call = sched.lookup_start(b"n" * 16, [[b"k" * 16]])
+        with pytest.raises(HelloRequired):
+            wait_for(lambda: call.result(), 10, "the refused lookup's answer")
+        again = wait_for(lambda: unless_unavailable(
+            lambda: sched.lookup_start(b"n" * 16, [[b"k" * 16]]).result()), 10,
+            "a lookup after the refusal to be answered")
+        assert again.hits == [0]
+    finally:
+        sched.close()
+        observer.close()

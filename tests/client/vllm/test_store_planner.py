@@ -193,3 +193,23 @@ def test_under_memory_pressure_a_step_plans_the_whole_queue():
     tight.manager.block_pool.free = 7
     [spec] = burst(tight)
     assert len(spec.block_ids) == 8 and not tight.planner.queue
+
+
+def test_a_state_group_stores_the_states_vllm_kept_from_its_table_or_its_prefix_cache():
+    # A state group: block i holds the state after i + 1 blocks where vLLM kept one. The table
+    # still holds the state after 2 blocks (block 21); vLLM already let go of the one after 1
+    # (block 20: null in the table, still cached under its hash); it kept none after 3 or 4.
+    from dataclasses import replace
+
+    from .fakes import GROUP
+
+    p = Rig(FakeClient(tickets=10), groups=(replace(GROUP, state=True),))
+    assert p.planner.store_run == 1     # a decode's states go the step they fill
+    req = request("a", list(range(70)))
+    req.block_hashes = [f"h{i}" for i in range(4)]
+    state(p, req)
+    p.manager.tables["a"] = [0, 0, 21, 0, 0]
+    p.manager.block_pool.cached["h1"] = 20
+    [spec] = plan(p, step_output(new={"a": 70}))
+    assert spec.block_ids == [20, 21] and spec.keys == keys(req, 1, 3)
+    assert p.cursor("a") == [4]
