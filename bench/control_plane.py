@@ -1,6 +1,6 @@
 """Control-plane and host-path benchmark: ratios measured side by side in one run.
 
-    python bench/control_plane.py [--blocks 1024] [--out DIR]
+    python -m bench.control_plane [--blocks 1024] [--out DIR]
 
 Starts a real kvpoold (host path only) on a temporary socket and prints:
 - the connector's scheduler-side methods (``get_num_new_matched_tokens``,
@@ -238,7 +238,6 @@ def connector_methods(sock: str, tmp: str, async_scheduling: bool,
     from pathlib import Path
 
     os.environ["KVPOOL_CONNECTOR_TIMING"] = os.path.join(tmp, "timing")
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from bench.vllm_scheduler import Engine
 
     e = Engine(Path(tmp), sock, async_scheduling=async_scheduling, num_blocks=16384,

@@ -58,8 +58,8 @@ def _system_python() -> str | None:
 
 
 def stage_for_other_uids(dest: Path) -> Path:
-    """Copy what ``as_user`` code imports into ``dest`` (world-readable); returns the folder to
-    put on that code's ``sys.path``."""
+    """Copy what ``as_user`` code imports into ``dest`` (world-readable); returns the folder
+    that code imports from (its ``PYTHONPATH``)."""
     import importlib.util
     site = dest / "site"
     for target, source in _OTHER_UID_PACKAGES.items():
@@ -84,10 +84,11 @@ def as_user(uid: int, gid: int, code: str, site: Path, timeout_s: float = 60) ->
     ``stage_for_other_uids``) as its only import path of ours; it prints one JSON line."""
     py = _system_python()
     assert py, "no system Python of our version for another uid"
-    prelude = f"import sys, json, os; sys.path.insert(0, {str(site)!r})\n"
+    prelude = "import sys, json, os\n"
     r = subprocess.run([py, "-s", "-c", prelude + textwrap.dedent(code)], capture_output=True,
                        text=True, timeout=timeout_s, user=uid, group=gid, extra_groups=[],
-                       env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"}, cwd="/tmp")
+                       env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONPATH": str(site)},
+                       cwd="/tmp")
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     assert r.returncode == 0 and lines, f"as uid {uid}: rc {r.returncode}\n{r.stderr[-2000:]}"
     return json.loads(lines[-1])
@@ -383,7 +384,6 @@ def pool_full(workdir: Path) -> dict:
 
 _SHM_FULL = r"""
 import json, os, subprocess, sys, time
-sys.path.insert(0, ROOT)
 from pathlib import Path
 from bench.soak.common import Daemon, ShmBlocks
 from bench.soak.client import Engine
@@ -473,7 +473,6 @@ def shm_full(workdir: Path) -> dict:
 
 _MANY = r"""
 import json, sys, time
-sys.path.insert(0, ROOT)
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.config import ClientConfig
 cfg = ClientConfig(socket=SOCK, timeout_ms=30000)
