@@ -123,11 +123,11 @@ def serve(config_file: str | None, check_config: bool, **given: Any) -> None:
 
 # ---- operator CLI ------------------------------------------------------------------------------
 
-def _scheduler_client(socket: str | None, timeout_ms: int):
-    from kvpool.client.scheduler import SchedulerClient
+def _operator_client(socket: str | None, timeout_ms: int):
+    from kvpool.client.operator import OperatorClient
     cfg = build_config(ClientConfig, {"socket": socket, "timeout_ms": timeout_ms,
                                       "reconnect_backoff_ms": 0})
-    return SchedulerClient(cfg, name="kvpool-cli", heartbeat=False)
+    return OperatorClient(cfg)
 
 
 _socket_opt = click.option("--socket", envvar="KVPOOL_SOCKET", default=None,
@@ -147,7 +147,7 @@ def operator() -> None:
 def ping(socket: str | None, timeout_ms: int) -> None:
     """Round trip to the daemon; exit 1 if it does not answer."""
     from kvpool.shared.errors import DaemonUnavailable
-    client = _scheduler_client(socket, timeout_ms)
+    client = _operator_client(socket, timeout_ms)
     try:
         t0 = time.perf_counter()
         pong = client.ping()
@@ -170,9 +170,10 @@ def _human(n: float) -> str:
 
 def info_as_dict(info) -> dict[str, Any]:
     """PoolInfo with named fields (it is positional on the wire)."""
+    from kvpool.daemon.top import engine_clients
     out = msgspec.structs.asdict(info)
     out["clients"] = [{**msgspec.structs.asdict(c), "role": c.role.name.lower()}
-                      for c in info.clients]
+                      for c in engine_clients(info)]
     out["namespace_usage"] = [{**msgspec.structs.asdict(n), "namespace": n.namespace.hex()}
                               for n in info.namespace_usage]
     out["tiers"] = [msgspec.structs.asdict(t) for t in info.tiers]
@@ -221,8 +222,10 @@ def format_info(info) -> str:
                      f"{_human(n.used_bytes)}{quota}  {n.description[:60]}")
     for t in info.tiers:
         lines += format_tier(t)
-    lines.append(f"clients    {len(info.clients)}")
-    for c in info.clients:
+    from kvpool.daemon.top import engine_clients
+    clients = engine_clients(info)
+    lines.append(f"clients    {len(clients)}" if clients else "clients    none connected")
+    for c in clients:
         lines.append(f"  #{c.owner_id} {c.role.name.lower():9s} pid {c.pid:<7d} {c.name}"
                      f"{' engine ' + c.engine_id if c.engine_id else ''}   registrations "
                      f"{c.registrations} leases {c.leases} jobs {c.jobs_in_flight}")
@@ -233,12 +236,14 @@ def format_info(info) -> str:
 @_socket_opt
 @click.option("--interval", default=1.0, show_default=True, type=float,
               help="seconds between refreshes")
-def top(socket: str | None, interval: float) -> None:
+@click.option("--iterations", default=None, type=click.IntRange(min=1),
+              help="stop after this many screens [default: until Ctrl-C]")
+def top(socket: str | None, interval: float, iterations: int | None) -> None:
     """Live view: hit rate, GB/s each way, pool occupancy (Ctrl-C quits)."""
     from kvpool.daemon.top import run_top
-    client = _scheduler_client(socket, 2000)
+    client = _operator_client(socket, 2000)
     try:
-        code = run_top(client.info, interval)
+        code = run_top(client.info, interval, iterations=iterations)
     finally:
         client.close()
     sys.exit(code)
@@ -251,7 +256,7 @@ def top(socket: str | None, interval: float) -> None:
 def info(socket: str | None, timeout_ms: int, as_json: bool) -> None:
     """Pool occupancy, hits, transfers, evictions and connected clients."""
     from kvpool.shared.errors import DaemonUnavailable
-    client = _scheduler_client(socket, timeout_ms)
+    client = _operator_client(socket, timeout_ms)
     try:
         snapshot = client.info()
     except DaemonUnavailable as e:

@@ -421,8 +421,10 @@ class Server:
         owner = self.registry.add_owner(identity, msg, now)
         owner.peer = peer
         self.exit_watch.watch(owner)
-        log.info("client %d connected: %r role=%s pid=%d engine=%r", owner.id, msg.name,
-                 msg.role.name, msg.pid, msg.engine_id)
+        # Operator tools (kvpool ping/info/top, a container's health check) connect often.
+        log.log(logging.DEBUG if msg.role == p.Role.OPERATOR else logging.INFO,
+                "client %d connected: %r role=%s pid=%d engine=%r", owner.id, msg.name,
+                msg.role.name, msg.pid, msg.engine_id)
         return p.HelloReply(msg.req_id, p.PROTOCOL_VERSION, self.daemon_id, owner.id,
                             self.pool.nbytes, self.config.heartbeat_interval_ms,
                             self.config.max_request_bytes)

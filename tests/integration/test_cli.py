@@ -76,6 +76,26 @@ def test_ping_and_info(daemon):
     kv.close()
 
 
+def test_operator_commands_do_not_count_themselves_as_clients(daemon):
+    """The README's check "kvpool info shows no client connected" can be seen: info and top
+    connect as operators and list engines' schedulers and workers only."""
+    r = kvpool("info", "--socket", daemon.socket)
+    assert r.returncode == 0, r.stderr
+    assert "clients    none connected" in r.stdout, r.stdout
+    r = kvpool("info", "--socket", daemon.socket, "--json")
+    assert json.loads(r.stdout)["clients"] == []
+    r = kvpool("top", "--socket", daemon.socket, "--iterations", "1")
+    assert r.returncode == 0 and "clients  0   engines 0" in r.stdout, r.stdout + r.stderr
+    kv = HostKv()
+    worker, _ = kv.register(daemon.client_config(), name="tp0")
+    try:
+        r = kvpool("info", "--socket", daemon.socket)
+        assert "clients    1" in r.stdout and "tp0" in r.stdout and "kvpool-cli" not in r.stdout
+    finally:
+        worker.close()
+        kv.close()
+
+
 def test_operator_commands_fail_cleanly_without_a_daemon(tmp_path):
     for cmd in ("ping", "info"):
         r = kvpool(cmd, "--socket", str(tmp_path / "none.sock"), "--timeout-ms", "300")
