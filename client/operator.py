@@ -18,6 +18,11 @@ class OperatorClient:
     def __init__(self, config: ClientConfig, name: str = "kvpool-cli") -> None:
         self._t = Transport(config, p.Role.OPERATOR, name, heartbeat=False)
 
+    def connect(self) -> None:
+        """Connect now (bounded by ``timeout_ms``), so that ``ping`` times the round trip
+        alone."""
+        self._t.ensure_connected()
+
     def ping(self) -> p.Pong:
         return self._call(p.Ping, p.Pong)
 

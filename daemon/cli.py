@@ -24,6 +24,8 @@ from kvpool.shared.errors import ConfigError, KvpoolError
 
 STARTUP_FAILURE = 3
 UNREACHABLE = 1
+# ``kvpool ping --wait``: how often to knock on a daemon that is starting.
+_WAIT_RETRY_S = 0.1
 
 
 def _describe(t) -> tuple[str, object]:
@@ -144,20 +146,38 @@ def operator() -> None:
 @operator.command()
 @_socket_opt
 @_timeout_opt
-def ping(socket: str | None, timeout_ms: int) -> None:
+@click.option("--wait", "wait_s", is_flag=False, flag_value=60.0, default=0.0, type=float,
+              metavar="[SECONDS]", help="wait for a daemon that is starting: try again until "
+              "it answers, for up to SECONDS (60 if none given)")
+def ping(socket: str | None, timeout_ms: int, wait_s: float) -> None:
     """Round trip to the daemon; exit 1 if it does not answer."""
-    from kvpool.shared.errors import DaemonUnavailable
-    client = _operator_client(socket, timeout_ms)
-    try:
-        t0 = time.perf_counter()
-        pong = client.ping()
-        click.echo(f"pong from kvpoold {pong.daemon_id} in {(time.perf_counter() - t0) * 1e6:.0f} us"
-                   f" (up {pong.uptime_s:.0f} s)")
-    except DaemonUnavailable as e:
-        click.echo(f"kvpool: {e.message}", err=True)
-        sys.exit(UNREACHABLE)
-    finally:
-        client.close()
+    from kvpool.shared.errors import DaemonUnavailable, KvpoolError, SocketForbidden
+    deadline = time.monotonic() + wait_s
+    said_waiting = False
+    while True:
+        client = _operator_client(socket, timeout_ms)
+        try:
+            client.connect()
+            t0 = time.perf_counter()
+            pong = client.ping()
+            click.echo(f"pong from kvpoold {pong.daemon_id} in "
+                       f"{(time.perf_counter() - t0) * 1e6:.0f} us (up {pong.uptime_s:.0f} s)")
+            return
+        except DaemonUnavailable as e:
+            # A daemon that is starting has no socket yet, or one that refuses: try again.
+            if isinstance(e, SocketForbidden) or time.monotonic() >= deadline:
+                waited = f" (waited {wait_s:g} s)" if wait_s else ""
+                click.echo(f"kvpool: {e.message}{waited}", err=True)
+                sys.exit(UNREACHABLE)
+            if not said_waiting:
+                click.echo(f"kvpool: {e.message}; waiting up to {wait_s:g} s for it", err=True)
+                said_waiting = True
+        except KvpoolError as e:          # answered, but refused us (allow list, version)
+            click.echo(f"kvpool: {e.message}", err=True)
+            sys.exit(UNREACHABLE)
+        finally:
+            client.close()
+        time.sleep(_WAIT_RETRY_S)
 
 
 def _human(n: float) -> str:
@@ -241,9 +261,13 @@ def format_info(info) -> str:
 def top(socket: str | None, interval: float, iterations: int | None) -> None:
     """Live view: hit rate, GB/s each way, pool occupancy (Ctrl-C quits)."""
     from kvpool.daemon.top import run_top
+    from kvpool.shared.errors import KvpoolError
     client = _operator_client(socket, 2000)
     try:
         code = run_top(client.info, interval, iterations=iterations)
+    except KvpoolError as e:     # refused (allow list, version): unavailability is waited out
+        click.echo(f"kvpool: {e.message}", err=True)
+        code = UNREACHABLE
     finally:
         client.close()
     sys.exit(code)
@@ -255,11 +279,11 @@ def top(socket: str | None, interval: float, iterations: int | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def info(socket: str | None, timeout_ms: int, as_json: bool) -> None:
     """Pool occupancy, hits, transfers, evictions and connected clients."""
-    from kvpool.shared.errors import DaemonUnavailable
+    from kvpool.shared.errors import KvpoolError
     client = _operator_client(socket, timeout_ms)
     try:
         snapshot = client.info()
-    except DaemonUnavailable as e:
+    except KvpoolError as e:     # unreachable, or refused (allow list, version)
         click.echo(f"kvpool: {e.message}", err=True)
         sys.exit(UNREACHABLE)
     finally:

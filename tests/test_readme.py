@@ -1,9 +1,14 @@
-"""The README stays true: its settings table matches the code, its example runs."""
+"""The README stays true: its quick start and its example run as pasted, its tables match the
+code."""
 
+import contextlib
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 from kvpool.daemon.cli import settings_table
@@ -67,3 +72,50 @@ def test_a_newcomer_reaches_the_first_command_early():
     first = README.split("\n").index("```bash") + 1
     assert first <= 40, f"the first command is on line {first + 1}"
     assert "kvpoold" in README[:README.index("## Architecture")]
+
+
+def _fresh_clone(dest: Path) -> Path:
+    """The checkout's files as a clone has them (tracked and new, nothing ignored: no .venv)."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    for name in filter(None, files):
+        src = ROOT / name.decode()
+        if src.is_file():
+            (dest / name.decode()).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name.decode())
+    return dest
+
+
+def test_the_quick_start_pasted_into_a_fresh_shell_ends_with_a_pong(tmp_path):
+    """The README's first block, as written, in a fresh bash, in a fresh clone, in a new virtual
+    environment: pip installs kvpool (not editable), the daemon starts in the background, and
+    the ping waits for it. The venv sees this one's packages (a .pth file), so the torch line
+    finds torch installed and downloads nothing. Only the pool is small (64 MiB, by env) and
+    /metrics off (port 9471 may be another daemon's on a shared host)."""
+    block = re.search(r"```bash\n(.*?)```", README, re.S).group(1)
+    assert "pip install ." in block and "kvpoold &" in block and "kvpool ping" in block, block
+    clone = _fresh_clone(tmp_path / "kvpool")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    site = next(venv.glob("lib/python*/site-packages"))
+    (site / "_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    pool_name = f"kvpool-quickstart-{os.getpid()}"
+    env = {**{k: v for k, v in os.environ.items() if k.startswith("PIP_")},
+           "PATH": f"{venv}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/"),
+           "XDG_RUNTIME_DIR": str(run_dir), "KVPOOL_POOL_SIZE": "64MiB",
+           "KVPOOL_POOL_NAME": pool_name, "KVPOOL_METRICS_PORT": "0"}
+    script = block + 'kill "$!"; wait "$!"\n'
+    shell = subprocess.Popen(["bash"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=clone, env=env,
+                             start_new_session=True)
+    try:
+        out, err = shell.communicate(script, timeout=420)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+    assert re.search(r"^pong from kvpoold \w+ in \d+ us", out, re.M), \
+        f"no pong:\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
+    assert "Traceback" not in err, err[-5000:]
+    assert not Path(f"/dev/shm/{pool_name}").exists(), "the stopped daemon left its pool"

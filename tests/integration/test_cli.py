@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import posix_ipc
+import pytest
 
 from kvpool.client.scheduler import SchedulerClient
 from tests.conftest import wait_for
@@ -94,6 +95,36 @@ def test_operator_commands_do_not_count_themselves_as_clients(daemon):
     finally:
         worker.close()
         kv.close()
+
+
+def test_ping_wait_answers_once_a_starting_daemon_serves(daemon_factory, tmp_path):
+    """``kvpool ping --wait`` started before the daemon: it waits (saying so), then pongs."""
+    d = daemon_factory(start=False)
+    ping = subprocess.Popen([sys.executable, "-c", "from kvpool.daemon.cli import operator_main;"
+                             " operator_main()", "ping", "--socket", d.socket, "--wait", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: ping.poll() is not None or ping.stderr.readline(), 30,
+                 "ping --wait to say it waits")
+        assert ping.poll() is None, "ping --wait gave up on a daemon that had not started"
+        d.start()
+        out, err = ping.communicate(timeout=60)
+    finally:
+        if ping.poll() is None:
+            ping.kill()
+    assert ping.returncode == 0 and out.startswith("pong from kvpoold"), out + err
+
+
+def test_ping_wait_does_not_wait_on_a_socket_it_may_not_open(daemon, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run the ping as another user (setpriv)")
+    os.chmod(os.path.dirname(daemon.socket), 0o700)
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        sys.executable, "-c", "from kvpool.daemon.cli import operator_main; "
+                        "operator_main()", "ping", "--socket", daemon.socket, "--wait", "60"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "permission denied" in r.stderr, r.stderr
+    assert "waiting" not in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_operator_commands_fail_cleanly_without_a_daemon(tmp_path):
