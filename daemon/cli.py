@@ -19,7 +19,9 @@ from typing import Any
 import click
 import msgspec
 
-from kvpool.shared.config import ClientConfig, DaemonConfig, build_config, toml_layer
+from kvpool.daemon.metrics import port_is_free
+from kvpool.shared.config import (ClientConfig, DaemonConfig, build_config, config_file_variable,
+                                  toml_layer, unknown_variables)
 from kvpool.shared.errors import ConfigError, KvpoolError
 
 STARTUP_FAILURE = 3
@@ -87,32 +89,65 @@ def _setup_logging(config: DaemonConfig) -> None:
     root.setLevel(config.log_level.upper())
 
 
-def load_daemon_config(config_file: str | None, given: dict[str, Any]) -> DaemonConfig:
-    config = build_config(DaemonConfig, toml_layer(config_file), given)
-    if config.remote_store:      # the whole URL, so --check-config and a start reject it alike
-        from kvpool.daemon.remote_url import parse_remote_url
-        parse_remote_url(config.remote_store)
-    return config
+def load_daemon_config(config_file: str | None, given: dict[str, Any],
+                       take_free_metrics_port: bool = False) -> tuple[DaemonConfig, list[str]]:
+    """The effective configuration, checked as a start checks it (``startup.check_config``),
+    and warnings to show. ``take_free_metrics_port``: when no layer set ``metrics_port`` and the
+    default port is taken (another user's daemon), serve without /metrics rather than fail."""
+    from kvpool.daemon import startup
+    layers = toml_layer(config_file)
+    config = build_config(DaemonConfig, layers, given)
+    startup.check_config(config)
+    notes = []
+    explicit = set(layers) | {k for k, v in given.items() if v is not None}
+    if take_free_metrics_port and "metrics_port" not in explicit and config.metrics_port \
+            and not port_is_free(config.metrics_host, config.metrics_port):
+        notes.append(f"metrics_port {config.metrics_port} on {config.metrics_host} is taken "
+                     f"(by another kvpoold?): serving without /metrics and /healthz; set "
+                     f"metrics_port to a free port to have them")
+        config = msgspec.structs.replace(config, metrics_port=0)
+    return config, notes
+
+
+def _warn(text: str) -> None:
+    click.echo(f"kvpoold: warning: {text}", err=True)
 
 
 @click.command(context_settings={"auto_envvar_prefix": "KVPOOL", "show_default": True})
+@click.version_option(package_name="kvpool", prog_name="kvpoold")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
-              help="TOML file with the same keys as the flags (underscores)")
+              allow_from_autoenv=False, help="TOML file with the same keys as the flags "
+              "(underscores) [env var: KVPOOL_CONFIG]")
 @click.option("--check-config", is_flag=True, default=False,
-              help="print the effective configuration and exit (0: valid, 2: invalid)")
+              help="check the configuration as a start would, print it and exit (0: valid, "
+              "2: invalid)")
 @_daemon_options
 def serve(config_file: str | None, check_config: bool, **given: Any) -> None:
     """Run kvpoold, the host's KV-cache pool daemon."""
+    notes: list[str] = []
+    if config_file is None:
+        config_file, notes = config_file_variable()
+    notes += unknown_variables()
     try:
-        config = load_daemon_config(config_file, given)
+        config, more = load_daemon_config(config_file, given,
+                                          take_free_metrics_port=not check_config)
     except ConfigError as e:
+        for note in notes:
+            _warn(note)
         click.echo(f"kvpoold: {e.message}", err=True)
         sys.exit(2)
+    notes += more
     if check_config:
+        for note in notes:
+            _warn(note)
         click.echo(json.dumps(msgspec.to_builtins(config), indent=2))
+        click.echo(f"kvpoold: configuration valid: socket {config.socket_path}, pool "
+                   f"/dev/shm/{config.pool}", err=True)
         return
     _setup_logging(config)
     log = logging.getLogger("kvpoold")
+    for note in notes:
+        log.warning(note)
     log.info("effective configuration: %s", json.dumps(msgspec.to_builtins(config)))
     from kvpool.daemon import startup
     try:
@@ -139,6 +174,7 @@ _timeout_opt = click.option("--timeout-ms", default=2000, show_default=True,
 
 
 @click.group()
+@click.version_option(package_name="kvpool", prog_name="kvpool")
 def operator() -> None:
     """Talk to a running kvpoold."""
 

@@ -46,7 +46,7 @@ from kvpool.daemon.tier import LowerTier
 from kvpool.daemon.tiering import Tiering
 from kvpool.shared import protocol as p
 from kvpool.shared.config import DaemonConfig, parse_size
-from kvpool.shared.errors import (ErrorCode, HelloRequired, KvpoolError, OutOfRange,
+from kvpool.shared.errors import (ConfigError, ErrorCode, HelloRequired, KvpoolError, OutOfRange,
                                   PermissionDenied, ProtocolError, TooLarge, VersionMismatch)
 
 log = logging.getLogger("kvpoold")
@@ -97,8 +97,7 @@ class Server:
             log.info("adopted %d committed blocks from the existing pool", kept)
         self.tiering = Tiering(self.index, lowers) if lowers else None
         self.jobs = CopyJobs(self.index, self.registry, self.tiering, self.daemon_id, self._send,
-                             self._detach, self._count_error,
-                             open(config.trace, "a", buffering=1) if config.trace else None)
+                             self._detach, self._count_error, _open_trace(config.trace))
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -106,7 +105,7 @@ class Server:
         try:
             self._startup()
         except BaseException:
-            self._release_resources()
+            self._release_resources(failed_start=True)
             raise
         try:
             housekeeping = asyncio.create_task(self._housekeeping())
@@ -258,7 +257,11 @@ class Server:
         log.info("kvpoold stopped%s", "; pool kept for the next start" if self.config.keep_pool
                  else "")
 
-    def _release_resources(self) -> None:
+    def _release_resources(self, failed_start: bool = False) -> None:
+        """Close what the server holds. The pool goes unless the operator keeps it
+        (``keep_pool``); a start that failed keeps only a pool it adopted (a new one holds
+        nothing worth keeping)."""
+        keep = self.config.keep_pool and (self.pool.adopted or not failed_start)
         if self._sock is not None:
             self._sock.close(linger=0)
             with contextlib.suppress(FileNotFoundError):
@@ -268,8 +271,8 @@ class Server:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
         self.exit_watch.close()
-        self.pool.close(unlink=not self.config.keep_pool)
-        self.telemetry.close(pool_kept=self.config.keep_pool)
+        self.pool.close(unlink=not keep)
+        self.telemetry.close(pool_kept=keep)
 
     # ---- dispatch --------------------------------------------------------------------------
 
@@ -529,10 +532,17 @@ class Server:
                           no_room_blocks=st.no_room_blocks)
 
 
-def run(config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine],
-        lowers: list[LowerTier] | None = None) -> int:
+def _open_trace(path: str):
+    if not path:
+        return None
+    try:
+        return open(path, "a", buffering=1)
+    except OSError as e:
+        raise ConfigError(f"trace: cannot open {path}: {e.strerror}") from None
+
+
+def run(server: Server) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code (0 after a clean stop)."""
-    server = Server(config, pool, engines, lowers)
     try:
         import uvloop
     except ImportError:
