@@ -58,6 +58,33 @@ def test_default_socket_path_follows_xdg_runtime_dir(monkeypatch):
                                           f"/tmp/kvpool-{os.geteuid()}/kvpoold.sock")
 
 
+def test_default_socket_and_pool_per_user(monkeypatch, tmp_path):
+    """Root and the systemd unit's user serve /run/kvpool with the pool "kvpool"; anyone else
+    their own /tmp/kvpool-UID and kvpool-UID, whatever another user left in /run/kvpool. A
+    client goes to /run/kvpool when its socket lets it in, unless it has a daemon of its own."""
+    from kvpool.shared import config as cfg
+    system = tmp_path / "run-kvpool"
+    system.mkdir()
+    monkeypatch.setattr(cfg, "SYSTEM_SOCKET_DIR", str(system))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    writable: set[str] = set()
+    monkeypatch.setattr(cfg.os, "access", lambda path, mode: str(path) in writable)
+    monkeypatch.setattr(cfg.os, "geteuid", lambda: 0)
+    assert DaemonConfig().socket_path == f"{system}/kvpoold.sock"
+    assert DaemonConfig().pool == "kvpool"
+    monkeypatch.setattr(cfg.os, "geteuid", lambda: 4321)
+    own = "/tmp/kvpool-4321/kvpoold.sock"
+    assert (DaemonConfig().socket_path, ClientConfig().socket_path) == (own, own)
+    assert DaemonConfig().pool == "kvpool-4321"
+    writable.add(f"{system}/kvpoold.sock")          # a group member, while the unit serves
+    assert (DaemonConfig().socket_path, ClientConfig().socket_path) == (own, f"{system}/"
+                                                                         "kvpoold.sock")
+    writable.add(str(system))                        # the unit's own user
+    assert DaemonConfig().socket_path == f"{system}/kvpoold.sock"
+    assert DaemonConfig().pool == "kvpool"
+    assert DaemonConfig(pool_name="mine").pool == "mine"
+
+
 @pytest.mark.parametrize("layer,message", [
     ({"pool_sise": "1GiB"}, "unknown setting 'pool_sise' (did you mean 'pool_size'?)"),
     ({"lease_ttl_s": -1}, "invalid setting lease_ttl_s=-1: expected a number above 0, at most "
