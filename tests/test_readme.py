@@ -1,6 +1,7 @@
 """The README stays true: its quick start and its example run as pasted, its tables match the
 code."""
 
+import ast
 import contextlib
 import os
 import re
@@ -66,6 +67,95 @@ def test_every_file_in_the_module_map_exists():
     assert len(named) > 30, sorted(named)
     missing = sorted(p for p in named if not (ROOT / p).exists())
     assert not missing, f"the README's module map names files that do not exist: {missing}"
+
+
+# Names the README gives in backticks that are not kvpool's: vLLM's (its connector API, its
+# schedulers, its KV events and their config), systemd's and Kubernetes'. Anything else it
+# names must exist in this checkout.
+EXTERNAL_NAMES = {"Scheduler", "AsyncScheduler", "KVConnectorBase_V1", "SupportsHMA",
+                  "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventsConfig",
+                  "WAITING_FOR_REMOTE_KVS", "LLM", "schedule()",
+                  "DeviceAllow", "DynamicUser", "ExecStart", "ExecStartPre",
+                  "MemoryDenyWriteExecute", "NoNewPrivileges", "PrivateDevices", "ProtectClock",
+                  "ProtectSystem", "RuntimeDirectory", "Memory", "Recreate"}
+_PACKAGES = {"kvpool.shared": "shared", "kvpool.daemon": "daemon", "kvpool.client": "client"}
+
+
+def _source_index() -> tuple[dict[str, Path], dict[str, set[str]], dict[str, set[str]]]:
+    """Without importing anything (the connector's modules import vLLM): the module name of
+    every source file, the names each defines at top level, the attributes of every class."""
+    modules: dict[str, Path] = {"kvpool": ROOT / "kvpool" / "__init__.py"}
+    for package, folder in _PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            modules[name] = path
+    top: dict[str, set[str]] = {}
+    classes: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        top[name] = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                top[name].add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    top[name].update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+            if isinstance(node, ast.ClassDef):
+                attrs = classes.setdefault(node.name, set())
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        attrs.add(item.name)
+                    elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        attrs.add(item.target.id)
+                    elif isinstance(item, ast.Assign):
+                        attrs.update(t.id for t in item.targets if isinstance(t, ast.Name))
+    return modules, top, classes
+
+
+def test_every_name_the_readme_gives_exists():
+    """Paths, files, modules, ``module.attr``, classes and ``Class.attr`` that the README puts
+    in backticks (or links to) exist in this checkout, so the README cannot drift from the
+    code: a rename that forgets the README fails here."""
+    modules, top, classes = _source_index()
+    tracked = {Path(p).name for p in subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+        capture_output=True, text=True, check=True).stdout.split()}
+    spans = set(re.findall(r"`([^`\n]+)`", README))
+    spans |= {link for link in re.findall(r"\]\(([^)#\s]+)", README) if "://" not in link}
+    missing = []
+    for span in sorted(spans):
+        name = span.removesuffix("()").rstrip(":")
+        if span in EXTERNAL_NAMES or name in EXTERNAL_NAMES:
+            continue
+        if re.fullmatch(r"(shared|daemon|client|bench|deploy|tests|kvpool|\.ci)/[\w./-]*", name):
+            if not (ROOT / name).exists():
+                missing.append(f"path {name}")
+        elif re.fullmatch(r"[\w-]+\.(py|toml|yaml|yml|json|sh|md)", name):
+            if name not in tracked:
+                missing.append(f"file {name}")
+        elif re.fullmatch(r"kvpool(\.\w+)+", name):
+            module = max((m for m in modules if name == m or name.startswith(m + ".")), key=len)
+            rest = name[len(module) + 1:].split(".") if name != module else []
+            if rest and rest[0] not in top[module]:
+                missing.append(f"{rest[0]} in {module}")
+            elif len(rest) > 1 and rest[1] not in classes.get(rest[0], set()):
+                missing.append(f"{name}")
+        elif re.fullmatch(r"[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9_]*", name):
+            if name not in classes:
+                missing.append(f"class {name}")
+        elif re.fullmatch(r"[A-Z]\w*\.\w+", name):
+            cls, attr = name.split(".")
+            if attr not in classes.get(cls, set()):
+                missing.append(f"{name}")
+    assert len(spans) > 100, len(spans)
+    assert not missing, f"the README names what the code does not have: {missing}"
+    # and the module map pairs each file with classes that it defines
+    section = README[README.index("**Module map.**"):README.index("**Life of one store**")]
+    for path, names in re.findall(r"`((?:shared|daemon|client)/[\w/]+\.py)` \(([^)]*)\)", section):
+        module = next(m for m, p in modules.items() if p == ROOT / path)
+        for cls in re.findall(r"`([A-Z]\w+)`", names):
+            assert cls in top[module], f"the module map puts {cls} in {path}"
 
 
 def test_a_newcomer_reaches_the_first_command_early():
