@@ -61,14 +61,6 @@ def test_every_connector_key_is_documented():
                                 f"documented but unknown: {sorted(documented - want)}")
 
 
-def test_every_file_in_the_module_map_exists():
-    section = README[README.index("**Module map.**"):README.index("**Life of one store**")]
-    named = set(re.findall(r"`((?:shared|daemon|client|bench|deploy|tests)/[\w./]*)`", section))
-    assert len(named) > 30, sorted(named)
-    missing = sorted(p for p in named if not (ROOT / p).exists())
-    assert not missing, f"the README's module map names files that do not exist: {missing}"
-
-
 # Names the README gives in backticks that are not kvpool's: vLLM's (its connector API, its
 # schedulers, its KV events and their config), systemd's and Kubernetes'. Anything else it
 # names must exist in this checkout.
