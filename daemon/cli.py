@@ -19,7 +19,6 @@ from typing import Any
 import click
 import msgspec
 
-from kvpool.daemon.metrics import port_is_free
 from kvpool.shared.config import (ClientConfig, DaemonConfig, build_config, config_file_variable,
                                   toml_layer, unknown_variables)
 from kvpool.shared.errors import ConfigError, KvpoolError
@@ -95,6 +94,7 @@ def load_daemon_config(config_file: str | None, given: dict[str, Any],
     and warnings to show. ``take_free_metrics_port``: when no layer set ``metrics_port`` and the
     default port is taken (another user's daemon), serve without /metrics rather than fail."""
     from kvpool.daemon import startup
+    from kvpool.daemon.metrics import port_is_free
     layers = toml_layer(config_file)
     config = build_config(DaemonConfig, layers, given)
     startup.check_config(config)

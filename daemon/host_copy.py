@@ -125,8 +125,11 @@ class HostCopyEngine(CopyEngine):
         self.chunk_blocks = chunk_blocks
 
     def start(self) -> None:
-        # Not a daemon thread: interpreter exit waits for it rather than freeze it inside the
-        # import (a daemon stopped within a second of its start).
+        # Not a daemon thread: a stop while it imports does not freeze it inside the import
+        # (a daemon stopped within a second of its start); the daemon exits without waiting
+        # for it (``startup.run_daemon``). At start rather than at the first registration: the
+        # import holds the GIL for up to ~0.5 s at a time, which then stalled the loop under
+        # the first engine (with a 500 ms peer_timeout_ms, enough to release it).
         threading.Thread(target=_warm_up, name="kvpool-torch-import").start()
         threading.Thread(target=_populate, args=(self._pool_u8, lambda: self._closed),
                          name="kvpool-pool-populate", daemon=True).start()

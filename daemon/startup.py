@@ -11,6 +11,7 @@ import logging
 import os
 import resource
 import signal
+import threading
 
 from kvpool.daemon.copy_engine import CopyEngine
 from kvpool.daemon.events import check_topic
@@ -144,10 +145,14 @@ def run_daemon(config: DaemonConfig) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if any(lower.has_lingering_work for lower in lowers):
+    lingering = [t.name for t in threading.enumerate()
+                 if not t.daemon and t is not threading.main_thread() and t.is_alive()]
+    if lingering or any(lower.has_lingering_work for lower in lowers):
         # The pool, socket and lock are released already; what is left would only make the
-        # interpreter's exit join threads stuck on a remote peer (see RemoteTier.close).
-        logging.getLogger("kvpoold").info("exiting without waiting for the remote tier")
+        # interpreter's exit join threads: one stuck on a remote peer (see RemoteTier.close),
+        # or torch's import, which took 5-9 s to end on a loaded 2-core host and so every stop
+        # of a daemon started moments before.
+        log.info("exiting without waiting for %s", ", ".join(lingering) or "the remote tier")
         logging.shutdown()
         os._exit(code)
     return code
