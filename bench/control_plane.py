@@ -1,6 +1,6 @@
 """Control-plane and host-path benchmark: ratios measured side by side in one run.
 
-    python bench/control_plane.py [--blocks 1024] [--iters 2000] [--out DIR]
+    python -m bench.control_plane [--blocks 1024] [--iters 2000] [--out DIR]
 
 Starts a real kvpoold (host path only) on a temporary socket and prints:
 - lookups of 256 committed keys in the scheduler's own process, read in the daemon's
@@ -57,7 +57,6 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.control_plane_lookups import (LOOKUP_KEYS, busy_index_lookups,  # noqa: E402
                                          echo_round_trip_cpu, index_lookups, pct,
                                          round_trip_cpu, roundtrip_lookups, timed_calls)

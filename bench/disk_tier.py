@@ -32,7 +32,7 @@ All in one run, against real kvpoold processes (host copy path, no GPU needed):
    moment from 0 to 1.5x that, so on any disk some kills land mid-demotion and some after a
    commit (a fixed window missed every commit on a slow disk).
 
-Writes ``<out>/disk-<date><suffix>.json``. Run: ``nice -n 10 .venv/bin/python bench/disk_tier.py
+Writes ``<out>/disk-<date><suffix>.json``. Run: ``nice -n 10 .venv/bin/python -m bench.disk_tier
 --dir /path/on/the/nvme --out bench/results`` (about 2 minutes; needs ~3x ``--bytes`` of disk
 and memory, and ~0.5 GB more disk for the 100k blocks).
 """
@@ -58,7 +58,6 @@ import posix_ipc
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 from kvpool.daemon.disk_store import DiskStore  # noqa: E402

@@ -65,7 +65,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from kvpool.client.call_timing import percentile  # noqa: E402
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402

@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench.engine_e2e import SAME_CORES, Daemon, mean_ttft, moved, snapshot  # noqa: E402
 from bench.vllm_engine.hybrid_model import qwen3_next_config  # noqa: E402

@@ -17,7 +17,7 @@ each backend forced, to show what the automatic choice picks between.
 
 Writes ``<out>/gpu-<device>-<date>.json`` and a PNG chart beside it.
 
-Run: ``python bench/gpu_transfer.py --out bench/results`` (needs a GPU).
+Run: ``python -m bench.gpu_transfer --out bench/results`` (needs a GPU).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from bench.gpu_worker import LAYOUTS, ShmPool, Worker  # noqa: E402
 

@@ -26,7 +26,7 @@ For each N of ``--engines``, with a fresh daemon:
 Writes ``<out>/host-scale-<device>-<date>.json`` (the keys of the issue for the largest N at
 the top level) and a PNG beside it when matplotlib is importable.
 
-Run: ``python bench/host_scale.py`` (every GPU), ``--engines 1,2,4 --gpus 1`` (engines sharing
+Run: ``python -m bench.host_scale`` (every GPU), ``--engines 1,2,4 --gpus 1`` (engines sharing
 one GPU), ``--host --engines 1,2 --quick`` (no CUDA: the host path).
 """
 
@@ -54,15 +54,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 # The shared helpers (engine stand-in, daemon start, lookup client, P/D hand-off) are imported
 # here and only here, so that moving them elsewhere changes these lines alone.
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from control_plane import LOOKUP_KEYS, lookup_setup, pct  # noqa: E402
+from bench.control_plane import LOOKUP_KEYS, lookup_setup, pct  # noqa: E402
 from bench.control_plane_lookups import (  # noqa: E402
     roundtrip_lookup_worker as lookup_worker)
-from gpu_transfer import PinnedBuffers, start_daemon  # noqa: E402
+from bench.gpu_transfer import PinnedBuffers, start_daemon  # noqa: E402
 from bench.gpu_worker import ShmPool, Worker, gpu_count  # noqa: E402
-from pd_handoff import handoff  # noqa: E402
+from bench.pd_handoff import handoff  # noqa: E402
 
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 from kvpool.daemon import cuda  # noqa: E402

@@ -19,7 +19,7 @@ GPU 1 (loading every head); against it, in the same run and with the same head-s
 same-TP hand-offs TP=1 (GPU 0) -> TP=1 (GPU 1) and TP=2 -> TP=2 (both GPUs). GB/s is the prompt's
 bytes over the hand-off time; target: TP=2 -> TP=1 >= 0.9 x TP=1 -> TP=1.
 
-Run: ``python bench/pd_handoff.py --out bench/results`` (needs two GPUs;
+Run: ``python -m bench.pd_handoff --out bench/results`` (needs two GPUs;
 ``--mode same`` the original hand-off only, ``--mode cross`` the TP comparison only).
 Target: hand-off <= 2.2 x the one-way memcpy time.
 """
@@ -38,8 +38,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 from bench.gpu_worker import LAYOUTS, ShmPool, Worker  # noqa: E402
 
@@ -275,7 +273,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from gpu_transfer import start_daemon
+    from bench.gpu_transfer import start_daemon
     if args.dry_run_cpu:
         args.mode = "cross"
     elif torch.cuda.device_count() < 2:

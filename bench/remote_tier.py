@@ -26,7 +26,7 @@ repetition (``--reps``, medians reported, each run in the JSON):
    block.
 
 Writes ``<out>/remote-<date>.json`` with ``publish_ratio`` and ``fetch_ratio``: the median
-kvpoold rate over the median raw rate (each repetition's own ratio is in the JSON too). Run: ``nice -n 10 .venv/bin/python bench/remote_tier.py --out bench/results``
+kvpoold rate over the median raw rate (each repetition's own ratio is in the JSON too). Run: ``nice -n 10 .venv/bin/python -m bench.remote_tier --out bench/results``
 (about 2 minutes and ~4x ``--bytes`` of memory).
 """
 
@@ -50,10 +50,6 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-# Run as a script, this folder comes first on sys.path, where bench/mooncake.py would stand in
-# for the mooncake package (and its master binary would not be found).
-sys.path[:] = [x for x in sys.path if Path(x or ".").resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("GLOG_minloglevel", "2")   # before Mooncake loads (this process's client)
 

@@ -23,7 +23,7 @@ Workloads (16-token blocks, the harness's scheduler settings):
 Lazy's idle flush (every block the GPU still holds, stored when the engine has nothing to
 compute) lands in steps that computed nothing; the figures keep busy and idle steps apart.
 
-Run: ``.venv/bin/python bench/store_policy.py --trace`` (CPU, ~1 min), then on a GPU
+Run: ``.venv/bin/python -m bench.store_policy --trace`` (CPU, ~1 min), then on a GPU
 ``bash tests/gpu/run.sh policy`` (writes ``store-policy-<device>-<date>.json``).
 """
 
@@ -33,13 +33,11 @@ import argparse
 import datetime as dt
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 TRACE = ROOT / "bench" / "store_policy_trace.json"
 POLICIES = ("eager", "lazy")

@@ -37,7 +37,7 @@ from kvpool.client.zmq_calls import HeldSocket
 from kvpool.shared import protocol as p
 from kvpool.shared.config import ClientConfig
 from kvpool.shared.errors import (DaemonUnavailable, HelloRequired, KvpoolError,
-                                  error_from_code)
+                                  SocketForbidden, error_from_code)
 from kvpool.shared.zmq_context import shared_context
 
 log = logging.getLogger(__name__)
@@ -365,9 +365,9 @@ class Transport:
                 raise DaemonUnavailable(f"kvpoold not reachable at {path}: nothing listens "
                                         f"there (not running)") from None
             except PermissionError:
-                raise DaemonUnavailable(f"permission denied on {path}: this user may not "
-                                        f"connect to kvpoold (see its socket_mode and group)"
-                                        ) from None
+                raise SocketForbidden(f"permission denied on {path}: this user may not "
+                                      f"connect to kvpoold (see its socket_mode and group)"
+                                      ) from None
             except OSError as e:
                 if e.errno not in (errno.EAGAIN, errno.ETIMEDOUT) and not isinstance(
                         e, TimeoutError):

@@ -23,7 +23,7 @@ import msgspec
 from kvpool.client.transport import Transport
 from kvpool.shared import protocol as p
 from kvpool.shared.config import ClientConfig
-from kvpool.shared.errors import DaemonUnavailable, ErrorCode, KvpoolError
+from kvpool.shared.errors import DaemonUnavailable, ErrorCode, KvpoolError, error_from_code
 from kvpool.shared.layout import Layout, SegmentPlacement
 
 log = logging.getLogger(__name__)
@@ -169,8 +169,11 @@ class WorkerClient:
                     self._fail_in_flight(reply.message)
                     self._t.disconnect(backoff=False)
 
-    def wait(self, job_ids: Sequence[int], timeout_s: float) -> list[JobCompletion]:
-        """Completions of ``job_ids``, waiting at most ``timeout_s`` (for tools and tests)."""
+    def wait(self, job_ids: Sequence[int], timeout_s: float, *,
+             check: bool = False) -> list[JobCompletion]:
+        """Completions of ``job_ids``, waiting at most ``timeout_s`` (for tools and tests);
+        ``TimeoutError`` past it. With ``check``, a job that failed raises its error instead
+        (the ``KvpoolError`` subclass of its code, saying which job and why)."""
         want = set(job_ids)
         got: dict[int, JobCompletion] = {}
         deadline = time.monotonic() + timeout_s
@@ -187,7 +190,15 @@ class WorkerClient:
                 raise TimeoutError(f"jobs {sorted(want - got.keys())} not done in {timeout_s} s")
             # Block on the socket, waking at least every 50 ms to notice a vanished daemon.
             self._t.wait_readable(min(left, 0.05))
-        return [got[j] for j in job_ids]
+        out = [got[j] for j in job_ids]
+        if check:
+            for c in out:
+                if not c.ok:
+                    name = ErrorCode(c.code).name if c.code in ErrorCode._value2member_map_ \
+                        else str(c.code)
+                    raise error_from_code(c.code, f"kvpool job {c.job_id} failed ({name}): "
+                                                  f"{c.message}")
+        return out
 
     @property
     def jobs_in_flight(self) -> int:

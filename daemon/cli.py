@@ -19,11 +19,14 @@ from typing import Any
 import click
 import msgspec
 
-from kvpool.shared.config import ClientConfig, DaemonConfig, build_config, toml_layer
+from kvpool.shared.config import (ClientConfig, DaemonConfig, build_config, config_file_variable,
+                                  toml_layer, unknown_variables)
 from kvpool.shared.errors import ConfigError, KvpoolError
 
 STARTUP_FAILURE = 3
 UNREACHABLE = 1
+# ``kvpool ping --wait``: how often to knock on a daemon that is starting.
+_WAIT_RETRY_S = 0.1
 
 
 def _describe(t) -> tuple[str, object]:
@@ -85,32 +88,66 @@ def _setup_logging(config: DaemonConfig) -> None:
     root.setLevel(config.log_level.upper())
 
 
-def load_daemon_config(config_file: str | None, given: dict[str, Any]) -> DaemonConfig:
-    config = build_config(DaemonConfig, toml_layer(config_file), given)
-    if config.remote_store:      # the whole URL, so --check-config and a start reject it alike
-        from kvpool.daemon.remote_url import parse_remote_url
-        parse_remote_url(config.remote_store)
-    return config
+def load_daemon_config(config_file: str | None, given: dict[str, Any],
+                       take_free_metrics_port: bool = False) -> tuple[DaemonConfig, list[str]]:
+    """The effective configuration, checked as a start checks it (``startup.check_config``),
+    and warnings to show. ``take_free_metrics_port``: when no layer set ``metrics_port`` and the
+    default port is taken (another user's daemon), serve without /metrics rather than fail."""
+    from kvpool.daemon import startup
+    from kvpool.daemon.metrics import port_is_free
+    layers = toml_layer(config_file)
+    config = build_config(DaemonConfig, layers, given)
+    startup.check_config(config)
+    notes = []
+    explicit = set(layers) | {k for k, v in given.items() if v is not None}
+    if take_free_metrics_port and "metrics_port" not in explicit and config.metrics_port \
+            and not port_is_free(config.metrics_host, config.metrics_port):
+        notes.append(f"metrics_port {config.metrics_port} on {config.metrics_host} is taken "
+                     f"(by another kvpoold?): serving without /metrics and /healthz; set "
+                     f"metrics_port to a free port to have them")
+        config = msgspec.structs.replace(config, metrics_port=0)
+    return config, notes
+
+
+def _warn(text: str) -> None:
+    click.echo(f"kvpoold: warning: {text}", err=True)
 
 
 @click.command(context_settings={"auto_envvar_prefix": "KVPOOL", "show_default": True})
+@click.version_option(package_name="kvpool", prog_name="kvpoold")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
-              help="TOML file with the same keys as the flags (underscores)")
+              allow_from_autoenv=False, help="TOML file with the same keys as the flags "
+              "(underscores) [env var: KVPOOL_CONFIG]")
 @click.option("--check-config", is_flag=True, default=False,
-              help="print the effective configuration and exit (0: valid, 2: invalid)")
+              help="check the configuration as a start would, print it and exit (0: valid, "
+              "2: invalid)")
 @_daemon_options
 def serve(config_file: str | None, check_config: bool, **given: Any) -> None:
     """Run kvpoold, the host's KV-cache pool daemon."""
+    notes: list[str] = []
+    if config_file is None:
+        config_file, notes = config_file_variable()
+    notes += unknown_variables()
     try:
-        config = load_daemon_config(config_file, given)
+        config, more = load_daemon_config(config_file, given,
+                                          take_free_metrics_port=not check_config)
     except ConfigError as e:
+        for note in notes:
+            _warn(note)
         click.echo(f"kvpoold: {e.message}", err=True)
         sys.exit(2)
+    notes += more
     if check_config:
+        for note in notes:
+            _warn(note)
         click.echo(json.dumps(msgspec.to_builtins(config), indent=2))
+        click.echo(f"kvpoold: configuration valid: socket {config.socket_path}, pool "
+                   f"/dev/shm/{config.pool}", err=True)
         return
     _setup_logging(config)
     log = logging.getLogger("kvpoold")
+    for note in notes:
+        log.warning(note)
     log.info("effective configuration: %s", json.dumps(msgspec.to_builtins(config)))
     from kvpool.daemon import startup
     try:
@@ -123,11 +160,11 @@ def serve(config_file: str | None, check_config: bool, **given: Any) -> None:
 
 # ---- operator CLI ------------------------------------------------------------------------------
 
-def _scheduler_client(socket: str | None, timeout_ms: int):
-    from kvpool.client.scheduler import SchedulerClient
+def _operator_client(socket: str | None, timeout_ms: int):
+    from kvpool.client.operator import OperatorClient
     cfg = build_config(ClientConfig, {"socket": socket, "timeout_ms": timeout_ms,
                                       "reconnect_backoff_ms": 0})
-    return SchedulerClient(cfg, name="kvpool-cli", heartbeat=False)
+    return OperatorClient(cfg)
 
 
 _socket_opt = click.option("--socket", envvar="KVPOOL_SOCKET", default=None,
@@ -137,6 +174,7 @@ _timeout_opt = click.option("--timeout-ms", default=2000, show_default=True,
 
 
 @click.group()
+@click.version_option(package_name="kvpool", prog_name="kvpool")
 def operator() -> None:
     """Talk to a running kvpoold."""
 
@@ -144,20 +182,38 @@ def operator() -> None:
 @operator.command()
 @_socket_opt
 @_timeout_opt
-def ping(socket: str | None, timeout_ms: int) -> None:
+@click.option("--wait", "wait_s", is_flag=False, flag_value=60.0, default=0.0, type=float,
+              metavar="[SECONDS]", help="wait for a daemon that is starting: try again until "
+              "it answers, for up to SECONDS (60 if none given)")
+def ping(socket: str | None, timeout_ms: int, wait_s: float) -> None:
     """Round trip to the daemon; exit 1 if it does not answer."""
-    from kvpool.shared.errors import DaemonUnavailable
-    client = _scheduler_client(socket, timeout_ms)
-    try:
-        t0 = time.perf_counter()
-        pong = client.ping()
-        click.echo(f"pong from kvpoold {pong.daemon_id} in {(time.perf_counter() - t0) * 1e6:.0f} us"
-                   f" (up {pong.uptime_s:.0f} s)")
-    except DaemonUnavailable as e:
-        click.echo(f"kvpool: {e.message}", err=True)
-        sys.exit(UNREACHABLE)
-    finally:
-        client.close()
+    from kvpool.shared.errors import DaemonUnavailable, KvpoolError, SocketForbidden
+    deadline = time.monotonic() + wait_s
+    said_waiting = False
+    while True:
+        client = _operator_client(socket, timeout_ms)
+        try:
+            client.connect()
+            t0 = time.perf_counter()
+            pong = client.ping()
+            click.echo(f"pong from kvpoold {pong.daemon_id} in "
+                       f"{(time.perf_counter() - t0) * 1e6:.0f} us (up {pong.uptime_s:.0f} s)")
+            return
+        except DaemonUnavailable as e:
+            # A daemon that is starting has no socket yet, or one that refuses: try again.
+            if isinstance(e, SocketForbidden) or time.monotonic() >= deadline:
+                waited = f" (waited {wait_s:g} s)" if wait_s else ""
+                click.echo(f"kvpool: {e.message}{waited}", err=True)
+                sys.exit(UNREACHABLE)
+            if not said_waiting:
+                click.echo(f"kvpool: {e.message}; waiting up to {wait_s:g} s for it", err=True)
+                said_waiting = True
+        except KvpoolError as e:          # answered, but refused us (allow list, version)
+            click.echo(f"kvpool: {e.message}", err=True)
+            sys.exit(UNREACHABLE)
+        finally:
+            client.close()
+        time.sleep(_WAIT_RETRY_S)
 
 
 def _human(n: float) -> str:
@@ -170,9 +226,10 @@ def _human(n: float) -> str:
 
 def info_as_dict(info) -> dict[str, Any]:
     """PoolInfo with named fields (it is positional on the wire)."""
+    from kvpool.daemon.top import engine_clients
     out = msgspec.structs.asdict(info)
     out["clients"] = [{**msgspec.structs.asdict(c), "role": c.role.name.lower()}
-                      for c in info.clients]
+                      for c in engine_clients(info)]
     out["namespace_usage"] = [{**msgspec.structs.asdict(n), "namespace": n.namespace.hex()}
                               for n in info.namespace_usage]
     out["tiers"] = [msgspec.structs.asdict(t) for t in info.tiers]
@@ -221,8 +278,10 @@ def format_info(info) -> str:
                      f"{_human(n.used_bytes)}{quota}  {n.description[:60]}")
     for t in info.tiers:
         lines += format_tier(t)
-    lines.append(f"clients    {len(info.clients)}")
-    for c in info.clients:
+    from kvpool.daemon.top import engine_clients
+    clients = engine_clients(info)
+    lines.append(f"clients    {len(clients)}" if clients else "clients    none connected")
+    for c in clients:
         lines.append(f"  #{c.owner_id} {c.role.name.lower():9s} pid {c.pid:<7d} {c.name}"
                      f"{' engine ' + c.engine_id if c.engine_id else ''}   registrations "
                      f"{c.registrations} leases {c.leases} jobs {c.jobs_in_flight}")
@@ -233,12 +292,18 @@ def format_info(info) -> str:
 @_socket_opt
 @click.option("--interval", default=1.0, show_default=True, type=float,
               help="seconds between refreshes")
-def top(socket: str | None, interval: float) -> None:
+@click.option("--iterations", default=None, type=click.IntRange(min=1),
+              help="stop after this many screens [default: until Ctrl-C]")
+def top(socket: str | None, interval: float, iterations: int | None) -> None:
     """Live view: hit rate, GB/s each way, pool occupancy (Ctrl-C quits)."""
     from kvpool.daemon.top import run_top
-    client = _scheduler_client(socket, 2000)
+    from kvpool.shared.errors import KvpoolError
+    client = _operator_client(socket, 2000)
     try:
-        code = run_top(client.info, interval)
+        code = run_top(client.info, interval, iterations=iterations)
+    except KvpoolError as e:     # refused (allow list, version): unavailability is waited out
+        click.echo(f"kvpool: {e.message}", err=True)
+        code = UNREACHABLE
     finally:
         client.close()
     sys.exit(code)
@@ -250,11 +315,11 @@ def top(socket: str | None, interval: float) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def info(socket: str | None, timeout_ms: int, as_json: bool) -> None:
     """Pool occupancy, hits, transfers, evictions and connected clients."""
-    from kvpool.shared.errors import DaemonUnavailable
-    client = _scheduler_client(socket, timeout_ms)
+    from kvpool.shared.errors import KvpoolError
+    client = _operator_client(socket, timeout_ms)
     try:
         snapshot = client.info()
-    except DaemonUnavailable as e:
+    except KvpoolError as e:     # unreachable, or refused (allow list, version)
         click.echo(f"kvpool: {e.message}", err=True)
         sys.exit(UNREACHABLE)
     finally:

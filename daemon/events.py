@@ -105,6 +105,15 @@ def fold_hash(key: bytes) -> int:
     return int.from_bytes(key, "big") & 0xFFFF_FFFF_FFFF_FFFF
 
 
+def check_topic(topic: str) -> None:
+    """``ConfigError`` unless ``events_topic`` substitutes nothing but ``{engine_id}``."""
+    try:
+        topic.format(engine_id="x")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"events_topic {topic!r}: only {{engine_id}} may be substituted "
+                          f"({e!r})") from None
+
+
 class KvEventPublisher:
     """Publishes the pool's block events to every engine that can load them.
 
@@ -115,11 +124,7 @@ class KvEventPublisher:
     def __init__(self, endpoint: str, topic: str = "{engine_id}",
                  hash_format: Literal["bytes", "int64"] = "bytes", interval_ms: int = 50,
                  context: zmq.Context | None = None) -> None:
-        try:
-            topic.format(engine_id="x")
-        except (KeyError, IndexError, ValueError) as e:
-            raise ConfigError(f"events_topic {topic!r}: only {{engine_id}} may be substituted "
-                              f"({e!r})") from None
+        check_topic(topic)
         self._topic_template = topic
         self._int_hashes = hash_format == "int64"
         self._interval_s = interval_ms / 1000.0

@@ -125,8 +125,11 @@ class HostCopyEngine(CopyEngine):
         self.chunk_blocks = chunk_blocks
 
     def start(self) -> None:
-        # Not a daemon thread: interpreter exit waits for it rather than freeze it inside the
-        # import (a daemon stopped within a second of its start).
+        # Not a daemon thread: a stop while it imports does not freeze it inside the import
+        # (a daemon stopped within a second of its start); the daemon exits without waiting
+        # for it (``startup.run_daemon``). At start rather than at the first registration: the
+        # import holds the GIL for up to ~0.5 s at a time, which then stalled the loop under
+        # the first engine (with a 500 ms peer_timeout_ms, enough to release it).
         threading.Thread(target=_warm_up, name="kvpool-torch-import").start()
         threading.Thread(target=_populate, args=(self._pool_u8, lambda: self._closed),
                          name="kvpool-pool-populate", daemon=True).start()
@@ -447,7 +450,13 @@ def _warm_up() -> None:
 
 # Linux 5.14+: fault a range in now, writable (the kernel's batch path, no copy).
 _MADV_POPULATE_WRITE = 23
-_POPULATE_CHUNK = 64 << 20
+# Each call holds the process's mmap lock for reading; any thread that maps memory meanwhile
+# (Python's allocator, libzmq) waits for the call to end, and so do the page faults queued
+# behind it, the event loop's among them. 64 MiB calls (~0.2 s each on a loaded 2-core host)
+# made pings take 70-600 ms while a 5.7 GiB pool was populated; 2 MiB calls take milliseconds.
+_POPULATE_CHUNK = 2 << 20
+# The thread's nice value: a speed-up must not take a core from the engines or the loop.
+_POPULATE_NICE = 19
 try:
     _madvise = ctypes.CDLL(None, use_errno=True).madvise
     _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -462,11 +471,16 @@ def _populate(u8: np.ndarray, stop: Callable[[], bool]) -> None:
     still faults and clears it: a copy into a fresh pool ran at 1.5 GB/s against 5.8 GB/s
     once mapped (1 GiB, one thread, 2-core host), and the disk tier's O_DIRECT writes fault
     the same pages in. ``MADV_POPULATE_WRITE`` does it in 0.37 s per GiB of one core, in
-    64 MiB steps (ctypes drops the GIL for each), stopping at close. A pure speed-up: where
+    2 MiB steps (ctypes drops the GIL for each), stopping at close. A pure speed-up: where
     the kernel lacks it, pages fault in on first use as before. (A CUDA pool is pinned by
-    ``cudaHostRegister`` at start; this then finds every page mapped already.)"""
+    ``cudaHostRegister`` at start; this then finds every page mapped already.) Runs at the
+    lowest CPU priority, in calls short enough that the event loop never waits for one."""
     if _madvise is None or not len(u8):
         return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _POPULATE_NICE)
+    except OSError as e:     # a sandbox may refuse; the chunks still keep the loop's waits short
+        log.debug("pool population keeps its priority: %s", e)
     t0 = time.monotonic()
     base, n = u8.ctypes.data, len(u8)
     start = base - base % mmap.PAGESIZE

@@ -417,8 +417,9 @@ class MetricsServer:
         try:
             self._httpd = server_cls((host, port), _Handler)
         except OSError as e:
-            raise ConfigError(f"metrics_host/metrics_port: cannot listen on {host}:{port}: {e}"
-                              ) from None
+            raise ConfigError(f"metrics_host/metrics_port: cannot listen on {host}:{port} "
+                              f"({e.strerror}): set metrics_port to a free port, or 0 to turn "
+                              f"/metrics and /healthz off") from None
         self._httpd.metrics = metrics
         self.host, self.port = self._httpd.server_address[:2]
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={
@@ -436,6 +437,18 @@ class MetricsServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5.0)
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether ``host:port`` can be listened on now (a later bind may still lose a race)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the HTTP server binds
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def start_metrics_server(metrics: Metrics, host: str, port: int) -> MetricsServer | None:

@@ -69,6 +69,7 @@ assert RECORD_DTYPE.itemsize == 48
 
 
 GENERATION_MASK = 0x7FFF_FFFF   # slot ref generations: 31 bits, so refs stay positive int64
+SHM_DIR = "/dev/shm"
 
 
 class PoolBusy(KvpoolError):
@@ -89,7 +90,7 @@ def _reserve(fd: int, nbytes: int, name: str) -> None:
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:
-        free = os.statvfs("/dev/shm")
+        free = os.statvfs(SHM_DIR)
         raise ConfigError(f"cannot reserve {nbytes} bytes in /dev/shm for pool {name}: "
                           f"{e.strerror} ({free.f_bavail * free.f_frsize} bytes free); lower "
                           f"pool_size or make room") from None
@@ -114,7 +115,7 @@ def resolve_sizes(config: DaemonConfig) -> tuple[int, int]:
     so the default never starves the engines or fills the tmpfs.
     """
     if config.pool_size == "auto":
-        shm = os.statvfs("/dev/shm")
+        shm = os.statvfs(SHM_DIR)
         pool = min(available_memory_bytes() // 4, shm.f_bavail * shm.f_frsize // 2)
     else:
         pool = parse_size(config.pool_size)
@@ -130,6 +131,39 @@ def resolve_sizes(config: DaemonConfig) -> tuple[int, int]:
         raise ConfigError(f"pool_size {pool} bytes is too small for extent_size {extent}: the "
                           f"pool needs room for its tables and at least two extents")
     return pool, extent
+
+
+def check_room(config: DaemonConfig) -> None:
+    """``ConfigError`` unless /dev/shm can hold the pool ``config`` asks for: its free space,
+    plus what the pool's own segment holds already (adopted or replaced, it is reused)."""
+    pool_bytes, extent_bytes = resolve_sizes(config)
+    want = Geometry.plan(pool_bytes, extent_bytes).pool_bytes
+    shm = os.statvfs(SHM_DIR)
+    free = shm.f_bavail * shm.f_frsize
+    try:
+        free += os.stat(os.path.join(SHM_DIR, config.pool)).st_blocks * 512
+    except OSError:
+        pass
+    if want > free:
+        raise ConfigError(f"pool_size: the pool needs {_gib(want)} of {SHM_DIR} but only "
+                          f"{_gib(free)} is free there: lower pool_size (auto takes a quarter of "
+                          f"available memory) or make {SHM_DIR} larger")
+
+
+def _owner(name: str) -> str:
+    try:
+        uid = os.stat(SHM_DIR + name).st_uid
+    except OSError:
+        return "not this one"
+    try:
+        import pwd
+        return f"{pwd.getpwuid(uid).pw_name}, uid {uid}"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
 
 
 @dataclass(frozen=True)
@@ -195,23 +229,33 @@ class Pool:
         """
         pool_bytes, extent_bytes = resolve_sizes(config)
         want = Geometry.plan(pool_bytes, extent_bytes)
-        name = "/" + config.pool_name
+        name = "/" + config.pool
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=want.pool_bytes)
             created = True
         except posix_ipc.ExistentialError:
-            shm = posix_ipc.SharedMemory(name, 0)
+            try:
+                shm = posix_ipc.SharedMemory(name, 0)
+            except posix_ipc.PermissionsError:
+                raise PoolBusy(f"pool {config.pool!r} in {SHM_DIR} belongs to another user "
+                               f"({_owner(name)}): choose another pool_name") from None
             created = False
+        except posix_ipc.PermissionsError as e:
+            raise PoolBusy(f"cannot create pool {config.pool!r} in {SHM_DIR}: {e}") from None
         fd = shm.fd
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise PoolBusy(f"pool {config.pool_name!r} is owned by another running kvpoold; "
-                           f"stop it or choose another --pool-name") from None
+            raise PoolBusy(f"pool {config.pool!r} is owned by another running kvpoold; "
+                           f"stop it or choose another pool_name") from None
         try:
             if not created:
                 old, version = cls._read_geometry(fd, shm.size)
+                if old is not None and config.pool_size == config.extent_size == "auto":
+                    # Sized from this host once: an auto size computed again would count the
+                    # pool's own pages as taken and differ, dropping the cache at each restart.
+                    want = old
                 if old == want:
                     log.info("adopting pool %s left by an earlier daemon (%d bytes)", name,
                              shm.size)

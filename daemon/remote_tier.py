@@ -44,7 +44,7 @@ import numpy as np
 
 from kvpool.daemon.mooncake_store import (NO_AVAILABLE_HANDLE, GetResult, MooncakeStore,
                                           RemoteFault, remote_key)
-from kvpool.daemon.remote_url import RemoteUrl, parse_remote_url, resolve_local
+from kvpool.daemon.remote_url import MOONCAKE_MISSING, RemoteUrl, parse_remote_url, resolve_local
 from kvpool.daemon.tier import LowerTier
 from kvpool.shared.config import DaemonConfig, parse_size
 from kvpool.shared.errors import ConfigError
@@ -116,9 +116,7 @@ class RemoteTier(LowerTier):
         try:
             import mooncake.store  # noqa: F401  (the wheel's binaries load here)
         except ImportError as e:
-            raise ConfigError(f"remote_store needs Mooncake Store: pip install 'kvpool[mooncake]' "
-                              f"(and apt-get install libibverbs1 librdmacm1 libnuma1): {e}"
-                              ) from None
+            raise ConfigError(f"{MOONCAKE_MISSING}: {e}") from None
         return cls(_new_store(url, pool_buffer, parse_size(config.remote_segment_size)),
                    config.remote_timeout_ms / 1000, len(pool_buffer))
 

@@ -25,6 +25,8 @@ PROTOCOLS = ("tcp", "rdma")
 # mooncake_master --http_metadata_server_port defaults to 8080.
 DEFAULT_METADATA_PORT = 8080
 _KEYS = {"metadata", "protocol", "device", "local"}
+MOONCAKE_MISSING = ("remote_store needs Mooncake Store: pip install 'kvpool[mooncake]' (and "
+                    "apt-get install libibverbs1 librdmacm1 libnuma1)")
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 _DEVICE = re.compile(r"^[A-Za-z0-9_.:,-]{1,256}$")
 

@@ -49,7 +49,7 @@ from kvpool.daemon.tiering import Tiering
 from kvpool.shared import protocol as p
 from kvpool.shared.index_format import FLAG_REMOTE_TIER, segment_name
 from kvpool.shared.config import DaemonConfig, parse_size
-from kvpool.shared.errors import (HelloRequired, KvpoolError, OutOfRange,
+from kvpool.shared.errors import (ConfigError, HelloRequired, KvpoolError, OutOfRange,
                                   PermissionDenied, ProtocolError, TooLarge, VersionMismatch)
 
 log = logging.getLogger("kvpoold")
@@ -102,7 +102,7 @@ class Server:
         self.tiering = Tiering(self.index, lowers) if lowers else None
         self.jobs = CopyJobs(self.index, self.registry, self.tiering, self.daemon_id,
                              self.telemetry, self._send, self._detach, self._count_error,
-                             open(config.trace, "a", buffering=1) if config.trace else None)
+                             _open_trace(config.trace))
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -110,7 +110,7 @@ class Server:
         try:
             self._startup()
         except BaseException:
-            self._release_resources()
+            self._release_resources(failed_start=True)
             raise
         try:
             housekeeping = asyncio.create_task(self._housekeeping())
@@ -280,7 +280,11 @@ class Server:
         log.info("kvpoold stopped%s", "; pool kept for the next start" if self.config.keep_pool
                  else "")
 
-    def _release_resources(self) -> None:
+    def _release_resources(self, failed_start: bool = False) -> None:
+        """Close what the server holds. The pool goes unless the operator keeps it
+        (``keep_pool``); a start that failed keeps only a pool it adopted (a new one holds
+        nothing worth keeping)."""
+        keep = self.config.keep_pool and (self.pool.adopted or not failed_start)
         if self._sock is not None:
             self._sock.close(linger=0)
             with contextlib.suppress(FileNotFoundError):
@@ -292,8 +296,8 @@ class Server:
         self.exit_watch.close()
         if self.index_segment is not None:
             self.index_segment.close()      # a restarted daemon rebuilds it from the pool
-        self.pool.close(unlink=not self.config.keep_pool)
-        self.telemetry.close(pool_kept=self.config.keep_pool)
+        self.pool.close(unlink=not keep)
+        self.telemetry.close(pool_kept=keep)
 
     # ---- dispatch --------------------------------------------------------------------------
 
@@ -438,8 +442,10 @@ class Server:
         owner = self.registry.add_owner(identity, msg, now)
         owner.peer = peer
         self.exit_watch.watch(owner)
-        log.info("client %d connected: %r role=%s pid=%d engine=%r", owner.id, msg.name,
-                 msg.role.name, msg.pid, msg.engine_id)
+        # Operator tools (kvpool ping/info/top, a container's health check) connect often.
+        log.log(logging.DEBUG if msg.role == p.Role.OPERATOR else logging.INFO,
+                "client %d connected: %r role=%s pid=%d engine=%r", owner.id, msg.name,
+                msg.role.name, msg.pid, msg.engine_id)
         return p.HelloReply(msg.req_id, p.PROTOCOL_VERSION, self.daemon_id, owner.id,
                             self.pool.nbytes, self.config.heartbeat_interval_ms,
                             self.config.max_request_bytes,
@@ -553,10 +559,17 @@ class Server:
                           load_failed_blocks=self.jobs.failed_load_blocks)
 
 
-def run(config: DaemonConfig, pool: Pool, engines: dict[type, CopyEngine],
-        lowers: list[LowerTier] | None = None) -> int:
+def _open_trace(path: str):
+    if not path:
+        return None
+    try:
+        return open(path, "a", buffering=1)
+    except OSError as e:
+        raise ConfigError(f"trace: cannot open {path}: {e.strerror}") from None
+
+
+def run(server: Server) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code (0 after a clean stop)."""
-    server = Server(config, pool, engines, lowers)
     try:
         import uvloop
     except ImportError:

@@ -6,18 +6,59 @@ Kept apart from the CLI so tests and embedders can start a daemon from a ``Daemo
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import resource
+import signal
+import threading
 
 from kvpool.daemon.copy_engine import CopyEngine
+from kvpool.daemon.events import check_topic
 from kvpool.daemon.host_copy import HostCopyEngine
-from kvpool.daemon.pool import Pool
+from kvpool.daemon.peer import AllowList
+from kvpool.daemon.pool import Pool, check_room
 from kvpool.daemon.tier import LowerTier
 from kvpool.shared.config import DaemonConfig
+from kvpool.shared.errors import ConfigError
 from kvpool.shared.protocol import CudaRegion, HostRegion
 
 log = logging.getLogger("kvpoold")
+
+_CUDA_MISSING = "cuda=on but CUDA is not available to kvpoold (auto serves without it)"
+
+
+def check_config(config: DaemonConfig) -> None:
+    """Every refusal a start makes before it takes anything, as a ``ConfigError`` that names
+    the setting; ``kvpoold --check-config`` makes the same call. Checked against this host:
+    the pool and extent sizes (and that /dev/shm can hold the pool), the ``allow_uid`` and
+    ``allow_gid`` names, the events topic, the remote store's URL, its master's name and the
+    Mooncake install, and CUDA with ``cuda=on``. What a start takes (the socket, the pool, the
+    metrics port, the events endpoint, ``disk_path``) is only tried by the start."""
+    check_room(config)
+    AllowList(config.allow_uid, config.allow_gid)
+    check_topic(config.events_topic)
+    if config.remote_store:
+        from kvpool.daemon.remote_url import MOONCAKE_MISSING, parse_remote_url, resolve_local
+        resolve_local(parse_remote_url(config.remote_store))
+        if importlib.util.find_spec("mooncake") is None:
+            raise ConfigError(MOONCAKE_MISSING)
+    if config.cuda == "on" and not cuda_available():
+        raise ConfigError(_CUDA_MISSING)
+
+
+def cuda_available() -> bool:
+    """Whether copy engines can use CUDA: the driver first (ctypes, milliseconds: a host
+    without CUDA never imports torch, the bulk of a CPU daemon's start time), then torch, which
+    must see it too. A broken CUDA install counts as none."""
+    from kvpool.daemon import cuda
+    try:
+        if not cuda.is_available():
+            return False
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
 
 
 def build_engines(config: DaemonConfig, pool: Pool) -> dict[type, CopyEngine]:
@@ -26,19 +67,9 @@ def build_engines(config: DaemonConfig, pool: Pool) -> dict[type, CopyEngine]:
         pool, config.copy_threads, chunk_blocks=config.chunk_blocks, trace=trace)}
     if config.cuda == "off":
         return engines
-    from kvpool.daemon import cuda
-    try:
-        # The driver first (ctypes, milliseconds): a host without CUDA never imports torch,
-        # the bulk of a CPU daemon's start time. Where there is a GPU, torch must see it too.
-        has_cuda = cuda.is_available()
-        if has_cuda:
-            import torch
-            has_cuda = torch.cuda.is_available()
-    except Exception:   # a broken CUDA install must not keep the host path from serving
-        has_cuda = False
-    if not has_cuda:
+    if not cuda_available():
         if config.cuda == "on":
-            raise RuntimeError("cuda=on but CUDA is not available to kvpoold")
+            raise ConfigError(_CUDA_MISSING)
         log.info("no CUDA: serving the host transfer path only")
         return engines
     try:
@@ -82,21 +113,46 @@ def open_lower_tiers(config: DaemonConfig, pool: Pool) -> list[LowerTier]:
     return lowers
 
 
+class _StopRequested(Exception):
+    """SIGTERM or SIGINT before the server's loop took over those signals."""
+
+
+def _stop_requested(signum: int, frame) -> None:
+    raise _StopRequested(signal.Signals(signum).name)
+
+
 def run_daemon(config: DaemonConfig) -> int:
-    from kvpool.daemon.server import run
+    """Start and serve until stopped; returns the exit code. Every way out of the start leaves
+    nothing behind in /dev/shm but an adopted pool the operator keeps (``keep_pool``): a stop
+    signal before the server's loop handles them raises here (their default action would end
+    the process with the pool in place) and unwinds through the same clean-up as a failure."""
+    from kvpool.daemon.server import Server, run
     raise_open_file_limit()
-    pool = Pool.open(config)
+    previous = {sig: signal.signal(sig, _stop_requested) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        engines = build_engines(config, pool)
-        lowers = open_lower_tiers(config, pool)
-    except BaseException:
-        pool.close(unlink=not config.keep_pool)
-        raise
-    code = run(config, pool, engines, lowers)
-    if any(lower.has_lingering_work for lower in lowers):
+        pool = Pool.open(config)
+        try:
+            engines = build_engines(config, pool)
+            lowers = open_lower_tiers(config, pool)
+            server = Server(config, pool, engines, lowers)
+        except BaseException:
+            pool.close(unlink=not (config.keep_pool and pool.adopted))
+            raise
+        code = run(server)
+    except _StopRequested as e:
+        log.info("stopped by %s before serving; nothing left behind", e)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    lingering = [t.name for t in threading.enumerate()
+                 if not t.daemon and t is not threading.main_thread() and t.is_alive()]
+    if lingering or any(lower.has_lingering_work for lower in lowers):
         # The pool, socket and lock are released already; what is left would only make the
-        # interpreter's exit join threads stuck on a remote peer (see RemoteTier.close).
-        logging.getLogger("kvpoold").info("exiting without waiting for the remote tier")
+        # interpreter's exit join threads: one stuck on a remote peer (see RemoteTier.close),
+        # or torch's import, which took 5-9 s to end on a loaded 2-core host and so every stop
+        # of a daemon started moments before.
+        log.info("exiting without waiting for %s", ", ".join(lingering) or "the remote tier")
         logging.shutdown()
         os._exit(code)
     return code

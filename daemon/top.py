@@ -16,7 +16,7 @@ import time
 from typing import Callable, TextIO
 
 from kvpool.shared.errors import DaemonUnavailable
-from kvpool.shared.protocol import PoolInfo, Role
+from kvpool.shared.protocol import ClientInfo, PoolInfo, Role
 
 _CLEAR = "\x1b[H\x1b[2J"
 _BAR = 40
@@ -81,16 +81,24 @@ def render(cur: PoolInfo, prev: PoolInfo | None) -> str:
 
     lines += _tiers(cur, prev, dt)
 
-    engines = {c.engine_id for c in cur.clients if c.engine_id}
-    roles = {r: sum(1 for c in cur.clients if c.role == r) for r in Role}
-    lines += ["", f"clients  {len(cur.clients)}   engines {len(engines)}   "
+    clients = engine_clients(cur)
+    engines = {c.engine_id for c in clients if c.engine_id}
+    roles = {r: sum(1 for c in clients if c.role == r) for r in Role}
+    lines += ["", f"clients  {len(clients)}   engines {len(engines)}   "
                   f"schedulers {roles[Role.SCHEDULER]}   workers {roles[Role.WORKER]}"]
-    for c in sorted(cur.clients, key=lambda c: (c.engine_id, c.role, c.owner_id))[:20]:
+    for c in sorted(clients, key=lambda c: (c.engine_id, c.role, c.owner_id))[:20]:
         lines.append(f"  {c.engine_id or '-':<20.20} {c.role.name.lower():<9} pid {c.pid:<7} "
                      f"jobs {c.jobs_in_flight:<4} leases {c.leases:<4} {c.name}")
-    if len(cur.clients) > 20:
-        lines.append(f"  ... {len(cur.clients) - 20} more (kvpool info lists them all)")
+    if len(clients) > 20:
+        lines.append(f"  ... {len(clients) - 20} more (kvpool info lists them all)")
     return "\n".join(lines) + "\n"
+
+
+def engine_clients(info: PoolInfo) -> list[ClientInfo]:
+    """The clients an operator asks about: engines' schedulers and workers. Operator tools
+    (``kvpool info``, ``top``, ``ping``: ``Role.OPERATOR``) are left out, the asking one
+    included, so "no client connected" can be seen."""
+    return [c for c in info.clients if c.role != Role.OPERATOR]
 
 
 def _tiers(cur: PoolInfo, prev: PoolInfo | None, dt: float) -> list[str]:

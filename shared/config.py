@@ -1,16 +1,24 @@
-"""Configuration of the daemon and of clients: frozen structs with defaults and bounds.
+"""Every kvpool setting, in one place: frozen structs with defaults, bounds and help.
 
-Precedence is defaults < TOML file < ``KVPOOL_*`` environment < command-line flags. The daemon
-merges them once, in ``kvpool.daemon.cli``; clients build ``ClientConfig`` once from vLLM's
-``kv_connector_extra_config`` and the environment. Nothing reads ``os.environ`` after that.
+- ``DaemonConfig``: each field is a ``kvpoold --flag``, a ``KVPOOL_<FIELD>`` variable and a TOML
+  key. Precedence is defaults < TOML file (``--config``, or ``KVPOOL_CONFIG``) < ``KVPOOL_*``
+  environment < flags, merged once, in ``kvpool.daemon.cli``.
+- ``ClientConfig`` (what any client needs) and ``ConnectorConfig`` (what vLLM's connector adds):
+  each field is a ``kv_connector_extra_config`` key and a ``KVPOOL_<FIELD>`` variable; the extra
+  config wins. Built once per connector by ``connector_config``.
+
+Nothing reads ``os.environ`` after that. A ``KVPOOL_*`` variable that names no setting is
+reported with the closest one that does (``unknown_variables``), and a value out of bounds
+with the form it must take (``build_config``), never with a schema's regular expression.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Mapping
 
 import msgspec
 
@@ -33,22 +41,35 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
-def default_socket_path() -> str:
+SYSTEM_SOCKET_DIR = "/run/kvpool"
+# The pool's name when the daemon serves the host from SYSTEM_SOCKET_DIR (root, or the systemd
+# unit's user); other daemons' pools are named after their user (see DaemonConfig.pool).
+SYSTEM_POOL_NAME = "kvpool"
+
+
+def default_socket_path(for_daemon: bool = False) -> str:
     """Where daemon and clients meet when nobody says otherwise.
 
     ``$XDG_RUNTIME_DIR/kvpool/`` for a user session; else ``/run/kvpool/`` (the systemd unit's
-    RuntimeDirectory) when it exists or we are root; else ``/tmp/kvpool-<uid>/``, so a plain
-    ``kvpoold`` works for an unprivileged user on a machine without a session runtime dir.
+    RuntimeDirectory) for root and for a user who may create files there (the unit's own); else
+    ``/tmp/kvpool-<uid>/``, so that a plain ``kvpoold`` works for any user, beside a daemon of
+    root or of another user, and a ``/run/kvpool`` left by one never sends others to a socket
+    they cannot use. Clients also go to ``/run/kvpool/`` when its daemon's socket lets them in
+    (members of the unit's group) and they have no daemon of their own in ``/tmp``.
     """
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
-        base = Path(runtime) / "kvpool"
-    elif os.path.isdir("/run/kvpool") or os.geteuid() == 0:
-        base = Path("/run/kvpool")
-    else:
-        base = Path(f"/tmp/kvpool-{os.geteuid()}")
-    return str(base / "kvpoold.sock")
+        return str(Path(runtime) / "kvpool" / "kvpoold.sock")
+    system = Path(SYSTEM_SOCKET_DIR)
+    own = Path(f"/tmp/kvpool-{os.geteuid()}") / "kvpoold.sock"
+    if os.geteuid() == 0 or (system.is_dir() and os.access(system, os.W_OK | os.X_OK)):
+        return str(system / "kvpoold.sock")
+    if not for_daemon and not own.exists() and os.access(system / "kvpoold.sock", os.W_OK):
+        return str(system / "kvpoold.sock")
+    return str(own)
 
+
+DEFAULT_METRICS_PORT = 9471
 
 # Items per chunk of a big copy job: 128 blocks of 2 MiB are ~5 ms of PCIe copy, long enough to
 # hide the next chunk's launch and the previous chunk's commit (~60 us each at this size), while
@@ -71,8 +92,12 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                                 "for root), else /tmp/kvpool-UID/")] = ""
     socket_mode: Annotated[str, _doc("file mode of the socket; 0660 lets its group (the engines) "
                                      "connect", pattern=r"^0?[0-7]{3}$")] = "0600"
+    # Per user by default: the shm namespace is the host's while sockets are per user, so one
+    # name for all would turn a second user's daemon away from a pool it may not open.
     pool_name: Annotated[str, _doc("POSIX shm object of the pool (/dev/shm/NAME); one daemon per "
-                                   "name", pattern=r"^[A-Za-z0-9_.-]{1,200}$")] = "kvpool"
+                                   "name; empty: kvpool for the host's daemon (socket in "
+                                   "/run/kvpool/), else kvpool-UID",
+                                   pattern=r"^[A-Za-z0-9_.-]{0,200}$")] = ""
     pool_size: Annotated[str, _doc("pool size (64GiB, 512MiB, bytes) or auto: a quarter of "
                                    "available memory, at most half of /dev/shm's free space",
                                    pattern=_SIZE_PATTERN)] = "auto"
@@ -82,7 +107,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                                     "(upgrades keep the cache)")] = False
     lease_ttl_s: Annotated[float, _doc("a lookup's pin holds its blocks this long unless released",
                                        gt=0, le=3600)] = 30.0
-    write_timeout_s: Annotated[float, _doc("prepared blocks not written by every rank by then are "
+    write_timeout_s: Annotated[float, _doc("a store's slots not written by every rank by then are "
                                            "dropped", gt=0, le=3600)] = 120.0
     # A process that exits is released at once (the daemon watches each peer's pid), so this
     # only covers processes that are alive but silent: stopped, stalled, or in a PID namespace
@@ -109,8 +134,11 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                                       min_length=1)] = "127.0.0.1"
     # 9471: in the Prometheus exporter range, clear of 9464 (OpenTelemetry's exporter), vLLM's
     # 8000 and vLLM's KV events on 5557.
-    metrics_port: Annotated[int, _doc("port of /metrics and /healthz; 0 turns them off",
-                                      ge=0, le=65535)] = 9471
+    # Left unset, a port another process (another user's kvpoold) holds is skipped with a
+    # warning (daemon/cli.py); set, it must be free.
+    metrics_port: Annotated[int, _doc("port of /metrics and /healthz; 0 turns them off; left "
+                                      "unset, a port already taken turns them off with a "
+                                      "warning", ge=0, le=65535)] = DEFAULT_METRICS_PORT
     # The HTTP server has its own thread, so only this staleness test shows a wedged loop.
     health_stale_s: Annotated[float, _doc("/healthz answers 503 when the event loop has not "
                                           "checked in for this long", gt=0, le=3600)] = 10.0
@@ -197,7 +225,16 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     @property
     def socket_path(self) -> str:
-        return self.socket or default_socket_path()
+        return self.socket or default_socket_path(for_daemon=True)
+
+    @property
+    def pool(self) -> str:
+        """The pool's shm object name, ``pool_name`` or its per-user default."""
+        if self.pool_name:
+            return self.pool_name
+        if os.path.dirname(self.socket_path) == SYSTEM_SOCKET_DIR:
+            return SYSTEM_POOL_NAME
+        return f"{SYSTEM_POOL_NAME}-{os.geteuid()}"
 
     @property
     def socket_mode_bits(self) -> int:
@@ -279,18 +316,170 @@ class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         return self.socket or default_socket_path()
 
 
-def build_config(cls: type[msgspec.Struct], *layers: dict[str, Any]) -> Any:
-    """Merge setting layers (later wins) into a frozen ``cls``; ``ConfigError`` names the key."""
+class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What vLLM's connector reads besides ``ClientConfig``: ``kv_connector_extra_config`` keys,
+    each also a ``KVPOOL_<NAME>`` variable (the extra config wins)."""
+
+    # The model part of every namespace; empty: vLLM's model and revision ("<model>@<rev>").
+    # Set it when instances load one checkpoint from different paths.
+    model_id: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    # A byte cap for this model's namespace in the pool ("20GiB"); "0": none. Past it, only the
+    # namespace's own blocks are evicted.
+    quota: Annotated[str, msgspec.Meta(pattern=_SIZE_ONLY)] = "0"
+    # P/D decode side: load the hand-off chunk by chunk as it lands. None: yes, unless
+    # load_failure_policy is "fail" (a stalled stream would fail those requests).
+    pd_stream: bool | None = None
+    # No effect; accepted so that older configs start (it declared P/D to refuse a TP size
+    # mismatch: prefill and decode may now run different TP sizes).
+    pd_handoff: bool = False
+    # vLLM's kv_load_failure_policy is "fail" by default, which fails a request whose blocks did
+    # not load; the connector switches it to "recompute" unless this says "fail".
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+
+
+# Variables kvpool's own tests and benchmarks read (none of them a setting of the daemon or a
+# client), so that they are not reported as misspelled settings.
+TOOL_VARIABLES = ("KVPOOL_SKIP_ENGINE", "KVPOOL_ENGINE_PYTHON")
+CONFIG_FILE_VARIABLE = "KVPOOL_CONFIG"
+# The name the daemon read before KVPOOL_CONFIG (the one documented) was: still read, with a
+# warning.
+DEPRECATED_CONFIG_FILE_VARIABLE = "KVPOOL_CONFIG_FILE"
+
+
+def known_variables() -> set[str]:
+    """Every ``KVPOOL_*`` variable some part of kvpool reads."""
+    names = {CONFIG_FILE_VARIABLE, DEPRECATED_CONFIG_FILE_VARIABLE, *TOOL_VARIABLES}
+    for cls in (DaemonConfig, ClientConfig, ConnectorConfig):
+        names.update(f"KVPOOL_{f.upper()}" for f in cls.__struct_fields__)
+    return names
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One warning per ``KVPOOL_*`` variable that names no setting, with the closest that does:
+    a misspelled variable is otherwise ignored without a word."""
+    environ = os.environ if environ is None else environ
+    known = known_variables()
+    suffixes = sorted(n[len("KVPOOL_"):] for n in known - {DEPRECATED_CONFIG_FILE_VARIABLE})
+    out = []
+    for name in sorted(n for n in environ if n.startswith("KVPOOL_") and n not in known):
+        close = difflib.get_close_matches(name[len("KVPOOL_"):], suffixes, n=1, cutoff=0.7)
+        hint = f" (did you mean KVPOOL_{close[0]}?)" if close else ""
+        out.append(f"{name} is not a kvpool setting{hint}: ignored")
+    return out
+
+
+def config_file_variable(environ: Mapping[str, str] | None = None
+                         ) -> tuple[str | None, list[str]]:
+    """The TOML file the environment names (``KVPOOL_CONFIG``, or its deprecated spelling), and
+    the warnings to show about it."""
+    environ = os.environ if environ is None else environ
+    path, old = environ.get(CONFIG_FILE_VARIABLE), environ.get(DEPRECATED_CONFIG_FILE_VARIABLE)
+    if old is None:
+        return path, []
+    if path is not None:
+        return path, [f"{DEPRECATED_CONFIG_FILE_VARIABLE} is ignored: {CONFIG_FILE_VARIABLE} is "
+                      f"set too (remove the old name)"]
+    return old, [f"{DEPRECATED_CONFIG_FILE_VARIABLE} is deprecated: name the file in "
+                 f"{CONFIG_FILE_VARIABLE} instead"]
+
+
+def connector_config(extra: Mapping[str, Any], environ: Mapping[str, str] | None = None
+                     ) -> tuple[ClientConfig, ConnectorConfig]:
+    """The connector's settings from vLLM's ``kv_connector_extra_config`` over ``KVPOOL_*``
+    variables. ``ConfigError`` names an unknown key (with the closest known one) or a bad
+    value (with the form it takes)."""
+    client_keys, connector_keys = ClientConfig.__struct_fields__, ConnectorConfig.__struct_fields__
+    known = sorted(client_keys + connector_keys)
+    for key in extra:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            raise ConfigError(f"unknown kv_connector_extra_config key {key!r} for "
+                              f"KVPoolConnector{f' (did you mean {close[0]!r}?)' if close else ''}"
+                              f"; known keys: {', '.join(known)}")
+    return (build_config(ClientConfig, env_layer(ClientConfig, environ),
+                         {k: v for k, v in extra.items() if k in client_keys}),
+            build_config(ConnectorConfig, env_layer(ConnectorConfig, environ),
+                         {k: v for k, v in extra.items() if k in connector_keys}))
+
+
+# What a pattern-checked setting looks like, in words (a ValidationError would show the regex).
+_FORMS = {_SIZE_PATTERN: "a size such as 64GiB, 512MiB or a number of bytes, or auto",
+          _SIZE_ONLY: "a size such as 20GiB, 512MiB or a number of bytes (0: none)"}
+
+
+def describe(cls: type[msgspec.Struct], name: str) -> str:
+    """The values setting ``name`` of ``cls`` accepts, in words."""
+    field = next(f for f in msgspec.inspect.type_info(cls).fields if f.name == name)
+    return _describe_type(field.type)
+
+
+def _describe_type(t: Any) -> str:
+    if isinstance(t, msgspec.inspect.Metadata):
+        t = t.type
+    if isinstance(t, msgspec.inspect.UnionType):
+        return " or ".join(_describe_type(x) for x in t.types
+                           if not isinstance(x, msgspec.inspect.NoneType))
+    if isinstance(t, msgspec.inspect.BoolType):
+        return "true or false"
+    if isinstance(t, msgspec.inspect.LiteralType):
+        return "one of " + ", ".join(str(v) for v in t.values)
+    if isinstance(t, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
+        kind = "a whole number" if isinstance(t, msgspec.inspect.IntType) else "a number"
+        if t.ge is not None and t.le is not None:
+            return f"{kind} from {t.ge} to {t.le}"
+        low = f"above {t.gt}" if t.gt is not None else (
+            f"at least {t.ge}" if t.ge is not None else "")
+        high = f"below {t.lt}" if t.lt is not None else (
+            f"at most {t.le}" if t.le is not None else "")
+        return kind + " " + ", ".join(x for x in (low, high) if x)
+    if isinstance(t, msgspec.inspect.StrType):
+        if t.pattern in _FORMS:
+            return _FORMS[t.pattern]
+        if t.pattern == r"^0?[0-7]{3}$":
+            return "an octal file mode such as 0600 or 0660"
+        if t.pattern == r"^[A-Za-z0-9_.-]{0,200}$":
+            return "up to 200 letters, digits, '_', '.' or '-'"
+        if t.pattern == r"^[A-Za-z0-9_.,-]*$":
+            return "names or numbers separated by commas"
+        if t.max_length is not None:
+            return f"text of at most {t.max_length} characters"
+        return "non-empty text" if t.min_length else "text"
+    return "a value of another type"
+
+
+_FIELD_AT = re.compile(r"at `\$\.(\w+)`")
+_UNKNOWN_FIELD = re.compile(r"unknown field `(\w+)`")
+
+
+def build_config(cls: type[msgspec.Struct], *layers: Mapping[str, Any]) -> Any:
+    """Merge setting layers (later wins) into a frozen ``cls``. ``ConfigError`` names the key,
+    the value it was given and the form it takes (or, for an unknown key, the closest one)."""
     merged: dict[str, Any] = {}
     for layer in layers:
         merged.update({k.replace("-", "_"): v for k, v in layer.items() if v is not None})
     try:
         return msgspec.convert(merged, cls, strict=False)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid setting: {e}") from None
+        raise ConfigError(_explain(cls, merged, str(e))) from None
 
 
-def env_layer(cls: type[msgspec.Struct], environ: dict[str, str] | None = None) -> dict[str, str]:
+def _explain(cls: type[msgspec.Struct], merged: dict[str, Any], error: str) -> str:
+    unknown = _UNKNOWN_FIELD.search(error)
+    if unknown:
+        key = unknown.group(1)
+        close = difflib.get_close_matches(key, cls.__struct_fields__, n=1, cutoff=0.6)
+        return f"unknown setting {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+    at = _FIELD_AT.search(error)
+    if at and at.group(1) in cls.__struct_fields__:
+        key = at.group(1)
+        shown = repr(merged.get(key))
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        return f"invalid setting {key}={shown}: expected {describe(cls, key)}"
+    return f"invalid setting: {error}"
+
+
+def env_layer(cls: type[msgspec.Struct], environ: Mapping[str, str] | None = None
+              ) -> dict[str, str]:
     """The ``KVPOOL_<FIELD>`` variables that are set, as a settings layer."""
     environ = os.environ if environ is None else environ
     out = {}

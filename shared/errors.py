@@ -105,6 +105,11 @@ class DaemonUnavailable(KvpoolError):
     """
 
 
+class SocketForbidden(DaemonUnavailable):
+    """Client side only: the daemon's socket exists, but this user may not open it (its file
+    mode or directory). Unlike other unavailability, waiting does not help."""
+
+
 _BY_CODE: dict[int, type[KvpoolError]] = {
     cls.code: cls
     for cls in (ProtocolError, VersionMismatch, UnknownId, OutOfRange, TooLarge, PoolFull,

@@ -1,6 +1,6 @@
 """The daemon's own Python around a big job's copy, on CPU, without a GPU or a socket (issue 15).
 
-    python bench/investigations/big_job_path.py [--blocks 1024] [--jobs 200] [--out DIR]
+    python -m bench.investigations.big_job_path [--blocks 1024] [--jobs 200] [--keys] [--out DIR]
 
 A 1024-block store on an H100 copies for ~40 ms; what no copy hides is the daemon's work before
 the first chunk goes out and after the last one lands. This times that work in process: a

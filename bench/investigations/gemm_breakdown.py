@@ -29,10 +29,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_transfer import BLOCK_BYTES, GB, gemm_alone_and_with, start_daemon  # noqa: E402
+from bench.gpu_transfer import BLOCK_BYTES, GB, gemm_alone_and_with, start_daemon  # noqa: E402
 from bench.gpu_worker import Worker  # noqa: E402
 
 VARIANTS = {"both": ("both", True), "stores": ("stores", True), "loads": ("loads", True),

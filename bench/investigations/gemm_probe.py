@@ -1,6 +1,6 @@
 """Where a GEMM loses time beside an offload (issue 15): one cause at a time, side by side.
 
-    python bench/investigations/gemm_probe.py [--out DIR] [--iters 300] [--reps 3] [--chunk-mib 2]
+    python -m bench.investigations.gemm_probe [--out DIR] [--iters 300] [--reps 3] [--chunk-mib 2]
 
 A bf16 8192^3 GEMM loop runs in one process (the engine); a second process (the daemon's
 place) does one thing at a time while it runs, and the GEMM's time is divided by its time
@@ -246,7 +246,7 @@ def main() -> None:
     device = e_conn.recv()
     results: dict = {"device": device,
                      "date": datetime.date.today().isoformat(),
-                     "command": "python bench/investigations/gemm_probe.py " + " ".join(
+                     "command": "python -m bench.investigations.gemm_probe " + " ".join(
                          f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v),
                      "gemm": "bf16 8192x8192 @ 8192x8192", "iters": args.iters,
                      "chunk_bytes": chunk, "modes": {}}

@@ -1,6 +1,6 @@
 """The index's per-batch bookkeeping, without sockets: microseconds per operation.
 
-    python bench/investigations/index_ops.py [--blocks 1024] [--repeat 50] [--out DIR]
+    python -m bench.investigations.index_ops [--blocks 1024] [--repeat 50] [--out DIR]
 
 Builds an ``Index`` on a real ``Pool`` in POSIX shm, as the daemon does, and times each hot
 operation on ``--blocks`` blocks (lookups on 256 keys, as a scheduler step asks):

@@ -1,7 +1,7 @@
 """Single-block round trip on the host path: one 2 MiB block stored or loaded, request to
 completion seen by the worker, next to the empty-request floor (Ping).
 
-    python bench/investigations/single_block.py [--reps 500] [--out DIR] [--trace]
+    python -m bench.investigations.single_block [--reps 500] [--out DIR] [--trace]
 
 Starts a real kvpoold (host path only, ``--cuda off``) on a temporary socket. The block is a
 Llama-3.1-8B block (32 layers x K/V x 16 tokens x 8 heads x 128 x bf16 = 2 MiB, per-layer
@@ -31,8 +31,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from control_plane import kv_setup, pct, start_daemon, timed_calls  # noqa: E402
+from bench.control_plane import kv_setup, pct, start_daemon, timed_calls  # noqa: E402
 
 from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 from kvpool.shared.config import ClientConfig  # noqa: E402

@@ -1,6 +1,6 @@
 """The daemon's own Python per single-block job, on CPU, without a GPU or a socket (issue 15).
 
-    python bench/investigations/small_jobs.py [--jobs 3000] [--out DIR]
+    python -m bench.investigations.small_jobs [--jobs 3000] [--out DIR]
 
 Two parts, each the median over ``--jobs`` jobs of one 2 MiB block (the first 10% not counted):
 
@@ -31,7 +31,6 @@ import os
 import platform
 import secrets
 import statistics
-import sys
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -39,7 +38,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "daemon"))
 
 BLOCK = 2 << 20
 LAYOUTS = {"block_outer": (1, BLOCK, False), "per_layer_pitched": (64, BLOCK // 64, True)}
@@ -48,7 +46,7 @@ LAYOUTS = {"block_outer": (1, BLOCK, False), "per_layer_pitched": (64, BLOCK // 
 def engine_hops(layout: str, jobs: int) -> dict[str, dict[str, float]]:
     """Median us of each engine hop of 1-block stores and loads (stand-in driver)."""
     import torch
-    import test_cuda_copy as fake_driver
+    from tests.daemon import test_cuda_copy as fake_driver
 
     from kvpool.client.kv_layout import plan_kv_memory
     from kvpool.daemon import cuda_copy

@@ -3,7 +3,7 @@ slots that hold every KV head) against a TP=1 rank's whole blocks, through ``Hos
 alone (no daemon), for a per-layer (LBNHC) and a block-outermost head-major (BLHNC) cache of a
 Llama-3.1-8B-like model (8 KV heads, 32 layers, 16 tokens, 512-byte K+V cells).
 
-Run: ``python bench/investigations/tp_cross_host.py [--blocks 128] [--reps 5]``. CPU only; prints one line per
+Run: ``python -m bench.investigations.tp_cross_host [--blocks 128] [--reps 5]``. CPU only; prints one line per
 case (medians), nothing is written.
 """
 
@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 

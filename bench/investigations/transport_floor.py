@@ -1,6 +1,6 @@
 """The round-trip floor under kvpool's requests: two bare processes, no kvpool code.
 
-    python bench/investigations/transport_floor.py [--reps 3000] [--out DIR]
+    python -m bench.investigations.transport_floor [--reps 3000] [--out DIR]
 
 A client process sends a 64-byte message and waits for the 64-byte answer of an echo process,
 ``--reps`` times, over the transport kvpool uses (ZeroMQ DEALER -> ROUTER over ipc://) and,
@@ -159,7 +159,7 @@ def main() -> None:
     best = {name: min(rs, key=lambda x: x["p50_us"]) for name, rs in results.items()}
     out = {"device": f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "command": "python bench/investigations/transport_floor.py " + " ".join(
+           "command": "python -m bench.investigations.transport_floor " + " ".join(
                f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
            "rounds": results, "best_round": best,
            "zmq_sleep_over_unix_sleep": round(best["zmq_sleep"]["p50_us"]

@@ -1,6 +1,6 @@
 """What a scheduler's non-blocking send costs, with kvpool's zmq thread policy and without.
 
-    python bench/investigations/zmq_send.py [--reps 300] [--rounds 2] [--out DIR]
+    python -m bench.investigations.zmq_send [--reps 300] [--rounds 2] [--out DIR]
 
 Starts a real kvpoold, then for each variant (``KVPOOL_ZMQ_SCHED_BATCH`` 1 and 0, alternating
 ``--rounds`` times, each in a fresh process since the policy is fixed when a context starts)
@@ -24,8 +24,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from control_plane import start_daemon, timed_calls  # noqa: E402
+from bench.control_plane import start_daemon, timed_calls  # noqa: E402
 
 SIZES = (16, 256, 512)
 
@@ -102,7 +101,7 @@ def main() -> None:
             row = {}
             for batch in ("1", "0"):
                 env = dict(os.environ, KVPOOL_ZMQ_SCHED_BATCH=batch)
-                done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", sock,
+                done = subprocess.run([sys.executable, "-m", "bench.investigations.zmq_send", "--child", sock,
                                        "--reps", str(args.reps)], env=env, check=True,
                                       capture_output=True, text=True, timeout=600)
                 row["batch" if batch == "1" else "default"] = json.loads(

@@ -76,7 +76,6 @@ def pool_full(workdir: Path) -> dict:
 
 _SHM_FULL = r"""
 import json, os, subprocess, sys, time
-sys.path.insert(0, ROOT)
 from pathlib import Path
 from bench.soak.common import Daemon, ShmBlocks
 from bench.soak.client import Engine
@@ -164,7 +163,6 @@ def shm_full(workdir: Path) -> dict:
 
 _MANY = r"""
 import json, sys, time
-sys.path.insert(0, ROOT)
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.config import ClientConfig
 cfg = ClientConfig(socket=SOCK, timeout_ms=30000)

@@ -37,10 +37,15 @@ STRANGER = 65533        # a uid and gid with no account at all
 # checkout and its venv may sit under a directory only root can enter (root's home, a
 # ``mktemp -d``), so they are copied to a world-readable place, never read where they are.
 _OTHER_UID_PACKAGES = {"kvpool": "kvpool", "kvpool/shared": "shared", "kvpool/client": "client"}
-_OTHER_UID_DEPENDENCIES = ("msgspec", "zmq")
+# numpy: the scheduler client reads the shared-memory index with it (client/index_reader.py).
+_OTHER_UID_DEPENDENCIES = ("msgspec", "zmq", "numpy")
+# What kvpoold itself imports besides (torch only on a thread once it serves, for host copies:
+# left out, so a daemon run this way answers pings, lookups and info but copies nothing).
+_DAEMON_PACKAGES = {"kvpool/daemon": "daemon"}
+_DAEMON_DEPENDENCIES = ("click", "prometheus_client", "uvloop", "posix_ipc", "xxhash")
 
 
-def _system_python() -> str | None:
+def system_python() -> str | None:
     """A Python another uid can run (the venv's interpreter may sit where it cannot reach)."""
     want = f"{sys.version_info.major}.{sys.version_info.minor}"
     for cand in (f"/usr/bin/python{want}", "/usr/bin/python3"):
@@ -52,17 +57,21 @@ def _system_python() -> str | None:
     return None
 
 
-def stage_for_other_uids(dest: Path) -> Path:
-    """Copy what ``as_user`` code imports into ``dest`` (world-readable); returns the folder to
-    put on that code's ``sys.path``."""
+def stage_for_other_uids(dest: Path, daemon: bool = False) -> Path:
+    """Copy what ``as_user`` code imports into ``dest`` (world-readable); returns the folder
+    that code imports from (its ``PYTHONPATH``). ``daemon``: also what kvpoold needs to run."""
     import importlib.util
     site = dest / "site"
-    for target, source in _OTHER_UID_PACKAGES.items():
+    packages = {**_OTHER_UID_PACKAGES, **(_DAEMON_PACKAGES if daemon else {})}
+    for target, source in packages.items():
         shutil.copytree(ROOT / source, site / target,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for name in _OTHER_UID_DEPENDENCIES:
+    for name in _OTHER_UID_DEPENDENCIES + (_DAEMON_DEPENDENCIES if daemon else ()):
         spec = importlib.util.find_spec(name)
-        assert spec is not None and spec.submodule_search_locations, f"{name} is not installed"
+        assert spec is not None and spec.origin, f"{name} is not installed"
+        if not spec.submodule_search_locations:      # a module of one file (an extension)
+            shutil.copy2(spec.origin, site / Path(spec.origin).name)
+            continue
         pkg = Path(list(spec.submodule_search_locations)[0])
         # Wheels repaired by auditwheel keep their shared libraries beside the package.
         for part in (pkg, pkg.parent / f"{name}.libs", pkg.parent / f"py{name}.libs"):
@@ -77,12 +86,13 @@ def stage_for_other_uids(dest: Path) -> Path:
 def as_user(uid: int, gid: int, code: str, site: Path, timeout_s: float = 60) -> dict:
     """Run ``code`` as ``uid``:``gid`` (no supplementary groups) with ``site`` (from
     ``stage_for_other_uids``) as its only import path of ours; it prints one JSON line."""
-    py = _system_python()
+    py = system_python()
     assert py, "no system Python of our version for another uid"
-    prelude = f"import sys, json, os; sys.path.insert(0, {str(site)!r})\n"
+    prelude = "import sys, json, os\n"
     r = subprocess.run([py, "-s", "-c", prelude + textwrap.dedent(code)], capture_output=True,
                        text=True, timeout=timeout_s, user=uid, group=gid, extra_groups=[],
-                       env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"}, cwd="/tmp")
+                       env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONPATH": str(site)},
+                       cwd="/tmp")
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     assert r.returncode == 0 and lines, f"as uid {uid}: rc {r.returncode}\n{r.stderr[-2000:]}"
     return json.loads(lines[-1])
@@ -116,7 +126,7 @@ def _public_dir() -> Path:
 # ---- who may connect ---------------------------------------------------------------------
 
 def access(workdir: Path) -> dict:
-    if os.geteuid() != 0 or _system_python() is None:
+    if os.geteuid() != 0 or system_python() is None:
         return {"security_other_uid_refused": None,
                 "security_skipped": "needs root and a system Python of the same version"}
     pub = _public_dir()

@@ -16,8 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 # Names read from ``kvpool.client.vllm`` by vLLM's loader, tests and docs: all in connector.py.
-_CONNECTOR_NAMES = ("KVPoolConnector", "KvpoolStats", "CONNECTOR_KEYS", "SCHEDULER_METHODS",
-                    "client_config")
+_CONNECTOR_NAMES = ("KVPoolConnector", "KvpoolStats", "CONNECTOR_KEYS", "SCHEDULER_METHODS")
 
 __all__ = list(_CONNECTOR_NAMES)
 

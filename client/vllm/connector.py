@@ -33,7 +33,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvpool.client.vllm.compat import CompatMixin, check_version
 from kvpool.client.vllm.groups import pool_groups
 from kvpool.client.vllm.meta import StepMeta
-from kvpool.shared.config import ClientConfig, build_config, env_layer, parse_size
+from kvpool.shared.config import (ConnectorConfig, connector_config, parse_size,
+                                  unknown_variables)
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -78,31 +79,8 @@ SCHEDULER_METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc",
                      "build_connector_meta", "update_connector_output", "request_finished",
                      "request_finished_all_groups")
 
-# kv_connector_extra_config keys that are not ClientConfig fields.
-CONNECTOR_KEYS = ("model_id", "quota", "pd_handoff", "pd_stream", "load_failure_policy")
-
-
-def client_config(extra: dict[str, Any]) -> ClientConfig:
-    """``ClientConfig`` from ``KVPOOL_*`` variables overridden by the extra config."""
-    fields = ClientConfig.__struct_fields__
-    unknown = set(extra) - set(fields) - set(CONNECTOR_KEYS)
-    if unknown:
-        from kvpool.shared.errors import ConfigError
-        raise ConfigError(f"unknown kv_connector_extra_config keys for KVPoolConnector: "
-                          f"{sorted(unknown)} (known: {sorted(fields) + list(CONNECTOR_KEYS)})")
-    return build_config(ClientConfig, env_layer(ClientConfig),
-                        {k: v for k, v in extra.items() if k in fields})
-
-
-def _flag(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if str(value).lower() in ("1", "true", "yes", "on"):
-        return True
-    if str(value).lower() in ("0", "false", "no", "off"):
-        return False
-    from kvpool.shared.errors import ConfigError
-    raise ConfigError(f"kv_connector_extra_config {key} must be true or false, got {value!r}")
+# kv_connector_extra_config keys that are not ClientConfig fields (shared/config.py has both).
+CONNECTOR_KEYS = ConnectorConfig.__struct_fields__
 
 
 def _tp_rank() -> int:
@@ -113,20 +91,15 @@ def _tp_rank() -> int:
     return 0
 
 
-def _apply_load_failure_policy(kv_transfer_config: Any, extra: dict[str, Any]) -> None:
+def _apply_load_failure_policy(kv_transfer_config: Any, policy: str) -> None:
     """Make vLLM recompute blocks whose load failed, unless told to keep its policy.
 
     vLLM's default ``kv_load_failure_policy`` is "fail": a failed load fails the request. For a
     cache that is the wrong answer (a daemon restarted mid-load would fail requests the engine
     can simply recompute), so the connector switches it to "recompute" before vLLM's scheduler
     reads it (the scheduler builds its connector first). ``load_failure_policy: "fail"`` in the
-    extra config leaves vLLM's setting alone.
+    extra config (or ``KVPOOL_LOAD_FAILURE_POLICY``) leaves vLLM's setting alone.
     """
-    policy = extra.get("load_failure_policy", "recompute")
-    if policy not in ("recompute", "fail"):
-        from kvpool.shared.errors import ConfigError
-        raise ConfigError(f"kv_connector_extra_config load_failure_policy must be 'recompute' "
-                          f"or 'fail', got {policy!r}")
     if policy == "recompute":
         kv_transfer_config.kv_load_failure_policy = "recompute"
 
@@ -142,22 +115,21 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
             raise ValueError("KVPoolConnector does not support pipeline parallelism yet: each "
                              "stage holds different layers (use tensor parallelism)")
         assert kv_cache_config is not None, "vLLM 0.33 passes kv_cache_config to connectors"
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        config = client_config(extra)
-        _apply_load_failure_policy(self._kv_transfer_config, extra)
-        if role == KVConnectorRole.SCHEDULER and (warning := check_version()):
-            logging.getLogger("kvpool.vllm").warning(warning)
-        model = pool_groups(vllm_config, kv_cache_config, extra)
+        config, settings = connector_config(
+            self._kv_transfer_config.kv_connector_extra_config or {})
+        _apply_load_failure_policy(self._kv_transfer_config, settings.load_failure_policy)
+        if role == KVConnectorRole.SCHEDULER:
+            # Once per engine: a misspelled KVPOOL_* variable would otherwise do nothing, quietly.
+            for warning in [w for w in (check_version(),) if w] + unknown_variables():
+                logging.getLogger("kvpool.vllm").warning("kvpool: %s", warning)
+        model = pool_groups(vllm_config, kv_cache_config, {"model_id": settings.model_id})
         groups = model.groups
         engine_id = self._kv_transfer_config.engine_id or ""
-        quota_bytes = parse_size(extra.get("quota", 0))
-        # No effect since prefill and decode may run different TP sizes (it declared P/D so
-        # that the daemon could refuse a TP mismatch); still checked, so old configs start.
-        _flag(extra.get("pd_handoff", False), "pd_handoff")
+        quota_bytes = parse_size(settings.quota)
         # A stream that stalls reports its missing blocks as load errors, which vLLM's "fail"
         # policy turns into a failed request: there, wait for the whole hand-off instead.
-        pd_stream = _flag(extra.get("pd_stream", self._kv_transfer_config.kv_load_failure_policy
-                                    != "fail"), "pd_stream")
+        pd_stream = settings.pd_stream if settings.pd_stream is not None else (
+            self._kv_transfer_config.kv_load_failure_policy != "fail")
         self.scheduler: SchedulerRole | None = None
         self.worker: WorkerRole | None = None
         self._timer: CallTimer | None = None
@@ -174,7 +146,7 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
                                      engine_id=engine_id)
             for note in model.notes:
                 logging.getLogger("kvpool.vllm").info("kvpool: %s", note)
-            settings = RoleSettings(
+            role_settings = RoleSettings(
                 groups, Budgets.from_config(config), world_size=pc.world_size,
                 kv_producer=self._kv_transfer_config.kv_role == "kv_producer",
                 engine_id=engine_id, tp_size=pc.tensor_parallel_size, pd_stream=pd_stream,
@@ -185,7 +157,7 @@ class KVPoolConnector(CompatMixin, KVConnectorBase_V1, SupportsHMA):
                 horizon_blocks=horizon_for(vllm_config, kv_cache_config),
                 refusal=model.refusal)
             self.scheduler = SchedulerRole(
-                client, settings,
+                client, role_settings,
                 self._timer.line_log("store_steps") if self._timer is not None else None)
         else:
             from kvpool.client.vllm.worker import WorkerRole

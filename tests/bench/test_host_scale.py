@@ -24,7 +24,7 @@ def _positive(x) -> bool:
 
 def test_two_host_engines_through_one_daemon_report_every_key(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "bench" / "host_scale.py"), "--host", "--engines", "2",
+    cmd = [sys.executable, "-m", "bench.host_scale", "--host", "--engines", "2",
            "--quick", "--layouts", "block_outer", "--seconds", "0.5", "--lookups", "50",
            "--pd-reps", "1", "--blocks", "32", "--per-job", "8", "--out", str(out),
            "--tmp", str(tmp_path / "run")]

@@ -103,9 +103,9 @@ def test_open_refuses_what_is_not_an_index(tmp_path):
 def test_another_user_cannot_map_the_index():
     """The segment has the daemon socket's owner, group and mode (0600 by default): a user who
     may not connect may not read it either (POSIX shm objects are files in /dev/shm)."""
-    from bench.soak.security import NOBODY, _system_python
+    from bench.soak.security import NOBODY, system_python
     from kvpool.daemon.index_segment import IndexSegment
-    py = _system_python()
+    py = system_python()
     if os.geteuid() != 0 or py is None:
         pytest.skip("needs root and a system Python to run a probe as another user")
     seg = IndexSegment(f"/kvpool-test-uid-{os.getpid()}-{secrets.token_hex(4)}", 4096, "d")

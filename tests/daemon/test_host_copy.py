@@ -237,6 +237,30 @@ def test_the_pool_pages_are_mapped_ahead_and_a_close_stops_it():
         shm.unlink()
 
 
+def test_the_pool_is_populated_in_short_calls_at_the_lowest_priority(monkeypatch):
+    """The daemon answers within milliseconds while it populates a big pool: every madvise
+    holds the mmap lock its loop's allocations wait behind, so each call is small, and the
+    thread yields its core to the loop and the engines."""
+    import threading
+
+    from kvpool.daemon import host_copy
+    calls = []
+
+    def madvise(at, n, advice):
+        calls.append((n, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return 0
+
+    monkeypatch.setattr(host_copy, "_madvise", madvise)
+    u8 = np.zeros(64 << 20, np.uint8)        # only its address range is used
+    nice_before = os.getpriority(os.PRIO_PROCESS, 0)
+    t = threading.Thread(target=host_copy._populate, args=(u8, lambda: False))
+    t.start()
+    t.join(30)
+    assert len(calls) >= 32 and max(n for n, _ in calls) <= 2 << 20, calls[:3]
+    assert {nice for _, nice in calls} == {19}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == nice_before      # only that thread's
+
+
 def _one_block(pool):
     mem, tensors, reg = make((2, 8, 16, 4, 32), 1, torch.float16, 2)
     for t in tensors:

@@ -55,6 +55,60 @@ def test_stale_segment_with_other_geometry_or_garbage_is_replaced(pool_config):
     r.close(unlink=True)
 
 
+def test_an_auto_sized_pool_is_adopted_whatever_memory_is_free_now(pool_config, monkeypatch):
+    """An auto size is computed once: at the next start the pool's own pages count as taken,
+    so computed again it would come out smaller and the kept cache would be replaced."""
+    from kvpool.daemon import pool as pool_mod
+    auto = DaemonConfig(pool_name=pool_config.pool_name, pool_size="auto", extent_size="auto")
+    monkeypatch.setattr(pool_mod, "available_memory_bytes", lambda: 96 << 20)
+    p = Pool.open(auto)
+    first = p.geometry
+    p.close(unlink=False)
+    monkeypatch.setattr(pool_mod, "available_memory_bytes", lambda: 48 << 20)
+    q = Pool.open(auto)
+    try:
+        assert q.adopted and q.geometry == first
+    finally:
+        q.close(unlink=True)
+
+
+def test_a_pool_that_does_not_fit_dev_shm_is_refused_before_it_is_made(pool_config):
+    from kvpool.daemon.pool import check_room
+    shm = os.statvfs("/dev/shm")
+    too_big = DaemonConfig(pool_name=pool_config.pool_name,
+                           pool_size=str(shm.f_bavail * shm.f_frsize + (1 << 30)))
+    with pytest.raises(ConfigError, match=r"pool_size: the pool needs .* GiB of /dev/shm but "
+                                          r"only .* GiB is free there: lower pool_size"):
+        check_room(too_big)
+    check_room(pool_config)
+
+
+def test_a_pool_of_another_user_is_named_not_a_traceback(pool_config):
+    """(What two users met with one host-wide default name; tests/integration/test_users.py
+    runs the real thing.)"""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to open root's segment as another user")
+    p = Pool.open(pool_config)
+    p.close(unlink=False)
+    try:
+        pid = os.fork()
+        if pid == 0:               # as nobody: root's segment is 0600
+            code = 1
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                Pool.open(pool_config)
+            except PoolBusy as e:
+                code = 0 if "belongs to another user (root, uid 0): choose another " \
+                             "pool_name" in str(e) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        posix_ipc.unlink_shared_memory("/" + pool_config.pool_name)
+
+
 def test_sizes():
     assert resolve_sizes(DaemonConfig(pool_size="64GiB")) == (64 << 30, 256 << 20)
     assert resolve_sizes(DaemonConfig(pool_size="3GiB")) == (3 << 30, 16 << 20)

@@ -37,8 +37,8 @@ if [ "$what" = env ] || [ "$what" = all ] || [ "$what" = tests+policy ] || [ "$w
   } 2>&1 | tee "$OUT/env.txt"
 fi
 rc=0
-# run from a copy inside /tmp/pp: pytest puts the rootdir first on sys.path, and the checkout's
-# kvpool/ folder (only __init__.py) would shadow the import tree built above
+# run from a copy inside /tmp/pp, the import tree built above: pytest puts the rootdir first on
+# sys.path, and benchmarks run as modules (python3 -m bench.NAME) from it
 cp -r tests bench pyproject.toml /tmp/pp/
 REPO=/tmp/pp; cd /tmp
 if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = tests+pd ] || [ "$what" = tests+policy ]; then
@@ -51,25 +51,25 @@ if [ "$what" = pd ] || [ "$what" = pd+bench ]; then
     "$REPO/tests/gpu/test_cuda_engine.py::test_tp2_two_gpus_one_slot" 2>&1 | tee "$OUT/tests-pd.log" || rc=1
 fi
 if [ "$what" = pd ] || [ "$what" = pd+bench ] || [ "$what" = tests+pd ]; then
-  timeout ${PD_TIMEOUT:-240} python3 "$REPO/bench/pd_handoff.py" --out "$OUT" ${PD_ARGS:-} 2>&1 | tee "$OUT/pd.log" || rc=1
+  timeout ${PD_TIMEOUT:-240} python3 -m bench.pd_handoff --out "$OUT" ${PD_ARGS:-} 2>&1 | tee "$OUT/pd.log" || rc=1
 fi
 if [ "$what" = tp ]; then
   timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
     -c "$REPO/pyproject.toml" --rootdir "$REPO" "$REPO/tests/daemon/test_copy_plan.py" "$REPO/tests/gpu" \
     -k "tp_cross or tp2 or pitched or round_trip" 2>&1 | tee "$OUT/tests-tp.log" || rc=1
-  timeout ${PD_TIMEOUT:-480} python3 "$REPO/bench/pd_handoff.py" --mode cross --out "$OUT" ${PD_ARGS:-} 2>&1 | tee "$OUT/pd-tp.log" || rc=1
+  timeout ${PD_TIMEOUT:-480} python3 -m bench.pd_handoff --mode cross --out "$OUT" ${PD_ARGS:-} 2>&1 | tee "$OUT/pd-tp.log" || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = pd+bench ]; then
-  timeout ${BENCH_TIMEOUT:-480} python3 "$REPO/bench/gpu_transfer.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" || rc=1
+  timeout ${BENCH_TIMEOUT:-480} python3 -m bench.gpu_transfer --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" || rc=1
 fi
 if [ "$what" = policy ] || [ "$what" = tests+policy ]; then
-  timeout ${POLICY_TIMEOUT:-300} python3 "$REPO/bench/store_policy.py" --replay --out "$OUT" 2>&1 | tee "$OUT/policy.log" || rc=1
+  timeout ${POLICY_TIMEOUT:-300} python3 -m bench.store_policy --replay --out "$OUT" 2>&1 | tee "$OUT/policy.log" || rc=1
 fi
 if [ "$what" = probe ] || [ "$what" = all ]; then
-  timeout ${PROBE_TIMEOUT:-240} python3 "$REPO/bench/investigations/gemm_probe.py" --out "$OUT" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" || rc=1
+  timeout ${PROBE_TIMEOUT:-240} python3 -m bench.investigations.gemm_probe --out "$OUT" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" || rc=1
 fi
 if [ "$what" = breakdown ]; then
-  timeout ${BREAKDOWN_TIMEOUT:-300} python3 "$REPO/bench/investigations/gemm_breakdown.py" --out "$OUT" ${BREAKDOWN_ARGS:-} 2>&1 | tee "$OUT/breakdown.log" || rc=1
+  timeout ${BREAKDOWN_TIMEOUT:-300} python3 -m bench.investigations.gemm_breakdown --out "$OUT" ${BREAKDOWN_ARGS:-} 2>&1 | tee "$OUT/breakdown.log" || rc=1
 fi
 if [ "$what" = scale ]; then
   timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
@@ -78,7 +78,7 @@ if [ "$what" = scale ]; then
   gpus=$(python3 -c "from kvpool.daemon import cuda; print(cuda.device_count())")
   # one GPU: engines share it (the daemon's one lane pair per GPU, N engines' jobs on it)
   default=""; [ "${gpus:-0}" -le 1 ] && default="--engines 1,2,4 --gpus 1 --seconds 2"
-  timeout ${SCALE_TIMEOUT:-480} python3 "$REPO/bench/host_scale.py" --out "$OUT" --tmp /tmp/kvpool-scale \
+  timeout ${SCALE_TIMEOUT:-480} python3 -m bench.host_scale --out "$OUT" --tmp /tmp/kvpool-scale \
     ${SCALE_ARGS:-$default} "$@" 2>&1 | tee "$OUT/scale.log" || rc=1
 fi
 exit $rc

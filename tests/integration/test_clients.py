@@ -328,3 +328,29 @@ def test_a_scheduler_the_daemon_released_says_hello_again_after_a_refused_lookup
     finally:
         sched.close()
         observer.close()
+
+
+def test_wait_with_check_raises_what_failed_a_store_or_a_load(daemon):
+    """A script that waits with ``check=True`` sees the daemon's reason, not a bare assert later
+    on data that never moved."""
+    from kvpool.shared.errors import OutOfRange, UnknownId
+    kv = HostKv(blocks=8)
+    worker, reg = kv.register(daemon.client_config())
+    sched = SchedulerClient(daemon.client_config())
+    keys = kv.keys(list(range(2 * kv.block_tokens)))
+    try:
+        tickets = sched.reserve(kv.namespace, 2)
+        # A grant of another daemon's life: refused, and the error says so.
+        bad = worker.submit_store(reg, [0, 1], tickets.slots, keys=keys, grant="not-this-daemon")
+        with pytest.raises(UnknownId, match=rf"kvpool job {bad} failed \(UNKNOWN_ID\): .*"
+                                             r"granted by daemon not-this-daemon"):
+            worker.wait([bad], 5, check=True)
+        load = worker.submit_load(reg, [1 << 40], [0])      # a slot ref nobody granted
+        with pytest.raises(OutOfRange, match=rf"kvpool job {load} failed \(OUT_OF_RANGE\): "
+                                             r"slot ref 0x10000000000 names no slot"):
+            worker.wait([load], 5, check=True)
+        # Without check, the same failure is a completion to inspect, as before.
+        again = worker.submit_load(reg, [1 << 40], [0])
+        assert not worker.wait([again], 5)[0].ok
+    finally:
+        sched.close(); worker.close(); kv.close()

@@ -407,11 +407,10 @@ def test_a_big_store_becomes_visible_chunk_by_chunk_and_only_landed_blocks_load(
 
 _DYING_WORKER = """
 import sys, time
-sys.path.insert(0, sys.argv[1])
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared.config import ClientConfig
 from bench.kvtest import HostKv, keyed_store
-cfg = ClientConfig(socket=sys.argv[2], timeout_ms=20000)
+cfg = ClientConfig(socket=sys.argv[1], timeout_ms=20000)
 kv = HostKv(blocks=96, layers=32, heads=8, head_dim=128)
 w, reg = kv.register(cfg)
 s = SchedulerClient(cfg)
@@ -426,7 +425,7 @@ def test_a_big_store_whose_worker_dies_keeps_only_landed_chunks_and_frees_the_re
         daemon_factory):
     d = daemon_factory(pool_size="640MiB",
                        extra=["--extent-size", "32MiB", "--chunk-blocks", str(CHUNK)])
-    child = subprocess.Popen([sys.executable, "-c", _DYING_WORKER, str(ROOT), d.socket],
+    child = subprocess.Popen([sys.executable, "-c", _DYING_WORKER, d.socket],
                              stdout=subprocess.PIPE, cwd=ROOT)
     kv = HostKv(blocks=96, **LLAMA)
     sched = SchedulerClient(d.client_config(timeout_ms=20000))

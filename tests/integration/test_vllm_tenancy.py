@@ -52,7 +52,7 @@ def test_quota_keeps_a_model_within_its_bytes_and_never_evicts_another_model(
 
 def test_a_bad_quota_is_a_config_error(engines, daemon):
     from kvpool.shared.errors import ConfigError
-    with pytest.raises(ConfigError, match="not a size"):
+    with pytest.raises(ConfigError, match=r"quota='lots': expected a size such as 20GiB"):
         engines(daemon, engine_id="bad", async_scheduling=False, extra={"quota": "lots"})
     with pytest.raises(ConfigError, match="pd_handoff"):
         engines(daemon, engine_id="bad", async_scheduling=False, extra={"pd_handoff": "maybe"})
