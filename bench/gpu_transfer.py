@@ -115,6 +115,13 @@ def start_daemon(tmp: Path, pool_size: str, env: dict | None = None, tag: str = 
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"kvpoold did not start: {(tmp / 'kvpoold.log').read_text()}")
         time.sleep(0.05)
+    profile = os.environ.get("KVPOOL_BENCH_PYSPY")
+    if profile:
+        # Sampled for the daemon's whole life, every thread, idle ones too, without pausing it
+        # (folded stacks: one line per stack and its count).
+        subprocess.Popen(["py-spy", "record", "-p", str(proc.pid), "-o", f"{profile}{tag}.txt",
+                          "--format", "raw", "-r", "250", "--threads", "--idle",
+                          "--nonblocking"], stdout=log, stderr=log)
     return proc, sock
 
 
@@ -193,6 +200,9 @@ def big_jobs(trace: dict, owner: int, min_blocks: int) -> dict[str, float]:
             out[f"{kind}_to_copy_ms"] = med([t[5] - t[2] for t in r])
             out[f"{kind}_after_copy_ms"] = med([t[8] - t[6] for t in r])
             out[f"{kind}_jobs"] = len(r)
+            # every job's copy and end-to-end span, in order: a slow rep shows where it lost
+            out[f"{kind}_copy_ms_each"] = [round((t[6] - t[5]) / 1e6, 2) for t in r]
+            out[f"{kind}_total_ms_each"] = [round((t[8] - t[2]) / 1e6, 2) for t in r]
     return out
 
 

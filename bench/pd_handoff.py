@@ -74,15 +74,18 @@ def one_way_s(device: int, nbytes: int, to_host: bool, reps: int) -> float:
 
 
 def _prepare(sched, ns: bytes, blocks: int, chunks: int, tag: str):
-    """The prompt's keys, and its store cut into ``chunks`` (block ids, slots) parts."""
+    """The prompt's keys, and its store cut into ``chunks`` (block ids, tickets, keys, grant)
+    parts: tickets reserved ahead, as a connector's stock is, bound to their keys by the
+    stores (every rank's store of a chunk names the same tickets and keys)."""
     keys = [hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=16).digest()
             for i in range(blocks)]
-    slots = sched.prepare_store(ns, keys)
-    if any(s < 0 for s in slots):
-        raise RuntimeError("pool has no room for the prompt")
+    reply = sched.reserve(ns, blocks)
+    if len(reply.slots) < blocks:
+        raise RuntimeError(f"reserve granted {len(reply.slots)} of {blocks} tickets")
+    slots = list(reply.slots)
     per = -(-blocks // chunks)
-    parts = [(list(range(i, min(i + per, blocks))), slots[i:i + per])
-             for i in range(0, blocks, per)]
+    parts = [(list(range(i, min(i + per, blocks))), slots[i:i + per], keys[i:i + per],
+              reply.daemon_id) for i in range(0, blocks, per)]
     return keys, parts, per
 
 
