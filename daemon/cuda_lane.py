@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvpool.daemon import cuda
-from kvpool.daemon.copy_engine import TAIL_BLOCKS, Progress, chunk_bounds
+from kvpool.daemon.copy_engine import HEAD_BLOCKS, TAIL_BLOCKS, Progress, chunk_bounds
 from kvpool.daemon.copy_plan import (SMALL_OPS, PitchedOps, chunk_table, small_table,
                                      split_at_boundaries, split_items)
 from kvpool.shared.errors import Aborted
@@ -114,7 +114,8 @@ class Lane:
         the submit thread, which takes the job next, enqueues the rest); else queue it."""
         eng = self.engine
         job.bounds = chunk_bounds(len(job.block_ids), eng.chunk_blocks,
-                                  TAIL_BLOCKS if job.progress is not None else 0)
+                                  TAIL_BLOCKS if job.progress is not None else 0,
+                                  HEAD_BLOCKS if eng.inline_first_chunk else 0)
         small = (len(job.bounds) == 2 and len(job.block_ids) * job.mapped.copies_per_block(eng)
                  <= eng.inline_max_ops)
         first = eng.inline_first_chunk and len(job.bounds) > 2
