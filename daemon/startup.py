@@ -10,6 +10,13 @@ import logging
 import os
 import resource
 
+# Imported before the socket is bound: ``np.unique`` (a registration's tables) imports
+# ``numpy.ma`` on its first call, ~50 ms with the GIL held on a loaded 2-core host, and nothing
+# may hold the event loop that long once clients can reach it (issue 36;
+# tests/integration/test_event_loop.py).
+import numpy.ma  # noqa: F401
+
+from kvpool.daemon import log_queue
 from kvpool.daemon.copy_engine import CopyEngine
 from kvpool.daemon.host_copy import HostCopyEngine
 from kvpool.daemon.pool import Pool
@@ -97,6 +104,7 @@ def run_daemon(config: DaemonConfig) -> int:
         # The pool, socket and lock are released already; what is left would only make the
         # interpreter's exit join threads stuck on a remote peer (see RemoteTier.close).
         logging.getLogger("kvpoold").info("exiting without waiting for the remote tier")
+        log_queue.stop()
         logging.shutdown()
         os._exit(code)
     return code
