@@ -88,6 +88,7 @@ _SIGNATURES: dict[str, list] = {
     "cuDeviceGetCount": [ctypes.POINTER(_I)],
     "cuDeviceGet": [ctypes.POINTER(_I), _I],
     "cuDeviceGetUuid": [ctypes.POINTER(_CUuuid), _I],
+    "cuDeviceGetPCIBusId": [ctypes.c_char_p, _I, _I],
     "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_P), _I],
     "cuCtxSetCurrent": [_P],
     "cuMemHostRegister": [_P, _SZ, _UI],
@@ -238,6 +239,16 @@ def device_uuid(ordinal: int) -> str:
     u = _CUuuid()
     d.check("cuDeviceGetUuid", d.cuDeviceGetUuid(ctypes.byref(u), dev))
     return bytes(u.bytes).hex()
+
+
+def pci_bus_id(ordinal: int) -> str:
+    """The PCI address of GPU ``ordinal`` (``0000:18:00.0``): where /sys says its NUMA node."""
+    d = driver()
+    dev = _I()
+    d.check("cuDeviceGet", d.cuDeviceGet(ctypes.byref(dev), ordinal))
+    buf = ctypes.create_string_buffer(32)
+    d.check("cuDeviceGetPCIBusId", d.cuDeviceGetPCIBusId(buf, 32, dev))
+    return buf.value.decode()
 
 
 def device_by_uuid(uuid: str) -> int:

@@ -144,7 +144,8 @@ class CudaCopyEngine(CopyEngine):
                  register_piece_bytes: int = 1 << 30, kernel_words: int = 4096,
                  kernel_warps: int = 16, dma_2d: bool | None = None,
                  dma_2d_batch_ops: int = 256, inline_max_ops: int = SMALL_OPS,
-                 chunk_blocks: int = CHUNK_BLOCKS, trace: bool = False) -> None:
+                 chunk_blocks: int = CHUNK_BLOCKS, trace: bool = False,
+                 thread_cpus: dict[int, frozenset[int]] | None = None) -> None:
         if backend not in ("auto", "dma", "kernel"):
             raise ValueError(f"backend must be auto, dma or kernel, not {backend!r}")
         self.pool = pool
@@ -171,6 +172,8 @@ class CudaCopyEngine(CopyEngine):
         # run 17: 0.5 ms from submit to launch start for a 2 GiB store).
         self.inline_first_chunk = True
         self.trace = trace
+        # per GPU ordinal: the CPUs its lanes' threads run on (its NUMA node, daemon/numa.py)
+        self.thread_cpus = thread_cpus or {}
         self._pitched_lock = threading.Lock()
         self.registration: cuda.HostRegistration | None = None
         self.kernel_broken = False

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvpool.daemon import cuda
+from kvpool.daemon import cuda, numa
 from kvpool.daemon.copy_engine import HEAD_BLOCKS, TAIL_BLOCKS, Progress, chunk_bounds
 from kvpool.daemon.copy_plan import (SMALL_OPS, PitchedOps, chunk_table, small_table,
                                      split_at_boundaries, split_items)
@@ -147,6 +147,7 @@ class Lane:
         self.jobs.put(job)
 
     def _submit_loop(self) -> None:
+        numa.pin_thread(self.engine.thread_cpus.get(self.gpu.ordinal), self.submitter.name)
         cuda.use_device(self.gpu.ordinal)
         self.engine._check_pitched(self.gpu.ordinal)
         self._warm_kernel()
@@ -434,6 +435,7 @@ class Lane:
     # -- completing (wait thread) --
 
     def _wait_loop(self) -> None:
+        numa.pin_thread(self.engine.thread_cpus.get(self.gpu.ordinal), self.waiter.name)
         cuda.use_device(self.gpu.ordinal)
         while True:
             job = self.waits.get()

@@ -5,11 +5,12 @@ A job is turned into two row-index vectors over the pool and the worker's region
 rank's pieces of each slot, ``segment_address_table``: whole segments, or the rows of its head
 range in a slot that holds every head), each row one copy unit (the largest power-of-two-free unit that divides every offset and size of the job),
 and moved with one vectorised gather/scatter pair per bounded batch of rows: no Python work per
-block or per layer. Copies run on a per-registration thread (numpy's ``take``, fancy assignment
-and ``copyto`` release the GIL), so the event loop never waits on a large job, and each
-worker's jobs finish in the order they were sent. A small job (``INLINE_BYTES``, one 2 MiB block) whose registration has nothing
-queued is copied on the caller's thread instead: its future is done when ``submit_*`` returns,
-and the server answers it in the same dispatch, with no thread hand-off either way.
+block or per layer. Copies run on a per-registration thread (numpy's ``take``, fancy
+assignment and ``copyto`` release the GIL), so the event loop never waits on a large job, and
+each worker's jobs finish in the order they were sent. A small job (``INLINE_BYTES``, one
+2 MiB block) whose registration has nothing queued is copied on the caller's thread instead:
+its future is done when ``submit_*`` returns, and the server answers it in the same dispatch,
+with no thread hand-off either way.
 
 The pool's pages are mapped into the daemon in the background once it serves (``_populate``):
 a first touch per page would otherwise slow the first copies into a fresh pool 3-4x.

@@ -6,6 +6,7 @@ Kept apart from the CLI so tests and embedders can start a daemon from a ``Daemo
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import resource
@@ -16,7 +17,7 @@ import resource
 # tests/integration/test_event_loop.py).
 import numpy.ma  # noqa: F401
 
-from kvpool.daemon import log_queue
+from kvpool.daemon import log_queue, numa
 from kvpool.daemon.copy_engine import CopyEngine
 from kvpool.daemon.host_copy import HostCopyEngine
 from kvpool.daemon.pool import Pool
@@ -27,7 +28,9 @@ from kvpool.shared.protocol import CudaRegion, HostRegion
 log = logging.getLogger("kvpoold")
 
 
-def build_engines(config: DaemonConfig, pool: Pool) -> dict[type, CopyEngine]:
+def build_engines(config: DaemonConfig, pool: Pool,
+                  thread_cpus: dict[int, frozenset[int]] | None = None
+                  ) -> dict[type, CopyEngine]:
     trace = bool(config.trace)
     engines: dict[type, CopyEngine] = {HostRegion: HostCopyEngine(
         pool, config.copy_threads, chunk_blocks=config.chunk_blocks, trace=trace)}
@@ -55,7 +58,8 @@ def build_engines(config: DaemonConfig, pool: Pool) -> dict[type, CopyEngine]:
             raise
         log.warning("CUDA copy engine unavailable (%s): serving the host path only", e)
         return engines
-    engines[CudaRegion] = CudaCopyEngine(pool, chunk_blocks=config.chunk_blocks, trace=trace)
+    engines[CudaRegion] = CudaCopyEngine(pool, chunk_blocks=config.chunk_blocks, trace=trace,
+                                         thread_cpus=thread_cpus)
     return engines
 
 
@@ -89,12 +93,40 @@ def open_lower_tiers(config: DaemonConfig, pool: Pool) -> list[LowerTier]:
     return lowers
 
 
+def numa_topology(config: DaemonConfig) -> numa.Topology:
+    """The host's NUMA nodes, and each GPU's where there are several nodes and CUDA may be used
+    (the driver through ctypes: milliseconds, no torch)."""
+    topology = numa.read_topology({})
+    if len(topology.nodes) < 2 or config.numa_policy == "off" or config.cuda == "off":
+        return topology
+    try:
+        from kvpool.daemon import cuda
+        if not cuda.is_available():
+            return topology
+        buses = {i: cuda.pci_bus_id(i) for i in range(cuda.device_count())}
+    except Exception as e:   # noqa: BLE001 - placement is an optimisation
+        log.warning("cannot read the GPUs' PCI addresses (%s): the pool is not NUMA-placed", e)
+        return topology
+    return numa.read_topology(buses)
+
+
 def run_daemon(config: DaemonConfig) -> int:
     from kvpool.daemon.server import run
     raise_open_file_limit()
-    pool = Pool.open(config)
+    topology = numa_topology(config)
+    placed: list[numa.Placement] = []
+
+    def place(base_address: int, geometry) -> None:
+        p = numa.plan(topology, geometry.data_offset, geometry.num_extents,
+                      geometry.extent_bytes, config.numa_policy)
+        if p.ranges:
+            numa.apply_memory(p, base_address)
+        placed.append(p)
+        log.info("numa placement: %s", json.dumps(p.as_dict()))
+
+    pool = Pool.open(config, place)
     try:
-        engines = build_engines(config, pool)
+        engines = build_engines(config, pool, placed[0].thread_cpus if placed else None)
         lowers = open_lower_tiers(config, pool)
     except BaseException:
         pool.close(unlink=not config.keep_pool)

@@ -187,6 +187,12 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     trace: Annotated[str, _doc(
         "file to append one line per copy job to, with the monotonic ns of each hop (received, "
         "submitted, copy started and done, replied); empty: off")] = ""
+    # Appended: where the pool's pages and the GPU copy threads go on a multi-node host
+    # (daemon/numa.py); a no-op on one node.
+    numa_policy: Annotated[Literal["auto", "interleave", "local", "off"], _doc(
+        "on a host with several NUMA nodes: interleave the pool over the GPUs' nodes (auto), "
+        "put each GPU's share on its node (local), or leave it (off); copy threads run on "
+        "their GPU's node")] = "auto"
 
     @property
     def socket_path(self) -> str:
