@@ -296,6 +296,7 @@ class _DaemonBench:
         self.store_events = store_events
         self.counter = 0
         self.committed: list[int] = []   # slot refs of the last stored batch (for loads)
+        self.committed_keys: list[bytes] = []   # and its keys
         self.prepared_keys: list[bytes] = []
         self.grant = ""                  # the daemon life that granted the tickets
         self.lease: list[int] = []
@@ -331,6 +332,27 @@ class _DaemonBench:
         reply = self.sched.lookup(self.ns, [self.prepared_keys], pin=True)
         self.lease = list(reply.leases)
         self.committed = list(reply.slots[0])
+        self.committed_keys = self.prepared_keys[:len(self.committed)]
+
+    def keys_committed(self) -> list[bytes]:
+        """The keys of the last stored batch (leased: what the loads read)."""
+        return self.committed_keys
+
+    def fill(self, n: int, blocks_per_job: int, blocks: list[int]) -> int:
+        """Store ``n`` blocks of fresh keys (from ``blocks``, over and over), four jobs in
+        flight, committed and not leased: pushes a pool past full before a timed run, so that
+        its stores evict. Returns the blocks whose jobs succeeded."""
+        done, sent, inflight = 0, 0, []
+        while sent < n or inflight:
+            while sent < n and len(inflight) < 4:
+                k = min(blocks_per_job, n - sent, len(blocks))
+                slots = self.prepare(k)
+                inflight.append((self.submit_store(blocks[:k], slots, self.prepared_keys), k))
+                sent += k
+            jid, k = inflight.pop(0)
+            if self.client.wait([jid], 120)[0].ok:
+                done += k
+        return done
 
     def _wait(self, ids: list[int]) -> None:
         for d in self.client.wait(ids, 120):
