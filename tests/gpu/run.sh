@@ -13,7 +13,10 @@
 #  engines sharing it); SCALE_ARGS replaces its default arguments, extra args are appended;
 #  diag: the host's NUMA and page facts, bench/investigations/copy_path.py (PROBE_ARGS), then
 #  bench/gpu_transfer.py --reps 3 with py-spy sampling the daemon (extra args appended);
-#  diag+tests: diag, then every GPU test; TRANSFER_RUNS: gpu_transfer runs in diag (default 1))
+#  diag+tests: diag, then every GPU test; TRANSFER_RUNS: gpu_transfer runs in diag (default 1);
+#  confirm: bench/gpu_transfer.py --reps 3 TRANSFER_RUNS times (default 3; TRANSFER_ARGS), then
+#  bench/host_scale.py on every GPU (SCALE_ARGS), then the GPU tests in what is left of
+#  CONFIRM_BUDGET_S (default 560 s); the daemons' event-loop gap lines are collected in gaps.log)
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -31,7 +34,7 @@ export PYTHONPATH=/tmp/pp:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bi
 shm_kb=$(df -k --output=size /dev/shm | tail -1)
 if [ "$shm_kb" -lt $((32 * 1024 * 1024)) ]; then mount -o remount,size=48G /dev/shm 2>/dev/null || true; fi
 
-case "$what" in env|all|tests+policy|pd|pd+bench|tests+pd|tp|scale|diag|diag+tests) show_env=1;; *) show_env=0;; esac
+case "$what" in env|all|tests+policy|pd|pd+bench|tests+pd|tp|scale|diag|diag+tests|confirm) show_env=1;; *) show_env=0;; esac
 if [ "$show_env" = 1 ]; then
   { nvidia-smi --query-gpu=name,uuid,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
     nvidia-smi topo -m 2>/dev/null | head -5
@@ -95,6 +98,22 @@ if [ "$what" = diag ] || [ "$what" = diag+tests ]; then
   for k in $(seq 1 ${TRANSFER_RUNS:-1}); do
     KVPOOL_BENCH_PYSPY="$OUT/pyspy-run$k" timeout ${BENCH_TIMEOUT:-200} python3 "$REPO/bench/gpu_transfer.py" --out "$OUT/run$k" --reps 3 "$@" 2>&1 | tee "$OUT/bench-run$k.log" || rc=1
   done
+fi
+if [ "$what" = confirm ]; then
+  t_start=$SECONDS
+  for k in $(seq 1 ${TRANSFER_RUNS:-3}); do
+    timeout ${BENCH_TIMEOUT:-150} python3 "$REPO/bench/gpu_transfer.py" --out "$OUT/run$k" --tmp /tmp/kvpool-bench-$k \
+      --reps 3 ${TRANSFER_ARGS:-} 2>&1 | tee "$OUT/bench-run$k.log" | grep -v "^\[daemon\]" || rc=1
+    grep -h "event-loop gap\|did not run" /tmp/kvpool-bench-$k/kvpoold.log >> "$OUT/gaps.log" 2>/dev/null
+  done
+  timeout ${SCALE_TIMEOUT:-200} python3 "$REPO/bench/host_scale.py" --out "$OUT" --tmp /tmp/kvpool-scale \
+    ${SCALE_ARGS:-} 2>&1 | tee "$OUT/scale.log" || rc=1
+  grep -h "event-loop gap\|did not run\|numa placement" /tmp/kvpool-scale/kvpoold.log >> "$OUT/gaps.log" 2>/dev/null
+  left=$(( ${CONFIRM_BUDGET_S:-560} - (SECONDS - t_start) ))
+  if [ "$left" -gt 30 ]; then
+    timeout $left python3 -m pytest -p no:cacheprovider -q -rs --timeout 120 -x \
+      -c "$REPO/pyproject.toml" --rootdir "$REPO" ${CONFIRM_TESTS:-"$REPO/tests/gpu"} 2>&1 | tail -40 > "$OUT/tests.log" || rc=1
+  fi
 fi
 if [ "$what" = diag+tests ]; then
   timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
