@@ -528,7 +528,8 @@ class _DaemonBench:
                                             bool(events))
                     inflight.append((jid, False, len(blocks)))
                 else:
-                    blocks = load_blocks[i:i + blocks_per_job]
+                    # (as many as the committed set holds: a small one, after ``single``)
+                    blocks = load_blocks[i:i + min(blocks_per_job, len(load_slots))]
                     jid = self.client.submit_load(self.reg_id, load_slots[i:i + len(blocks)],
                                                   blocks)
                     inflight.append((jid, True, len(blocks)))

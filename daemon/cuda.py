@@ -30,6 +30,7 @@ CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
 CU_MEMHOSTALLOC_PORTABLE = 0x01
 CU_MEMHOSTALLOC_DEVICEMAP = 0x02
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
+CU_EVENT_BLOCKING_SYNC = 0x1
 CU_EVENT_DISABLE_TIMING = 0x2
 CU_EVENT_INTERPROCESS = 0x4
 CU_STREAM_NON_BLOCKING = 0x1
@@ -438,10 +439,13 @@ def address_range(devptr: int) -> tuple[int, int]:
 
 # ---- events and streams ---------------------------------------------------------------------
 
-def event_create(interprocess: bool = False) -> int:
+def event_create(interprocess: bool = False, blocking: bool = False) -> int:
+    """An event without timing; ``blocking``: a host thread that waits on it sleeps until it
+    completes instead of spinning on a core (the driver's default for a few contexts)."""
     d = driver()
     ev = _P()
-    flags = CU_EVENT_DISABLE_TIMING | (CU_EVENT_INTERPROCESS if interprocess else 0)
+    flags = (CU_EVENT_DISABLE_TIMING | (CU_EVENT_INTERPROCESS if interprocess else 0)
+             | (CU_EVENT_BLOCKING_SYNC if blocking else 0))
     d.check("cuEventCreate", d.cuEventCreate(ctypes.byref(ev), flags))
     return ev.value
 

@@ -204,7 +204,10 @@ class Lane:
         recycled = self.recycled
         while not recycled.empty():
             self.free_events.append(recycled.get_nowait())
-        return self.free_events.pop() if self.free_events else cuda.event_create()
+        # Blocking: the waiting thread sleeps until a chunk lands. A spinning wait kept each
+        # lane's waiting thread at 0.95-1.0 of a core for the whole of every copy (2 x H100,
+        # bench/host_scale.py: two cores per GPU doing nothing but wait).
+        return self.free_events.pop() if self.free_events else cuda.event_create(False, True)
 
     def _launch(self, job: Job, inline: bool = False, chunks: int | None = None) -> bool:
         """Enqueue the job's copies (its first ``chunks`` chunks; None: all) and their
