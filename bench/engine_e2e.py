@@ -99,13 +99,14 @@ class Absent:
 
 
 class Daemon:
-    def __init__(self, workdir: Path, pool_size: str, name: str = "kvpoold") -> None:
+    def __init__(self, workdir: Path, pool_size: str, name: str = "kvpoold",
+                 extra: list[str] | tuple[str, ...] = ()) -> None:
         self.socket = str(workdir / f"{name}.sock")
         self.log = open(workdir / f"{name}.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvpool.daemon", "--socket", self.socket, "--pool-name",
              f"kvpool-bench-{os.getpid()}-{name}", "--pool-size", pool_size, "--cuda", "off",
-             "--metrics-port", "0", "--peer-timeout-ms", "5000"], stdout=self.log,
+             "--metrics-port", "0", "--peer-timeout-ms", "5000", *extra], stdout=self.log,
             stderr=self.log)
         deadline = time.monotonic() + 60
         while not os.path.exists(self.socket):
@@ -486,6 +487,9 @@ def main() -> None:
                     help="a small model and few prompts: checks the script, measures nothing")
     ap.add_argument("--runs", type=int, default=3,
                     help="times the whole comparison runs; figures are medians over them")
+    ap.add_argument("--shared-vs-split", action="store_true",
+                    help="only the shared-vs-split workload (bench/engine_shared_split.py): two "
+                         "engines on one pool of M against two pools of M/2, --runs times")
     ap.add_argument("--lazy-check", action="store_true",
                     help="only engines 2 and 3 of the two kvpool arms, --runs times (no chat "
                          "phase, so the restart loads nothing): lazy_no_repeat_bytes_ratio in "
@@ -494,6 +498,15 @@ def main() -> None:
     if not ENGINE_PYTHON.exists():
         raise SystemExit(f"{ENGINE_PYTHON} missing: run `bash .ci/install.sh` first")
     quick = args.quick
+    if args.shared_vs_split:
+        from bench.engine_shared_split import campaign
+        stem = f"engine-cpu-{datetime.date.today().isoformat()}-shared-split"
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        res = campaign(out / f"{stem}{'-quick' if quick else ''}.json", args.runs, quick,
+                       Daemon, SAME_CORES, VOCAB)
+        print(json.dumps({k: v for k, v in res.items() if k.endswith(("ratio", "speedup"))}))
+        return
     rng = random.Random(0)
     # Sized so that a run (four arms, every one on one core) takes about half an hour on a
     # 2-core machine and three fit beside the rest of a working session (8 conversations, 8

@@ -206,10 +206,12 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int, tp_size: int = 
             conn.send(reg_id)
         elif cmd == "bench":         # (method, *args) -> its result; see _DaemonBench
             conn.send(getattr(bench, args[0])(*args[1:]))
-        elif cmd == "store":         # (blocks, slots) -> (seconds request->completion, ok, msg)
+        elif cmd == "store":         # (blocks, slots[, keys, grant]) -> (seconds request ->
+            # completion, ok, msg); with keys, ``slots`` are reserved tickets bound by the store
             t0 = time.perf_counter()
             ev = store_events.record()
-            job = client.submit_store(reg_id, args[0], args[1], ev)
+            keys, grant = (args[2], args[3]) if len(args) > 2 else ((), "")
+            job = client.submit_store(reg_id, args[0], args[1], ev, keys=keys, grant=grant)
             done = client.wait([job], 60)[0]
             conn.send((time.perf_counter() - t0, done.ok, done.message))
         elif cmd == "load":          # (slots, blocks) -> (seconds, ok, msg); KV usable after
@@ -218,21 +220,26 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int, tp_size: int = 
             done = client.wait([job], 60)[0]
             dt = time.perf_counter() - t0
             conn.send((dt, done.ok, done.message))
-        elif cmd == "stream":        # (kind, n_jobs, [(blocks, slots)...]) pipelined, -> seconds
+        elif cmd == "stream":        # (kind, [(blocks, slots[, keys, grant])...]) pipelined,
+            # -> seconds
             kind, jobs = args
             t0 = time.perf_counter()
             ids = []
-            for blocks, slots in jobs:
+            for blocks, slots, *keyed in jobs:
                 if kind == "store":
-                    ids.append(client.submit_store(reg_id, blocks, slots, store_events.record()))
+                    keys, grant = keyed if keyed else ((), "")
+                    ids.append(client.submit_store(reg_id, blocks, slots, store_events.record(),
+                                                   keys=keys, grant=grant))
                 else:
                     ids.append(client.submit_load(reg_id, slots, blocks))
             dones = client.wait(ids, 120)
             dt = time.perf_counter() - t0
             conn.send((dt, all(d.ok for d in dones), [d.message for d in dones if not d.ok][:1]))
-        elif cmd == "pd_store":      # [(blocks, slots)...]: submit all, report each completion
-            ids = [client.submit_store(reg_id, blocks, slots, store_events.record())
-                   for blocks, slots in args[0]]
+        elif cmd == "pd_store":      # [(blocks, slots, keys, grant)...]: submit all (reserved
+            # slots, bound to their keys by the store), report each completion
+            ids = [client.submit_store(reg_id, blocks, slots, store_events.record(), keys=keys,
+                                       grant=grant)
+                   for blocks, slots, keys, grant in args[0]]
             order = {j: k for k, j in enumerate(ids)}
             left = set(ids)
             while left:
@@ -277,14 +284,21 @@ def _some(client: Any, want: set[int]) -> list:
 
 class _DaemonBench:
     """Timed transfers through kvpoold, measured where an engine would see them: from the
-    request being sent to the completion being seen (the KV is usable then)."""
+    request being sent to the completion being seen (the KV is usable then).
+
+    Stores take the engine's path: tickets reserved ahead (``SchedulerClient.reserve``, as the
+    connector keeps a stock), then keyed stores (``submit_store(..., keys=...)``) that bind each
+    ticket to its key and find its slot, evicting where the pool is full, in the store's own
+    dispatch: that work is inside the timed span, as it is inside an engine's."""
 
     def __init__(self, client, sched, reg_id, namespace, store_events) -> None:
         self.client, self.sched, self.reg_id, self.ns = client, sched, reg_id, namespace
         self.store_events = store_events
         self.counter = 0
         self.committed: list[int] = []   # slot refs of the last stored batch (for loads)
+        self.committed_keys: list[bytes] = []   # and its keys
         self.prepared_keys: list[bytes] = []
+        self.grant = ""                  # the daemon life that granted the tickets
         self.lease: list[int] = []
 
     def _keys(self, n: int) -> list[bytes]:
@@ -294,12 +308,22 @@ class _DaemonBench:
                                 digest_size=16).digest() for i in range(n)]
 
     def prepare(self, n: int) -> list[int]:
+        """``n`` tickets for fresh keys (``prepared_keys``), reserved before the timed span as
+        the connector's stock is; raises if the daemon grants fewer."""
         keys = self._keys(n)
-        slots = self.sched.prepare_store(self.ns, keys)
-        if any(s < 0 for s in slots):
-            raise RuntimeError(f"prepare_store gave {sum(s < 0 for s in slots)} of {n} no slot")
+        reply = self.sched.reserve(self.ns, n)
+        if len(reply.slots) < n:
+            raise RuntimeError(f"reserve granted {len(reply.slots)} of {n} tickets")
         self.prepared_keys = keys
-        return slots
+        self.grant = reply.daemon_id
+        return list(reply.slots)
+
+    def submit_store(self, blocks: list[int], slots: list[int], keys: list[bytes],
+                     side: Any = None, event: bool = True) -> int:
+        """One keyed store of ``blocks`` into tickets ``slots`` for ``keys``; its job id."""
+        return self.client.submit_store(self.reg_id, blocks, slots,
+                                        self.store_events.record(side) if event else b"",
+                                        keys=keys, grant=self.grant)
 
     def _commit(self, slots: list[int]) -> None:
         # pin what was just stored, so later stores cannot evict what the loads read
@@ -308,6 +332,27 @@ class _DaemonBench:
         reply = self.sched.lookup(self.ns, [self.prepared_keys], pin=True)
         self.lease = list(reply.leases)
         self.committed = list(reply.slots[0])
+        self.committed_keys = self.prepared_keys[:len(self.committed)]
+
+    def keys_committed(self) -> list[bytes]:
+        """The keys of the last stored batch (leased: what the loads read)."""
+        return self.committed_keys
+
+    def fill(self, n: int, blocks_per_job: int, blocks: list[int]) -> int:
+        """Store ``n`` blocks of fresh keys (from ``blocks``, over and over), four jobs in
+        flight, committed and not leased: pushes a pool past full before a timed run, so that
+        its stores evict. Returns the blocks whose jobs succeeded."""
+        done, sent, inflight = 0, 0, []
+        while sent < n or inflight:
+            while sent < n and len(inflight) < 4:
+                k = min(blocks_per_job, n - sent, len(blocks))
+                slots = self.prepare(k)
+                inflight.append((self.submit_store(blocks[:k], slots, self.prepared_keys), k))
+                sent += k
+            jid, k = inflight.pop(0)
+            if self.client.wait([jid], 120)[0].ok:
+                done += k
+        return done
 
     def _wait(self, ids: list[int]) -> None:
         for d in self.client.wait(ids, 120):
@@ -319,8 +364,8 @@ class _DaemonBench:
         slots = self.prepare(len(blocks))
         per = -(-len(blocks) // jobs)
         t0 = time.perf_counter()
-        ids = [self.client.submit_store(self.reg_id, blocks[i:i + per], slots[i:i + per],
-                                        self.store_events.record())
+        keys = self.prepared_keys
+        ids = [self.submit_store(blocks[i:i + per], slots[i:i + per], keys[i:i + per])
                for i in range(0, len(blocks), per)]
         self._wait(ids)
         dt = time.perf_counter() - t0
@@ -344,9 +389,10 @@ class _DaemonBench:
         per = -(-len(store_blocks) // jobs)
         t0 = time.perf_counter()
         sids, lids = [], []
+        keys = self.prepared_keys
         for i in range(0, len(store_blocks), per):
-            sids.append(self.client.submit_store(self.reg_id, store_blocks[i:i + per],
-                                                 slots[i:i + per], self.store_events.record()))
+            sids.append(self.submit_store(store_blocks[i:i + per], slots[i:i + per],
+                                          keys[i:i + per]))
             lids.append(self.client.submit_load(self.reg_id, load_slots[i:i + per],
                                                 load_blocks[i:i + per]))
         self._wait(sids)
@@ -372,8 +418,7 @@ class _DaemonBench:
             t0 = time.perf_counter()
             ids = []
             if store_blocks:
-                ids.append(self.client.submit_store(self.reg_id, store_blocks, slots,
-                                                    self.store_events.record()))
+                ids.append(self.submit_store(store_blocks, slots, self.prepared_keys))
             if load_blocks and load_slots:
                 ids.append(self.client.submit_load(self.reg_id, load_slots, load_blocks))
             self._wait(ids)
@@ -388,10 +433,10 @@ class _DaemonBench:
         slots = self.prepare(reps)
         st, ld, stamps = [], [], []
         mono = time.monotonic_ns
-        for s in slots:
+        for s, key in zip(slots, self.prepared_keys):
             t0 = time.perf_counter()
             n0 = mono()
-            jid = self.client.submit_store(self.reg_id, [block], [s], self.store_events.record())
+            jid = self.submit_store([block], [s], [key])
             self._wait([jid])
             n1 = mono()
             st.append(time.perf_counter() - t0)
@@ -479,12 +524,12 @@ class _DaemonBench:
                 if kinds == "stores" or (kinds == "both" and k % 2 == 0):
                     blocks = store_blocks[i:i + blocks_per_job]
                     slots = self.prepare(len(blocks))
-                    jid = self.client.submit_store(self.reg_id, blocks, slots,
-                                                   self.store_events.record(side)
-                                                   if events else b"")
+                    jid = self.submit_store(blocks, slots, self.prepared_keys, side,
+                                            bool(events))
                     inflight.append((jid, False, len(blocks)))
                 else:
-                    blocks = load_blocks[i:i + blocks_per_job]
+                    # (as many as the committed set holds: a small one, after ``single``)
+                    blocks = load_blocks[i:i + min(blocks_per_job, len(load_slots))]
                     jid = self.client.submit_load(self.reg_id, load_slots[i:i + len(blocks)],
                                                   blocks)
                     inflight.append((jid, True, len(blocks)))

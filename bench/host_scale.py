@@ -11,15 +11,20 @@ For each N of ``--engines``, with a fresh daemon:
   what share of the cores it got;
 - per layout (Llama-3.1-8B, 2 MiB blocks, block-outermost and per-layer rows), N engine
   processes (``bench/gpu_worker.py``; ``--host``: KV in shared host memory), each with its
-  own registration, all storing, then all loading, then all doing both, four jobs in flight
-  each, for ``--seconds``: aggregate GB/s, its ratio to the limit, and the daemon's CPU seconds
-  per GB moved (``/proc/<pid>/stat``) with the busiest daemon thread's share of one core (the
-  event loop is the main thread): a thread near 1.0 is where the daemon would bound the rate;
-  and the NUMA nodes of the pool's pages and of each GPU;
+  own registration, storing on the engine's path (tickets reserved ahead, then keyed stores
+  that find their slots, evicting, in the store's own dispatch). Before any timing each engine
+  stores the blocks its loads will read and leases them (a lookup that pins: what loads in
+  flight hold), then the engines fill the pool past full, so every timed store evicts
+  (``pool``: its state then, the leased share). Then all storing, all loading, all doing both,
+  four jobs in flight each, for ``--seconds``: aggregate GB/s, its ratio to the limit, the
+  daemon's CPU seconds per GB moved (``/proc/<pid>/stat``) and, per phase, the busiest daemon
+  thread's share of one core (``/proc/<pid>/task/*/schedstat``; the event loop is the main
+  thread): a thread near 1.0 is where the daemon bounds the rate; and the NUMA nodes of the
+  pool's pages, of each GPU, and the daemon's placement plan (``daemon/numa.py``);
 - (GPU) a bf16 8192^3 GEMM loop in every engine's own process, alone and beside its own full
   offload, all engines at once: the slowdown per engine;
-- the lookup of 256 committed keys by N scheduler processes at once (``bench/control_plane.py``'s
-  client) while the engines offload both ways: p50 / p99;
+- the lookup of 256 committed keys by N scheduler processes at once while the engines offload
+  (store): p50 / p99 (``lookup_hits`` is the one call that asks the daemon's index);
 - a P/D hand-off (``bench/pd_handoff.py``'s, told per chunk) from engine 0 to engine 1 (GPU 0
   to GPU 1 where there are two), alone and while the other engines offload.
 
@@ -55,9 +60,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # The shared helpers (engine stand-in, daemon start, lookup client, P/D hand-off) are imported
 # here and only here, so that moving them elsewhere changes these lines alone.
 
-from bench.control_plane import LOOKUP_KEYS, lookup_setup, pct  # noqa: E402
-from bench.control_plane_lookups import (  # noqa: E402
-    roundtrip_lookup_worker as lookup_worker)
 from bench.gpu_transfer import PinnedBuffers, start_daemon  # noqa: E402
 from bench.gpu_worker import ShmPool, Worker, gpu_count  # noqa: E402
 from bench.pd_handoff import handoff  # noqa: E402
@@ -73,8 +75,17 @@ DIRECTIONS = ("store", "load", "bidir")
 KINDS = {"store": "stores", "load": "loads", "bidir": "both"}
 TARGET_RATIO = 0.9
 HEADLINE = ("engines", "aggregate_store_ratio", "aggregate_load_ratio", "aggregate_bidir_ratio",
-            "gemm_slowdown_max", "lookup_p99_us", "daemon_cpu_s_per_GB")
+            "gemm_slowdown_max", "lookup_p99_us", "daemon_cpu_s_per_GB",
+            "daemon_busiest_thread_util", "daemon_busiest_thread_util_per_phase")
+LOOKUP_KEYS = 256
+# Leases of the blocks the loads read outlast the run (the default 30 s would let a long run's
+# full pool evict them under the loads).
+LEASE_TTL_S = 3600
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
 _T0 = time.monotonic()
 
 
@@ -245,19 +256,23 @@ def limits(devices: list[int], nbytes: int, threads: int, seconds: float) -> dic
 
 # ---- engines through the daemon ----------------------------------------------------------------
 
-def cpu_times(pid: int) -> tuple[float, dict[int, float]]:
-    """CPU seconds (user + system) of process ``pid`` and of each of its threads."""
-    def read(path: str) -> float:
-        with open(path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) * _TICK_S
-    threads = {}
+def cpu_times(pid: int) -> tuple[float, dict[int, float], dict[int, str]]:
+    """CPU seconds (user + system) of process ``pid``, and of each of its threads from the
+    scheduler's own accounting (``schedstat``, ns: the tick-based ``stat`` is 10 ms coarse),
+    with the threads' names."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    total = (int(fields[11]) + int(fields[12])) * _TICK_S
+    threads, names = {}, {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            threads[int(tid)] = read(f"/proc/{pid}/task/{tid}/stat")
-        except (FileNotFoundError, ProcessLookupError):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                threads[int(tid)] = int(f.read().split()[0]) / 1e9
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                names[int(tid)] = f.read().strip()
+        except (OSError, ValueError, IndexError):
             pass                         # a thread that ended between listing and reading
-    return read(f"/proc/{pid}/stat"), threads
+    return total, threads, names
 
 
 def on_all(engines: list[Worker], cmd: tuple, timeout_s: float) -> list[Future]:
@@ -277,21 +292,25 @@ def offload(engines: list[Worker], direction: str, args, blocks: list[int],
             daemon_pid: int) -> dict[str, Any]:
     """Every engine offloading in ``direction`` for ``args.seconds``: aggregate GB/s and what
     the daemon spent."""
-    cpu0, th0 = cpu_times(daemon_pid)
+    cpu0, th0, _ = cpu_times(daemon_pid)
     t0 = time.perf_counter()
     rates = all_at_once(engines, ("bench", "offload_for", args.seconds, args.per_job, blocks,
                                   blocks, KINDS[direction]), 120 + 4 * args.seconds)
     wall = time.perf_counter() - t0
-    cpu1, th1 = cpu_times(daemon_pid)
+    cpu1, th1, names = cpu_times(daemon_pid)
     per = [r * BLOCK_BYTES / GB for r in rates]
     moved_gb = sum(per) * args.seconds
     busy = {tid: (th1[tid] - th0.get(tid, 0.0)) / wall for tid in th1}
+    busiest = max(busy, key=busy.get) if busy else daemon_pid
     return {"GBps": sum(per), "per_engine_GBps": [round(x, 2) for x in per],
             "daemon_cpu_s": cpu1 - cpu0, "moved_GB": moved_gb,
             "daemon_cpu_s_per_GB": (cpu1 - cpu0) / moved_gb if moved_gb else math.inf,
             "daemon_cores": (cpu1 - cpu0) / wall,
             "daemon_loop_util": busy.get(daemon_pid, 0.0),
-            "daemon_busiest_thread_util": max(busy.values(), default=0.0)}
+            "daemon_busiest_thread_util": busy.get(busiest, 0.0),
+            # (Python threads are all called "python" before 3.14)
+            "daemon_busiest_thread": "event loop" if busiest == daemon_pid
+            else f"{names.get(busiest, '?')} (tid {busiest})"}
 
 
 def numa_nodes() -> dict[str, Any]:
@@ -350,14 +369,43 @@ def gemm_beside_offload(engines: list[Worker], args, blocks: list[int]) -> dict[
             "offload_during_gemm_GBps": sum(r for _, _, r in rows) * BLOCK_BYTES / GB}
 
 
+def lookup_hits(client: SchedulerClient, ns: bytes, keys: list[bytes]) -> int:
+    """One scheduler's lookup of ``keys``: its leading hits, read in the daemon's shared-memory
+    index in this process (issue 37), as the connector reads them; a round trip only where no
+    index can be mapped (then ``lookup_mode`` in the results says so)."""
+    got = client.find(ns, keys)
+    if got is None:
+        return client.lookup(ns, [keys]).hits[0]
+    return got[0]
+
+
+def lookup_process(sock: str, ns: bytes, keys: list[bytes], n: int, start: Any, q: Any,
+                   ready: Any, done: Any) -> None:
+    """A scheduler process: ``n`` lookups back to back once told, their seconds to ``q``."""
+    client = SchedulerClient(ClientConfig(socket=sock, timeout_ms=10_000), "scale-lookup")
+    client.ping()
+    ready.put(os.getpid())
+    start.wait()
+    lat, missed = [], 0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        hits = lookup_hits(client, ns, keys)
+        lat.append(time.perf_counter() - t0)
+        missed += hits != len(keys)
+    q.put((lat, missed))
+    # Idle until every client is done: an exiting process would take CPU from the others.
+    done.wait()
+    client.close()
+
+
 def lookups(engines: list[Worker], sock: str, ns: bytes, keys: list[bytes], args,
             blocks: list[int]) -> dict[str, Any]:
-    """p50/p99 of N scheduler processes looking up 256 keys at once while the engines offload
-    both ways."""
+    """p50/p99 of N scheduler processes looking up 256 committed keys at once while the
+    engines offload (store), on the pool that is full."""
     ctx = context(args.host)
     start, done, q, ready = ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=lookup_worker, args=(sock, ns, keys, args.lookups, start, q,
-                                                     ready, done), daemon=True)
+    procs = [ctx.Process(target=lookup_process, args=(sock, ns, keys, args.lookups, start, q,
+                                                      ready, done), daemon=True)
              for _ in engines]
     for p in procs:
         p.start()
@@ -366,10 +414,12 @@ def lookups(engines: list[Worker], sock: str, ns: bytes, keys: list[bytes], args
             ready.get(timeout=600)
         secs = args.lookup_seconds
         busy = on_all(engines, ("bench", "offload_for", secs, args.per_job, blocks, blocks,
-                                "both"), 120 + 4 * secs)
+                                "stores"), 120 + 4 * secs)
         t_end = time.monotonic() + secs
         start.set()
-        lat = [x for _ in procs for x in q.get(timeout=600)]
+        answers = [q.get(timeout=600) for _ in procs]
+        lat = [x * 1e6 for a, _ in answers for x in a]
+        missed = sum(m for _, m in answers)
         overlapped = time.monotonic() <= t_end
         done.set()
         rates = [f.result() for f in busy]
@@ -379,10 +429,10 @@ def lookups(engines: list[Worker], sock: str, ns: bytes, keys: list[bytes], args
             p.join(30)
             if p.is_alive():
                 p.kill()
-    return {"clients": len(procs), "lookups_per_client": args.lookups, "keys": LOOKUP_KEYS,
+    return {"clients": len(procs), "lookups_per_client": args.lookups, "keys": len(keys),
             "p50_us": pct(lat, 50), "p99_us": pct(lat, 99), "max_us": max(lat),
-            "during_offload": overlapped,
-            "offload_GBps": sum(rates) * BLOCK_BYTES / GB}
+            "lookups_short_of_all_keys": missed, "during_offload": overlapped,
+            "offload_kind": "stores", "offload_GBps": sum(rates) * BLOCK_BYTES / GB}
 
 
 def pd(engines: list[Worker], sched: SchedulerClient, args, blocks: list[int],
@@ -415,6 +465,33 @@ def pd(engines: list[Worker], sched: SchedulerClient, args, blocks: list[int],
     return out
 
 
+def fill_pool(engines: list[Worker], sched: SchedulerClient, args) -> dict[str, Any]:
+    """Every engine stores fresh blocks until the pool has been filled past full (the last
+    tenth of them evicting), the blocks its loads read staying leased: the pool's state after.
+    """
+    info = sched.info()
+    capacity = info.slots_committed + info.free_bytes // BLOCK_BYTES
+    per_engine = -(-(capacity + capacity // 10 - info.slots_committed) // len(engines))
+    stored = all_at_once(engines, ("bench", "fill", max(0, per_engine), args.per_job,
+                                   list(range(args.blocks))), 600)
+    after = sched.info()
+    return {"capacity_blocks": capacity, "filled_blocks": sum(stored),
+            "evictions_while_filling": after.evictions - info.evictions,
+            "free_bytes": after.free_bytes, "is_full": after.evictions > info.evictions,
+            "slots_committed": after.slots_committed, "slots_pinned": after.slots_pinned,
+            "leased_share": after.slots_pinned / max(1, after.slots_committed)}
+
+
+def daemon_placement(log_path: Path) -> dict[str, Any] | None:
+    """The NUMA placement the daemon logged at its start (``daemon/numa.py``), the last one."""
+    try:
+        lines = [ln for ln in log_path.read_text(errors="replace").splitlines()
+                 if "numa placement: " in ln]
+    except OSError:
+        return None
+    return json.loads(lines[-1].split("numa placement: ", 1)[1]) if lines else None
+
+
 def run_n(n: int, args, devices: list[int], res_n: dict[str, Any]) -> None:
     """Everything for ``n`` engines, on one fresh daemon."""
     res_n["devices"] = devices
@@ -425,16 +502,12 @@ def run_n(n: int, args, devices: list[int], res_n: dict[str, Any]) -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     per_engine = args.blocks + 4 * args.per_job
     pool_mib = n * per_engine * (BLOCK_BYTES >> 20) * 5 // 4 + 512
-    proc, sock = start_daemon(tmp, f"{pool_mib}MiB", 
-                              {"KVPOOL_METRICS_PORT": "0",
+    proc, sock = start_daemon(tmp, f"{pool_mib}MiB",
+                              {"KVPOOL_METRICS_PORT": "0", "KVPOOL_LEASE_TTL_S": str(LEASE_TTL_S),
                                "KVPOOL_COPY_THREADS": str(args.copy_threads)},
                               tag=f"-scale{n}", cuda="off" if args.host else "on")
-    keep: list[Any] = []
     sched = SchedulerClient(ClientConfig(socket=sock, timeout_ms=60_000), "scale-pd")
     try:
-        small, lookup_sched, ns, keys = lookup_setup(
-            ClientConfig(socket=sock, timeout_ms=60_000), "scale-lookup")
-        keep.append((small, lookup_sched))
         blocks = list(range(args.blocks))
         res_n["layouts"] = {}
         for k, layout in enumerate(args.layouts):
@@ -443,9 +516,10 @@ def run_n(n: int, args, devices: list[int], res_n: dict[str, Any]) -> None:
             try:
                 all_at_once(engines, ("bench", "store", blocks[:args.per_job]), 300)   # warm
                 all_at_once(engines, ("bench", "load", blocks[:args.per_job]), 300)
-                # what the loads read: every engine's blocks, committed and pinned
+                # what the loads read: every engine's blocks, committed and leased
                 all_at_once(engines, ("bench", "store", blocks), 300)
-                r = res_n["layouts"][layout] = {}
+                r = res_n["layouts"][layout] = {"pool": fill_pool(engines, sched, args)}
+                say(n, "pool before timing " + json.dumps(r["pool"]))
                 for d in DIRECTIONS:
                     r[d] = offload(engines, d, args, blocks, proc.pid)
                     r[f"{d}_ratio"] = r[d]["GBps"] / res_n["limit"][f"{d}_GBps"]
@@ -463,6 +537,8 @@ def run_n(n: int, args, devices: list[int], res_n: dict[str, Any]) -> None:
                     f"{r[f'{d}_cpu_efficiency']:.2f}x memcpy's GB per CPU s)"
                     for d in DIRECTIONS) + f", {r['daemon_cpu_s_per_GB']:.3f} daemon CPU s/GB")
                 if k == 0:
+                    ns = namespace(layout, "pd")           # engine 0's, with its leased keys
+                    keys = engines[0].call("bench", "keys_committed")[:LOOKUP_KEYS]
                     if not args.host:
                         res_n["gemm"] = gemm_beside_offload(engines, args, blocks)
                         say(n, f"gemm slowdown per engine {res_n['gemm']['per_engine_slowdown']}")
@@ -479,11 +555,8 @@ def run_n(n: int, args, devices: list[int], res_n: dict[str, Any]) -> None:
                 for w in engines:
                     w.close()
     finally:
+        res_n["numa_placement"] = daemon_placement(tmp / "kvpoold.log")
         sched.close()
-        for small, s in keep:
-            s.close()
-            small[4].close()
-            small[0].close()
         proc.terminate()
         try:
             proc.wait(30)
@@ -505,6 +578,12 @@ def headline(n: int, r: dict[str, Any], host: bool) -> dict[str, Any]:
         # near 1.0: one daemon thread (the event loop is the main thread) bounds the rate
         "daemon_busiest_thread_util": max(x[d]["daemon_busiest_thread_util"]
                                           for x in lay for d in DIRECTIONS),
+        "daemon_busiest_thread_util_per_phase": {
+            d: max(x[d]["daemon_busiest_thread_util"] for x in lay) for d in DIRECTIONS},
+        "daemon_loop_util_per_phase": {
+            d: max(x[d]["daemon_loop_util"] for x in lay) for d in DIRECTIONS},
+        "pool_full_before_timing": all(x["pool"]["is_full"] for x in lay),
+        "leased_share": min(x["pool"]["leased_share"] for x in lay),
     }
 
 

@@ -71,6 +71,7 @@ def settings_table() -> str:
 
 
 def _setup_logging(config: DaemonConfig) -> None:
+    from kvpool.daemon import log_queue
     handler = logging.StreamHandler(sys.stderr)
     if config.log_format == "json":
         class _Json(logging.Formatter):
@@ -84,7 +85,8 @@ def _setup_logging(config: DaemonConfig) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    # written by a thread: a blocked stderr must not stall the event loop (daemon/log_queue.py)
+    root.handlers[:] = [log_queue.queued(handler)]
     root.setLevel(config.log_level.upper())
 
 

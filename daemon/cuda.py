@@ -30,6 +30,7 @@ CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
 CU_MEMHOSTALLOC_PORTABLE = 0x01
 CU_MEMHOSTALLOC_DEVICEMAP = 0x02
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
+CU_EVENT_BLOCKING_SYNC = 0x1
 CU_EVENT_DISABLE_TIMING = 0x2
 CU_EVENT_INTERPROCESS = 0x4
 CU_STREAM_NON_BLOCKING = 0x1
@@ -88,6 +89,7 @@ _SIGNATURES: dict[str, list] = {
     "cuDeviceGetCount": [ctypes.POINTER(_I)],
     "cuDeviceGet": [ctypes.POINTER(_I), _I],
     "cuDeviceGetUuid": [ctypes.POINTER(_CUuuid), _I],
+    "cuDeviceGetPCIBusId": [ctypes.c_char_p, _I, _I],
     "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_P), _I],
     "cuCtxSetCurrent": [_P],
     "cuMemHostRegister": [_P, _SZ, _UI],
@@ -238,6 +240,16 @@ def device_uuid(ordinal: int) -> str:
     u = _CUuuid()
     d.check("cuDeviceGetUuid", d.cuDeviceGetUuid(ctypes.byref(u), dev))
     return bytes(u.bytes).hex()
+
+
+def pci_bus_id(ordinal: int) -> str:
+    """The PCI address of GPU ``ordinal`` (``0000:18:00.0``): where /sys says its NUMA node."""
+    d = driver()
+    dev = _I()
+    d.check("cuDeviceGet", d.cuDeviceGet(ctypes.byref(dev), ordinal))
+    buf = ctypes.create_string_buffer(32)
+    d.check("cuDeviceGetPCIBusId", d.cuDeviceGetPCIBusId(buf, 32, dev))
+    return buf.value.decode()
 
 
 def device_by_uuid(uuid: str) -> int:
@@ -427,10 +439,13 @@ def address_range(devptr: int) -> tuple[int, int]:
 
 # ---- events and streams ---------------------------------------------------------------------
 
-def event_create(interprocess: bool = False) -> int:
+def event_create(interprocess: bool = False, blocking: bool = False) -> int:
+    """An event without timing; ``blocking``: a host thread that waits on it sleeps until it
+    completes instead of spinning on a core (the driver's default for a few contexts)."""
     d = driver()
     ev = _P()
-    flags = CU_EVENT_DISABLE_TIMING | (CU_EVENT_INTERPROCESS if interprocess else 0)
+    flags = (CU_EVENT_DISABLE_TIMING | (CU_EVENT_INTERPROCESS if interprocess else 0)
+             | (CU_EVENT_BLOCKING_SYNC if blocking else 0))
     d.check("cuEventCreate", d.cuEventCreate(ctypes.byref(ev), flags))
     return ev.value
 

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvpool.daemon import cuda
-from kvpool.daemon.copy_engine import TAIL_BLOCKS, Progress, chunk_bounds
+from kvpool.daemon import cuda, numa
+from kvpool.daemon.copy_engine import HEAD_BLOCKS, TAIL_BLOCKS, Progress, chunk_bounds
 from kvpool.daemon.copy_plan import (SMALL_OPS, PitchedOps, chunk_table, small_table,
                                      split_at_boundaries, split_items)
 from kvpool.shared.errors import Aborted
@@ -114,7 +114,8 @@ class Lane:
         the submit thread, which takes the job next, enqueues the rest); else queue it."""
         eng = self.engine
         job.bounds = chunk_bounds(len(job.block_ids), eng.chunk_blocks,
-                                  TAIL_BLOCKS if job.progress is not None else 0)
+                                  TAIL_BLOCKS if job.progress is not None else 0,
+                                  HEAD_BLOCKS if eng.inline_first_chunk else 0)
         small = (len(job.bounds) == 2 and len(job.block_ids) * job.mapped.copies_per_block(eng)
                  <= eng.inline_max_ops)
         first = eng.inline_first_chunk and len(job.bounds) > 2
@@ -146,6 +147,7 @@ class Lane:
         self.jobs.put(job)
 
     def _submit_loop(self) -> None:
+        numa.pin_thread(self.engine.thread_cpus.get(self.gpu.ordinal), self.submitter.name)
         cuda.use_device(self.gpu.ordinal)
         self.engine._check_pitched(self.gpu.ordinal)
         self._warm_kernel()
@@ -202,7 +204,10 @@ class Lane:
         recycled = self.recycled
         while not recycled.empty():
             self.free_events.append(recycled.get_nowait())
-        return self.free_events.pop() if self.free_events else cuda.event_create()
+        # Blocking: the waiting thread sleeps until a chunk lands. A spinning wait kept each
+        # lane's waiting thread at 0.95-1.0 of a core for the whole of every copy (2 x H100,
+        # bench/host_scale.py: two cores per GPU doing nothing but wait).
+        return self.free_events.pop() if self.free_events else cuda.event_create(False, True)
 
     def _launch(self, job: Job, inline: bool = False, chunks: int | None = None) -> bool:
         """Enqueue the job's copies (its first ``chunks`` chunks; None: all) and their
@@ -433,6 +438,7 @@ class Lane:
     # -- completing (wait thread) --
 
     def _wait_loop(self) -> None:
+        numa.pin_thread(self.engine.thread_cpus.get(self.gpu.ordinal), self.waiter.name)
         cuda.use_device(self.gpu.ordinal)
         while True:
             job = self.waits.get()

@@ -5,24 +5,26 @@ A job is turned into two row-index vectors over the pool and the worker's region
 rank's pieces of each slot, ``segment_address_table``: whole segments, or the rows of its head
 range in a slot that holds every head), each row one copy unit (the largest power-of-two-free unit that divides every offset and size of the job),
 and moved with one vectorised gather/scatter pair per bounded batch of rows: no Python work per
-block or per layer. Copies run on a per-registration thread (torch and numpy release the GIL),
-so the event loop never waits on a large job, and each worker's jobs finish in the order they
-were sent. A small job (``INLINE_BYTES``, one 2 MiB block) whose registration has nothing
-queued is copied on the caller's thread instead: its future is done when ``submit_*`` returns,
-and the server answers it in the same dispatch, with no thread hand-off either way.
+block or per layer. Copies run on a per-registration thread (numpy's ``take``, fancy
+assignment and ``copyto`` release the GIL), so the event loop never waits on a large job, and
+each worker's jobs finish in the order they were sent. A small job (``INLINE_BYTES``, one
+2 MiB block) whose registration has nothing queued is copied on the caller's thread instead:
+its future is done when ``submit_*`` returns, and the server answers it in the same dispatch,
+with no thread hand-off either way.
 
 The pool's pages are mapped into the daemon in the background once it serves (``_populate``):
 a first touch per page would otherwise slow the first copies into a fresh pool 3-4x.
 
-Never imports torch on the daemon's start path: that import is most of a CPU daemon's start
-time (0.8-1.3 s of ~1.5 s on a 2-core host), and a restarted daemon must answer at once. It
-runs on a thread once the daemon serves (``start``); a copy that comes first waits for it.
+Never imports torch: its import held the GIL for 0.2-3.4 s (the C extension's module init), and
+run on a thread after the socket was bound it stalled a restarted daemon's event loop past its
+clients' timeouts (issue 36); numpy does the same copies (``np.take`` with ``mode="clip"``
+writes straight into its output, where the default mode buffers the whole result first, which
+is why it once measured 2.8x slower than torch's ``index_select``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import logging
 import mmap
 import os
@@ -31,7 +33,7 @@ import stat
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import posix_ipc
@@ -44,9 +46,6 @@ from kvpool.shared.config import CHUNK_BLOCKS
 from kvpool.shared.errors import Aborted, LayoutMismatch, ProtocolError, TooLarge, UnknownId
 from kvpool.shared.layout import check_placement
 from kvpool.shared.protocol import ENGINE_SHM_PREFIX, HostRegion, RegisterRequest
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +113,8 @@ class HostCopyEngine(CopyEngine):
         self._pool_rows: dict[int, np.ndarray] = {}
         self._pool_name = pool.name.lstrip("/")
         self._closed = False
-        # A job is cut into ``threads`` parts run by our own pool (see ``_load_torch``).
+        # A job is cut into ``threads`` parts run by this pool: each numpy call runs on one
+        # thread and releases the GIL, so the parts copy at once.
         self._threads = threads
         self._fanout = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvpool-copy")
         # With ``trace`` (the daemon's trace setting), jobs carry monotonic ns stamps
@@ -125,12 +125,6 @@ class HostCopyEngine(CopyEngine):
         self.chunk_blocks = chunk_blocks
 
     def start(self) -> None:
-        # Not a daemon thread: a stop while it imports does not freeze it inside the import
-        # (a daemon stopped within a second of its start); the daemon exits without waiting
-        # for it (``startup.run_daemon``). At start rather than at the first registration: the
-        # import holds the GIL for up to ~0.5 s at a time, which then stalled the loop under
-        # the first engine (with a 500 ms peer_timeout_ms, enough to release it).
-        threading.Thread(target=_warm_up, name="kvpool-torch-import").start()
         threading.Thread(target=_populate, args=(self._pool_u8, lambda: self._closed),
                          name="kvpool-pool-populate", daemon=True).start()
 
@@ -217,7 +211,7 @@ class HostCopyEngine(CopyEngine):
             f.set_exception(Aborted("daemon is shutting down"))
             return f
         stamps = [time.monotonic_ns()] if self.trace else None
-        if (len(block_ids) * mapped.shard_bytes <= self.inline_bytes and "torch" in globals()
+        if (len(block_ids) * mapped.shard_bytes <= self.inline_bytes
                 and (mapped.last is None or mapped.last.done())):
             return self._inline(stamps, mapped, block_ids, shard_offsets, to_pool)
         if stamps is None:
@@ -271,7 +265,6 @@ class HostCopyEngine(CopyEngine):
 
     def _copy(self, mapped: HostMapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
               to_pool: bool, fan_out: bool = True) -> JobResult:
-        _load_torch()
         region, offset, stride, nbytes, prefix = mapped.table
         # The pairs can be copied in any order: in pool order, slots that sit together in memory
         # (whatever order eviction handed them out in) form runs for the one-pass path.
@@ -295,6 +288,8 @@ class HostCopyEngine(CopyEngine):
             rows_p = _unit_rows(dst[:, cols], nbytes[cols], unit)
             worker = _rows(mapped.views[int(r)], unit)
             pool = _rows(self._pool_u8, unit)
+            _check_rows(rows_w, len(worker))
+            _check_rows(rows_p, len(pool))
             if not to_pool:
                 worker, rows_w, pool, rows_p = pool, rows_p, worker, rows_w
             k = min(self._threads, max(1, len(rows_w) * unit // BATCH_BYTES))
@@ -326,14 +321,9 @@ class HostCopyEngine(CopyEngine):
         view = mapped.views[int(mapped.table[0][0])]
         rows_per_shard = shard // unit
         parts = []
-        if to_pool:
-            # A gather into the pool run: torch's index_select (numpy's take was 2.8x slower).
-            worker, pool = _rows(view, unit), self._pool_tensor(unit)
-            rows_t = torch.from_numpy(rows_w)
-        else:
-            # A scatter from the pool run: numpy's row assignment runs at memcpy speed and
-            # releases the GIL; torch's index_copy_ costs ~300 us more per call (32 KiB rows).
-            worker, pool = _rows_np(view, unit), self._pool_array(unit)
+        # A gather straight into the pool run (store) or a scatter straight from it (load).
+        worker, pool = _rows(view, unit), self._pool_array(unit)
+        _check_rows(rows_w, len(worker))
         bounds = [0, *breaks, n]
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             # Cut long runs so every fan-out thread gets a share.
@@ -342,11 +332,10 @@ class HostCopyEngine(CopyEngine):
                 b = min(hi, a + step)
                 first = int(shard_offsets[a]) // unit
                 pool_run = pool[first:first + (b - a) * rows_per_shard]
+                idx = rows_w[a * rows_per_shard:b * rows_per_shard]
                 if to_pool:
-                    idx = rows_t[a * rows_per_shard:b * rows_per_shard]
-                    parts.append(lambda i=idx, o=pool_run: torch.index_select(worker, 0, i, out=o))
+                    parts.append(lambda i=idx, o=pool_run: _take(worker, i, o))
                 else:
-                    idx = rows_w[a * rows_per_shard:b * rows_per_shard]
                     parts.append(lambda i=idx, o=pool_run: worker.__setitem__(i, o))
         self._parallel(parts, fan_out)
         return True
@@ -354,19 +343,16 @@ class HostCopyEngine(CopyEngine):
     def _pool_array(self, unit: int) -> np.ndarray:
         rows = self._pool_rows.get(unit)
         if rows is None:
-            rows = self._pool_rows[unit] = _rows_np(self._pool_u8, unit)
+            rows = self._pool_rows[unit] = _rows(self._pool_u8, unit)
         return rows
-
-    def _pool_tensor(self, unit: int) -> "torch.Tensor":
-        return torch.from_numpy(self._pool_array(unit))
 
     def _copy_rows(self, mapped: HostMapped, src: np.ndarray, shard_offsets: np.ndarray,
                    to_pool: bool, fan_out: bool = True) -> bool:
         """A rank's head range (``HostMapped.rows``) without building a pool row index: over a
         run of adjacent slots its rows are one strided view of the pool, filled by one gather
         straight from the worker's rows (store), or scattered into them through a cache-sized
-        temporary (load: ``index_copy_`` from a strided source was measured 2.3 against
-        3.5 GB/s so on a 2-core host); False when the job's slots form too many runs."""
+        temporary (a scatter from a strided source is slower than from a contiguous one); False
+        when the job's slots form too many runs."""
         if mapped.rows is None:
             return False
         first, nrows, pitch, width, run = mapped.rows
@@ -375,77 +361,30 @@ class HostCopyEngine(CopyEngine):
             return False
         region = int(mapped.table[0][0])
         worker = _rows(mapped.views[region], width)
-        word = worker.element_size()
+        word = worker.itemsize
         if (self._pool_u8.ctypes.data + first) % word or pitch % word:
             return False
-        pool = torch.from_numpy(self._pool_u8)
-        if word > 1:
-            pool = pool[:len(self._pool_u8) // word * word].view(worker.dtype)
-        idx = torch.from_numpy((src // width).ravel())   # worker rows, slot by slot, in order
+        pool = self._pool_u8[:len(self._pool_u8) // word * word].view(worker.dtype)
+        idx = (src // width).ravel()                      # worker rows, slot by slot, in order
         wide = _rows(mapped.views[region], run * width)   # worker runs, for loads
-        runs = torch.from_numpy((src[:, ::run] // (run * width)).ravel())
+        runs = (src[:, ::run] // (run * width)).ravel()
+        _check_rows(idx, len(worker))
         parts = []
         for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, len(shard_offsets)]):
             step = max(1, -(-(hi - lo) // self._threads))
             for a in range(int(lo), int(hi), step):
                 b = min(int(hi), a + step)
-                view = pool.as_strided(((b - a) * nrows, width // word), (pitch // word, 1),
-                                       (int(shard_offsets[a]) + first) // word)
+                at = (int(shard_offsets[a]) + first) // word
+                view = np.lib.stride_tricks.as_strided(
+                    pool[at:], ((b - a) * nrows, width // word), (pitch, word))
                 if to_pool:
                     i = idx[a * nrows:b * nrows]
-                    parts.append(lambda i=i, o=view: torch.index_select(worker, 0, i, out=o))
+                    parts.append(lambda i=i, o=view: _gather_strided(worker, i, o))
                 else:
                     i = runs[a * nrows // run:b * nrows // run]
                     parts.append(lambda i=i, v=view: _scatter_strided(wide, i, v, run))
         self._parallel(parts, fan_out)
         return True
-
-
-_torch_lock = threading.Lock()
-
-
-def _load_torch() -> None:
-    """Import torch into this module's globals (once; a second caller waits for the first).
-    Called by every copy before it touches torch, and by ``start``'s warm-up thread."""
-    global torch
-    if "torch" in globals():
-        return
-    with _torch_lock:
-        if "torch" in globals():
-            return
-        import torch as module
-        # Torch's own intra-op threads spin at barriers; beside busy engine processes on the
-        # same cores that collapses a 2-thread index_select from ~4.6 to ~1 GB/s (measured on
-        # a loaded 2-core host). So each torch call runs on one thread, and a job is cut into
-        # parts run by our own pool, which only blocks, never spins.
-        module.set_num_threads(1)
-        torch = module
-
-
-def _map_torch_libraries() -> None:
-    """Load torch's shared libraries (libtorch_python.so and what it needs: ~470 MB here) with
-    the GIL released, as ctypes' dlopen runs, so that ``import torch`` finds them loaded. The
-    import's own dlopen holds the GIL, and a daemon serving meanwhile does not run (a restarted
-    daemon stalled 2-3.4 s under an attached engine, past the clients' 2 s timeout). After
-    drop_caches the longest stretch without the GIL for the loop was 0.46-0.66 s here, 0.45 s
-    with this first: it shortens the stall, the import's Python part remains."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
-        return
-    lib = os.path.join(os.path.dirname(spec.origin), "lib", "libtorch_python.so")
-    if os.path.exists(lib):
-        ctypes.CDLL(lib)
-
-
-def _warm_up() -> None:
-    try:
-        _map_torch_libraries()
-    except OSError as e:    # the import then loads them itself, GIL held
-        log.debug("torch's libraries not mapped ahead of the import: %s", e)
-    try:
-        _load_torch()
-    except Exception:   # every copy will raise the same: say why once, loudly
-        log.exception("cannot import torch: host copies will fail")
 
 
 # Linux 5.14+: fault a range in now, writable (the kernel's batch path, no copy).
@@ -547,25 +486,16 @@ def _uniform_rows(slot_bytes: int, table: tuple[np.ndarray, ...]
     return int(slot[0]), len(slot), pitch, width, run
 
 
-def _unit_rows(starts: np.ndarray, seg_bytes: np.ndarray, unit: int) -> torch.Tensor:
+def _unit_rows(starts: np.ndarray, seg_bytes: np.ndarray, unit: int) -> np.ndarray:
     """Row index (in ``unit``-sized rows) of every unit of every [block, segment] whose byte
     offsets are ``starts``, block by block, segment by segment: all vectorised."""
     reps = np.tile(seg_bytes // unit, len(starts))
     within = np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
-    return torch.from_numpy(np.repeat((starts // unit).ravel(), reps) + within)
+    return np.repeat((starts // unit).ravel(), reps) + within
 
 
-def _rows(u8: np.ndarray, unit: int) -> torch.Tensor:
-    """``u8`` as a [n, unit] tensor (int64 elements when the unit allows: wider is faster)."""
-    n = len(u8) // unit
-    t = torch.from_numpy(u8[: n * unit])
-    if unit % 8 == 0 and u8.ctypes.data % 8 == 0:
-        return t.view(torch.int64).view(n, unit // 8)
-    return t.view(n, unit)
-
-
-def _rows_np(u8: np.ndarray, unit: int) -> np.ndarray:
-    """``u8`` as a [n, unit] array (int64 elements when the unit allows), as ``_rows``."""
+def _rows(u8: np.ndarray, unit: int) -> np.ndarray:
+    """``u8`` as a [n, unit] array (int64 elements when the unit allows: wider is faster)."""
     n = len(u8) // unit
     a = u8[: n * unit]
     if unit % 8 == 0 and u8.ctypes.data % 8 == 0:
@@ -573,24 +503,48 @@ def _rows_np(u8: np.ndarray, unit: int) -> np.ndarray:
     return a.reshape(n, unit)
 
 
-def _scatter_strided(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
+def _check_rows(rows: np.ndarray, n: int) -> None:
+    """Row indices inside [0, n): ``_take``'s clip mode would silently clamp any other (the
+    engine's callers check blocks and slots; this guards the arithmetic between)."""
+    if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= n):
+        raise AssertionError(f"copy row index out of range [0, {n})")
+
+
+def _take(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = src[rows]`` for a C-contiguous ``out``, written in place with the GIL released
+    (``mode="clip"``: the default mode buffers the whole result and copies it again)."""
+    np.take(src, rows, axis=0, out=out, mode="clip")
+
+
+def _gather_strided(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = src[rows]`` for a strided ``out`` (``np.take`` would buffer all of it),
+    through a cache-sized contiguous temporary."""
+    batch = max(1, BATCH_BYTES // (src.shape[1] * src.itemsize))
+    tmp = np.empty((min(batch, len(rows)), src.shape[1]), dtype=src.dtype)
+    for i in range(0, len(rows), batch):
+        t = tmp[:min(batch, len(rows) - i)]
+        _take(src, rows[i:i + batch], t)
+        np.copyto(out[i:i + len(t)], t)
+
+
+def _scatter_strided(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray,
                      run: int) -> None:
     """``dst[dst_rows] = src`` for a strided ``src`` whose rows go ``run`` at a time into one
     (``run`` times wider) row of ``dst``, through a cache-sized contiguous temporary."""
-    batch = max(1, BATCH_BYTES // (run * src.shape[1] * src.element_size())) * run
-    tmp = torch.empty((min(batch, len(src)), src.shape[1]), dtype=src.dtype)
+    batch = max(1, BATCH_BYTES // (run * src.shape[1] * src.itemsize)) * run
+    tmp = np.empty((min(batch, len(src)), src.shape[1]), dtype=src.dtype)
     for i in range(0, len(src), batch):
         t = tmp[:min(batch, len(src) - i)]
-        t.copy_(src[i:i + batch])
-        dst.index_copy_(0, dst_rows[i // run:(i + len(t)) // run], t.view(-1, dst.shape[1]))
+        np.copyto(t, src[i:i + batch])
+        dst[dst_rows[i // run:(i + len(t)) // run]] = t.reshape(-1, dst.shape[1])
 
 
-def _gather_scatter(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
-                    dst_rows: torch.Tensor, unit: int) -> None:
+def _gather_scatter(src: np.ndarray, src_rows: np.ndarray, dst: np.ndarray,
+                    dst_rows: np.ndarray, unit: int) -> None:
     batch = max(1, BATCH_BYTES // unit)
-    tmp = torch.empty((min(batch, len(src_rows)), src.shape[1]), dtype=src.dtype)
+    tmp = np.empty((min(batch, len(src_rows)), src.shape[1]), dtype=src.dtype)
     for i in range(0, len(src_rows), batch):
         s, d = src_rows[i:i + batch], dst_rows[i:i + batch]
         t = tmp[: len(s)]
-        torch.index_select(src, 0, s, out=t)
-        dst.index_copy_(0, d, t)
+        _take(src, s, t)
+        dst[d] = t

@@ -28,6 +28,7 @@ import logging
 import mmap
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import msgspec
 import numpy as np
@@ -222,9 +223,12 @@ class Pool:
     # ---- lifecycle -------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, config: DaemonConfig) -> "Pool":
+    def open(cls, config: DaemonConfig,
+             place: Callable[[int, Geometry], None] | None = None) -> "Pool":
         """Create the segment, or adopt the one a dead daemon left behind.
 
+        ``place(base_address, geometry)`` runs on the mapping before its pages are reserved
+        (a NUMA policy set then decides where they are allocated, ``daemon/numa.py``).
         Raises ``PoolBusy`` if a live daemon holds it, ``ConfigError`` for impossible sizes.
         """
         pool_bytes, extent_bytes = resolve_sizes(config)
@@ -259,8 +263,8 @@ class Pool:
                 if old == want:
                     log.info("adopting pool %s left by an earlier daemon (%d bytes)", name,
                              shm.size)
-                    _reserve(fd, want.pool_bytes, name)
                     pool = cls._map(name, shm, fd, want, adopted=True)
+                    pool._reserve(place)
                     if version != FORMAT_VERSION:
                         pool._migrate(version)
                     return pool
@@ -275,15 +279,26 @@ class Pool:
                             reason)
                 os.ftruncate(fd, 0)   # drop the old pages before growing to the new size
                 os.ftruncate(fd, want.pool_bytes)
-            _reserve(fd, want.pool_bytes, name)
+            pool = cls._map(name, shm, fd, want, adopted=False)
+            pool._reserve(place)
         except BaseException:
             os.close(fd)
             if created:
                 shm.unlink()
             raise
-        pool = cls._map(name, shm, fd, want, adopted=False)
         pool._format()
         return pool
+
+    def _reserve(self, place: Callable[[int, Geometry], None] | None) -> None:
+        """Place (``open``'s ``place``), then reserve every page; unmaps if that fails (the
+        caller closes the descriptor)."""
+        try:
+            if place is not None:
+                place(self.base_address, self.geometry)
+            _reserve(self._fd, self.geometry.pool_bytes, self.name)
+        except BaseException:
+            self._unmap()
+            raise
 
     @staticmethod
     def _read_geometry(fd: int, size: int) -> tuple[Geometry | None, int | None]:
@@ -342,8 +357,7 @@ class Pool:
         # Magic last: a crash mid-format leaves a header that the next start replaces.
         h["magic"] = np.void(MAGIC)
 
-    def close(self, unlink: bool) -> None:
-        """Unmap; unlink the segment unless the operator keeps it for the next daemon."""
+    def _unmap(self) -> None:
         self._records.clear()
         del self.header, self.extents, self._u8
         del self._rec_key, self._rec_generation, self._rec_state
@@ -351,6 +365,10 @@ class Pool:
             self.buffer.close()
         except BufferError:
             log.debug("pool buffer still referenced at close; the mapping goes with the process")
+
+    def close(self, unlink: bool) -> None:
+        """Unmap; unlink the segment unless the operator keeps it for the next daemon."""
+        self._unmap()
         if unlink:
             try:
                 self._shm.unlink()

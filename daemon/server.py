@@ -38,6 +38,7 @@ from kvpool.daemon.copy_jobs import CopyJobs, check_count
 from kvpool.daemon.exit_watch import ExitWatch
 from kvpool.daemon.index import Index
 from kvpool.daemon.index_segment import IndexSegment, KeyLocations, capacity_for
+from kvpool.daemon.loop_watch import LoopWatch
 from kvpool.daemon.peer import AllowList, Peer
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.registry import Owner, Registration, Registry
@@ -94,6 +95,9 @@ class Server:
         self._next_reap = time.monotonic() + REAP_PERIOD_S
         self.allow = AllowList(config.allow_uid, config.allow_gid)
         self.exit_watch = ExitWatch(self._process_exited)
+        # From the loop's start, before the socket is bound (logged at the first registration).
+        self.loop_watch = LoopWatch()
+        self._registered_once = False
         # Counts from now on; serves /metrics and events once _startup opens it.
         self.telemetry = Telemetry(config)
         if pool.adopted:
@@ -107,6 +111,7 @@ class Server:
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def serve(self) -> None:
+        self.loop_watch.start()
         try:
             self._startup()
         except BaseException:
@@ -118,6 +123,7 @@ class Server:
             housekeeping.cancel()
         finally:
             await self._shutdown()
+            self.loop_watch.stop()
 
     def _startup(self) -> None:
         path = Path(self.config.socket_path)
@@ -485,6 +491,11 @@ class Server:
                      f"{'' if lay.is_primary(msg.tp_rank) else ' (replica: loads only)'}")
         log.info("client %d registered rank %d/%d of namespace %s: %d blocks%s", owner.id,
                  msg.tp_rank, lay.tp_size, msg.namespace.hex(), msg.num_blocks, heads)
+        if not self._registered_once:
+            self._registered_once = True
+            log.info("first registration: %s", self.loop_watch.summary())
+        else:
+            log.debug("registration: %s", self.loop_watch.summary())
         return p.RegisterReply(msg.req_id, reg.id)
 
     # ---- releasing -------------------------------------------------------------------------

@@ -7,12 +7,20 @@ Kept apart from the CLI so tests and embedders can start a daemon from a ``Daemo
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import resource
 import signal
 import threading
 
+# Imported before the socket is bound: ``np.unique`` (a registration's tables) imports
+# ``numpy.ma`` on its first call, ~50 ms with the GIL held on a loaded 2-core host, and nothing
+# may hold the event loop that long once clients can reach it (issue 36;
+# tests/integration/test_event_loop.py).
+import numpy.ma  # noqa: F401
+
+from kvpool.daemon import log_queue, numa
 from kvpool.daemon.copy_engine import CopyEngine
 from kvpool.daemon.events import check_topic
 from kvpool.daemon.host_copy import HostCopyEngine
@@ -61,7 +69,9 @@ def cuda_available() -> bool:
         return False
 
 
-def build_engines(config: DaemonConfig, pool: Pool) -> dict[type, CopyEngine]:
+def build_engines(config: DaemonConfig, pool: Pool,
+                  thread_cpus: dict[int, frozenset[int]] | None = None
+                  ) -> dict[type, CopyEngine]:
     trace = bool(config.trace)
     engines: dict[type, CopyEngine] = {HostRegion: HostCopyEngine(
         pool, config.copy_threads, chunk_blocks=config.chunk_blocks, trace=trace)}
@@ -79,7 +89,8 @@ def build_engines(config: DaemonConfig, pool: Pool) -> dict[type, CopyEngine]:
             raise
         log.warning("CUDA copy engine unavailable (%s): serving the host path only", e)
         return engines
-    engines[CudaRegion] = CudaCopyEngine(pool, chunk_blocks=config.chunk_blocks, trace=trace)
+    engines[CudaRegion] = CudaCopyEngine(pool, chunk_blocks=config.chunk_blocks, trace=trace,
+                                         thread_cpus=thread_cpus)
     return engines
 
 
@@ -121,6 +132,23 @@ def _stop_requested(signum: int, frame) -> None:
     raise _StopRequested(signal.Signals(signum).name)
 
 
+def numa_topology(config: DaemonConfig) -> numa.Topology:
+    """The host's NUMA nodes, and each GPU's where there are several nodes and CUDA may be used
+    (the driver through ctypes: milliseconds, no torch)."""
+    topology = numa.read_topology({})
+    if len(topology.nodes) < 2 or config.numa_policy == "off" or config.cuda == "off":
+        return topology
+    try:
+        from kvpool.daemon import cuda
+        if not cuda.is_available():
+            return topology
+        buses = {i: cuda.pci_bus_id(i) for i in range(cuda.device_count())}
+    except Exception as e:   # noqa: BLE001 - placement is an optimisation
+        log.warning("cannot read the GPUs' PCI addresses (%s): the pool is not NUMA-placed", e)
+        return topology
+    return numa.read_topology(buses)
+
+
 def run_daemon(config: DaemonConfig) -> int:
     """Start and serve until stopped; returns the exit code. Every way out of the start leaves
     nothing behind in /dev/shm but an adopted pool the operator keeps (``keep_pool``): a stop
@@ -128,11 +156,22 @@ def run_daemon(config: DaemonConfig) -> int:
     the process with the pool in place) and unwinds through the same clean-up as a failure."""
     from kvpool.daemon.server import Server, run
     raise_open_file_limit()
+    topology = numa_topology(config)
+    placed: list[numa.Placement] = []
+
+    def place(base_address: int, geometry) -> None:
+        p = numa.plan(topology, geometry.data_offset, geometry.num_extents,
+                      geometry.extent_bytes, config.numa_policy)
+        if p.ranges:
+            numa.apply_memory(p, base_address)
+        placed.append(p)
+        log.info("numa placement: %s", json.dumps(p.as_dict()))
+
     previous = {sig: signal.signal(sig, _stop_requested) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        pool = Pool.open(config)
+        pool = Pool.open(config, place)
         try:
-            engines = build_engines(config, pool)
+            engines = build_engines(config, pool, placed[0].thread_cpus if placed else None)
             lowers = open_lower_tiers(config, pool)
             server = Server(config, pool, engines, lowers)
         except BaseException:
@@ -149,10 +188,9 @@ def run_daemon(config: DaemonConfig) -> int:
                  if not t.daemon and t is not threading.main_thread() and t.is_alive()]
     if lingering or any(lower.has_lingering_work for lower in lowers):
         # The pool, socket and lock are released already; what is left would only make the
-        # interpreter's exit join threads: one stuck on a remote peer (see RemoteTier.close),
-        # or torch's import, which took 5-9 s to end on a loaded 2-core host and so every stop
-        # of a daemon started moments before.
+        # interpreter's exit join threads: one stuck on a remote peer (see RemoteTier.close).
         log.info("exiting without waiting for %s", ", ".join(lingering) or "the remote tier")
+        log_queue.stop()
         logging.shutdown()
         os._exit(code)
     return code

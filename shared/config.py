@@ -222,6 +222,12 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "entries of the shared-memory index that schedulers read their hits in (rounded up to "
         "a power of two); 0: auto, twice the 16 KiB blocks the pool and the disk tier could "
         "hold, between 4Ki and 4Mi", ge=0, le=1 << 26)] = 0
+    # Appended: where the pool's pages and the GPU copy threads go on a multi-node host
+    # (daemon/numa.py); a no-op on one node.
+    numa_policy: Annotated[Literal["auto", "interleave", "local", "off"], _doc(
+        "on a host with several NUMA nodes: interleave the pool over the GPUs' nodes (auto), "
+        "put each GPU's share on its node (local), or leave it (off); copy threads run on "
+        "their GPU's node")] = "auto"
 
     @property
     def socket_path(self) -> str:

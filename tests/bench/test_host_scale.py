@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # The issue's keys for the largest N, at the top level of the JSON.
 KEYS = ("engines", "aggregate_store_ratio", "aggregate_load_ratio", "aggregate_bidir_ratio",
-        "gemm_slowdown_max", "lookup_p99_us", "daemon_cpu_s_per_GB")
+        "gemm_slowdown_max", "lookup_p99_us", "daemon_cpu_s_per_GB",
+        "daemon_busiest_thread_util", "daemon_busiest_thread_util_per_phase")
 
 
 def _positive(x) -> bool:
@@ -47,5 +48,14 @@ def test_two_host_engines_through_one_daemon_report_every_key(tmp_path):
         assert len(phase["per_engine_GBps"]) == 2 and all(x > 0 for x in phase["per_engine_GBps"])
         assert phase["daemon_cpu_s"] > 0
     assert run["lookup"]["clients"] == 2 and run["lookup"]["p50_us"] <= run["lookup"]["p99_us"]
+    assert run["lookup"]["lookups_short_of_all_keys"] == 0 and run["lookup"]["during_offload"]
+    # issue 36: timed on a pool already full (its stores evict), a share of it leased by the
+    # blocks the loads read; per phase, the busiest daemon thread's share of a core
+    pool = run["layouts"]["block_outer"]["pool"]
+    assert pool["is_full"] and pool["evictions_while_filling"] > 0, pool
+    assert 0 < pool["leased_share"] < 1 and res["pool_full_before_timing"]
+    assert set(res["daemon_busiest_thread_util_per_phase"]) == {"store", "load", "bidir"}
+    assert all(0 < u for u in res["daemon_busiest_thread_util_per_phase"].values())
+    assert run["numa_placement"]["mode"] in ("off", "interleave", "local"), run["numa_placement"]
     assert _positive(run["pd"]["alone_GBps"])
     assert (out / f"{path.stem}.png").exists() or "png_note" in res

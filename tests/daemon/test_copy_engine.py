@@ -28,3 +28,23 @@ def test_a_store_ends_with_a_small_chunk_when_it_reports_its_chunks(n, chunk, ta
     sizes = [b - a for a, b in zip(got[:-1], got[1:])]
     assert max(sizes) <= max(chunk, 1) or n <= chunk
     assert not 0 < tail < chunk < n or sizes[-1] == tail
+
+
+@pytest.mark.parametrize("n, chunk, tail, head, bounds", [
+    (128, 128, 32, 32, [0, 128]), (129, 128, 0, 32, [0, 32, 129]),
+    (1024, 128, 0, 32, [0, 32, 156, 280, 404, 528, 652, 776, 900, 1024]),
+    (1024, 128, 32, 32, [0, 32] + [32 + b for b in chunk_bounds(992, 128, 32)[1:]]),
+    (300, 128, 0, 128, chunk_bounds(300, 128)), (300, 128, 0, 0, chunk_bounds(300, 128)),
+])
+def test_a_cuda_job_starts_with_a_small_chunk(n, chunk, tail, head, bounds):
+    """The first chunk of a big job, launched on the event loop, is at most ``head`` items, so
+    the first bytes move after a small table; the rest keeps the chunk size and the tail."""
+    got = chunk_bounds(n, chunk, tail, head)
+    assert got == bounds
+    sizes = [b - a for a, b in zip(got[:-1], got[1:])]
+    assert got[0] == 0 and got[-1] == n and all(s > 0 for s in sizes)
+    assert max(sizes) <= chunk or n <= chunk
+    if 0 < head < chunk < n:
+        assert sizes[0] == head
+    if 0 < tail < chunk < n - head:
+        assert sizes[-1] == tail

@@ -1,6 +1,8 @@
 """Every block a real CPU engine computed is stored while the pool has room: a burst far larger
 than one client's old reservation share, into pools of several sizes with a disk tier, then
-kill -9 of the daemon, a restart, and a new engine on the same prompts."""
+kill -9 of the daemon, a restart, and a second engine on the same prompts: started after the
+restart, or started before the kill and idle across it (the engine a restarted daemon must
+answer at once: its loop once stalled 2-3.4 s importing torch, issue 36)."""
 
 import pytest
 
@@ -28,10 +30,15 @@ def settled(observer, stored: int):
         and disk.blocks + disk.missed_blocks >= stored
 
 
-def burst_then_restart(daemon, engines, observer, tmp_path, waves: int) -> tuple[int, dict]:
+def burst_then_restart(daemon, engines, observer, tmp_path, waves: int,
+                       b_idle_across_restart: bool = False) -> tuple[int, dict]:
     """Engine a computes P in one burst; the daemon is SIGKILLed once its disk tier has taken
-    what the pool stored, and restarted; engine b runs P again, ``waves`` prompts at a time.
-    Returns (blocks stored by engine a, engine b's outputs)."""
+    what the pool stored, and restarted; engine b runs P again, ``waves`` prompts at a time,
+    started after the restart or (``b_idle_across_restart``) before the kill, registered with
+    the first daemon and idle until after the restart. Returns (blocks stored by engine a,
+    engine b's outputs)."""
+    step = len(P) // waves
+    b_steps = [gen(P[i:i + step]) for i in range(0, len(P), step)]
     a = engines(daemon.socket, [gen(P)], name="a", max_num_batched_tokens=2048)
     a.wait_ready()
     a.next()
@@ -44,12 +51,21 @@ def burst_then_restart(daemon, engines, observer, tmp_path, waves: int) -> tuple
     stored = observer.info().stored_blocks
     wait_for(lambda: settled(observer, stored), 60,
              lambda: f"the disk tier to take the {stored} stored blocks: {observer.info().tiers}")
+    b = None
+    if b_idle_across_restart:
+        # (not beside engine a: two engine start-ups and a's burst on two cores starved a's
+        # scheduler of its heartbeats past the test daemon's 2 s peer timeout)
+        b = engines(daemon.socket, [{"op": "wait", "name": "restarted"}] + b_steps, name="b",
+                    max_num_batched_tokens=2048)
+        b.wait_ready()              # registered with this daemon, now idle
+        assert b.next()["waiting"] == "restarted"
     daemon.kill()
     daemon.restart()
-    step = len(P) // waves
-    b = engines(daemon.socket, [gen(P[i:i + step]) for i in range(0, len(P), step)], name="b",
-                max_num_batched_tokens=2048)
-    b.wait_ready()
+    if b is None:
+        b = engines(daemon.socket, b_steps, name="b", max_num_batched_tokens=2048)
+        b.wait_ready()
+    else:
+        b.go()
     outs = [b.next() for _ in range(waves)]
     b.finish()
     return stored, {"tokens": [t for o in outs for t in o["tokens"]],
@@ -73,8 +89,13 @@ def test_a_working_set_of_2_4_pools_mostly_loads_after_kill_and_restart(
         daemon_factory, engines, observer_of, tmp_path, baseline_outputs):
     want = baseline_outputs(P, 1)
     # 4 MiB in 1 MiB extents: 24 slots once the pool's tables are taken; 66 blocks are 2.75x.
+    # A 10 s peer timeout (the test daemons' is 2 s): on a 2-core host under load every client
+    # process here once went silent past 2 s at the same moment, the daemon's loop never
+    # held over 38 ms, and engine a lost its registration before b existed. What this test
+    # checks is the restart under an idle engine, not the release of silent clients.
     d = daemon_factory(pool_size="4MiB", extra=["--extent-size", "1MiB", "--disk-path",
-                                                str(tmp_path / "disk"), "--disk-size", "64MiB"])
+                                                str(tmp_path / "disk"), "--disk-size", "64MiB",
+                                                "--peer-timeout-ms", "10000"])
     observer = observer_of(d)
     slots = observer.info().free_bytes // BLOCK_BYTES
     total = len(P) * PROMPT_BLOCKS
@@ -82,7 +103,9 @@ def test_a_working_set_of_2_4_pools_mostly_loads_after_kill_and_restart(
     # Engine b takes the prompts one at a time: 11 blocks come up from disk into the 24-slot
     # pool while the last prompt's are still held (two at a time loaded 48 of 66 on a loaded
     # machine: the second prompt's fills found the pool held by the first's).
-    stored, out = burst_then_restart(d, engines, observer, tmp_path, waves=len(P))
+    # Engine b idles across the restart: its first prompt finds the new daemon at once.
+    stored, out = burst_then_restart(d, engines, observer, tmp_path, waves=len(P),
+                                     b_idle_across_restart=True)
     info = observer.info()
     assert info.loaded_blocks >= 0.9 * total, (
         f"{info.loaded_blocks} of {total} blocks loaded after the restart (engine a stored "

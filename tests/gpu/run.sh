@@ -10,7 +10,13 @@
 #  probe: bench/investigations/gemm_probe.py, also run last by all; PROBE_ARGS: its extra args;
 #  breakdown: bench/investigations/gemm_breakdown.py; BREAKDOWN_ARGS: its extra args;
 #  scale: the many-GPU tests, then bench/host_scale.py on every GPU (one GPU: 1, 2 and 4
-#  engines sharing it); SCALE_ARGS replaces its default arguments, extra args are appended)
+#  engines sharing it); SCALE_ARGS replaces its default arguments, extra args are appended;
+#  diag: the host's NUMA and page facts, bench/investigations/copy_path.py (PROBE_ARGS), then
+#  bench/gpu_transfer.py --reps 3 with py-spy sampling the daemon (extra args appended);
+#  diag+tests: diag, then every GPU test; TRANSFER_RUNS: gpu_transfer runs in diag (default 1);
+#  confirm: bench/gpu_transfer.py --reps 3 TRANSFER_RUNS times (default 3; TRANSFER_ARGS), then
+#  bench/host_scale.py on every GPU (SCALE_ARGS), then the GPU tests in what is left of
+#  CONFIRM_BUDGET_S (default 560 s); the daemons' event-loop gap lines are collected in gaps.log)
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -23,17 +29,23 @@ if [ -d "$WHL" ] && ls "$WHL"/*.whl >/dev/null 2>&1; then
 fi
 rm -rf /tmp/pp && mkdir -p /tmp/pp/kvpool && cp kvpool/__init__.py /tmp/pp/kvpool/
 for d in shared daemon client; do ln -s "$PWD/$d" /tmp/pp/kvpool/$d; done
-export PYTHONPATH=/tmp/pp:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=/tmp/pp:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 # the benchmark's pools need room in /dev/shm (container defaults are often 64 MiB)
 shm_kb=$(df -k --output=size /dev/shm | tail -1)
 if [ "$shm_kb" -lt $((32 * 1024 * 1024)) ]; then mount -o remount,size=48G /dev/shm 2>/dev/null || true; fi
 
-if [ "$what" = env ] || [ "$what" = all ] || [ "$what" = tests+policy ] || [ "$what" = pd ] || [ "$what" = pd+bench ] || [ "$what" = tests+pd ] || [ "$what" = tp ] || [ "$what" = scale ]; then
+case "$what" in env|all|tests+policy|pd|pd+bench|tests+pd|tp|scale|diag|diag+tests|confirm) show_env=1;; *) show_env=0;; esac
+if [ "$show_env" = 1 ]; then
   { nvidia-smi --query-gpu=name,uuid,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
     nvidia-smi topo -m 2>/dev/null | head -5
     df -h /dev/shm; ulimit -l; nproc; free -g | head -2
     (cd /tmp && python3 -c "import torch, triton, numpy, zmq, msgspec, posix_ipc; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
      python3 -c "from kvpool.daemon import cuda; d=cuda.driver(); print('driver', d.version, 'batch', cuda.has_memcpy_batch(), [cuda.device_uuid(i) for i in range(cuda.device_count())])")
+    # NUMA: nodes, their CPUs and each NVIDIA function's node (bench/host_scale.py records it too)
+    for n in /sys/devices/system/node/node[0-9]*; do echo "$(basename $n) cpus $(cat $n/cpulist)"; done
+    for d in /sys/bus/pci/devices/*; do [ "$(cat $d/vendor 2>/dev/null)" = 0x10de ] && echo "gpu $(basename $d) numa_node $(cat $d/numa_node)"; done
+    echo "thp $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null) shmem $(cat /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>/dev/null)"
+    command -v py-spy nsys numactl 2>/dev/null
   } 2>&1 | tee "$OUT/env.txt"
 fi
 rc=0
@@ -80,5 +92,31 @@ if [ "$what" = scale ]; then
   default=""; [ "${gpus:-0}" -le 1 ] && default="--engines 1,2,4 --gpus 1 --seconds 2"
   timeout ${SCALE_TIMEOUT:-480} python3 -m bench.host_scale --out "$OUT" --tmp /tmp/kvpool-scale \
     ${SCALE_ARGS:-$default} "$@" 2>&1 | tee "$OUT/scale.log" || rc=1
+fi
+if [ "$what" = diag ] || [ "$what" = diag+tests ]; then
+  timeout ${PROBE_TIMEOUT:-150} python3 -m bench.investigations.copy_path --out "$OUT" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" || rc=1
+  for k in $(seq 1 ${TRANSFER_RUNS:-1}); do
+    KVPOOL_BENCH_PYSPY="$OUT/pyspy-run$k" timeout ${BENCH_TIMEOUT:-200} python3 -m bench.gpu_transfer --out "$OUT/run$k" --reps 3 "$@" 2>&1 | tee "$OUT/bench-run$k.log" || rc=1
+  done
+fi
+if [ "$what" = confirm ]; then
+  t_start=$SECONDS
+  for k in $(seq 1 ${TRANSFER_RUNS:-3}); do
+    timeout ${BENCH_TIMEOUT:-150} python3 -m bench.gpu_transfer --out "$OUT/run$k" --tmp /tmp/kvpool-bench-$k \
+      --reps 3 ${TRANSFER_ARGS:-} 2>&1 | tee "$OUT/bench-run$k.log" | grep -v "^\[daemon\]" || rc=1
+    grep -h "event-loop gap\|did not run" /tmp/kvpool-bench-$k/kvpoold.log >> "$OUT/gaps.log" 2>/dev/null
+  done
+  timeout ${SCALE_TIMEOUT:-200} python3 -m bench.host_scale --out "$OUT" --tmp /tmp/kvpool-scale \
+    ${SCALE_ARGS:-} 2>&1 | tee "$OUT/scale.log" || rc=1
+  grep -h "event-loop gap\|did not run\|numa placement" /tmp/kvpool-scale/kvpoold.log >> "$OUT/gaps.log" 2>/dev/null
+  left=$(( ${CONFIRM_BUDGET_S:-560} - (SECONDS - t_start) ))
+  if [ "$left" -gt 30 ]; then
+    timeout $left python3 -m pytest -p no:cacheprovider -q -rs --timeout 120 -x \
+      -c "$REPO/pyproject.toml" --rootdir "$REPO" ${CONFIRM_TESTS:-"$REPO/tests/gpu"} 2>&1 | tail -40 > "$OUT/tests.log" || rc=1
+  fi
+fi
+if [ "$what" = diag+tests ]; then
+  timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
+    -c "$REPO/pyproject.toml" --rootdir "$REPO" "$REPO/tests/daemon/test_copy_plan.py" "$REPO/tests/gpu" 2>&1 | tee "$OUT/tests.log" || rc=1
 fi
 exit $rc

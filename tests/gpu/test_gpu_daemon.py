@@ -1,6 +1,6 @@
-"""The GPU path end to end through a real kvpoold: register over CUDA IPC, store through the
-scheduler's prepared slots, load into poisoned blocks; a SIGKILLed worker mid-transfer leaves
-the daemon serving and its GPU memory released."""
+"""The GPU path end to end through a real kvpoold: register over CUDA IPC, store into the
+scheduler's reserved tickets with keyed stores, load into poisoned blocks; a SIGKILLed worker
+mid-transfer leaves the daemon serving and its GPU memory released."""
 
 from __future__ import annotations
 
@@ -16,6 +16,14 @@ POISON = 0x5A
 
 def _keys(tag: str, n: int) -> list[bytes]:
     return [hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+def _reserve(sched, ns: bytes, n: int) -> tuple[list[int], str]:
+    """``n`` tickets for stores of ``ns`` (the engine's path: the store binds each to its key)
+    and the daemon life that granted them."""
+    reply = sched.reserve(ns, n)
+    assert len(reply.slots) == n, f"granted {len(reply.slots)} of {n} tickets"
+    return list(reply.slots), reply.daemon_id
+
 
 
 @pytest.fixture
@@ -38,11 +46,11 @@ def test_daemon_round_trip(gpu_daemon, layout):
         ns = hashlib.blake2b(layout.encode(), digest_size=16).digest()
         w.call("connect", gpu_daemon.socket, ns, 0, 1)
         keys = _keys(layout, 16)
-        slots = sched.prepare_store(ns, keys)
+        slots, grant = _reserve(sched, ns, len(keys))
         assert all(s >= 0 for s in slots), slots
         w.call("fill", 11)
         want = w.call("blocks", list(range(16)))
-        dt, ok, msg = w.call("store", list(range(16)), slots)
+        dt, ok, msg = w.call("store", list(range(16)), slots, keys, grant)
         assert ok, msg
         reply = sched.lookup(ns, [keys], pin=True)
         assert reply.hits == [16]
@@ -67,10 +75,12 @@ def test_killed_worker_mid_transfer(gpu_daemon):
         ns = b"k" * 16
         w.call("connect", gpu_daemon.socket, ns, 0, 1)
         w.call("fill", 5)
-        slots = sched.prepare_store(ns, _keys("kill", 1024))
+        keys = _keys("kill", 1024)
+        slots, grant = _reserve(sched, ns, len(keys))
         assert all(s >= 0 for s in slots)
         # stream stores without waiting for their completions, then kill the worker
-        w.conn.send(("stream", "store", [(list(range(i, i + 128)), slots[i:i + 128])
+        w.conn.send(("stream", "store", [(list(range(i, i + 128)), slots[i:i + 128],
+                                          keys[i:i + 128], grant)
                                          for i in range(0, 1024, 128)]))
         time.sleep(0.05)
         w.kill()
@@ -86,9 +96,10 @@ def test_killed_worker_mid_transfer(gpu_daemon):
         try:
             ns2 = b"n" * 16
             w2.call("connect", gpu_daemon.socket, ns2, 0, 1)
-            s2 = sched.prepare_store(ns2, _keys("after", 4))
+            k2 = _keys("after", 4)
+            s2, g2 = _reserve(sched, ns2, len(k2))
             w2.call("fill", 1)
-            _, ok, msg = w2.call("store", [0, 1, 2, 3], s2)
+            _, ok, msg = w2.call("store", [0, 1, 2, 3], s2, k2, g2)
             assert ok, msg
         finally:
             w2.close()

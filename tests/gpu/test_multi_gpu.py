@@ -21,6 +21,14 @@ pytestmark = pytest.mark.skipif(gpu_count() < 2, reason="needs two CUDA GPUs")
 def _keys(tag: str, n: int) -> list[bytes]:
     return [hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=16).digest() for i in range(n)]
 
+def _reserve(sched, ns: bytes, n: int) -> tuple[list[int], str]:
+    """``n`` tickets for stores of ``ns`` (the engine's path: the store binds each to its key)
+    and the daemon life that granted them."""
+    reply = sched.reserve(ns, n)
+    assert len(reply.slots) == n, f"granted {len(reply.slots)} of {n} tickets"
+    return list(reply.slots), reply.daemon_id
+
+
 
 @pytest.fixture
 def gpu_daemon(daemon_factory):
@@ -41,18 +49,18 @@ def test_tp2_shards_commit_together_and_load_per_rank(gpu_daemon, layout):
         for r, w in enumerate(ws):
             w.call("connect", gpu_daemon.socket, ns, r, 2)
         keys = _keys(f"tp2-{layout}", 12)
-        slots = sched.prepare_store(ns, keys)
+        slots, grant = _reserve(sched, ns, len(keys))
         assert all(s >= 0 for s in slots), slots
         wants = []
         for r, w in enumerate(ws):
             w.call("fill", 200 + r)
             wants.append(w.call("blocks", list(range(12))))
         assert not np.array_equal(wants[0], wants[1])
-        _, ok, msg = ws[0].call("store", list(range(12)), slots)
+        _, ok, msg = ws[0].call("store", list(range(12)), slots, keys, grant)
         assert ok, msg
         # one rank's shard alone is never visible
         assert sched.lookup(ns, [keys]).hits == [0]
-        _, ok, msg = ws[1].call("store", list(range(12)), slots)
+        _, ok, msg = ws[1].call("store", list(range(12)), slots, keys, grant)
         assert ok, msg
         reply = sched.lookup(ns, [keys], pin=True)
         assert reply.hits == [12]
@@ -80,12 +88,12 @@ def test_prefill_gpu0_decode_gpu1_bit_exact(gpu_daemon, layout):
         prefill.call("connect", gpu_daemon.socket, ns, 0, 1)
         decode.call("connect", gpu_daemon.socket, ns, 0, 1)
         keys = _keys(f"pd-{layout}", 40)
-        slots = sched.prepare_store(ns, keys)
+        slots, grant = _reserve(sched, ns, len(keys))
         assert all(s >= 0 for s in slots)
         prefill.call("fill", 7)
         src = list(range(3, 43))
         want = prefill.call("blocks", src)
-        _, ok, msg = prefill.call("store", src, slots)
+        _, ok, msg = prefill.call("store", src, slots, keys, grant)
         assert ok, msg
         prefill.close()                       # the prefill instance may be gone by now
         reply = sched.lookup(ns, [keys], pin=True)
@@ -116,16 +124,16 @@ def test_tp_cross_tp2_to_tp1_and_back(gpu_daemon, layout):
             w.call("connect", gpu_daemon.socket, ns, r, 2, True)
         one.call("connect", gpu_daemon.socket, ns, 0, 1, True)
         keys = _keys(f"cross-{layout}", 12)
-        slots = sched.prepare_store(ns, keys)
+        slots, grant = _reserve(sched, ns, len(keys))
         assert all(s >= 0 for s in slots), slots
         parts = []
         for r, w in enumerate(two):
             w.call("fill", 300 + r)
             parts.append(w.call("blocks", list(range(12))))
-        _, ok, msg = two[0].call("store", list(range(12)), slots)
+        _, ok, msg = two[0].call("store", list(range(12)), slots, keys, grant)
         assert ok, msg
         assert sched.lookup(ns, [keys]).hits == [0], "one head range alone must not commit"
-        _, ok, msg = two[1].call("store", list(range(12)), slots)
+        _, ok, msg = two[1].call("store", list(range(12)), slots, keys, grant)
         assert ok, msg
         reply = sched.lookup(ns, [keys], pin=True)
         assert reply.hits == [12]
@@ -140,10 +148,10 @@ def test_tp_cross_tp2_to_tp1_and_back(gpu_daemon, layout):
         sched.release(reply.leases)
         # and back: TP=1 stores, each TP=2 rank loads its heads
         keys = _keys(f"cross-back-{layout}", 10)
-        slots = sched.prepare_store(ns, keys)
+        slots, grant = _reserve(sched, ns, len(keys))
         one.call("fill", 77)
         full = one.call("blocks", list(range(10)))
-        _, ok, msg = one.call("store", list(range(10)), slots)
+        _, ok, msg = one.call("store", list(range(10)), slots, keys, grant)
         assert ok, msg
         reply = sched.lookup(ns, [keys], pin=True)
         assert reply.hits == [10]
@@ -174,13 +182,14 @@ def test_tp_cross_mla_stored_once_loaded_by_every_rank(gpu_daemon):
             w.call("connect", gpu_daemon.socket, ns, r, 2, True)
         one.call("connect", gpu_daemon.socket, ns, 0, 1, True)
         keys = _keys("cross-mla", 6)
-        slots = sched.prepare_store(ns, keys)
+        slots, grant = _reserve(sched, ns, len(keys))
         two[0].call("fill", 5)
         want = two[0].call("blocks", list(range(6)))
-        _, ok, msg = two[1].call("store", list(range(6)), slots)     # the replica: no copy
+        # the replica: no copy
+        _, ok, msg = two[1].call("store", list(range(6)), slots, keys, grant)
         assert ok, msg
         assert sched.lookup(ns, [keys]).hits == [0]
-        _, ok, msg = two[0].call("store", list(range(6)), slots)
+        _, ok, msg = two[0].call("store", list(range(6)), slots, keys, grant)
         assert ok, msg
         reply = sched.lookup(ns, [keys], pin=True)
         assert reply.hits == [6]
