@@ -1,26 +1,24 @@
 """The disk tier: pool blocks kept in files under one directory, behind ``LowerTier``.
 
-Owns what the directory holds, in memory (namespace → block hash → ``DiskBlock``), the tier's
-own LRU and its space against ``disk_size``, and the scheduling of batched I/O on a few
-threads. The bytes, the file format and the crash rules are ``daemon/disk_store.py``'s.
+Owns the scheduling of batched I/O on a few threads, its faults and the tier's I/O counters.
+What the directory holds in memory, the tier's LRU and its space against ``disk_size`` are
+``daemon/disk_catalog.py``'s; the bytes, the file format and the crash rules are
+``daemon/disk_store.py``'s.
 
-- **Down (demote).** A batch of pool blocks of one size gets block indices (a free one, else the
-  file's next, else the disk LRU's oldest unread block: the same size reuses its index, another
-  size's is punched out and freed) and goes to one I/O thread as one ``DiskStore.write_data``;
-  up to ``MAX_DEMOTES`` batches are written at once. When its data is on the device the pool
-  slots are let go and the batch joins the next group commit (``DiskStore.commit``: one flush
-  of the data, the records, one flush of the records, for every batch that landed while the
-  previous commit ran), on a thread of its own. The blocks become visible (``leading``) only
-  once their data and records are durable. A flush per batch, as before, left the device idle
-  behind each flush: 3 batches in flight converged and waited on their flushes together
-  (pwritev in flight 84% of a 1 GiB demotion, 0.56 s of 4.4 s flushing with nothing written).
-- **Up (promote).** Blocks being read are pinned (``readers``), so the LRU cannot hand their
-  index to a write. A read is cut into parts of ``BATCH_BYTES`` that run on all I/O threads at
-  once; each block is verified; one that fails is counted, logged and dropped.
-- **Space.** ``used_bytes`` (blocks held and being written) never passes ``capacity_bytes``.
-  A freed index returns to its size's free heap only after its record is zeroed and its space
-  punched, so no write can race the free of the same index. Writes fill the lowest free
-  indices first, so the files stay dense and runs stay sequential.
+- **Down (demote).** A batch of pool blocks of one size gets block indices from the catalog
+  and goes to one I/O thread as one ``DiskStore.write_data``; up to ``MAX_DEMOTES`` batches
+  are written at once. When its data is on the device the pool slots are let go and the batch
+  joins the next group commit (``DiskStore.commit``: one flush of the data, the records, one
+  flush of the records, for every batch that landed while the previous commit ran), on a
+  thread of its own. The blocks become visible (``leading``) only once their data and records
+  are durable. A flush per batch, as before, left the device idle behind each flush: 3 batches
+  in flight converged and waited on their flushes together (pwritev in flight 84% of a 1 GiB
+  demotion, 0.56 s of 4.4 s flushing with nothing written).
+- **Up (promote).** Blocks being read are pinned in the catalog. A read is cut into parts of
+  ``BATCH_BYTES`` that run on all I/O threads at once; each block is verified; one that fails
+  is counted, logged and dropped.
+- **Freeing.** Indices the catalog releases are freed through the store (record zeroed, space
+  punched) in one call per size and loop turn, then handed back to the catalog for reuse.
 - **Faults.** The first I/O error (a full disk included) turns the tier off: one ERROR log
   line, ``is_enabled`` False, ``io_errors`` counted; what is in flight resolves as failed, and
   the pool keeps serving without the tier until a restart.
@@ -32,19 +30,16 @@ startup scan, before the daemon serves) and ``close``.
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import logging
 import os
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpool.daemon.disk_store import DiskStore, Found
-from kvpool.daemon.tier import LowerTier
+from kvpool.daemon.disk_catalog import DiskBlock, DiskCatalog, SizeFile
+from kvpool.daemon.disk_store import DiskStore
+from kvpool.daemon.tier import LowerTier, TierEvents
 from kvpool.shared.config import parse_size
 from kvpool.shared.protocol import TierInfo
 
@@ -69,75 +64,32 @@ MIN_UNCOMMITTED = 2 * MAX_DEMOTES
 MAX_UNCOMMITTED = 64
 UNCOMMITTED_SHARE = 8
 
-WRITING, VALID = 1, 2
-
-
-@dataclass(slots=True, eq=False)
-class _Size:
-    slot_bytes: int
-    free: list[int] = field(default_factory=list)   # heap of free block indices
-    high: int = 0                                    # indices below this have been used
-
-
-@dataclass(slots=True, eq=False)
-class DiskBlock:
-    key: bytes                 # namespace + block hash, as in the pool
-    size: _Size
-    index: int                 # block index in its size's file
-    state: int = WRITING
-    checksum: int = 0
-    seq: int = 0               # write order (the LRU order a restart rebuilds)
-    readers: int = 0           # promotions in flight
-    doomed: bool = False       # dropped while in flight: freed when that ends
-
-
-def _tables_of(raw: bytes, blocks: list[DiskBlock]) -> dict[bytes, dict[bytes, DiskBlock]]:
-    """The tier's tables (namespace → block hash → block) of ``blocks``, whose keys are ``raw``
-    (32 bytes each, in order): grouped with numpy, as ``DiskTier._adopt`` needs at startup."""
-    names = np.frombuffer(raw, "V16")
-    ns_of, hashes = names[0::2], names[1::2].tolist()
-    uniq, inverse = np.unique(ns_of, return_inverse=True)
-    by_ns = np.argsort(inverse, kind="stable")
-    cuts = np.flatnonzero(np.diff(inverse[by_ns])) + 1
-    tables: dict[bytes, dict[bytes, DiskBlock]] = {}
-    for ns, group in zip(uniq.tolist(), np.split(by_ns, cuts)):
-        g = group.tolist()
-        tables[ns] = dict(zip(map(hashes.__getitem__, g), map(blocks.__getitem__, g)))
-    return tables
-
 
 class DiskTier(LowerTier):
     name = "disk"
 
-    def __init__(self, store: DiskStore, capacity_bytes: int, pool_bytes: int) -> None:
+    def __init__(self, store: DiskStore, catalog: DiskCatalog, pool_bytes: int) -> None:
         self.store = store
-        self.capacity_bytes = capacity_bytes
+        self.catalog = catalog
         # Never pin more than an eighth of the pool for writing, whatever BATCH_BYTES says.
         self._batch_bytes = max(1, min(BATCH_BYTES, pool_bytes // (8 * MAX_DEMOTES)))
         self.max_uncommitted = min(MAX_UNCOMMITTED, max(
-            MIN_UNCOMMITTED, capacity_bytes // UNCOMMITTED_SHARE // self._batch_bytes))
-        self._tables: dict[bytes, dict[bytes, DiskBlock]] = {}
-        self._lru: OrderedDict[DiskBlock, None] = OrderedDict()
-        self._sizes: dict[int, _Size] = {}
+            MIN_UNCOMMITTED, catalog.capacity_bytes // UNCOMMITTED_SHARE // self._batch_bytes))
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-disk")
         # Group commits run one at a time on their own thread, beside the writes.
         self._commit_io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-disk-commit")
         self._inflight: set[Future] = set()
         self._demotes = 0                      # batches being written
         self._uncommitted = 0                  # batches being written or committed
-        self._landed: dict[_Size, list[tuple[list[DiskBlock], np.ndarray, np.ndarray]]] = {}
+        self._landed: dict[SizeFile, list[tuple[list[DiskBlock], np.ndarray, np.ndarray]]] = {}
         self._committing = False
         self._closing = False
-        self._to_free: dict[_Size, list[int]] = {}
         self._free_scheduled = False
-        self._seq = 1
         self._enabled = True
         self.status = "ok"
-        self.used_bytes = 0
-        self.blocks = 0
         self.hit_blocks = self.demoted_blocks = self.demoted_bytes = 0
         self.promoted_blocks = self.promoted_bytes = self.verify_failures = 0
-        self.io_errors = self.evicted_blocks = self.adopted_blocks = 0
+        self.io_errors = 0
 
     # ---- start -----------------------------------------------------------------------------
 
@@ -151,81 +103,35 @@ class DiskTier(LowerTier):
             found = store.scan()
             held = sum(len(f.indices) * f.slot_bytes for f in found)
             capacity = held + store.free_bytes() // 2 if size == "auto" else parse_size(size)
-            tier = cls(store, capacity, pool_bytes)
-            tier._adopt(found)
+            catalog = DiskCatalog(capacity)
+            for slot_bytes, stale in catalog.adopt(found):
+                store.free(slot_bytes, stale)
+            tier = cls(store, catalog, pool_bytes)
         except BaseException:
             store.close()
             raise
         log.info("disk tier %s: %d blocks (%d bytes) adopted of %d bytes in %.2f s", path,
-                 tier.blocks, tier.used_bytes, capacity, time.monotonic() - t0)
+                 catalog.blocks, catalog.used_bytes, capacity, time.monotonic() - t0)
         return tier
 
-    def _adopt(self, found: list[Found]) -> None:
-        """Index what ``scan`` found, oldest write first, so the LRU order survives; a key
-        found twice keeps its newest copy; beyond capacity the oldest go. Vectorised but for
-        one object per block (0.6 s per 100k blocks as a plain loop on a 2-core host)."""
-        sizes = [self._size(f.slot_bytes) for f in found]
-        for f, size in zip(found, sizes):
-            size.high = f.file_blocks
-            size.free = list(range(f.file_blocks))     # until a record says otherwise
-        if not any(len(f.indices) for f in found):
-            return
-        which = np.concatenate([np.full(len(f.indices), i) for i, f in enumerate(found)])
-        index = np.concatenate([f.indices for f in found])
-        rec = np.concatenate([f.records for f in found])
-        order = np.argsort(rec["seq"], kind="stable")
-        which, index, rec = which[order], index[order], rec[order]
-        n = len(rec)
-        keep = np.zeros(n, bool)
-        _, newest = np.unique(rec["key"][::-1], return_index=True)
-        keep[n - 1 - newest] = True
-        nbytes = np.asarray([f.slot_bytes for f in found], np.int64)[which] * keep
-        keep &= np.cumsum(nbytes[::-1])[::-1] <= self.capacity_bytes   # the newest that fit
-        kept = np.flatnonzero(keep)
-        raw = rec["key"][kept].tobytes()
-        keys = [raw[i:i + 32] for i in range(0, len(raw), 32)]
-        blocks = list(map(DiskBlock, keys, [sizes[w] for w in which[kept].tolist()],
-                          index[kept].tolist(), itertools.repeat(VALID, len(kept)),
-                          rec["checksum"][kept].tolist(), rec["seq"][kept].tolist()))
-        self._lru = OrderedDict.fromkeys(blocks)
-        self._tables = _tables_of(raw, blocks)
-        self.blocks = self.adopted_blocks = len(blocks)
-        self.used_bytes = int(nbytes[kept].sum())
-        self._seq = int(rec["seq"].max()) + 1
-        for w, size in enumerate(sizes):
-            mine = (which == w)
-            held = index[mine & keep]
-            size.free = np.setdiff1d(np.arange(size.high), held).tolist()   # sorted: a heap
-            stale = index[mine & ~keep]
-            if len(stale):
-                self.store.free(size.slot_bytes, stale)
+    def bind(self, events: TierEvents) -> None:
+        super().bind(events)
+        self.catalog.events = events       # it announces what it drops (evictions, resets)
 
     # ---- LowerTier: questions --------------------------------------------------------------
 
     def held_keys(self) -> list[bytes]:
-        return [b.key for b in self._lru] if self._enabled else []
+        return self.catalog.held_keys() if self._enabled else []
 
     @property
     def is_enabled(self) -> bool:
         return self._enabled
 
     def leading(self, ns: bytes, hashes: list[bytes], slot_bytes: int) -> int:
-        table = self._tables.get(ns) if self._enabled else None
-        if not table:
-            return 0
-        n = 0
-        for h in hashes:
-            b = table.get(h)
-            if b is None or b.state != VALID or b.size.slot_bytes != slot_bytes:
-                break
-            n += 1
-        return n
+        return self.catalog.leading(ns, hashes, slot_bytes) if self._enabled else 0
 
     def wants(self, key: bytes, slot_bytes: int) -> bool:
-        if not self._enabled or slot_bytes > self.capacity_bytes:
-            return False
-        table = self._tables.get(key[:16])
-        return table is None or key[16:] not in table
+        return self._enabled and self.catalog.wants(key, slot_bytes)
 
     def can_demote(self) -> bool:
         return (self._enabled and self._demotes < MAX_DEMOTES
@@ -240,21 +146,7 @@ class DiskTier(LowerTier):
                ) -> asyncio.Future[int]:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[int] = loop.create_future()
-        size = self._size(slot_bytes)
-        blocks: list[DiskBlock] = []
-        replaced: list[int] = []
-        for key in keys:
-            got = self._place(size)
-            if got is None:
-                break
-            index, reused = got
-            b = DiskBlock(key, size, index, WRITING, seq=self._seq)
-            self._seq += 1
-            table = self._tables.setdefault(key[:16], {})
-            table[key[16:]] = b
-            blocks.append(b)
-            if reused:
-                replaced.append(index)
+        blocks, replaced = self.catalog.claim(keys, self.catalog.size(slot_bytes))
         self._schedule_free()
         if not blocks:
             done.set_result(0)
@@ -279,7 +171,7 @@ class DiskTier(LowerTier):
         if exc is not None:
             self._fault("writing blocks", exc)
             self._uncommitted -= 1
-            self._lost(blocks)
+            self.catalog.lose(blocks)
             done.set_result(0)
             return
         batch = (blocks, indices, f.result())
@@ -288,7 +180,7 @@ class DiskTier(LowerTier):
             self._commit_next()
         else:                      # the tier went off while it was written
             self._uncommitted -= 1
-            self._lost(blocks)
+            self.catalog.lose(blocks)
         done.set_result(len(blocks))
 
     def _commit_next(self) -> None:
@@ -314,21 +206,13 @@ class DiskTier(LowerTier):
         if exc is not None:
             self._fault("writing blocks", exc)
             for blocks, _, _ in group:
-                self._lost(blocks)
+                self.catalog.lose(blocks)
         else:
             servable: list[bytes] = []
             for blocks, _, sums in group:
-                kept = 0
                 for b, checksum in zip(blocks, sums.tolist()):
-                    b.checksum = checksum
-                    b.state = VALID
-                    if b.doomed:              # forgotten (reset) while it was written
-                        self._release(b)
-                        continue
-                    self._lru[b] = None
-                    servable.append(b.key)
-                    kept += 1
-                self.blocks += kept
+                    if self.catalog.landed(b, checksum):
+                        servable.append(b.key)
                 self.demoted_blocks += len(blocks)
                 self.demoted_bytes += len(blocks) * blocks[0].size.slot_bytes
             if servable:
@@ -337,39 +221,12 @@ class DiskTier(LowerTier):
             for waiting in self._landed.values():
                 self._uncommitted -= len(waiting)
                 for blocks, _, _ in waiting:
-                    self._lost(blocks)
+                    self.catalog.lose(blocks)
             self._landed.clear()
         self._commit_next()
         self._schedule_free()
         if self.can_demote():          # max_uncommitted may have held it
             self.events.ready()
-
-    def _lost(self, blocks: list[DiskBlock]) -> None:
-        """Blocks whose write failed or will not be committed: unreachable, never freed
-        (the tier is off; their records were never written)."""
-        for b in blocks:
-            b.doomed = True
-            self._unmap(b)
-        self.used_bytes -= sum(b.size.slot_bytes for b in blocks)
-
-    def _place(self, size: _Size) -> tuple[int, bool] | None:
-        """(block index, whether it overwrites a block evicted for it) for one new block of
-        ``size``, with its bytes counted; None if nothing can make room."""
-        need = size.slot_bytes
-        while self.used_bytes + need > self.capacity_bytes:
-            victim = next((b for b in self._lru if b.readers == 0), None)
-            if victim is None:
-                return None
-            self.evicted_blocks += 1
-            self._unmap(victim)
-            if victim.size is size:
-                return victim.index, True    # its bytes are counted for the new block
-            self._release(victim)
-        self.used_bytes += need
-        if size.free:
-            return heapq.heappop(size.free), False
-        size.high += 1
-        return size.high - 1, False
 
     # ---- LowerTier: up ---------------------------------------------------------------------
 
@@ -377,15 +234,7 @@ class DiskTier(LowerTier):
                 ) -> asyncio.Future[list[bool]]:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[list[bool]] = loop.create_future()
-        blocks: list[DiskBlock | None] = []
-        for key in keys:
-            b = self._tables.get(key[:16], {}).get(key[16:])
-            if b is None or b.state != VALID or b.doomed or b.size.slot_bytes != slot_bytes:
-                b = None
-            else:
-                b.readers += 1
-                self._lru.move_to_end(b)
-            blocks.append(b)
+        blocks = [self.catalog.pin(key, slot_bytes) for key in keys]
         live = [i for i, b in enumerate(blocks) if b is not None]
         self.hit_blocks += len(live)
         ok = [False] * len(blocks)
@@ -429,44 +278,29 @@ class DiskTier(LowerTier):
         self.promoted_blocks += n_ok
         if n_ok:
             self.promoted_bytes += n_ok * next(b for b in blocks if b is not None).size.slot_bytes
-        for b in blocks:
-            if b is not None:
-                b.readers -= 1
         if bad:
             self.verify_failures += len(bad)
             log.warning("disk tier: %d block(s) failed checksum verification on read (first: "
                         "%s at index %d of blocks-%d.dat): dropped, their loads recompute",
                         len(bad), bad[0].key.hex(), bad[0].index, bad[0].size.slot_bytes)
-            for b in bad:
-                self._unmap(b)
-                b.doomed = True
-        for b in blocks:
-            if b is not None and b.doomed and b.readers == 0:
-                self._release(b)
+        self.catalog.unpin(blocks, bad)
         self._schedule_free()
         done.set_result(ok)
 
     # ---- LowerTier: the rest ---------------------------------------------------------------
 
     def forget(self, ns: bytes) -> int:
-        table = self._tables.get(ns)
-        if not table:
-            return 0
-        blocks = list(table.values())
-        for b in blocks:
-            self._unmap(b)
-            b.doomed = True
-            if b.state == VALID and b.readers == 0:
-                self._release(b)
+        n = self.catalog.forget(ns)
         self._schedule_free()
-        return len(blocks)
+        return n
 
     def info(self) -> TierInfo:
-        return TierInfo(self.name, self._enabled, str(self.store.path), self.capacity_bytes,
-                        self.used_bytes, self.blocks, self.hit_blocks, self.demoted_blocks,
+        c = self.catalog
+        return TierInfo(self.name, self._enabled, str(self.store.path), c.capacity_bytes,
+                        c.used_bytes, c.blocks, self.hit_blocks, self.demoted_blocks,
                         self.demoted_bytes, self.promoted_blocks, self.promoted_bytes,
-                        self.verify_failures, self.io_errors, self.evicted_blocks, 0,
-                        self.adopted_blocks, self.status)
+                        self.verify_failures, self.io_errors, c.evicted_blocks, 0,
+                        c.adopted_blocks, self.status)
 
     async def close(self, timeout_s: float) -> None:
         self._flush_free()        # forgotten blocks must not come back at the next start
@@ -498,43 +332,20 @@ class DiskTier(LowerTier):
         """Whether I/O is running or a written batch still waits for its commit."""
         return bool(self._inflight or self._uncommitted)
 
-    def _size(self, slot_bytes: int) -> _Size:
-        size = self._sizes.get(slot_bytes)
-        if size is None:
-            size = self._sizes[slot_bytes] = _Size(slot_bytes)
-        return size
-
     def _submit(self, pool: ThreadPoolExecutor, fn, *args) -> Future:
         f = pool.submit(fn, *args)
         self._inflight.add(f)
         f.add_done_callback(self._inflight.discard)
         return f
 
-    def _unmap(self, b: DiskBlock) -> None:
-        """Make ``b`` unreachable (table, LRU); its index stays taken."""
-        table = self._tables.get(b.key[:16])
-        if table is not None and table.get(b.key[16:]) is b:
-            del table[b.key[16:]]
-            if not table:
-                del self._tables[b.key[:16]]
-        if self._lru.pop(b, True) is None:
-            self.blocks -= 1
-            self.events.dropped([b.key])
-
-    def _release(self, b: DiskBlock) -> None:
-        """Give ``b``'s space back: counted now, its index reusable once the record is zeroed
-        and the space punched (``_flush_free``)."""
-        self.used_bytes -= b.size.slot_bytes
-        self._to_free.setdefault(b.size, []).append(b.index)
-
     def _schedule_free(self) -> None:
-        if self._to_free and not self._free_scheduled:
+        if self.catalog.has_to_free and not self._free_scheduled:
             self._free_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush_free)
 
     def _flush_free(self) -> None:
         self._free_scheduled = False
-        todo, self._to_free = self._to_free, {}
+        todo = self.catalog.take_to_free()
         if not self._enabled:
             return
         loop = asyncio.get_running_loop()
@@ -545,8 +356,7 @@ class DiskTier(LowerTier):
                 if f.exception() is not None:
                     self._fault("freeing blocks", f.exception())
                     return
-                for i in idx:
-                    heapq.heappush(size.free, i)
+                self.catalog.reuse(size, idx)
             f.add_done_callback(lambda f, freed=freed: loop.call_soon_threadsafe(freed, f))
 
     def _fault(self, what: str, exc: BaseException) -> None:
@@ -557,7 +367,7 @@ class DiskTier(LowerTier):
             return
         self._enabled = False
         self.status = f"off: {what} failed: {exc}"
-        self.events.dropped([b.key for b in self._lru])
+        self.events.dropped(self.catalog.held_keys())
         log.error("DISK TIER OFF: %s in %s failed: %s. kvpoold keeps serving from the pool "
                   "alone; no block is read from the disk tier until the daemon restarts "
                   "(free space or fix the disk first)", what, self.store.path,

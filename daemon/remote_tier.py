@@ -1,18 +1,16 @@
 """The remote tier: pool blocks shared across hosts through a Mooncake Store, behind
 ``LowerTier``.
 
-Owns what this host knows the store holds (``present``: key → slot bytes, bounded, learnt from
-its own publishes and from existence checks), the tier's state (connecting / up / down), the
-scheduling of store calls on the tier's threads, and its counters. The bytes, key names and
-value format are ``daemon/mooncake_store.py``'s.
+Owns the tier's state (connecting / up / down), the scheduling of store calls on the tier's
+threads, and its counters. What this host knows the store holds, and the probes that learn it,
+are ``daemon/remote_presence.py``'s; the bytes, key names and value format are
+``daemon/mooncake_store.py``'s.
 
 - **Down (publish).** Batches of committed pool blocks go to ``MooncakeStore.put`` on one of
   ``DATA_THREADS`` threads, straight from the pool; a block stored (or already there) becomes
-  ``present``. A store without room rejects a block (counted, one WARNING per outage of room).
-- **Probe.** A lookup's keys that the pool and the upper tiers lack are checked in the store
-  before the lookup answers: the probes of one loop turn go out as one ``batch_is_exist`` on
-  the control thread, and the lookup waits for it (the engine's scheduler polls; it never waits)
-  at most ``remote_timeout_ms``. ``leading`` then answers from ``present``, from memory.
+  present. A store without room rejects a block (counted, one WARNING per outage of room).
+- **Probe.** Existence checks (``batch_is_exist``) run on the control thread, bounded by
+  ``remote_timeout_ms``; ``leading`` answers from what they and this host's publishes taught.
 - **Up (fetch).** A hit is fetched straight into the pool's FILLING slots, the whole run in one
   call (Mooncake overlaps the transfers inside a call), each block verified; one that fails its checksum
   is a miss (counted, logged); one the store no longer has is a miss too (``lost_blocks``).
@@ -36,7 +34,6 @@ import asyncio
 import logging
 import os
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -44,8 +41,9 @@ import numpy as np
 
 from kvpool.daemon.mooncake_store import (NO_AVAILABLE_HANDLE, GetResult, MooncakeStore,
                                           RemoteFault, remote_key)
+from kvpool.daemon.remote_presence import RemotePresence
 from kvpool.daemon.remote_url import MOONCAKE_MISSING, RemoteUrl, parse_remote_url, resolve_local
-from kvpool.daemon.tier import LowerTier
+from kvpool.daemon.tier import LowerTier, TierEvents
 from kvpool.shared.config import DaemonConfig, parse_size
 from kvpool.shared.errors import ConfigError
 from kvpool.shared.protocol import TierInfo
@@ -62,11 +60,6 @@ FETCH_THREADS = 2
 # batches in flight.
 BATCH_BYTES = 64 << 20
 MAX_BATCH_BLOCKS = 512
-# Keys checked per key list and lookup: a prompt of 512 blocks of 16 tokens is 8k tokens;
-# hits further out are found by the lookups of the following steps.
-PROBE_MAX_KEYS = 512
-# What this host remembers the store holds (a 32-byte key and its size: ~170 B each).
-PRESENT_MAX = 1 << 18
 MONITOR_PERIOD_S = 0.5
 # The most a stop waits on the store. Against a dead master, leaving it (unmounting this host's
 # segment) retries for 1.5 s and more, and calls in flight hang in Mooncake's retries; a stop
@@ -86,15 +79,15 @@ class RemoteTier(LowerTier):
         self._batch_bytes = max(1, min(BATCH_BYTES, pool_bytes // (4 * DATA_THREADS)))
         self._state = CONNECTING
         self.status = f"connecting to {store.url.display()}"
-        self._present: OrderedDict[bytes, int] = OrderedDict()
-        self._present_bytes = 0
+        self.present = RemotePresence(
+            lambda keys: self._ctl_call(store.exists, [remote_key(k) for k in keys]),
+            timeout_s, lambda: self._state == UP, self._fault)
         self._ctl = ThreadPoolExecutor(1, thread_name_prefix="kvpool-remote-ctl")
         self._data = ThreadPoolExecutor(DATA_THREADS, thread_name_prefix="kvpool-remote-put")
         self._fetch = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kvpool-remote-get")
         self._ctl_busy = 0
         self._data_inflight: set[Future] = set()
         self._puts = 0
-        self._probes: list[tuple[list[bytes], int, asyncio.Future[None]]] = []
         self._monitor: asyncio.Task | None = None
         self._full_warned = False
         self.hit_blocks = self.demoted_blocks = self.demoted_bytes = 0
@@ -127,6 +120,10 @@ class RemoteTier(LowerTier):
                  self.store.segment_bytes)
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
 
+    def bind(self, events: TierEvents) -> None:
+        super().bind(events)
+        self.present.events = events       # it tells the index what is present
+
     # ---- LowerTier: questions --------------------------------------------------------------
 
     @property
@@ -134,91 +131,20 @@ class RemoteTier(LowerTier):
         return self._state == UP
 
     def leading(self, ns: bytes, hashes: list[bytes], slot_bytes: int) -> int:
-        if self._state != UP:
-            return 0
-        present = self._present
-        n = 0
-        for h in hashes:
-            if present.get(ns + h) != slot_bytes:
-                break
-            n += 1
-        return n
+        return self.present.leading(ns, hashes, slot_bytes) if self._state == UP else 0
 
     def probe(self, ns: bytes, tails: list[list[bytes]], slot_bytes: int
               ) -> asyncio.Future[None] | None:
-        if self._state != UP:
-            return None
-        keys = [ns + h for tail in tails for h in tail[:PROBE_MAX_KEYS]]
-        if not keys:
-            return None
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        if not self._probes:
-            loop.call_soon(self._send_probes)
-        self._probes.append((keys, slot_bytes, done))
-        return done
+        return self.present.probe(ns, tails, slot_bytes) if self._state == UP else None
 
     def wants(self, key: bytes, slot_bytes: int) -> bool:
-        return self._state == UP and key not in self._present
+        return self._state == UP and self.present.wants(key)
 
     def can_demote(self) -> bool:
         return self._state == UP and self._puts < DATA_THREADS
 
     def batch_blocks(self, slot_bytes: int) -> int:
         return max(1, min(MAX_BATCH_BLOCKS, self._batch_bytes // slot_bytes))
-
-    # ---- probes ----------------------------------------------------------------------------
-
-    def _send_probes(self) -> None:
-        """One existence check for every probe of this loop turn, bounded by ``timeout_s``."""
-        batch, self._probes = self._probes, []
-        keys = list(dict.fromkeys(k for keys, _, _ in batch for k in keys))
-        loop = asyncio.get_running_loop()
-        state = {"answered": False}
-
-        def finish() -> None:
-            for _, _, f in batch:
-                if not f.done():
-                    f.set_result(None)
-
-        def answered(f: Future) -> None:
-            if state["answered"]:            # past the deadline: the tier is off already
-                return
-            state["answered"] = True
-            timer.cancel()
-            exc = f.exception()
-            log.debug("remote tier: existence check of %d keys answered (%s)", len(keys),
-                      "failed" if exc is not None else "ok")
-            if exc is not None:
-                self._fault("an existence check", exc)
-            elif self._state == UP:
-                there = dict(zip(keys, f.result().tolist()))
-                for probed, slot_bytes, _ in batch:
-                    self._learn(probed, [there[k] for k in probed], slot_bytes)
-            finish()
-
-        def late() -> None:
-            if state["answered"]:
-                return
-            state["answered"] = True
-            self._fault("an existence check", TimeoutError(
-                f"no answer within remote_timeout_ms={self.timeout_s * 1000:.0f}"))
-            finish()
-
-        if self._state != UP:
-            finish()
-            return
-        log.debug("remote tier: existence check of %d keys sent", len(keys))
-        timer = loop.call_later(self.timeout_s, late)
-        self._ctl_call(self.store.exists, [remote_key(k) for k in keys]).add_done_callback(
-            lambda f: loop.call_soon_threadsafe(answered, f))
-
-    def _learn(self, keys: list[bytes], there: list[bool], slot_bytes: int) -> None:
-        for k, yes in zip(keys, there):
-            if yes:
-                self._remember(k, slot_bytes)
-            else:
-                self._forget_key(k)
 
     # ---- LowerTier: down -------------------------------------------------------------------
 
@@ -244,7 +170,7 @@ class RemoteTier(LowerTier):
         codes: np.ndarray = f.result()
         stored = codes == 0
         for k in np.asarray(keys, object)[stored].tolist():
-            self._remember(k, slot_bytes)
+            self.present.remember(k, slot_bytes)
         n = int(stored.sum())
         self.demoted_blocks += n
         self.demoted_bytes += n * slot_bytes
@@ -312,7 +238,7 @@ class RemoteTier(LowerTier):
                 self.io_errors += 1
         for k, good in zip(keys, ok.tolist()):
             if not good:
-                self._forget_key(k)
+                self.present.forget_key(k)
         n = int(ok.sum())
         self.promoted_blocks += n
         self.promoted_bytes += n * slot_bytes
@@ -331,20 +257,18 @@ class RemoteTier(LowerTier):
     def forget(self, ns: bytes) -> int:
         """Forget ``ns`` here and remove its objects from the store (in the background): a
         reset means its KV is no longer valid, on any host."""
-        mine = [k for k in self._present if k[:16] == ns]
-        for k in mine:
-            self._forget_key(k)
+        n = self.present.forget_ns(ns)
         if self._state == UP:
             def removed(f: Future) -> None:
                 if f.exception() is not None:
                     log.warning("remote tier: removing namespace %s from the store failed: %s",
                                 ns.hex(), f.exception())
             self._ctl_call(self.store.remove_namespace, ns).add_done_callback(removed)
-        return len(mine)
+        return n
 
     def info(self) -> TierInfo:
         return TierInfo(self.name, self._state == UP, self.store.url.display(),
-                        self.store.segment_bytes, self._present_bytes, len(self._present),
+                        self.store.segment_bytes, self.present.bytes, len(self.present),
                         self.hit_blocks, self.demoted_blocks, self.demoted_bytes,
                         self.promoted_blocks, self.promoted_bytes, self.verify_failures,
                         self.io_errors, 0, 0, 0, self.status, self.lost_blocks,
@@ -443,10 +367,7 @@ class RemoteTier(LowerTier):
         self.status = "ok"
         self._full_warned = False
         # A master that restarted has lost every object; what we knew is no longer true.
-        if self._present:
-            self.events.dropped(list(self._present))
-        self._present.clear()
-        self._present_bytes = 0
+        self.present.clear()
         if back:
             log.warning("REMOTE TIER BACK: Mooncake master %s answers again; publishing and "
                         "remote lookups resume", self.store.url.master)
@@ -461,8 +382,7 @@ class RemoteTier(LowerTier):
         if self._state not in (UP, CONNECTING):
             return
         self.io_errors += 1
-        if self._present:
-            self.events.dropped(list(self._present))     # nothing can be fetched while off
+        self.present.withdraw()
         self._state = DOWN
         self.status = f"off: {what} failed: {exc}"
         log.error("REMOTE TIER OFF: %s against Mooncake master %s failed: %s. kvpoold serves "
@@ -470,28 +390,6 @@ class RemoteTier(LowerTier):
                   what, self.store.url.master, exc, MONITOR_PERIOD_S)
 
     # ---- internals -------------------------------------------------------------------------
-
-    def _remember(self, key: bytes, slot_bytes: int) -> None:
-        """``key`` is in the store (published by this host, or found by a probe): told to the
-        shared-memory index as a remote block, so schedulers here see it without asking."""
-        present = self._present
-        old = present.pop(key, None)
-        if old is not None:
-            self._present_bytes -= old
-        else:
-            self.events.held([key])
-        present[key] = slot_bytes
-        self._present_bytes += slot_bytes
-        while len(present) > PRESENT_MAX:
-            gone, size = present.popitem(last=False)
-            self._present_bytes -= size
-            self.events.dropped([gone])
-
-    def _forget_key(self, key: bytes) -> None:
-        size = self._present.pop(key, None)
-        if size is not None:
-            self._present_bytes -= size
-            self.events.dropped([key])
 
     @staticmethod
     def _fetch_blocks(n: int) -> int:

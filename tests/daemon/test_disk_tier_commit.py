@@ -9,8 +9,6 @@ import mmap
 import os
 import threading
 
-import numpy as np
-
 from kvpool.daemon import disk_tier
 from kvpool.daemon.tier import TierEvents
 from kvpool.daemon.disk_tier import DiskTier
@@ -85,7 +83,7 @@ def test_batches_landing_during_a_commit_share_the_next_and_show_only_once_durab
     asyncio.run(main())
     again = DiskTier.open(str(tmp_path / "d"), "64MiB", pool, POOL_BLOCKS * S)
     try:
-        assert again.adopted_blocks == 2 * cap
+        assert again.info().adopted_blocks == 2 * cap
     finally:
         asyncio.run(again.close(30))
         pool.close()
