@@ -37,12 +37,13 @@ STRANGER = 65533        # a uid and gid with no account at all
 # checkout and its venv may sit under a directory only root can enter (root's home, a
 # ``mktemp -d``), so they are copied to a world-readable place, never read where they are.
 _OTHER_UID_PACKAGES = {"kvpool": "kvpool", "kvpool/shared": "shared", "kvpool/client": "client"}
-# numpy: the scheduler client reads the shared-memory index with it (client/index_reader.py).
-_OTHER_UID_DEPENDENCIES = ("msgspec", "zmq", "numpy")
+# numpy and posix_ipc: the scheduler client maps and reads the shared-memory index with them
+# (client/index_reader.py).
+_OTHER_UID_DEPENDENCIES = ("msgspec", "zmq", "numpy", "posix_ipc")
 # What kvpoold itself imports besides (torch only on a thread once it serves, for host copies:
 # left out, so a daemon run this way answers pings, lookups and info but copies nothing).
 _DAEMON_PACKAGES = {"kvpool/daemon": "daemon"}
-_DAEMON_DEPENDENCIES = ("click", "prometheus_client", "uvloop", "posix_ipc", "xxhash")
+_DAEMON_DEPENDENCIES = ("click", "prometheus_client", "uvloop", "xxhash")
 
 
 def system_python() -> str | None:

@@ -170,7 +170,7 @@ def test_both_connectors_run_the_same_load_and_are_timed_alike(daemon, tmp_path)
 @pytest.mark.timeout(600)
 def test_a_whole_run_writes_every_figure(tmp_path):
     """The benchmark as a script, tiny (no vLLM arm): its JSON has the new and the kept keys."""
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "control_plane.py"), "--blocks", "4",
+    r = subprocess.run([sys.executable, "-m", "bench.control_plane", "--blocks", "4",
                         "--iters", "40", "--skip-connector", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=540, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

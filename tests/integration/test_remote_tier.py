@@ -205,7 +205,8 @@ def test_master_down_at_start_is_an_outage_not_a_failed_start(daemon_factory, tm
 ])
 def test_bad_url_is_a_clear_startup_error(tmp_path, url, says):
     r = subprocess.run([sys.executable, "-m", "kvpool.daemon", "--socket",
-                        str(tmp_path / "s.sock"), "--pool-size", "8MiB", "--remote-store", url],
+                        str(tmp_path / "s.sock"), "--pool-size", "8MiB", "--extent-size", "1MiB",
+                        "--remote-store", url],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and says in r.stderr and "remote_store" in r.stderr, r.stderr
 
@@ -215,7 +216,8 @@ def test_unresolvable_master_is_a_clear_startup_error(daemon_factory):
     d = daemon_factory(extra=["--remote-store", "mooncake://no-such-master.invalid:50051"],
                        start=False)
     r = subprocess.run(d.args(), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 3 and "does not resolve" in r.stderr, r.stderr[-2000:]
+    # A setting checked before anything is taken (startup.check_config): exit 2, one line.
+    assert r.returncode == 2 and "does not resolve" in r.stderr, r.stderr[-2000:]
 
 
 def test_corrupted_value_is_a_miss_never_loaded(daemon_factory, mooncake_master):
