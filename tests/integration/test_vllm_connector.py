@@ -146,18 +146,19 @@ def test_gpu_prefix_hit_covers_the_pool_hit_and_releases_the_lease(make_engine, 
     e.add("a", p, max_tokens=1)
     e.run()
     role = e.connector.scheduler
-    leases = []
-    original = role.lookups.poll
+    offers = []
+    original = role.lookups.offer
 
-    def spy(step):
-        original(step)
-        leases.extend(x for a in role.lookups._asks.values() for x in a.leases)
+    def spy(st, num_computed_tokens, step):
+        offers.append(original(st, num_computed_tokens, step))
+        return offers[-1]
 
-    role.lookups.poll = spy
-    # The GPU prefix cache still holds a's 4 blocks; the pool has the same 4 and no more.
+    role.lookups.offer = spy
+    # The GPU prefix cache still holds a's 4 blocks; the pool has the same 4 and no more:
+    # the index offers them (pinning nothing), vLLM's own hit covers them, nothing loads.
     e.add("b", p + [1] * 40, max_tokens=1)
     e.run()
-    assert leases, "the pool hit should have been pinned"
+    assert 4 in offers, f"the pool hit should have been offered: {offers}"
     assert e.stats.loaded_reqs == set()
     e.assert_clean(info)
 
