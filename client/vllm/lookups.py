@@ -123,6 +123,10 @@ class Lookups:
         self._orphans: list[Any] = []     # lookups nobody waits for; their leases get released
         self._polled = -1                 # the step whose answers were last taken in
         self._index = IndexReads(groups, client, link)
+        # A reset was sent: the index may show what the daemon has yet to forget, so lookups
+        # go by round trip (ordered after the reset) until one sent since has been answered.
+        self._fenced = False
+        self._inflight_fenced = False
 
     # ---- what the other parts call --------------------------------------------------------
 
@@ -212,6 +216,10 @@ class Lookups:
         self.send()
         self._index.flush()
 
+    def fence(self) -> None:
+        """A reset of our namespaces was just sent (see ``_fenced``)."""
+        self._fenced = True
+
     def has_work(self) -> bool:
         """Leases to release or hand-offs to ask about again: the engine must step again."""
         return bool(self.release or self.retry)
@@ -260,7 +268,7 @@ class Lookups:
         if self.retry:
             self.queued.extend(self.retry)
             self.retry = []
-        if self.queued and self._link.ok():
+        if self.queued and self._link.ok() and not self._fenced:
             self._find_streams()
         if self.queued and not self._inflight_calls:
             self._send_lookups()
@@ -294,7 +302,7 @@ class Lookups:
         """Answer ``a`` from the shared-memory index now: False if there is none (ask the
         daemon). Else its hit is set, or left None while its P/D hand-off has not landed (the
         next offer reads the index again)."""
-        if not self._link.ok():
+        if self._fenced or not self._link.ok():
             return False
         while True:
             starts, lists = self._ranges(a)
@@ -396,6 +404,7 @@ class Lookups:
             self._asks[rid].state = SENT
         self._inflight_calls = calls
         self._inflight_replies = [None] * len(calls)
+        self._inflight_fenced = self._fenced
 
     def _take_queued(self) -> list[str]:
         """The queued requests this step's lookups ask for, about ``LOOKUP_BLOCKS_PER_STEP``
@@ -477,6 +486,8 @@ class Lookups:
             return
         self._link.succeeded()
         self._inflight_calls, self._inflight_replies = [], []
+        if self._inflight_fenced:
+            self._fenced = self._inflight_fenced = False    # the daemon has done the reset
         per_req: dict[str, list[Answer]] = {}
         per_keys: dict[str, list[list[bytes]]] = {}
         for (call, gi, spans, lists), reply in zip(calls, replies):

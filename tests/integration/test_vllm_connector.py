@@ -462,8 +462,10 @@ def test_a_burst_of_requests_is_looked_up_over_several_steps(
         make_engine, info, monkeypatch, async_scheduling):
     from kvpool.client.vllm import lookups
 
-    # A bound far below the burst: 8 requests of 4 full blocks each arrive at once.
+    # A bound far below the burst: 8 requests of 4 full blocks each arrive at once. The bound
+    # is the round trip's (no shared-memory index: the lookups go to the daemon).
     monkeypatch.setattr(lookups, "LOOKUP_BLOCKS_PER_STEP", 6)
+    monkeypatch.setattr(SchedulerClient, "index", lambda self: None)
     e = make_engine(async_scheduling=async_scheduling)
     role = e.connector.scheduler
     looked_up: list[int] = []

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvpool.client.index_reader import IndexReader  # noqa: E402
+from kvpool.client.scheduler import SchedulerClient  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402
 
 from bench.vllm_scheduler import BS  # noqa: E402
@@ -118,3 +119,43 @@ def test_without_an_index_the_round_trip_serves_the_hit_a_step_later(
     logged = [r for r in caplog.records if "shared-memory index" in r.getMessage()]
     assert len(logged) == 1, [r.getMessage() for r in logged]
     e.assert_clean(info)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_a_block_evicted_between_offer_and_load_is_recomputed(make_engine, daemon_factory,
+                                                              async_scheduling):
+    # 4 MiB: 2 extents of 64 slots; another engine's stores turn the pool over while the
+    # offer waits for its load (a silent client is kept 10 s: the filler runs inside a step).
+    small = daemon_factory(pool_size="4MiB", extra=["--peer-timeout-ms", "10000"])
+    observer = SchedulerClient(small.client_config(), name="test observer")
+    try:
+        e = make_engine(socket=small.socket, async_scheduling=async_scheduling)
+        filler = make_engine(socket=small.socket, engine_id="filler", async_scheduling=False,
+                             num_blocks=512, max_num_batched_tokens=512)
+        p = prompt(70)
+        seed(e, p)
+        before = observer.info()
+        filled: list[bool] = []
+
+        def evict(rid, answer):
+            if rid == "b" and answer and not filled:
+                filled.append(True)
+                for i in range(12):                   # 12 x 48 blocks
+                    filler.add(f"fill{i}", prompt(48 * BS, 20000 + 1000 * i), max_tokens=1)
+                filler.run(timeout_s=120)
+
+        seen = spy_offers(e.connector.scheduler, then=evict)
+        e.add("b", p + [1, 2, 3], max_tokens=4)
+        e.run()
+        assert [n for rid, n in seen if rid == "b"][0] == 4 * BS
+        assert filled and e.stats.finished[-1] == "b"
+        after = observer.info()
+        assert after.evictions > before.evictions
+        # Never read from a reused slot: no block verified as b's (the fake model's check
+        # would fail on another request's bytes), all 4 recomputed, counted stale.
+        assert e.workers[0].verified_blocks == 0
+        assert after.load_stale_blocks >= before.load_stale_blocks + 4
+        e.assert_clean(observer)
+        filler.assert_clean(observer)
+    finally:
+        observer.close()

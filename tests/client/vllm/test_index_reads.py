@@ -103,3 +103,19 @@ def test_a_state_group_is_read_key_by_key_and_the_hit_ends_on_a_kept_state():
     assert w.client.calls == []
     ns_state = [t for t in w.client.touches if t[0] == STATE.namespace]
     assert ns_state == [(STATE.namespace, RequestKeys(req, [STATE]).range(req, 0, 1, 2), 3)]
+
+
+def test_after_a_reset_lookups_go_by_round_trip_until_one_sent_since_is_answered():
+    w = Rig(FakeClient())
+    req = request("a", list(range(70)))
+    pooled(w.client, req, GROUP, range(4))      # the index still shows what the reset drops
+    a = state(w, req)
+    w.lookups.fence()
+    assert w.lookups.offer(a, 0, step=0) is None
+    w.lookups.end_step()
+    [call] = w.client.calls
+    call.answer([0], [[]], [0])                 # the daemon did the reset: a miss
+    assert w.lookups.offer(a, 0, step=1) == 0
+    w.lookups.decline(a)
+    assert w.lookups.offer(a, 0, step=2) == 4   # the index is trusted again
+    assert len(w.client.calls) == 1
