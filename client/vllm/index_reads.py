@@ -77,3 +77,20 @@ class IndexReads:
         for namespace, (seen, misses) in touches.items():
             if seen or misses[0]:
                 self._link.nowait(self._touch_nowait, namespace, list(seen), misses[0])
+
+
+def behind_commits(groups: list[Any], committed: Any, answers: list[Answer],
+                   lists: list[list[bytes]]) -> bool:
+    """The index misses a key this engine's stores committed (``committed``: per group, its
+    keys): the daemon may not have taken that commit in yet (a round trip is ordered after
+    it), or has evicted it since (the round trip's miss then forgets it)."""
+    for gi, (_, hit, refs, _) in enumerate(answers):
+        ours = committed[gi]
+        if not ours:
+            continue
+        if groups[gi].state:
+            if any(r == MISSING and k in ours for k, r in zip(lists[gi], refs)):
+                return True
+        elif hit < len(lists[gi]) and lists[gi][hit] in ours:
+            return True
+    return False

@@ -7,13 +7,14 @@ What the rest of the scheduler side sees (the interface to keep when the interna
 hand-off each step, for ``pd_stream.py``), ``loaded`` (the load was reported; a failed one is
 never offered again), ``begin_step``/``end_step`` around a step's other work, ``forget``.
 
-Inside, today: a request's first ``offer`` queues a lookup of its prompt's block keys. The
-lookups a step queues go out together at its end (``end_step``, from ``build_connector_meta``):
-one call per namespace for every queued request, about ``LOOKUP_BLOCKS_PER_STEP`` blocks a
-step, at most one batch in flight. Answers are taken in once at the start of the next step
-(``begin_step``); until its answer is in, a request's offer is None. A hit pins its slots with
-leases until it is loaded or declined; leases nobody needs are released without waiting at the
-next step.
+Inside: a request's first ``offer`` reads the daemon's shared-memory index (``index_reads``)
+and answers in the same call, pinning nothing (the load names each block's key: one evicted
+meanwhile fails alone and is recomputed). Where the index cannot answer (none mapped, a key
+this engine committed that the daemon may not have taken in yet, a reset just sent), the
+lookup is queued: a step's queued lookups go out at its end (``end_step``), one call per
+namespace, about ``LOOKUP_BLOCKS_PER_STEP`` blocks a step, one batch in flight, answered at
+the next step's start (``begin_step``; the offer is None until then), their hits pinned with
+leases until loaded or declined (released without waiting at the next step).
 
 vLLM asks about every waiting request it walks past, which can be long before it schedules
 one: a burst of requests is looked up in its first step, and the later turns of a conversation
@@ -41,9 +42,9 @@ from typing import Any, Collection, Iterable, NamedTuple, Sequence
 
 from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.daemon_link import DaemonLink
-from kvpool.client.vllm.hybrid import (GroupAnswer, keep_resume_lease, merge_state_answer,
+from kvpool.client.vllm.hybrid import (MISSING, GroupAnswer, keep_resume_lease, merge_state_answer,
                                        resume_blocks, state_key_lists)
-from kvpool.client.vllm.index_reads import IndexReads
+from kvpool.client.vllm.index_reads import IndexReads, behind_commits
 from kvpool.client.vllm.pd_stream import Answer, PdStream
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.store_batches import CommittedKeys
@@ -307,7 +308,8 @@ class Lookups:
         while True:
             starts, lists = self._ranges(a)
             answers = self._index.answers(starts, lists)
-            if answers is None:
+            if answers is None or behind_commits(self.groups, self._committed, answers,
+                                                 lists):
                 return False
             hit = self._combine(a, answers)     # None: a window, asked again at a.target
             if hit is not None:
@@ -344,8 +346,14 @@ class Lookups:
     def _note_misses(self, answers: list[Answer], lists: list[list[bytes]]) -> None:
         """A key we stored that an answer missed has been evicted since: it may be stored
         again."""
-        for gi, (_, hit, _, _) in enumerate(answers):
-            if self._committed[gi] and not self.groups[gi].state and hit < len(lists[gi]):
+        for gi, (_, hit, refs, _) in enumerate(answers):
+            if not self._committed[gi]:
+                continue
+            if self.groups[gi].state:
+                for k, r in zip(lists[gi], refs):
+                    if r == MISSING:
+                        self._committed.forget(gi, k)
+            elif hit < len(lists[gi]):
                 self._committed.forget(gi, lists[gi][hit])
 
     def _answered(self, a: _Ask, step: int, hit: int, answers: list[Answer],

@@ -119,3 +119,19 @@ def test_after_a_reset_lookups_go_by_round_trip_until_one_sent_since_is_answered
     w.lookups.decline(a)
     assert w.lookups.offer(a, 0, step=2) == 4   # the index is trusted again
     assert len(w.client.calls) == 1
+
+
+def test_an_index_missing_a_key_we_committed_asks_the_daemon_which_is_believed():
+    w = Rig(FakeClient())
+    req = request("a", list(range(70)))
+    pooled(w.client, req, GROUP, range(2))
+    w.lookups._committed.add(0, keys(req, 0, 4))   # our commit of blocks 2-3 not taken in yet
+    a = state(w, req)
+    assert w.lookups.offer(a, 0, step=0) is None
+    w.lookups.end_step()
+    [call] = w.client.calls                     # ordered after the commit on the connection
+    call.answer([2], [[30, 31]], [5])           # evicted after all
+    assert w.lookups.offer(a, 0, step=1) == 2
+    assert keys(req, 0, 4)[2] not in w.lookups._committed[0]
+    w.lookups.decline(a)
+    assert w.lookups.offer(a, 0, step=2) == 2 and len(w.client.calls) == 1
