@@ -335,13 +335,17 @@ class Lookups:
             if answers is None:
                 left.append(rid)
                 continue
-            a.state = IDLE
-            if self._pd.answer(rid, answers, lists):
-                a.state = QUEUED
-                self.retry.append(rid)
-            else:
-                a.streaming = False
+            self._streamed(a, answers, lists)
         self.queued = left
+
+    def _streamed(self, a: _Ask, answers: list[Answer], lists: list[list[bytes]]) -> None:
+        """Load the chunks of ``a``'s hand-off that landed; ask again next step for the rest."""
+        a.state = IDLE
+        if self._pd.answer(a.st.request.request_id, answers, lists):
+            a.state = QUEUED
+            self.retry.append(a.st.request.request_id)
+        else:
+            a.streaming = False
 
     def _note_misses(self, answers: list[Answer], lists: list[list[bytes]]) -> None:
         """A key we stored that an answer missed has been evicted since: it may be stored
@@ -519,12 +523,7 @@ class Lookups:
             self._note_misses(answers, lists)
             if a.streaming:
                 a.held.extend(leases)           # held until the whole load is reported done
-                a.state = IDLE
-                if self._pd.answer(rid, answers, lists):
-                    a.state = QUEUED
-                    self.retry.append(rid)
-                else:
-                    a.streaming = False
+                self._streamed(a, answers, lists)
                 continue
             hit = self._combine(a, answers)
             # (a window group may have made _combine shrink the target: the hand-off is the
