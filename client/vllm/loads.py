@@ -85,7 +85,8 @@ class Loads:
         unloadable = False
         for gi, g in enumerate(self.groups):
             ids = table[g.index]
-            slots, bids = [], []
+            slots, bids, keys = [], [], []
+            known = hit.keys[gi] if gi < len(hit.keys) else []
             for i in range(local_blocks, pooled):
                 if i >= len(ids) or ids[i] == 0:     # a null block: outside the window
                     continue
@@ -98,8 +99,11 @@ class Loads:
                     continue
                 slots.append(hit.slots[gi][k])
                 bids.append(ids[i])
+                if k < len(known):
+                    keys.append(known[k])
             if slots:
-                specs.append(LoadSpec(rid, gi, slots, bids, final=not streams))
+                specs.append(LoadSpec(rid, gi, slots, bids, final=not streams,
+                                      keys=keys if len(keys) == len(slots) else []))
         if unloadable:
             specs = [LoadSpec(rid, 0, [], [b for spec in specs for b in spec.block_ids],
                               failed=True, final=not streams)]

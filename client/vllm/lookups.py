@@ -7,13 +7,14 @@ What the rest of the scheduler side sees (the interface to keep when the interna
 hand-off each step, for ``pd_stream.py``), ``loaded`` (the load was reported; a failed one is
 never offered again), ``begin_step``/``end_step`` around a step's other work, ``forget``.
 
-Inside, today: a request's first ``offer`` queues a lookup of its prompt's block keys. The
-lookups a step queues go out together at its end (``end_step``, from ``build_connector_meta``):
-one call per namespace for every queued request, about ``LOOKUP_BLOCKS_PER_STEP`` blocks a
-step, at most one batch in flight. Answers are taken in once at the start of the next step
-(``begin_step``); until its answer is in, a request's offer is None. A hit pins its slots with
-leases until it is loaded or declined; leases nobody needs are released without waiting at the
-next step.
+Inside: a request's first ``offer`` reads the daemon's shared-memory index (``index_reads``)
+and answers in the same call, pinning nothing (the load names each block's key: one evicted
+meanwhile fails alone and is recomputed). Where the index cannot answer (none mapped, a key
+this engine committed that the daemon may not have taken in yet, a reset just sent), the
+lookup is queued: a step's queued lookups go out at its end (``end_step``), one call per
+namespace, about ``LOOKUP_BLOCKS_PER_STEP`` blocks a step, one batch in flight, answered at
+the next step's start (``begin_step``; the offer is None until then), their hits pinned with
+leases until loaded or declined (released without waiting at the next step).
 
 vLLM asks about every waiting request it walks past, which can be long before it schedules
 one: a burst of requests is looked up in its first step, and the later turns of a conversation
@@ -37,12 +38,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Collection, Iterable, NamedTuple
+from typing import Any, Collection, Iterable, NamedTuple, Sequence
 
 from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.daemon_link import DaemonLink
-from kvpool.client.vllm.hybrid import (GroupAnswer, keep_resume_lease, merge_state_answer,
+from kvpool.client.vllm.hybrid import (MISSING, GroupAnswer, keep_resume_lease, merge_state_answer,
                                        resume_blocks, state_key_lists)
+from kvpool.client.vllm.index_reads import IndexReads, behind_commits
 from kvpool.client.vllm.pd_stream import Answer, PdStream
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.store_batches import CommittedKeys
@@ -69,6 +71,8 @@ class Hit(NamedTuple):
     local_tokens: int          # vLLM's own prefix hit when it was offered
     starts: list[int]          # per group: block index of slots[g][0]
     slots: list[list[int]]     # per group: slot refs of the hit run
+    # per group: block keys from starts[g] (keys[g][k]: slots[g][k]'s); () when not known
+    keys: Sequence[Sequence[bytes]] = ()
 
 
 @dataclass(eq=False, slots=True)
@@ -84,6 +88,7 @@ class _Ask:
     answered_step: int = 0     # (for _stale)
     starts: list[int] = field(default_factory=list)
     slots: list[list[int]] = field(default_factory=list)
+    keys: list[list[bytes]] = field(default_factory=list)   # per group: the keys asked
     leases: list[int] = field(default_factory=list)   # the answer's pins
     held: list[int] = field(default_factory=list)     # pins kept for the load in flight
     local_tokens: int = 0      # GPU prefix hit seen by the last offer
@@ -118,6 +123,11 @@ class Lookups:
         self._inflight_replies: list[Any] = []
         self._orphans: list[Any] = []     # lookups nobody waits for; their leases get released
         self._polled = -1                 # the step whose answers were last taken in
+        self._index = IndexReads(groups, client, link)
+        # A reset was sent: the index may show what the daemon has yet to forget, so lookups
+        # go by round trip (ordered after the reset) until one sent since has been answered.
+        self._fenced = False
+        self._inflight_fenced = False
 
     # ---- what the other parts call --------------------------------------------------------
 
@@ -143,7 +153,10 @@ class Lookups:
                     return 0            # the GPU already holds every block we could offer
                 if not self._link.ok():
                     return 0
-                a.state, a.target, a.rounds = QUEUED, max_blocks, 0
+                a.target, a.rounds = max_blocks, 0
+                if self._find(a, step):     # answered now (None: a hand-off not landed)
+                    return None if a.hit is None else max(a.hit, a.stream_to)
+                a.state = QUEUED
                 self.queued.append(rid)
             if self._polled != step:
                 # Once per step: answers that came since the last step. The step's queued
@@ -161,7 +174,7 @@ class Lookups:
         a = self._asks.get(st.request.request_id)
         if a is None or a.hit is None:
             return None
-        hit = Hit(a.hit, max(a.hit, a.stream_to), a.local_tokens, a.starts, a.slots)
+        hit = Hit(a.hit, max(a.hit, a.stream_to), a.local_tokens, a.starts, a.slots, a.keys)
         self._reset(a, keep_leases=True)
         return hit
 
@@ -198,9 +211,15 @@ class Lookups:
         self.poll(step)
 
     def end_step(self) -> None:
-        """The step's messages: leases to release, then the step's batch of lookups."""
+        """The step's messages: leases to release, the step's batch of lookups (the rest of
+        the hand-offs streaming, read from the index when it can be), the hits read."""
         self.send_releases()
         self.send()
+        self._index.flush()
+
+    def fence(self) -> None:
+        """A reset of our namespaces was just sent (see ``_fenced``)."""
+        self._fenced = True
 
     def has_work(self) -> bool:
         """Leases to release or hand-offs to ask about again: the engine must step again."""
@@ -221,7 +240,7 @@ class Lookups:
         """The answer is used up; its leases go now unless a load holds them."""
         (a.held if keep_leases else self.release).extend(a.leases)
         a.leases = []
-        a.state, a.hit, a.slots, a.starts = IDLE, None, [], []
+        a.state, a.hit, a.slots, a.starts, a.keys = IDLE, None, [], [], []
         a.stream_to = 0
 
     def _wanted(self, a: _Ask) -> bool:
@@ -250,6 +269,8 @@ class Lookups:
         if self.retry:
             self.queued.extend(self.retry)
             self.retry = []
+        if self.queued and self._link.ok() and not self._fenced:
+            self._find_streams()
         if self.queued and not self._inflight_calls:
             self._send_lookups()
 
@@ -258,9 +279,105 @@ class Lookups:
             leases, self.release = sorted(set(self.release)), []
             self._link.nowait(self.client.release_nowait, leases)
 
-    def _window_start(self, g: Any, end: int) -> int:
+    def _range(self, a: _Ask, g: Any) -> tuple[int, int]:
+        """The blocks [start, end) of group ``g`` that ``a``'s lookup asks about."""
+        rest = self._pd.span(a.st.request.request_id) if a.streaming else None
+        if rest is not None:        # the blocks of the hand-off still to come
+            return rest
+        if g.state:                 # a hit must end past the GPU's own
+            return min(a.local_tokens // self.block_tokens, a.target), a.target
         wb = g.window_blocks
-        return 0 if wb is None else max(0, end - wb)
+        return (0 if wb is None else max(0, a.target - wb)), a.target
+
+    def _ranges(self, a: _Ask) -> tuple[list[int], list[list[bytes]]]:
+        """Per group: the first block ``a``'s lookup asks about, and the keys it asks for."""
+        starts, lists = [], []
+        st = a.st
+        for gi, g in enumerate(self.groups):
+            start, end = self._range(a, g)
+            starts.append(start)
+            lists.append(st.keys.range(st.request, gi, start, end))
+        return starts, lists
+
+    def _find(self, a: _Ask, step: int) -> bool:
+        """Answer ``a`` from the shared-memory index now: False if there is none (ask the
+        daemon). Else its hit is set, or left None while its P/D hand-off has not landed (the
+        next offer reads the index again)."""
+        if self._fenced or not self._link.ok():
+            return False
+        while True:
+            starts, lists = self._ranges(a)
+            answers = self._index.answers(starts, lists)
+            if answers is None or behind_commits(self.groups, self._committed, answers,
+                                                 lists):
+                return False
+            hit = self._combine(a, answers)     # None: a window, asked again at a.target
+            if hit is not None:
+                break
+        self._note_misses(answers, lists)
+        st = a.st
+        stream_to = self._pd.admit(st, hit) if self._pd.expects(st.request.request_id) else 0
+        if stream_to is not None:
+            self._answered(a, step, hit, answers, lists, stream_to)
+        return True
+
+    def _find_streams(self) -> None:
+        """The queued asks for the rest of a hand-off, answered from the index (those it
+        cannot answer stay queued for the daemon)."""
+        asks, left = self._asks, []
+        for rid in self.queued:
+            a = asks.get(rid)
+            if a is None or a.state != QUEUED or not a.streaming or not self._wanted(a):
+                left.append(rid)
+                continue
+            starts, lists = self._ranges(a)
+            answers = self._index.answers(starts, lists)
+            if answers is None:
+                left.append(rid)
+                continue
+            self._streamed(a, answers, lists)
+        self.queued = left
+
+    def _streamed(self, a: _Ask, answers: list[Answer], lists: list[list[bytes]]) -> None:
+        """Load the chunks of ``a``'s hand-off that landed; ask again next step for the rest."""
+        a.state = IDLE
+        if self._pd.answer(a.st.request.request_id, answers, lists):
+            a.state = QUEUED
+            self.retry.append(a.st.request.request_id)
+        else:
+            a.streaming = False
+
+    def _note_misses(self, answers: list[Answer], lists: list[list[bytes]]) -> None:
+        """A key we stored that an answer missed has been evicted since: it may be stored
+        again."""
+        for gi, (_, hit, refs, _) in enumerate(answers):
+            if not self._committed[gi]:
+                continue
+            if self.groups[gi].state:
+                for k, r in zip(lists[gi], refs):
+                    if r == MISSING:
+                        self._committed.forget(gi, k)
+            elif hit < len(lists[gi]):
+                self._committed.forget(gi, lists[gi][hit])
+
+    def _answered(self, a: _Ask, step: int, hit: int, answers: list[Answer],
+                  lists: list[list[bytes]], stream_to: int) -> None:
+        """``a``'s answer is in: ``hit`` blocks, per group ``answers`` to the ``lists`` of keys
+        asked; its leases are kept for the load (those a load at ``hit`` does not use go)."""
+        leases = [lease for _, _, _, ls in answers for lease in ls if lease]
+        a.state = IDLE
+        a.hit = hit
+        a.answered_at, a.answered_step = self._clock(), step
+        if self._stateful:
+            leases = self._resume_leases(answers, hit)
+        a.leases = leases
+        a.starts = [start for start, _, _, _ in answers]
+        a.slots = [slots for _, _, slots, _ in answers]
+        a.keys = lists
+        a.stream_to = stream_to
+        if hit == 0:
+            self.release.extend(leases)
+            a.leases = []
 
     def _send_lookups(self) -> None:
         """One lookup per namespace for every queued request (the step's batch)."""
@@ -278,22 +395,12 @@ class Lookups:
         if not ids:
             return
         calls = []
-        span = self._pd.span
         try:
             for gi, g in enumerate(self.groups):
                 lists, spans = [], []
                 for rid in ids:
                     a = self._asks[rid]
-                    rest = span(rid) if a.streaming else None
-                    if rest is not None:    # the blocks of the hand-off still to come
-                        start, end = rest
-                    elif g.state:           # a hit must end past the GPU's own
-                        start, end = min(a.local_tokens // self.block_tokens, a.target), \
-                            a.target
-                    elif g.window_blocks is None:
-                        start, end = 0, a.target
-                    else:
-                        start, end = self._window_start(g, a.target), a.target
+                    start, end = self._range(a, g)
                     lists.append(a.st.keys.range(a.st.request, gi, start, end))
                     spans.append((rid, start))
                 sent = [k for ks in map(state_key_lists, lists) for k in ks] if g.state \
@@ -309,6 +416,7 @@ class Lookups:
             self._asks[rid].state = SENT
         self._inflight_calls = calls
         self._inflight_replies = [None] * len(calls)
+        self._inflight_fenced = self._fenced
 
     def _take_queued(self) -> list[str]:
         """The queued requests this step's lookups ask for, about ``LOOKUP_BLOCKS_PER_STEP``
@@ -390,20 +498,19 @@ class Lookups:
             return
         self._link.succeeded()
         self._inflight_calls, self._inflight_replies = [], []
+        if self._inflight_fenced:
+            self._fenced = self._inflight_fenced = False    # the daemon has done the reset
         per_req: dict[str, list[Answer]] = {}
+        per_keys: dict[str, list[list[bytes]]] = {}
         for (call, gi, spans, lists), reply in zip(calls, replies):
+            for (rid, _), keys in zip(spans, lists):
+                per_keys.setdefault(rid, []).append(keys)
             if self.groups[gi].state:
                 self._state_answers(per_req, spans, lists, reply)
                 continue
-            known = self._committed[gi]
             for k, (rid, start) in enumerate(spans):
-                hit = reply.hits[k]
                 per_req.setdefault(rid, []).append(
-                    (start, hit, reply.slots[k], [reply.leases[k]]))
-                if known and hit < len(lists[k]):
-                    # The first miss is news: a key we stored has been evicted since; it may
-                    # be stored again.
-                    self._committed.forget(gi, lists[k][hit])
+                    (start, reply.hits[k], reply.slots[k], [reply.leases[k]]))
         requeue = False
         for rid, answers in per_req.items():
             a = self._asks.get(rid)
@@ -412,14 +519,11 @@ class Lookups:
                 self.release.extend(leases)
                 continue
             st = a.st
+            lists = per_keys[rid]
+            self._note_misses(answers, lists)
             if a.streaming:
                 a.held.extend(leases)           # held until the whole load is reported done
-                a.state = IDLE
-                if self._pd.answer(rid, answers):
-                    a.state = QUEUED
-                    self.retry.append(rid)
-                else:
-                    a.streaming = False
+                self._streamed(a, answers, lists)
                 continue
             hit = self._combine(a, answers)
             # (a window group may have made _combine shrink the target: the hand-off is the
@@ -438,18 +542,7 @@ class Lookups:
                 self.queued.append(rid)
                 requeue = True
                 continue
-            a.state = IDLE
-            a.hit = hit
-            a.answered_at, a.answered_step = self._clock(), step
-            if self._stateful:
-                leases = self._resume_leases(answers, hit)
-            a.leases = leases
-            a.starts = [start for start, _, _, _ in answers]
-            a.slots = [slots for _, _, slots, _ in answers]
-            a.stream_to = stream_to
-            if hit == 0:
-                self.release.extend(leases)
-                a.leases = []
+            self._answered(a, step, hit, answers, lists, stream_to)
         if requeue:
             self._send_lookups()
 

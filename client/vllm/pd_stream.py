@@ -103,16 +103,17 @@ class PdStream:
         # vLLM may have taken a while to find room for it: the wait starts now.
         h.wait_until = self._clock() + self.pd_wait_s
 
-    def answer(self, rid: str, answers: list[Answer]) -> bool:
-        """Load what has committed since the last round; True if the rest is still to come
-        (look it up again next step)."""
+    def answer(self, rid: str, answers: list[Answer], keys: list[list[bytes]]) -> bool:
+        """Load what has committed since the last round (``keys``: per group, the keys the
+        answers are for); True if the rest is still to come (look it up again next step)."""
         h = self._handoffs[rid]
         new = min(n for _, n, _, _ in answers)
         if new:
             a, b = h.next, h.next + new
             last = b >= h.end
             for gi, (_, _, slots, _) in enumerate(answers):
-                self._specs.append(LoadSpec(rid, gi, slots[:new], h.ids[gi][a:b], final=last))
+                self._specs.append(LoadSpec(rid, gi, slots[:new], h.ids[gi][a:b], final=last,
+                                            keys=list(keys[gi][:new])))
             h.next = b
             h.wait_until = self._clock() + self.pd_wait_s
             if last:

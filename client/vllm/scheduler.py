@@ -300,6 +300,7 @@ class SchedulerRole:
         if ok:
             ok = self.batches.send_reset()
         self.batches.reset()
+        self.lookups.fence()
         if self.lazy is not None:
             self.lazy.reset()            # remembered KV is stale after a reset
         for st in self.requests:

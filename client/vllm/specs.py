@@ -28,6 +28,9 @@ class LoadSpec:
     # recomputes from the first of them and keeps the blocks before it.
     failed: bool = False
     final: bool = True  # no more specs follow for this request's load
+    # Per slot, its block's key: the daemon finds a block again by key when its ref went stale
+    # or a lower tier holds it (ref 0). Empty: refs only.
+    keys: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -126,7 +126,8 @@ class WorkerRole:
                          "may hold wrong bytes for them", e)
 
     def start_load_kv(self, meta: StepMeta) -> None:
-        by_group: dict[int, tuple[list[int], list[int], list[tuple[str, list[int]]]]] = {}
+        by_group: dict[int, tuple[list[int], list[int], list[tuple[str, list[int]]],
+                                  list[bytes]]] = {}
         for spec in meta.loads:
             rid = spec.req_id
             self._load_pending.setdefault(rid, 0)
@@ -136,16 +137,21 @@ class WorkerRole:
                 self._load_errors.setdefault(rid, []).extend(spec.block_ids)
             if not spec.slots:
                 continue
-            slots, bids, parts = by_group.setdefault(spec.group, ([], [], []))
+            slots, bids, parts, keys = by_group.setdefault(spec.group, ([], [], [], []))
             slots.extend(spec.slots)
             bids.extend(spec.block_ids)
             parts.append((rid, spec.block_ids))
-        for gi, (slots, bids, parts) in by_group.items():
+            # Keys in the slots' order; a spec without them (refs only) leaves the job's keys
+            # out, and a ref of 0 in it then fails alone.
+            keys.extend(spec.keys if len(spec.keys) == len(spec.slots) else
+                        [b""] * len(spec.slots))
+        for gi, (slots, bids, parts, keys) in by_group.items():
             reg = self._regs.get(gi)
             try:
                 if reg is None:
                     raise KeyError("group not registered")
-                job = self.client.submit_load(reg, slots, bids)
+                job = self.client.submit_load(reg, slots, bids,
+                                              keys=keys if all(keys) else ())
             except (DaemonUnavailable, KeyError) as e:
                 logger.debug("kvpool: load not submitted (%s); recomputing", e)
                 for rid, blocks in parts:

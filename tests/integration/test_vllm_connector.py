@@ -146,18 +146,19 @@ def test_gpu_prefix_hit_covers_the_pool_hit_and_releases_the_lease(make_engine, 
     e.add("a", p, max_tokens=1)
     e.run()
     role = e.connector.scheduler
-    leases = []
-    original = role.lookups.poll
+    offers = []
+    original = role.lookups.offer
 
-    def spy(step):
-        original(step)
-        leases.extend(x for a in role.lookups._asks.values() for x in a.leases)
+    def spy(st, num_computed_tokens, step):
+        offers.append(original(st, num_computed_tokens, step))
+        return offers[-1]
 
-    role.lookups.poll = spy
-    # The GPU prefix cache still holds a's 4 blocks; the pool has the same 4 and no more.
+    role.lookups.offer = spy
+    # The GPU prefix cache still holds a's 4 blocks; the pool has the same 4 and no more:
+    # the index offers them (pinning nothing), vLLM's own hit covers them, nothing loads.
     e.add("b", p + [1] * 40, max_tokens=1)
     e.run()
-    assert leases, "the pool hit should have been pinned"
+    assert 4 in offers, f"the pool hit should have been offered: {offers}"
     assert e.stats.loaded_reqs == set()
     e.assert_clean(info)
 
@@ -461,8 +462,10 @@ def test_a_burst_of_requests_is_looked_up_over_several_steps(
         make_engine, info, monkeypatch, async_scheduling):
     from kvpool.client.vllm import lookups
 
-    # A bound far below the burst: 8 requests of 4 full blocks each arrive at once.
+    # A bound far below the burst: 8 requests of 4 full blocks each arrive at once. The bound
+    # is the round trip's (no shared-memory index: the lookups go to the daemon).
     monkeypatch.setattr(lookups, "LOOKUP_BLOCKS_PER_STEP", 6)
+    monkeypatch.setattr(SchedulerClient, "index", lambda self: None)
     e = make_engine(async_scheduling=async_scheduling)
     role = e.connector.scheduler
     looked_up: list[int] = []

@@ -130,10 +130,12 @@ def test_a_failed_state_load_recomputes_the_whole_request(hybrid, info, async_sc
 
     def break_state_loads(meta):
         """Point only the state group's load at a slot of another tenancy: it fails while the
-        attention loads beside it succeed."""
+        attention loads beside it succeed (its keys go too: the daemon would find it by
+        key)."""
         for spec in meta.loads:
             if spec.group == STATE and spec.slots:
                 spec.slots = [s ^ (0x7FFF << 32) for s in spec.slots]
+                spec.keys = []
                 e._bad_loads.add(spec.req_id)
 
     e._break_loads = break_state_loads

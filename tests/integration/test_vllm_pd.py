@@ -249,8 +249,10 @@ def test_decode_loads_each_chunk_as_the_prefill_stores_it(engines, steady, async
     assert de.sched.requests["r1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     _land_chunks(pe, de, held, 5)
     run_together(pe, de)
-    # one load per chunk, each as it landed; every byte is what the prefill computed
-    assert [len(b) for _, b in de.workers[0].load_history["r1"]] == [2] * 6
+    # loads as the chunks land (read in the shared-memory index, a chunk's two blocks may be
+    # seen one step apart), never ahead of them; every byte is what the prefill computed
+    loads = [len(b) for _, b in de.workers[0].load_history["r1"]]
+    assert sum(loads) == 12 and max(loads) <= 2 and len(loads) >= 6, loads
     assert de.stats.loaded_reqs == {"r1"} and de.workers[0].verified_blocks == 12
     assert de.stats.finished == ["r1"]
     # the decode computed only the partial tail block and its decode steps

@@ -15,6 +15,7 @@ from kvpool.client.vllm.keys import GroupInfo, RequestKeys
 from kvpool.client.vllm.parts import Parts, RoleSettings, build_parts
 from kvpool.client.vllm.requests import ReqState
 from kvpool.shared.errors import DaemonUnavailable
+from kvpool.shared.index_format import POOL
 
 BT = 16
 NS = b"ns-full"
@@ -69,6 +70,11 @@ class FakeClient:
         self.released: list[list[int]] = []
         self.aborted: list[list[int]] = []
         self.resets: list[bytes] = []
+        # The shared-memory index as ``find`` reads it: (namespace, key) -> (slot ref,
+        # location); None: no usable index (lookups go to the daemon).
+        self.index: dict[tuple[bytes, bytes], tuple[int, int]] | None = None
+        self.finds = 0
+        self.touches: list[tuple[bytes, list[bytes], int]] = []
 
     def _check(self) -> None:
         if not self.up:
@@ -102,6 +108,24 @@ class FakeClient:
         call = FakeCall(namespace, [list(k) for k in key_lists])
         self.calls.append(call)
         return call
+
+    def find(self, namespace: bytes, hashes: list[bytes]
+             ) -> tuple[int, list[int], list[int]] | None:
+        if self.index is None:
+            return None
+        self.finds += 1
+        refs, locs = [], []
+        for h in hashes:
+            got = self.index.get((namespace, h))
+            if got is None:
+                break
+            refs.append(got[0] if got[1] == POOL else 0)
+            locs.append(got[1])
+        return len(refs), refs, locs
+
+    def touch_nowait(self, namespace: bytes, hashes: list[bytes], missed_blocks: int) -> None:
+        self._check()
+        self.touches.append((namespace, list(hashes), missed_blocks))
 
     def release_nowait(self, leases: list[int]) -> None:
         self._check()

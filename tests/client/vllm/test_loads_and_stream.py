@@ -64,10 +64,12 @@ def test_a_hand_off_streams_its_chunks_as_they_commit():
     assert [s.final for s in load.specs] == [False]
     w.pd.start(st, ([5, 6, 7, 8],), load.first, load.end)
     assert w.pd.streams == {"d"} and w.pd.span("d") == (1, 4)
-    assert w.pd.answer("d", [(1, 2, [41, 42], 0)])            # blocks 1, 2 came
-    assert w.pd.take_specs() == [LoadSpec("d", 0, [41, 42], [6, 7], final=False)]
-    assert not w.pd.answer("d", [(3, 1, [43], 0)])            # the last one
-    assert w.pd.take_specs() == [LoadSpec("d", 0, [43], [8], final=True)]
+    # blocks 1, 2 came (block 2 from a lower tier: ref 0, loaded by its key)
+    assert w.pd.answer("d", [(1, 2, [41, 0], 0)], [[b"k1", b"k2", b"k3"]])
+    assert w.pd.take_specs() == [LoadSpec("d", 0, [41, 0], [6, 7], final=False,
+                                          keys=[b"k1", b"k2"])]
+    assert not w.pd.answer("d", [(3, 1, [43], 0)], [[b"k3"]])     # the last one
+    assert w.pd.take_specs() == [LoadSpec("d", 0, [43], [8], final=True, keys=[b"k3"])]
     assert w.pd.streams == set() and w.pd.span("d") is None
 
 

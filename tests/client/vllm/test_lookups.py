@@ -181,7 +181,8 @@ def test_an_accepted_hit_keeps_its_pins_until_the_load_is_reported():
     w = Rig(FakeClient())
     a = hit_of_four(w, local_tokens=16)
     hit = w.lookups.accept(a)
-    assert hit == lookups_module.Hit(4, 4, 16, [0], [[30, 31, 32, 33]])
+    assert hit == lookups_module.Hit(4, 4, 16, [0], [[30, 31, 32, 33]],
+                                     [keys(a.request, 0, 4)])
     assert w.lookups.accept(a) is None and w.lookups.release == []    # used up, still pinned
     w.lookups.loaded("a", failed=False)
     assert w.lookups.release == [9] and ask(w, "a").held == []
