@@ -167,9 +167,10 @@ def test_gpu_prefix_hit_covers_the_pool_hit_and_releases_the_lease(make_engine, 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_preemption_during_stores_and_loads(make_engine, info, async_scheduling):
-    # Stores land three steps late, so preemption finds some still reading their blocks.
+    # Store completions arrive twelve steps late: the prompts' stores are still in flight when
+    # their first decode block fills and vLLM preempts (about six steps after the prefill).
     e = make_engine(async_scheduling=async_scheduling, num_blocks=24,
-                    max_num_batched_tokens=128, slow_stores=3)
+                    max_num_batched_tokens=128, slow_stores=12)
     prompts = {f"p{i}": prompt(90, 300 * i) for i in range(4)}
     for rid, p in prompts.items():
         e.add(rid, p, max_tokens=40)
