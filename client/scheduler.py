@@ -31,6 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
+
 from kvpool.client.index_reader import IndexReader
 from kvpool.client.transport import Transport
 from kvpool.shared import index_format, protocol as p
@@ -237,6 +239,21 @@ class SchedulerClient:
         n, loc, ref = got
         ref[loc != index_format.POOL] = 0
         return n, ref.tolist(), loc.tolist()
+
+    def find_each(self, namespace: bytes, hashes: Sequence[bytes]) -> list[int] | None:
+        """Every key of ``hashes`` read in the index now, hits past a miss too (a state
+        group's keys stand alone): per key, its slot ref, 0 where a lower tier holds it, -1 for
+        a miss. None when there is no usable index. Pins nothing."""
+        ix = self.index()
+        if ix is None:
+            return None
+        got = ix.find(namespace, hashes)
+        if got is None:
+            return None
+        loc, ref = got
+        refs = np.where(loc == index_format.POOL, ref, 0).astype(np.int64)
+        refs[loc == index_format.EMPTY] = -1
+        return refs.tolist()
 
     def touch_nowait(self, namespace: bytes, hashes: Sequence[bytes], missed_blocks: int) -> None:
         """Tell the daemon about hits read in the index (most recently used now) and misses

@@ -29,6 +29,7 @@ class IndexReads:
     def __init__(self, groups: list[Any], client: Any, link: DaemonLink) -> None:
         self.groups = groups
         self._find = getattr(client, "find", None)
+        self._find_each = getattr(client, "find_each", None)
         self._touch_nowait = getattr(client, "touch_nowait", None)
         self._link = link
         # namespace -> (hit keys read this step, blocks looked up and missed)
@@ -45,12 +46,9 @@ class IndexReads:
         read: list[tuple[bytes, Sequence[bytes], int]] = []
         for g, start, keys in zip(self.groups, starts, key_lists):
             if g.state:
-                refs = []
-                for k in keys:
-                    got = find(g.namespace, [k])
-                    if got is None:
-                        return None
-                    refs.append(got[1][0] if got[0] else MISSING)
+                refs = self._find_each(g.namespace, keys) if keys else []
+                if refs is None:
+                    return None
                 hits = [k for k, r in zip(keys, refs) if r != MISSING]
                 out.append((start, len(keys), refs, []))
                 read.append((g.namespace, hits, len(keys) - len(hits)))

@@ -39,6 +39,10 @@ def test_hits_are_read_in_the_index_in_the_same_call_and_load_byte_exact(daemon)
         assert n == 6 and where == [f.POOL] * 6
         assert refs == sched.lookup(kv.namespace, [keys]).slots[0], "the index and the daemon agree"
         assert sched.find(kv.namespace, kv.keys(list(range(9000, 9032))))[0] == 0
+        # Each key alone (a state group's): hits past a miss count too, a miss reads -1.
+        other = kv.keys(list(range(9000, 9000 + kv.block_tokens)))
+        assert sched.find_each(kv.namespace, [keys[0]] + other + keys[1:]) == \
+            [refs[0], -1] + refs[1:]
         kv.poison(list(range(10, 16)))
         done = worker.wait([worker.submit_load(reg, refs, list(range(10, 16)), keys)], 30)[0]
         assert done.ok and done.failed == () and done.nbytes == 6 * kv.layout.slot_bytes

@@ -123,6 +123,16 @@ class FakeClient:
             locs.append(got[1])
         return len(refs), refs, locs
 
+    def find_each(self, namespace: bytes, hashes: list[bytes]) -> list[int] | None:
+        if self.index is None:
+            return None
+        self.finds += 1
+        refs = []
+        for h in hashes:
+            got = self.index.get((namespace, h))
+            refs.append(-1 if got is None else got[0] if got[1] == POOL else 0)
+        return refs
+
     def touch_nowait(self, namespace: bytes, hashes: list[bytes], missed_blocks: int) -> None:
         self._check()
         self.touches.append((namespace, list(hashes), missed_blocks))
