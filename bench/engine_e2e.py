@@ -1,7 +1,7 @@
 """Headline benchmark: vLLM's real CPU engine with and without kvpool, side by side in one run.
 
-    .venv/bin/python bench/engine_e2e.py [--out bench/results] [--quick] [--runs 3]
-    .venv/bin/python bench/engine_e2e.py --lazy-check     # eager vs lazy bytes only, ~9 min a run
+    .venv/bin/python -m bench.engine_e2e [--out bench/results] [--quick] [--runs 3]
+    .venv/bin/python -m bench.engine_e2e --lazy-check     # eager vs lazy bytes only, ~9 min a run
 
 Needs ``.venv-engine`` (``bash .ci/install.sh``) and, for the chart, matplotlib
 (``pip install -e '.[bench]'``). Runs every workload in four arms: engines with no KV connector

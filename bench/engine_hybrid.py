@@ -1,7 +1,7 @@
 """The engine benchmark's hybrid model: vLLM's real CPU engine serving a Qwen3-Next (gated
 delta net + attention) with and without kvpool.
 
-    .venv/bin/python bench/engine_hybrid.py [--out bench/results] [--runs 3] [--quick]
+    .venv/bin/python -m bench.engine_hybrid [--out bench/results] [--runs 3] [--quick]
 
 Needs ``.venv-engine`` (``bash .ci/install.sh``). Two arms (``without_kvpool``, ``with_kvpool``)
 take turns in each run; every figure is the median over ``--runs`` runs (one run on a 2-core

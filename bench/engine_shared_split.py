@@ -1,7 +1,7 @@
 """The value of one pool with real engines (issue 36 item 7): two vLLM CPU engines behind a load
 balancer, one kvpoold with a pool of M against two of M/2 each.
 
-    .venv/bin/python bench/engine_e2e.py --shared-vs-split [--runs 3] [--quick]
+    .venv/bin/python -m bench.engine_e2e --shared-vs-split [--runs 3] [--quick]
 
 Requests are a few long prefixes (a system prompt, a shared document) each followed by a
 suffix of its own; every prefix recurs several times, and the requests reach the two engines in

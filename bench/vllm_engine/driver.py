@@ -25,7 +25,9 @@ between steps:
 
 Spec keys beside the engine settings: ``"init": "hybrid"`` re-initialises the weights of the tiny
 hybrid model (``bench.vllm_engine.hybrid_model``) after a dummy load; ``"inprocess": true`` runs
-vLLM's engine core in this process (what ``zero_states`` needs).
+vLLM's engine core in this process (what ``zero_states`` needs; the engine tests use it to start
+in a third of the time), which the driver then steps while it has work after each step
+(``settle``), as vLLM's engine-core process would between calls.
 
 The ready line lists the pids of the engine's processes (the driver leads its own session), so
 a test can name the KV segments they own.
@@ -103,6 +105,20 @@ def generate(llm, step: dict) -> dict:
     return res
 
 
+def settle(llm, budget_s: float = 60.0) -> None:
+    """Steps an in-process engine while its scheduler has work, as vLLM's engine-core process
+    does between calls (``EngineCoreProc``'s busy loop steps while ``has_requests()``, which
+    holds while the connector has stores in flight): without it the stores of the last
+    requests would wait for the next ``generate``. A no-op for an engine in its own process."""
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)     # InprocClient only
+    if core is None:
+        return
+    deadline = time.monotonic() + budget_s
+    while core.scheduler.has_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
@@ -128,10 +144,12 @@ def main() -> None:
         if op == "generate":
             step, given = {**step, **given}, {}
             emit({"step": i, "op": op, **generate(llm, step)})
+            settle(llm)
         elif op == "reset":
             deadline, tries = time.monotonic() + 60, 1
             ok = llm.reset_prefix_cache()
             while not ok and time.monotonic() < deadline:
+                settle(llm, 0.05)
                 time.sleep(0.05)
                 ok, tries = llm.reset_prefix_cache(), tries + 1
             emit({"step": i, "op": op, "ok": bool(ok), "tries": tries})
@@ -148,6 +166,7 @@ def main() -> None:
                 given = {k: v for k, v in json.loads(line).items() if v is not None}
         else:
             raise SystemExit(f"driver: unknown op {op!r}")
+    settle(llm)
     emit({"done": True})
 
 

@@ -23,6 +23,12 @@ from kvpool.shared.protocol import ENGINE_SHM_PREFIX
 from bench.vllm_engine.runner import ENGINE_PYTHON, ROOT, Engine
 
 BLOCK = 128          # the CPU engine's block size
+# vLLM's engine core in the driver's process: the CPU build otherwise spawns an engine-core
+# and a worker process, each importing vLLM again (start-up ~45 s on one core against ~18 s).
+# The connector's roles and the daemon see the same engine either way; the driver steps it
+# while it has work, as the engine-core process does (``driver.settle``). A test about the
+# processes themselves passes ``inprocess=False``.
+IN_PROCESS = {"inprocess": True}
 PROMPT_TOKENS = 3 * BLOCK + 40
 VOCAB = 1000
 
@@ -60,7 +66,7 @@ def engines(engine_python, tiny_model, tmp_path):
 
     def start(socket: str | None, steps: list[dict], name: str | None = None,
               wrap: Callable[[list[str]], list[str]] | None = None, **settings) -> Engine:
-        spec = {"model": tiny_model, "socket": socket, "steps": steps, **settings}
+        spec = {"model": tiny_model, "socket": socket, "steps": steps, **IN_PROCESS, **settings}
         e = Engine(engine_python, spec, tmp_path, name or f"engine{len(made)}", wrap)
         made.append(e)
         return e
@@ -105,7 +111,7 @@ def baseline_outputs(engine_python, tiny_model, tmp_path_factory):
         key = (json.dumps(ps), max_tokens, json.dumps(settings, sort_keys=True))
         if key not in cache:
             cache[key] = BaselineRun(Engine(
-                engine_python, {"model": tiny_model, "socket": None, **settings,
+                engine_python, {"model": tiny_model, "socket": None, **IN_PROCESS, **settings,
                                 "steps": [{"op": "generate", "prompts": ps,
                                            "max_tokens": max_tokens}]},
                 workdir, f"baseline{len(cache)}"))
