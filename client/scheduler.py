@@ -224,6 +224,12 @@ class SchedulerClient:
         self._index = ix
         return ix
 
+    def index_pending(self) -> bool:
+        """No index to read only because the connection is being made or remade (a daemon
+        restart): ``find`` answers once it is, a step or two later."""
+        t = self._t
+        return not t.is_connected or t.is_stale
+
     def find(self, namespace: bytes, hashes: Sequence[bytes]
              ) -> tuple[int, list[int], list[int]] | None:
         """The leading hits of ``hashes`` in the shared-memory index, read now: (how many,

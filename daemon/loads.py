@@ -9,9 +9,13 @@ recomputes exactly those blocks. A reused slot is never read: refs carry generat
 
 The common load (every block in the pool, committed) is one copy, started in the dispatch. A
 load that needs fills runs through a *staging window*: at most ``STAGING_BLOCKS`` blocks (and a
-quarter of the pool's slots of its size) are brought up, copied and let go before the next
-window starts, in the job's order, so a job larger than the pool is served whole instead of cut
-at what fits (an 8 MiB pool under a disk tier loaded 24 of 66 blocks before, issue 37).
+quarter of the pool's slots of its size) are resolved, brought up, copied and let go before the
+next window starts, in the job's order, so a job larger than the pool is served whole instead of
+cut at what fits (an 8 MiB pool under a disk tier loaded 24 of 66 blocks before, issue 37).
+Staged windows take turns daemon-wide, in arrival order, and pin nothing before their turn:
+several loads that together outgrow the pool are served one window after another, where each
+holding its later blocks' slots while waiting left the others no room (two of an engine's
+prompts at once, 11 blocks each through 24 slots, loaded 48 of 66).
 
 Runs on the daemon's event loop; copies run on the registration's engine.
 """
@@ -31,6 +35,10 @@ from kvpool.daemon.tiering import Tiering
 
 # Blocks one window of a staged load brings up at most (each a pool slot, pinned until copied).
 STAGING_BLOCKS = 64
+# A window that finds no room for a block a lower tier holds waits this long for slots to be
+# let go (asking again every ROOM_POLL_S) before the block fails (the engine recomputes it).
+ROOM_WAIT_S = 5.0
+ROOM_POLL_S = 0.01
 
 
 class Loads:
@@ -40,6 +48,7 @@ class Loads:
         self.index = index
         self.tiering = tiering
         self.staged_jobs = 0          # loads that needed a lower tier (since start)
+        self._turns = asyncio.Lock()  # staged windows, one at a time, first come first served
 
     def start(self, reg: Registration, refs: list[int], keys: list[bytes],
               blocks: np.ndarray) -> tuple[Future[JobResult], list[Slot]]:
@@ -58,8 +67,10 @@ class Loads:
             return self._partial(reg, slots, blocks), []
         self.staged_jobs += 1
         out: Future[JobResult] = Future()
-        self.index.pin(found)         # the pool's hits stay until their window copies them
-        asyncio.get_running_loop().create_task(self._staged(reg, slots, keys, blocks, out))
+        # Each window finds its blocks again in its turn: a slot found now and evicted
+        # meanwhile is looked up by key, and brought up again where a lower tier holds it.
+        refs = [s.ref if s is not None else 0 for s in slots]
+        asyncio.get_running_loop().create_task(self._staged(reg, refs, keys, blocks, out))
         return out, []
 
     def _partial(self, reg: Registration, slots: list[Slot | None],
@@ -87,54 +98,70 @@ class Loads:
         copy.add_done_callback(lambda f: loop.call_soon_threadsafe(done, f))
         return out
 
-    async def _staged(self, reg: Registration, slots: list[Slot | None], keys: list[bytes],
+    async def _staged(self, reg: Registration, refs: list[int], keys: list[bytes],
                       blocks: np.ndarray, out: Future[JobResult]) -> None:
-        """Window by window, in the job's order: bring up what the pool lacks, wait for the
-        fills, copy, let go. ``slots``' pool hits are pinned (by ``start``) until their window
-        is copied."""
+        """Window by window, in the job's order, each in its turn: find the window's blocks,
+        bring up what the pool lacks, wait for the fills, copy, let go. ``refs``: the slots
+        ``start`` found (0 where the pool held none then)."""
         ns = reg.namespace
-        n = len(slots)
+        n = len(refs)
         window = self._window(ns)
         nbytes = 0
         failed: list[int] = []
-        lo = 0
         try:
-            while lo < n:
+            for lo in range(0, n, window):
                 hi = min(n, lo + window)
-                part = slots[lo:hi]
-                need = [j for j, s in enumerate(part) if s is None] if keys else []
-                if need and not reg.closing:
-                    got = self.tiering.fetch(ns, [keys[lo + j] for j in need],  # type: ignore
-                                             time.monotonic())
-                    self.index.pin([g for g in got if g is not None])
-                    for j, g in zip(need, got):
-                        part[j] = g
-                held = [s for s in part if s is not None]
-                lo = hi                 # from here on, this window's pins are its own to drop
-                ok = False
-                try:
-                    fills = self.tiering.pending(held)                           # type: ignore
-                    if fills:
-                        await asyncio.gather(*fills, return_exceptions=True)
-                    take = [j for j, s in enumerate(part)
-                            if s is not None and s.state == COMMITTED and not s.doomed]
-                    base = hi - len(part)
-                    failed += sorted(set(range(base, hi)) - {base + j for j in take})
-                    if take and not reg.closing:
-                        copy = reg.engine.submit_load(reg.mapped,
-                                                      _offsets([part[j] for j in take]),
-                                                      blocks[[base + j for j in take]])
-                        nbytes += (await asyncio.wrap_future(copy)).nbytes
-                    ok = True
-                finally:
-                    self.index.end_load(held, ok)
+                async with self._turns:
+                    got, lost = await self._window_copy(reg, refs[lo:hi], keys[lo:hi],
+                                                        blocks[lo:hi])
+                nbytes += got
+                failed += [lo + j for j in lost]
             out.set_result(JobResult(nbytes, tuple(failed)))
         except BaseException as e:
-            # The windows not reached still hold the pins ``start`` took.
-            self.index.unpin([s for s in slots[lo:] if s is not None])
             out.set_exception(e)
             if not isinstance(e, Exception):
                 raise
+
+    async def _window_copy(self, reg: Registration, refs: list[int], keys: list[bytes],
+                           blocks: np.ndarray) -> tuple[int, list[int]]:
+        """One window: (bytes copied, positions in it that failed)."""
+        ns = reg.namespace
+        if reg.closing:
+            return 0, list(range(len(refs)))
+        part = self.index.resolve_load(ns, refs, keys)
+        self.index.pin([s for s in part if s is not None])
+        need = [j for j, s in enumerate(part) if s is None] if keys else []
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while need:
+            got, short = self.tiering.fetch(ns, [keys[j] for j in need],  # type: ignore
+                                            time.monotonic())
+            self.index.pin([g for g in got if g is not None])
+            for j, g in zip(need, got):
+                part[j] = g
+            if not short or reg.closing or time.monotonic() > deadline:
+                break
+            # Slots pinned elsewhere (other loads' copies, a tier writing blocks out) are let
+            # go within milliseconds; this window keeps its turn meanwhile.
+            await asyncio.sleep(ROOM_POLL_S)
+            need = [j for j in need if part[j] is None]
+        held = [s for s in part if s is not None]
+        ok, nbytes = False, 0
+        try:
+            fills = self.tiering.pending(held)                                   # type: ignore
+            if fills:
+                await asyncio.gather(*fills, return_exceptions=True)
+            take = [j for j, s in enumerate(part)
+                    if s is not None and s.state == COMMITTED and not s.doomed]
+            if take and not reg.closing:
+                copy = reg.engine.submit_load(reg.mapped, _offsets([part[j] for j in take]),
+                                              blocks[take])
+                nbytes = (await asyncio.wrap_future(copy)).nbytes
+            else:
+                take = []
+            ok = True
+        finally:
+            self.index.end_load(held, ok)
+        return nbytes, sorted(set(range(len(part))) - set(take))
 
     def _window(self, ns: bytes) -> int:
         pool = self.index.pool

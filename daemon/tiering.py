@@ -324,16 +324,18 @@ class Tiering:
                 break           # no room for more (not merely a block the pool holds)
             i += index.leading(ns, keys[i:])
 
-    def fetch(self, ns: bytes, hashes: list[bytes], now: float) -> list[Slot | None]:
+    def fetch(self, ns: bytes, hashes: list[bytes], now: float
+              ) -> tuple[list[Slot | None], bool]:
         """Bring blocks of ``ns`` the pool lacks up from the first tier that holds each (a
         load's staging window, ``daemon/loads.py``): per hash, a FILLING slot (pinned by its
         fill until it lands; ``pending`` gives what to wait for), or None where no enabled tier
-        holds it or the pool had no room. Consecutive hashes of one tier share one promote."""
+        holds it or the pool had no room; and whether it ran out of room (a tier held a block
+        it found no slot for). Consecutive hashes of one tier share one promote."""
         index = self.index
         out: list[Slot | None] = [None] * len(hashes)
         lowers = [t for t in self.lowers if t.is_enabled]
         if not lowers or not index.has_layout(ns):
-            return out
+            return out, False
         slot_bytes = index.layout_of(ns).slot_bytes
         in_pool = index.table.tables.get(ns, {})
         i = 0
@@ -351,11 +353,11 @@ class Tiering:
                 out[i:i + len(slots)] = slots
             if len(slots) < n:
                 if not slots:
-                    return out          # no room left in the pool for more
+                    return out, True    # no room left in the pool for more
                 i += len(slots)
                 continue
             i += n
-        return out
+        return out, False
 
     def _promote(self, lower: LowerTier, ns: bytes, hashes: list[bytes], slots: list[Slot],
                  slot_bytes: int) -> None:

@@ -30,6 +30,7 @@ class IndexReads:
         self.groups = groups
         self._find = getattr(client, "find", None)
         self._find_each = getattr(client, "find_each", None)
+        self._pending = getattr(client, "index_pending", None)
         self._touch_nowait = getattr(client, "touch_nowait", None)
         self._link = link
         # namespace -> (hit keys read this step, blocks looked up and missed)
@@ -64,6 +65,11 @@ class IndexReads:
             seen.update(dict.fromkeys(hits))
             misses[0] += missed
         return out
+
+    def pending(self) -> bool:
+        """``answers`` gave None only because the connection is being (re)made: the index
+        can be read in a step or two."""
+        return self._find is not None and self._pending is not None and self._pending()
 
     def flush(self) -> None:
         """The step's touches: one message per namespace (hits read, misses counted)."""

@@ -156,6 +156,11 @@ class Lookups:
                 a.target, a.rounds = max_blocks, 0
                 if self._find(a, step):     # answered now (None: a hand-off not landed)
                     return None if a.hit is None else max(a.hit, a.stream_to)
+                if not self._fenced and self._index.pending():
+                    # Reconnecting (a daemon restart): the index answers in a step or two,
+                    # where the daemon's own lookup would bring lower-tier hits up into the
+                    # pool only as far as it has room, and cut the rest.
+                    return None
                 a.state = QUEUED
                 self.queued.append(rid)
             if self._polled != step:

@@ -110,6 +110,36 @@ def test_readers_follow_a_restarted_daemon_to_its_new_index(daemon):
         worker.close(); sched.close(); kv.close()
 
 
+def _sixty_six_blocks_on_disk(d, kv, worker, reg, sched) -> tuple[list[bytes], dict]:
+    """66 blocks of 256 KiB stored 11 per job (as an engine stores), all on disk after."""
+    keys = kv.keys(list(range(66 * kv.block_tokens)))
+    want = {}
+    for a in range(0, 66, 11):
+        ids = list(range(a, a + 11))
+        kv.fill_random(ids, seed=a)
+        done = worker.wait([keyed_store(sched, worker, reg, kv.namespace, ids,
+                                        keys[a:a + 11])], 30)[0]
+        assert done.ok and done.nbytes == 11 * kv.layout.slot_bytes, done
+        for b in ids:
+            want[b] = kv.blocks_of([b])
+    wait_for(lambda: sched.info().tiers[0].blocks >= 66, 60, "66 blocks on disk")
+    return keys, want
+
+
+def _restarted(d, kv, worker, sched, keys, reboot: bool):
+    worker.close(); sched.close()
+    d.kill()
+    if reboot:
+        posix_ipc.unlink_shared_memory("/" + d.pool_name)     # the pool is gone
+    d.restart()
+    worker, reg = kv.register(d.client_config())
+    sched = SchedulerClient(d.client_config(), "sched")
+    assert sched.connect()
+    wait_for(lambda: sched.find(kv.namespace, keys) is not None
+             and sched.find(kv.namespace, keys)[0] == 66, 20, "66 hits in the index")
+    return worker, reg, sched
+
+
 def test_a_batch_larger_than_the_pool_comes_up_from_disk_whole_after_kill_and_restart(
         daemon_factory, tmp_path):
     """An 8 MiB pool over a disk tier; 66 blocks of 256 KiB (16.5 MiB) stored, the daemon
@@ -121,26 +151,8 @@ def test_a_batch_larger_than_the_pool_comes_up_from_disk_whole_after_kill_and_re
     kv, worker, reg, sched = _engine(d, layers=4, heads=16, head_dim=64, blocks=160)
     assert kv.layout.slot_bytes == 256 << 10
     try:
-        keys = kv.keys(list(range(66 * kv.block_tokens)))
-        want = {}
-        for a in range(0, 66, 11):                      # 11 blocks per step, as an engine stores
-            ids = list(range(a, a + 11))
-            kv.fill_random(ids, seed=a)
-            done = worker.wait([keyed_store(sched, worker, reg, kv.namespace, ids,
-                                            keys[a:a + 11])], 30)[0]
-            assert done.ok and done.nbytes == 11 * kv.layout.slot_bytes, done
-            for b in ids:
-                want[b] = kv.blocks_of([b])
-        wait_for(lambda: sched.info().tiers[0].blocks >= 66, 60, "66 blocks on disk")
-        worker.close(); sched.close()
-        d.kill()
-        posix_ipc.unlink_shared_memory("/" + d.pool_name)     # the reboot: the pool is gone
-        d.restart()
-        worker, reg = kv.register(d.client_config())
-        sched = SchedulerClient(d.client_config(), "sched")
-        assert sched.connect()
-        wait_for(lambda: sched.find(kv.namespace, keys) is not None
-                 and sched.find(kv.namespace, keys)[0] == 66, 20, "66 disk hits in the index")
+        keys, want = _sixty_six_blocks_on_disk(d, kv, worker, reg, sched)
+        worker, reg, sched = _restarted(d, kv, worker, sched, keys, reboot=True)
         n, refs, where = sched.find(kv.namespace, keys)
         assert set(where) == {f.DISK} and set(refs) == {0}
         dst = list(range(80, 146))
@@ -150,5 +162,33 @@ def test_a_batch_larger_than_the_pool_comes_up_from_disk_whole_after_kill_and_re
         assert done.nbytes == 66 * kv.layout.slot_bytes
         for i, b in enumerate(dst):
             assert torch.equal(kv.blocks_of([b]), want[i]), f"block {i} came back different"
+    finally:
+        worker.close(); sched.close(); kv.close()
+
+
+def test_six_loads_at_once_larger_than_the_pool_each_come_up_whole(daemon_factory, tmp_path):
+    """The same 66 blocks after a kill -9 that keeps the pool (some blocks still in it), asked
+    for as six load jobs of 11 at once, as an engine loads six prompts in one step: each job is
+    served whole, in turn (holding the pool hits of every job while the first staged its fills
+    left it no room: an engine loaded 48 of 66 two prompts at a time)."""
+    d = daemon_factory(pool_size="8MiB", extra=["--disk-path", str(tmp_path / "disk"),
+                                                 "--disk-size", "64MiB"])
+    kv, worker, reg, sched = _engine(d, layers=4, heads=16, head_dim=64, blocks=160)
+    try:
+        keys, want = _sixty_six_blocks_on_disk(d, kv, worker, reg, sched)
+        worker, reg, sched = _restarted(d, kv, worker, sched, keys, reboot=False)
+        n, refs, where = sched.find(kv.namespace, keys)
+        assert f.POOL in where and f.DISK in where, "some blocks in the pool, the rest on disk"
+        dst = list(range(80, 146))
+        kv.poison(dst)
+        jobs = [worker.submit_load(reg, refs[a:a + 11], dst[a:a + 11], keys[a:a + 11])
+                for a in range(0, 66, 11)]
+        done = worker.wait(jobs, 120)
+        assert [(c.ok, c.failed) for c in done] == [(True, ())] * 6, done
+        for i, b in enumerate(dst):
+            assert torch.equal(kv.blocks_of([b]), want[i]), f"block {i} came back different"
+        # Blocks the fills evicted from the pool are still on disk, and the index says so.
+        n, _, where = sched.find(kv.namespace, keys)
+        assert n == 66, f"the index lost blocks the disk holds: {where}"
     finally:
         worker.close(); sched.close(); kv.close()

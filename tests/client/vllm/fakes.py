@@ -73,6 +73,7 @@ class FakeClient:
         # The shared-memory index as ``find`` reads it: (namespace, key) -> (slot ref,
         # location); None: no usable index (lookups go to the daemon).
         self.index: dict[tuple[bytes, bytes], tuple[int, int]] | None = None
+        self.reconnecting = False   # index_pending: the index is None only until connected
         self.finds = 0
         self.touches: list[tuple[bytes, list[bytes], int]] = []
 
@@ -122,6 +123,9 @@ class FakeClient:
             refs.append(got[0] if got[1] == POOL else 0)
             locs.append(got[1])
         return len(refs), refs, locs
+
+    def index_pending(self) -> bool:
+        return self.reconnecting
 
     def find_each(self, namespace: bytes, hashes: list[bytes]) -> list[int] | None:
         if self.index is None:

@@ -79,6 +79,22 @@ def test_without_an_index_the_daemon_is_asked_and_answers_a_step_later():
     assert hit.keys == [keys(a.request, 0, 4)] and w.client.touches == []
 
 
+def test_while_reconnecting_the_offer_waits_for_the_index_instead_of_asking_the_daemon():
+    # After a daemon restart the daemon's own lookup brings lower-tier hits up into the pool
+    # only as far as it has room: six prompts at once through a 24-slot pool got 27 of 66.
+    w = Rig(FakeClient())
+    w.client.reconnecting = True                 # index None until the Hello is answered
+    req = request("a", list(range(70)))
+    a = state(w, req)
+    assert w.lookups.offer(a, 0, step=0) is None
+    w.lookups.end_step()
+    assert w.client.calls == [], "no round trip while the index is a step away"
+    w.client.reconnecting = False
+    pooled(w.client, req, GROUP, range(4), loc=DISK)
+    assert w.lookups.offer(a, 0, step=1) == 4
+    assert w.client.calls == []
+
+
 def test_a_hybrid_hit_is_all_groups_or_none_from_the_index():
     # Full attention holds 4 blocks, the window (2 blocks) only blocks 1-2: asked at 4 it
     # misses; asked again at 3 it holds the window [1, 3): a hit of 3.
