@@ -427,7 +427,7 @@ class StorePlanner:
                 continue
             cursor[gi] = n_full
             if g.state:
-                bids = self._state_blocks(req, step.manager, tables, g.index, lo, n_full)
+                bids = self._state_blocks(req, step, g.index, lo, n_full)
                 hi = lo + len(bids)
             elif tables is not None:
                 blocks = tables[g.index].get(rid) or ()
@@ -502,9 +502,8 @@ class StorePlanner:
         c.lo = min(c.cursor)
         self._losses.add(PREEMPTED, lost)
 
-    def _state_blocks(self, req: Any, manager: Any,
-                      tables: list[dict[str, list[Any]]] | None, group: int,
-                      lo: int, hi: int) -> list[int]:
+    def _state_blocks(self, req: Any, step: _StepPlan, group: int, lo: int, hi: int
+                      ) -> list[int]:
         """The GPU blocks holding the states of ``req``'s blocks ``[lo, hi)`` in vLLM state
         group ``group`` (0 where vLLM kept none): the request's table where it still holds
         one, else the block vLLM's prefix cache holds under that block's hash. In align mode
@@ -513,8 +512,9 @@ class StorePlanner:
         again (a store reading it then is flushed first: ``StoreBatches.reading``). vLLM 0.32
         hashes a block a step after it fills, 0.33 in the step: either way a non-null table
         entry or a hash hit holds the state its prefix ends with."""
-        if tables is not None:
-            row = tables[group].get(req.request_id) or ()
+        manager = step.manager
+        if step.tables is not None:
+            row = step.tables[group].get(req.request_id) or ()
             ids = [b.block_id for b in row[lo:hi]]
         else:
             ids = manager.get_block_ids(req.request_id)[group][lo:hi]
