@@ -24,6 +24,7 @@ from kvpool.shared import index_format as f
 
 _W = f.ENTRY_WORDS
 _ZERO = np.uint64(0)
+_HALF = np.uint64(32)
 _ODD = np.uint64(0x100)         # the sequence number's low bit: odd while being written
 _LOCATION = np.uint64(0xFF)
 
@@ -127,7 +128,9 @@ class IndexReader:
         want = np.empty((n, 4), np.uint64)           # the key words an entry must hold
         want[:, :2] = nsw
         want[:, 2:] = hw
-        home = ((hw[:, 0] ^ (nsw[0] ^ nsw[1])) * self._mul) >> self._shift
+        folded = hw[:, 0] ^ hw[:, 1] ^ (nsw[0] ^ nsw[1])
+        folded ^= folded >> _HALF
+        home = (folded * self._mul) >> self._shift
         rows = self._words[home]                     # the seqlock: state and body, then the
         again = self._state[home]                    # state again
         state = rows[:, 0]
