@@ -237,9 +237,7 @@ class SchedulerClient:
         when there is no usable index (see ``index``). Pins nothing: a block evicted before
         its load fails that block alone."""
         ix = self.index()
-        if ix is None:
-            return None
-        got = ix.leading(namespace, hashes)
+        got = ix.leading(namespace, hashes) if ix is not None else None
         if got is None:
             return None
         n, loc, ref = got
@@ -251,9 +249,7 @@ class SchedulerClient:
         group's keys stand alone): per key, its slot ref, 0 where a lower tier holds it, -1 for
         a miss. None when there is no usable index. Pins nothing."""
         ix = self.index()
-        if ix is None:
-            return None
-        got = ix.find(namespace, hashes)
+        got = ix.find(namespace, hashes) if ix is not None else None
         if got is None:
             return None
         loc, ref = got
