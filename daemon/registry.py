@@ -9,13 +9,15 @@ tables only; the server decides when to release.
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 
 from kvpool.daemon.copy_engine import CopyEngine, Mapped
 from kvpool.daemon.peer import Peer
-from kvpool.shared.errors import UnknownId
+from kvpool.shared.errors import (OutOfRange, PermissionDenied, ProtocolError, TooLarge,
+                                  UnknownId)
 from kvpool.shared.layout import Layout
-from kvpool.shared.protocol import Hello, Role
+from kvpool.shared.protocol import Hello, RegisterRequest, Role
 
 
 @dataclass(eq=False)
@@ -97,8 +99,49 @@ class Registry:
                             f"(never registered, unregistered, or the daemon restarted)")
         return reg
 
+    def check_may_reset(self, owner: Owner, ns: bytes) -> None:
+        """A reset drops every block of a namespace, so it is for that namespace's engines: a
+        client whose user has a live registration in it, the daemon's user, or root."""
+        peer = owner.peer
+        if peer is None or peer.uid in (0, os.geteuid()):
+            return
+        if any(r.namespace == ns and r.owner.peer is not None and r.owner.peer.uid == peer.uid
+               for r in self.registrations.values()):
+            return
+        raise PermissionDenied(f"uid {peer.uid} has no registration in namespace {ns.hex()}: "
+                               f"only its own engines may reset it")
+
     def close_registration(self, registration_id: int) -> Registration:
         reg = self.registrations.pop(registration_id)
         reg.owner.registrations.discard(registration_id)
         reg.closing = True
         return reg
+
+
+def checked_engine(msg: RegisterRequest, engines: dict[type, CopyEngine], held: int,
+                   most: int) -> CopyEngine:
+    """The copy engine for a registration's regions, after the checks a registration must
+    pass (``held``: the registrations its client would hold with it, at most ``most``)."""
+    msg.layout.check()
+    if not msg.regions:
+        raise ProtocolError("a registration needs at least one region")
+    if held > most:
+        raise TooLarge(f"this client already holds {held - 1} registrations (at most {most}): "
+                       f"unregister some first")
+    kinds = {type(r) for r in msg.regions}
+    engine = engines.get(next(iter(kinds))) if len(kinds) == 1 else None
+    if engine is None:
+        raise ProtocolError(f"no copy engine for {sorted(t.__name__ for t in kinds)} in this "
+                            f"daemon (CUDA regions need a daemon started with CUDA)")
+    if not 0 <= msg.tp_rank < msg.layout.tp_size:
+        raise OutOfRange(f"tp_rank {msg.tp_rank} outside tp_size {msg.layout.tp_size}")
+    return engine
+
+
+def heads_note(layout: Layout, tp_rank: int) -> str:
+    """The KV heads a rank moves, for the registration's log line ("" if not head-split)."""
+    if not layout.kv_heads:
+        return ""
+    h0, h1 = layout.head_range(tp_rank)
+    return (f", KV heads [{h0}, {h1}) of {layout.kv_heads}"
+            f"{'' if layout.is_primary(tp_rank) else ' (replica: loads only)'}")

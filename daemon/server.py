@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import signal
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 import zmq
@@ -38,10 +38,12 @@ from kvpool.daemon.copy_jobs import CopyJobs, check_count
 from kvpool.daemon.exit_watch import ExitWatch
 from kvpool.daemon.index import Index
 from kvpool.daemon.index_segment import IndexSegment, KeyLocations, capacity_for
+from kvpool.daemon.listen_socket import bind_router
 from kvpool.daemon.loop_watch import LoopWatch
 from kvpool.daemon.peer import AllowList, Peer
 from kvpool.daemon.pool import Pool
-from kvpool.daemon.registry import Owner, Registration, Registry
+from kvpool.daemon.registry import (Owner, Registration, Registry, checked_engine,
+                                     heads_note)
 from kvpool.daemon.replies import error_reply
 from kvpool.daemon.shm_reaper import reap_engine_segments
 from kvpool.daemon.telemetry import Telemetry
@@ -50,8 +52,8 @@ from kvpool.daemon.tiering import Tiering
 from kvpool.shared import protocol as p
 from kvpool.shared.index_format import FLAG_REMOTE_TIER, segment_name
 from kvpool.shared.config import DaemonConfig, parse_size
-from kvpool.shared.errors import (ConfigError, HelloRequired, KvpoolError, OutOfRange,
-                                  PermissionDenied, ProtocolError, TooLarge, VersionMismatch)
+from kvpool.shared.errors import (ConfigError, HelloRequired, ProtocolError, TooLarge,
+                                  VersionMismatch)
 
 log = logging.getLogger("kvpoold")
 
@@ -67,10 +69,6 @@ REAP_PERIOD_S = 10.0
 HOUSEKEEPING_ERROR_LOG_S = 10.0
 # A housekeeping tick this late means the daemon itself was stopped (see _housekeeping).
 STALL_S = 0.5
-
-
-class SocketBusy(KvpoolError):
-    """Another live daemon serves this socket path."""
 
 
 class Server:
@@ -127,28 +125,9 @@ class Server:
 
     def _startup(self) -> None:
         path = Path(self.config.socket_path)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-        # One daemon per socket: libzmq would silently take over a live daemon's socket file.
-        self._lock_fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SocketBusy(f"another daemon is serving {path}") from None
-        self._ctx = zmq.Context()
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # replies to vanished peers are dropped
-        # A hard cap well above the soft limit: frames between the two get a TOO_LARGE reply,
-        # beyond it libzmq drops the connection rather than buffer them.
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_request_bytes)
-        old = os.umask(0o777 ^ self.config.socket_mode_bits)
-        try:
-            sock.bind(f"ipc://{path}")
-        finally:
-            os.umask(old)
-        os.chmod(path, self.config.socket_mode_bits)
-        self._sock = sock
-        self.index_segment = self._publish_index(path)
+        self._ctx, self._sock, self._lock_fd = bind_router(self.config)
+        self.index_segment = publish_index(self.pool, self.index, self.tiering, self.config,
+                                           self.daemon_id, path)
         # After the socket lock: only the one daemon of this host sweeps.
         reap_engine_segments()
         # After the socket lock, so a second daemon reports "socket busy", not a busy port.
@@ -166,24 +145,6 @@ class Server:
         log.info("kvpoold %s serving ipc://%s, pool %s: %d bytes in %d extents%s", self.daemon_id,
                  path, self.pool.name, self.pool.nbytes, self.pool.geometry.num_extents,
                  " (adopted)" if self.pool.adopted else "")
-
-    def _publish_index(self, socket_path: Path) -> IndexSegment:
-        """The shared-memory index schedulers read hits in: the socket's group and mode, the
-        pool's committed blocks (an adopted pool) and what the lower tiers hold, then every
-        change as it happens."""
-        lowers = self.tiering.lowers if self.tiering is not None else []
-        disk_bytes = sum(getattr(t, "capacity_bytes", 0) for t in lowers)
-        segment = IndexSegment(
-            segment_name(self.pool.name),
-            capacity_for(self.pool.nbytes, disk_bytes, self.config.index_entries),
-            self.daemon_id, mode=self.config.socket_mode_bits, gid=socket_path.stat().st_gid,
-            flags=FLAG_REMOTE_TIER if any(t.name == "remote" for t in lowers) else 0)
-        locations = KeyLocations(segment, self.index.namespaces, lowers)
-        self.index.table.watch(locations)
-        locations.committed(self.index.committed_slots())
-        if self.tiering is not None:
-            self.tiering.observe(locations)
-        return segment
 
     async def _main_loop(self) -> None:
         # A plain socket drained from the loop's reader callback: no future per message.
@@ -225,22 +186,7 @@ class Server:
             self._in_drain = False
 
     async def _housekeeping(self) -> None:
-        period = min(0.1, self.config.peer_timeout_ms / 4000)
-        last = time.monotonic()
-        failed_logged = float("-inf")
-        while True:
-            await asyncio.sleep(period)
-            now = time.monotonic()
-            stalled, last = now - last - period, now
-            try:
-                self._housekeeping_tick(now, stalled)
-            except Exception:
-                # A task that raises ends silently: the daemon would serve on with no lease
-                # expiry, no release of silent clients and no health beat. Say so (at most
-                # every HOUSEKEEPING_ERROR_LOG_S) and keep ticking.
-                if now >= failed_logged + HOUSEKEEPING_ERROR_LOG_S:
-                    failed_logged = now
-                    log.exception("housekeeping tick failed (the next ones keep trying)")
+        await tick_forever(min(0.1, self.config.peer_timeout_ms / 4000), self._housekeeping_tick)
 
     def _housekeeping_tick(self, now: float, stalled: float) -> None:
         """One pass of ``_housekeeping``: ``stalled`` is how much later than its period it
@@ -409,7 +355,7 @@ class Server:
                 self._release_owner(owner)
                 return p.OkReply(msg.req_id, 1)
             case p.ResetRequest():
-                self._check_may_reset(owner, msg.namespace)
+                self.registry.check_may_reset(owner, msg.namespace)
                 n = idx.reset(msg.namespace)
                 if self.tiering is not None:
                     n += self.tiering.reset(msg.namespace)
@@ -458,20 +404,9 @@ class Server:
                             self.index_segment.name if self.index_segment is not None else "")
 
     def _register(self, owner: Owner, msg: p.RegisterRequest) -> p.Reply:
-        msg.layout.check()
-        if not msg.regions:
-            raise ProtocolError("a registration needs at least one region")
         old = self.registry.find_registration(owner, msg.namespace, msg.tp_rank)
-        if old is None and len(owner.registrations) >= MAX_REGISTRATIONS_PER_CLIENT:
-            raise TooLarge(f"this client already holds {len(owner.registrations)} registrations "
-                           f"(at most {MAX_REGISTRATIONS_PER_CLIENT}): unregister some first")
-        kinds = {type(r) for r in msg.regions}
-        engine = self.engines.get(kinds.pop()) if len(kinds) == 1 else None
-        if engine is None:
-            raise ProtocolError(f"no copy engine for {sorted(t.__name__ for t in {type(r) for r in msg.regions})}"
-                                f" in this daemon (CUDA regions need a daemon started with CUDA)")
-        if not 0 <= msg.tp_rank < msg.layout.tp_size:
-            raise OutOfRange(f"tp_rank {msg.tp_rank} outside tp_size {msg.layout.tp_size}")
+        engine = checked_engine(msg, self.engines, len(owner.registrations) + (old is None),
+                                MAX_REGISTRATIONS_PER_CLIENT)
         # Any TP size may join a head-split namespace: each rank moves its own heads.
         self.index.register_namespace(msg.namespace, msg.layout, msg.quota_bytes)
         mapped = engine.attach(msg, owner.peer)
@@ -483,14 +418,9 @@ class Server:
             self._close_registration(self.registry.close_registration(old.id))
         reg = self.registry.add_registration(owner, msg.namespace, msg.layout, msg.tp_rank,
                                              msg.num_blocks, engine, mapped)
-        lay = msg.layout
-        heads = ""
-        if lay.kv_heads:
-            h0, h1 = lay.head_range(msg.tp_rank)
-            heads = (f", KV heads [{h0}, {h1}) of {lay.kv_heads}"
-                     f"{'' if lay.is_primary(msg.tp_rank) else ' (replica: loads only)'}")
         log.info("client %d registered rank %d/%d of namespace %s: %d blocks%s", owner.id,
-                 msg.tp_rank, lay.tp_size, msg.namespace.hex(), msg.num_blocks, heads)
+                 msg.tp_rank, msg.layout.tp_size, msg.namespace.hex(), msg.num_blocks,
+                 heads_note(msg.layout, msg.tp_rank))
         if not self._registered_once:
             self._registered_once = True
             log.info("first registration: %s", self.loop_watch.summary())
@@ -515,18 +445,6 @@ class Server:
                      owner.name, pid)
             self._release_owner(owner)
 
-    def _check_may_reset(self, owner: Owner, ns: bytes) -> None:
-        """A reset drops every block of a namespace, so it is for that namespace's engines: a
-        client whose user has a live registration in it, the daemon's user, or root."""
-        peer = owner.peer
-        if peer is None or peer.uid in (0, os.geteuid()):
-            return
-        if any(r.namespace == ns and r.owner.peer is not None and r.owner.peer.uid == peer.uid
-               for r in self.registry.registrations.values()):
-            return
-        raise PermissionDenied(f"uid {peer.uid} has no registration in namespace {ns.hex()}: "
-                               f"only its own engines may reset it")
-
     def _close_registration(self, reg: Registration) -> None:
         self.telemetry.registration_removed(reg.owner.engine_id, reg.owner.pid, reg.namespace,
                                             lambda: self.index.committed_hashes(reg.namespace))
@@ -542,32 +460,44 @@ class Server:
     # ---- info ------------------------------------------------------------------------------
 
     def info(self, now: float | None = None) -> p.PoolInfo:
-        now = time.monotonic() if now is None else now
-        writing, committed, used = self.index.slot_counts()
-        st, table_stats, store_stats = self.index.stats, self.index.table.stats, \
-            self.index.stores.stats
-        seg = self.index_segment
-        clients = [p.ClientInfo(o.id, o.role, o.name, o.pid, o.engine_id, len(o.registrations),
-                                self.index.leases_of(o.id), o.jobs_in_flight)
-                   for o in self.registry.owners.values()]
-        return p.PoolInfo(self.daemon_id, now - self.started, self.pool.nbytes, used,
-                          self.pool.nbytes - used, writing, committed, len(self.index.namespaces),
-                          st.hit_blocks, st.miss_blocks, table_stats.evictions,
-                          self.index.lease_count, table_stats.stored_blocks, st.loaded_blocks,
-                          self.jobs.stored_bytes, self.jobs.loaded_bytes, self.errors, clients,
-                          table_stats.adopted_blocks,
-                          slots_pinned=self.index.pinned_count(), hit_tokens=st.hit_tokens,
-                          miss_tokens=st.miss_tokens,
-                          namespace_usage=self.index.namespaces.usage(),
-                          tiers=self.tiering.info() if self.tiering is not None else [],
-                          slots_reserved=self.index.ticket_count,
-                          duplicate_blocks=store_stats.duplicate_blocks,
-                          no_room_blocks=store_stats.no_room_blocks,
-                          index_segment=seg.name if seg is not None else "",
-                          index_keys=len(seg) if seg is not None else 0,
-                          index_unpublished=seg.unpublished if seg is not None else 0,
-                          load_stale_blocks=st.stale_blocks,
-                          load_failed_blocks=self.jobs.failed_load_blocks)
+        return pool_info(self, time.monotonic() if now is None else now)
+
+def publish_index(pool: Pool, index: Index, tiering: Tiering | None, config: DaemonConfig,
+                  daemon_id: str, socket_path: Path) -> IndexSegment:
+    """The shared-memory index schedulers read hits in: the socket's group and mode, the
+    pool's committed blocks (an adopted pool) and what the lower tiers hold, then every
+    change as it happens."""
+    lowers = tiering.lowers if tiering is not None else []
+    disk_bytes = sum(getattr(t, "capacity_bytes", 0) for t in lowers)
+    segment = IndexSegment(
+        segment_name(pool.name), capacity_for(pool.nbytes, disk_bytes, config.index_entries),
+        daemon_id, mode=config.socket_mode_bits, gid=socket_path.stat().st_gid,
+        flags=FLAG_REMOTE_TIER if any(t.name == "remote" for t in lowers) else 0)
+    locations = KeyLocations(segment, index.namespaces, lowers)
+    index.table.watch(locations)
+    locations.committed(index.committed_slots())
+    if tiering is not None:
+        tiering.observe(locations)
+    return segment
+
+
+async def tick_forever(period: float, tick: Callable[[float, float], None]) -> None:
+    """Call ``tick(now, stalled)`` every ``period`` (``stalled``: how much later than the period
+    it came) until cancelled. A task that raises ends silently, and the daemon would serve on
+    with no lease expiry, no release of silent clients and no health beat: a tick that raises
+    is logged (at most every HOUSEKEEPING_ERROR_LOG_S) and the next ones keep trying."""
+    last = time.monotonic()
+    failed_logged = float("-inf")
+    while True:
+        await asyncio.sleep(period)
+        now = time.monotonic()
+        stalled, last = now - last - period, now
+        try:
+            tick(now, stalled)
+        except Exception:
+            if now >= failed_logged + HOUSEKEEPING_ERROR_LOG_S:
+                failed_logged = now
+                log.exception("housekeeping tick failed (the next ones keep trying)")
 
 
 def _open_trace(path: str):
@@ -589,3 +519,33 @@ def run(server: Server) -> int:
     else:
         uvloop.run(server.serve())
     return 0
+
+
+def pool_info(server: "Server", now: float) -> p.PoolInfo:
+    """What ``kvpool info`` and the metrics read: the server's parts, counted now."""
+    writing, committed, used = server.index.slot_counts()
+    st, table_stats, store_stats = server.index.stats, server.index.table.stats, \
+        server.index.stores.stats
+    seg = server.index_segment
+    clients = [p.ClientInfo(o.id, o.role, o.name, o.pid, o.engine_id, len(o.registrations),
+                            server.index.leases_of(o.id), o.jobs_in_flight)
+               for o in server.registry.owners.values()]
+    return p.PoolInfo(server.daemon_id, now - server.started, server.pool.nbytes, used,
+                      server.pool.nbytes - used, writing, committed, len(server.index.namespaces),
+                      st.hit_blocks, st.miss_blocks, table_stats.evictions,
+                      server.index.lease_count, table_stats.stored_blocks, st.loaded_blocks,
+                      server.jobs.stored_bytes, server.jobs.loaded_bytes, server.errors, clients,
+                      table_stats.adopted_blocks,
+                      slots_pinned=server.index.pinned_count(), hit_tokens=st.hit_tokens,
+                      miss_tokens=st.miss_tokens,
+                      namespace_usage=server.index.namespaces.usage(),
+                      tiers=server.tiering.info() if server.tiering is not None else [],
+                      slots_reserved=server.index.ticket_count,
+                      duplicate_blocks=store_stats.duplicate_blocks,
+                      no_room_blocks=store_stats.no_room_blocks,
+                      index_segment=seg.name if seg is not None else "",
+                      index_keys=len(seg) if seg is not None else 0,
+                      index_unpublished=seg.unpublished if seg is not None else 0,
+                      load_stale_blocks=st.stale_blocks,
+                      load_failed_blocks=server.jobs.failed_load_blocks)
+

@@ -19,13 +19,15 @@ A state group's keys are looked up one by one (``state_key_lists``): its states 
 the run of leading hits that an attention lookup returns would stop at the first boundary vLLM
 did not keep. ``merge_state_answer`` folds the per-key answers back into one per request, with
 ``MISSING`` where the pool holds nothing, and ``keep_resume_lease`` keeps the one lease a load
-at ``h`` uses. Plain functions over plain data: no daemon, no vLLM.
+at ``h`` uses. Plain functions over plain data: no daemon, no vLLM (``state_block_ids``
+reads vLLM's block tables and prefix cache, handed to it: which GPU block holds a state to
+store).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 MISSING = -1        # a state group's slot ref where the pool holds no state
 
@@ -109,3 +111,31 @@ def keep_resume_lease(start: int, leases: Sequence[int], blocks: int) -> tuple[i
     k = blocks - 1 - start
     keep = leases[k] if blocks and 0 <= k < len(leases) else 0
     return keep, [x for x in leases if x and x != keep]
+
+
+def state_block_ids(req: Any, manager: Any, tables: list[dict[str, list[Any]]] | None,
+                    group: int, lo: int, hi: int, block_tokens: int) -> list[int]:
+    """The GPU blocks holding the states of ``req``'s blocks ``[lo, hi)`` in vLLM state group
+    ``group`` (0 where vLLM kept none): the request's table where it still holds one
+    (``tables``: the step's, else ``manager``'s), else the block vLLM's prefix cache holds
+    under that block's hash. In align mode vLLM frees a state block once the next state is
+    computed (``remove_skipped_blocks``), often before a decode's store is planned; it stays in
+    the prefix cache until handed out again (a store reading it then is flushed first:
+    ``StoreBatches.reading``). vLLM 0.32 hashes a block a step after it fills, 0.33 in the
+    step: either way a non-null table entry or a hash hit holds the state its prefix ends
+    with."""
+    if tables is not None:
+        row = tables[group].get(req.request_id) or ()
+        ids = [b.block_id for b in row[lo:hi]]
+    else:
+        ids = manager.get_block_ids(req.request_id)[group][lo:hi]
+    ids += [0] * (hi - lo - len(ids))
+    hashes = req.block_hashes
+    if 0 not in ids or len(hashes) != req.num_tokens // block_tokens:
+        return ids      # (hashed at another granularity: nothing to match)
+    pool = manager.block_pool
+    for j, b in enumerate(ids):
+        if not b:
+            hit = pool.get_cached_block(hashes[lo + j], [group])
+            ids[j] = hit[0].block_id if hit else 0
+    return ids

@@ -27,8 +27,8 @@ stale, so a slow step cannot keep a request asking forever; a full hit and a P/D
 answers are kept.
 
 Owns each request's lookup (``_Ask``: its state, answer, pins, what was offered), the queue,
-the batch in flight, answers nobody waits for any more (their leases get released), combining
-per-group answers into one hit, and the leases to release. Talks to the daemon only through
+combining per-group answers into one hit, and the leases to release; the batch in flight and
+answers nobody waits for any more are ``round_trips.py``'s. Talks to the daemon only through
 ``SchedulerClient``'s non-blocking calls, behind ``DaemonLink``; a daemon that is down or
 refuses turns into zero hits (``DaemonUnavailable`` is never raised to vLLM). What a P/D
 consumer's answer means is asked of ``pd_stream.py``. Never waits.
@@ -36,21 +36,17 @@ consumer's answer means is asked of ``pd_stream.py``. Never waits.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Collection, Iterable, NamedTuple, Sequence
 
 from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.daemon_link import DaemonLink
-from kvpool.client.vllm.hybrid import (MISSING, GroupAnswer, keep_resume_lease, merge_state_answer,
-                                       resume_blocks, state_key_lists)
+from kvpool.client.vllm.hybrid import MISSING, GroupAnswer, keep_resume_lease, resume_blocks
 from kvpool.client.vllm.index_reads import IndexReads, behind_commits
 from kvpool.client.vllm.pd_stream import Answer, PdStream
 from kvpool.client.vllm.requests import ReqState
+from kvpool.client.vllm.round_trips import RoundTrips
 from kvpool.client.vllm.store_batches import CommittedKeys
-from kvpool.shared.errors import DaemonUnavailable, KvpoolError
-
-logger = logging.getLogger("kvpool.vllm")
 
 # Lookups sent per step are bounded so that build_connector_meta does not stall vLLM's
 # scheduler when hundreds of requests arrive at once: a step asks for about this many blocks,
@@ -119,15 +115,12 @@ class Lookups:
         self.queued: list[str] = []       # request ids, in order (a few may be stale)
         self.retry: list[str] = []        # P/D consumers to look up again next step
         self.release: list[int] = []      # leases to release at the next step
-        self._inflight_calls: list[tuple[Any, int, list[tuple[str, int]], list]] = []
-        self._inflight_replies: list[Any] = []
-        self._orphans: list[Any] = []     # lookups nobody waits for; their leases get released
+        self._trips = RoundTrips(groups, client, link, self.release)
         self._polled = -1                 # the step whose answers were last taken in
         self._index = IndexReads(groups, client, link)
         # A reset was sent: the index may show what the daemon has yet to forget, so lookups
         # go by round trip (ordered after the reset) until one sent since has been answered.
         self._fenced = False
-        self._inflight_fenced = False
 
     # ---- what the other parts call --------------------------------------------------------
 
@@ -276,12 +269,13 @@ class Lookups:
             self.retry = []
         if self.queued and self._link.ok() and not self._fenced:
             self._find_streams()
-        if self.queued and not self._inflight_calls:
+        if self.queued and not self._trips.in_flight:
             self._send_lookups()
 
     def send_releases(self) -> None:
         if self.release:
-            leases, self.release = sorted(set(self.release)), []
+            leases = sorted(set(self.release))
+            self.release.clear()        # (in place: the round trips add to it too)
             self._link.nowait(self.client.release_nowait, leases)
 
     def _range(self, a: _Ask, g: Any) -> tuple[int, int]:
@@ -374,7 +368,8 @@ class Lookups:
         a.hit = hit
         a.answered_at, a.answered_step = self._clock(), step
         if self._stateful:
-            leases = self._resume_leases(answers, hit)
+            leases, spare = resume_leases(self.groups, answers, hit)
+            self.release.extend(spare)
         a.leases = leases
         a.starts = [start for start, _, _, _ in answers]
         a.slots = [slots for _, _, slots, _ in answers]
@@ -396,54 +391,19 @@ class Lookups:
             return
         if not self._link.pumped:   # (this step's pump ran before: it asked ready())
             return                  # connecting: the queued requests ask again next step
-        ids = self._take_queued()
+        ids, self.queued = take_batch(self.queued, self._asks, self._wanted)
         if not ids:
             return
-        calls = []
-        try:
-            for gi, g in enumerate(self.groups):
-                lists, spans = [], []
-                for rid in ids:
-                    a = self._asks[rid]
-                    start, end = self._range(a, g)
-                    lists.append(a.st.keys.range(a.st.request, gi, start, end))
-                    spans.append((rid, start))
-                sent = [k for ks in map(state_key_lists, lists) for k in ks] if g.state \
-                    else lists
-                calls.append((self.client.lookup_start(g.namespace, sent, True), gi, spans,
-                              lists))
-        except DaemonUnavailable as e:
-            self._link.failed(e)
-            self._orphans.extend(call for call, _, _, _ in calls)   # their leases get released
+
+        def span(rid: str, gi: int, g: Any) -> tuple[int, list[bytes]]:
+            a = self._asks[rid]
+            start, end = self._range(a, g)
+            return start, a.st.keys.range(a.st.request, gi, start, end)
+        if not self._trips.send(ids, span, self._fenced):
             self._resolve_miss(ids)
             return
         for rid in ids:
             self._asks[rid].state = SENT
-        self._inflight_calls = calls
-        self._inflight_replies = [None] * len(calls)
-        self._inflight_fenced = self._fenced
-
-    def _take_queued(self) -> list[str]:
-        """The queued requests this step's lookups ask for, about ``LOOKUP_BLOCKS_PER_STEP``
-        blocks of them, in order; the rest stay queued for the next step. Costs the batch, not
-        the queue: a burst of hundreds of requests waits there over several steps."""
-        queued, asks = self.queued, self._asks
-        ids: list[str] = []
-        taken: set[str] = set()
-        budget, i = LOOKUP_BLOCKS_PER_STEP, 0
-        for i, rid in enumerate(queued):
-            if budget <= 0:
-                break
-            a = asks.get(rid)
-            if a is None or a.state != QUEUED or rid in taken or not self._wanted(a):
-                continue        # (gone, answered meanwhile, queued twice, or a stream ended)
-            taken.add(rid)
-            ids.append(rid)
-            budget -= a.target
-        else:
-            i = len(queued)
-        self.queued = queued[i:]
-        return ids
 
     def _resolve_miss(self, ids: Iterable[str]) -> None:
         for rid in ids:
@@ -462,60 +422,15 @@ class Lookups:
     def poll(self, step: int) -> None:
         """Collect the in-flight batch if every namespace has answered; never waits. ``step``:
         the build_connector_meta count of the step taking the answers in."""
-        if self._orphans:
-            still = []
-            for call in self._orphans:
-                try:
-                    reply = call.result()
-                except KvpoolError:
-                    continue    # answered with an error (or never): it pinned nothing
-                if reply is None:
-                    still.append(call)
-                else:
-                    self.release.extend(x for x in reply.leases if x)
-            self._orphans = still
-        if not self._inflight_calls:
+        got = self._trips.collect()
+        if got is None:
             return
-        calls = self._inflight_calls
-        replies = self._inflight_replies
-        failed_at = -1
-        try:
-            for k, (call, _, _, _) in enumerate(calls):
-                failed_at = k
-                if replies[k] is None:
-                    # A reply is handed out once: keep it until the whole batch is in.
-                    replies[k] = call.result()
-        except KvpoolError as e:
-            if isinstance(e, DaemonUnavailable):
-                self._link.failed(e)
-            else:
-                logger.warning("kvpool: lookup refused: %s", e)
-            for k, (call, _, _, _) in enumerate(calls):
-                if replies[k] is not None:
-                    self.release.extend(x for x in replies[k].leases if x)
-                elif k != failed_at:
-                    self._orphans.append(call)   # may still answer, with leases to release
-            ids = [rid for rid, _ in calls[0][2]]
-            self._inflight_calls, self._inflight_replies = [], []
-            self._resolve_miss(ids)
+        if got.failed:
+            self._resolve_miss(got.ids)
             return
-        if any(r is None for r in replies):
-            return
-        self._link.succeeded()
-        self._inflight_calls, self._inflight_replies = [], []
-        if self._inflight_fenced:
-            self._fenced = self._inflight_fenced = False    # the daemon has done the reset
-        per_req: dict[str, list[Answer]] = {}
-        per_keys: dict[str, list[list[bytes]]] = {}
-        for (call, gi, spans, lists), reply in zip(calls, replies):
-            for (rid, _), keys in zip(spans, lists):
-                per_keys.setdefault(rid, []).append(keys)
-            if self.groups[gi].state:
-                self._state_answers(per_req, spans, lists, reply)
-                continue
-            for k, (rid, start) in enumerate(spans):
-                per_req.setdefault(rid, []).append(
-                    (start, reply.hits[k], reply.slots[k], [reply.leases[k]]))
+        if self._trips.fenced:
+            self._fenced = self._trips.fenced = False    # the daemon has done the reset
+        per_req, per_keys = got.per_req, got.per_keys
         requeue = False
         for rid, answers in per_req.items():
             a = self._asks.get(rid)
@@ -571,28 +486,40 @@ class Lookups:
             return None
         return got.blocks
 
-    def _state_answers(self, per_req: dict[str, list[Answer]], spans: list[tuple[str, int]],
-                       lists: list[list[bytes]], reply: Any) -> None:
-        """A state group's per-key replies (``hybrid.state_key_lists``), folded back into one
-        answer per request."""
-        at = 0
-        for (rid, start), keys in zip(spans, lists):
-            n = len(keys)
-            refs, leases = merge_state_answer(reply.hits[at:at + n], reply.slots[at:at + n],
-                                              reply.leases[at:at + n])
-            at += n
-            per_req.setdefault(rid, []).append((start, n, refs, leases))
 
-    def _resume_leases(self, answers: list[Answer], hit: int) -> list[int]:
-        """The leases a load at ``hit`` needs (every run's; of a state group, its state at the
-        hit's end): the other states found are released now."""
-        keep = []
-        for g, (start, _, _, leases) in zip(self.groups, answers):
-            if not g.state:
-                keep.extend(x for x in leases if x)
-                continue
-            lease, spare = keep_resume_lease(start, leases, hit)
-            self.release.extend(spare)
-            if lease:
-                keep.append(lease)
-        return keep
+def take_batch(queued: list[str], asks: dict[str, _Ask], wanted: Any
+               ) -> tuple[list[str], list[str]]:
+    """The queued requests a step's lookups ask for, about ``LOOKUP_BLOCKS_PER_STEP`` blocks of
+    them, in order, and the rest (asked for at the next step). Costs the batch, not the queue:
+    a burst of hundreds of requests waits there over several steps."""
+    ids: list[str] = []
+    taken: set[str] = set()
+    budget, i = LOOKUP_BLOCKS_PER_STEP, 0
+    for i, rid in enumerate(queued):
+        if budget <= 0:
+            break
+        a = asks.get(rid)
+        if a is None or a.state != QUEUED or rid in taken or not wanted(a):
+            continue        # (gone, answered meanwhile, queued twice, or a stream ended)
+        taken.add(rid)
+        ids.append(rid)
+        budget -= a.target
+    else:
+        i = len(queued)
+    return ids, queued[i:]
+
+
+def resume_leases(groups: list[Any], answers: list[Answer], hit: int
+                  ) -> tuple[list[int], list[int]]:
+    """The leases a load at ``hit`` needs (every run's; of a state group, its state at the
+    hit's end), and the other states' (to release now)."""
+    keep, spare = [], []
+    for g, (start, _, _, leases) in zip(groups, answers):
+        if not g.state:
+            keep.extend(x for x in leases if x)
+            continue
+        lease, rest = keep_resume_lease(start, leases, hit)
+        spare.extend(rest)
+        if lease:
+            keep.append(lease)
+    return keep, spare

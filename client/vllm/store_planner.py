@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 from kvpool.client.vllm.budgets import Budgets
 from kvpool.client.vllm.daemon_link import DaemonLink
+from kvpool.client.vllm.hybrid import state_block_ids
 from kvpool.client.vllm.lazy_store import LazyPolicy
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import StoreSpec
@@ -427,7 +428,8 @@ class StorePlanner:
                 continue
             cursor[gi] = n_full
             if g.state:
-                bids = self._state_blocks(req, step, g.index, lo, n_full)
+                bids = state_block_ids(req, step.manager, step.tables, g.index, lo, n_full,
+                                       self.block_tokens)
                 hi = lo + len(bids)
             elif tables is not None:
                 blocks = tables[g.index].get(rid) or ()
@@ -444,7 +446,7 @@ class StorePlanner:
             known = self._known(gi, st)
             if 0 in bids or not inflight.keys().isdisjoint(keys) \
                     or not taken.isdisjoint(keys) or not known.keys().isdisjoint(keys):
-                keep = self._to_store(gi, st, step, keys, bids)
+                keep = new_blocks(keys, bids, inflight, taken, known)
                 if not keep:
                     continue
                 index: Sequence[int] = [lo + j for j in keep]
@@ -493,7 +495,8 @@ class StorePlanner:
                 lost = max(lost, bids[:max(found_to, computed - lo)].count(0))
             c.cursor[gi] = n
             keys = st.keys.range(req, gi, lo, n)
-            keep = self._to_store(gi, st, step, keys, bids)
+            keep = new_blocks(keys, bids, self._batches.keys_in_flight[gi], step.seen[gi],
+                              self._known(gi, st))
             if not keep:
                 continue
             keys = [keys[j] for j in keep]
@@ -502,46 +505,10 @@ class StorePlanner:
         c.lo = min(c.cursor)
         self._losses.add(PREEMPTED, lost)
 
-    def _state_blocks(self, req: Any, step: _StepPlan, group: int, lo: int, hi: int
-                      ) -> list[int]:
-        """The GPU blocks holding the states of ``req``'s blocks ``[lo, hi)`` in vLLM state
-        group ``group`` (0 where vLLM kept none): the request's table where it still holds
-        one, else the block vLLM's prefix cache holds under that block's hash. In align mode
-        vLLM frees a state block once the next state is computed (``remove_skipped_blocks``),
-        often before a decode's store is planned; it stays in the prefix cache until handed out
-        again (a store reading it then is flushed first: ``StoreBatches.reading``). vLLM 0.32
-        hashes a block a step after it fills, 0.33 in the step: either way a non-null table
-        entry or a hash hit holds the state its prefix ends with."""
-        manager = step.manager
-        if step.tables is not None:
-            row = step.tables[group].get(req.request_id) or ()
-            ids = [b.block_id for b in row[lo:hi]]
-        else:
-            ids = manager.get_block_ids(req.request_id)[group][lo:hi]
-        ids += [0] * (hi - lo - len(ids))
-        hashes = req.block_hashes
-        if 0 not in ids or len(hashes) != req.num_tokens // self.block_tokens:
-            return ids      # (hashed at another granularity: nothing to match)
-        pool = manager.block_pool
-        for j, b in enumerate(ids):
-            if not b:
-                hit = pool.get_cached_block(hashes[lo + j], [group])
-                ids[j] = hit[0].block_id if hit else 0
-        return ids
-
     def _known(self, gi: int, st: ReqState) -> dict[bytes, None]:
         """Keys of group ``gi`` that ``st`` need not store again: those known to be in the
         pool (a P/D hand-off stores every block: the decode side must find each one)."""
         return self._batches.committed[gi] if not st.producer else _NOTHING
-
-    def _to_store(self, gi: int, st: ReqState, step: _StepPlan, keys: list[bytes],
-                  bids: list[int]) -> list[int]:
-        """Indexes into ``keys``/``bids`` of the blocks to plan: a real block (not 0) whose key
-        is neither in flight, nor planned this step, nor known to be in the pool."""
-        inflight, taken, known = self._batches.keys_in_flight[gi], step.seen[gi], \
-            self._known(gi, st)
-        return [j for j, (k, b) in enumerate(zip(keys, bids))
-                if b and k not in inflight and k not in taken and k not in known]
 
     def _cut_runs(self, gi: int, namespace: bytes, runs: list[Run], n: int,
                   now: float, preempted: frozenset[str] = frozenset()) -> list[Run]:
@@ -573,3 +540,11 @@ class StorePlanner:
                 out.append((st, index[:n], keys[:n], bids[:n]))
                 n = 0
         return out
+
+
+def new_blocks(keys: list[bytes], bids: list[int], inflight: dict[bytes, Any],
+               taken: Any, known: dict[bytes, None]) -> list[int]:
+    """Indexes into ``keys``/``bids`` of the blocks to plan: a real block (not 0) whose key is
+    neither in flight, nor planned this step, nor known to be in the pool."""
+    return [j for j, (k, b) in enumerate(zip(keys, bids))
+            if b and k not in inflight and k not in taken and k not in known]

@@ -195,4 +195,4 @@ def test_a_lookup_refused_beside_others_in_flight_reaches_vllm_as_no_hit_never_a
     assert w.lookups.offer(st, 0, step=1) == 0
     states.error = HelloRequired("say Hello first")
     w.lookups.poll(step=2)
-    assert w.lookups._orphans == []
+    assert w.lookups._trips._orphans == []
