@@ -414,8 +414,10 @@ class Transport:
 
     def _send(self, msg: p.Request) -> None:
         assert self._held is not None
+        # A connection already seen lost is not used: libzmq may still take a send into the
+        # closing pipe for a moment after the monitor reported it, and its reply never comes.
         try:
-            sent = self._held.send(p.encode(msg))
+            sent = not self._lost and self._held.send(p.encode(msg))
         except zmq.ZMQError:
             sent = False
         self._owed += sent
