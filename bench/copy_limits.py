@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from bench.gpu_transfer import PinnedBuffers
-from bench.gpu_worker import ShmPool
+from bench.shm_pool import ShmPool
 from kvpool.daemon import cuda
 
 GB = 1e9

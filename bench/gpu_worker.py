@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.shm_pool import ShmPool  # noqa: F401 (imported from here by the GPU tests)
+
 # name -> (lead segments, inner bytes) for a 16-token block of Llama-3.1-8B (8 KV heads,
 # head dim 128, bf16) or DeepSeek-style MLA (576 latent, bf16), as one rank of TP=1 holds it.
 LAYOUTS = {
@@ -591,31 +593,3 @@ class Worker:
             self.proc.join(30)
             if self.proc.is_alive():
                 self.proc.kill()
-
-
-class ShmPool:
-    """A Pool-like buffer for driving the engine without the daemon: a POSIX shm file,
-    mapped, with ``base_address`` and ``nbytes`` (what ``CudaCopyEngine`` reads)."""
-
-    def __init__(self, nbytes: int, name: str = "") -> None:
-        import ctypes
-        import mmap
-        self.path = f"/dev/shm/{name or f'kvpool-gputest-{os.getpid()}'}"
-        fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            self.buffer = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
-        self.nbytes = nbytes
-        self._anchor = ctypes.c_char.from_buffer(self.buffer)
-        self.base_address = ctypes.addressof(self._anchor)
-
-    def array(self):
-        import numpy as np
-        return np.frombuffer(self.buffer, dtype=np.uint8)
-
-    def close(self) -> None:
-        del self._anchor
-        self.buffer.close()
-        os.unlink(self.path)
