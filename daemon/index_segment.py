@@ -20,8 +20,9 @@ import logging
 import mmap
 import os
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import posix_ipc
 
 from kvpool.shared import index_format as f
@@ -37,6 +38,11 @@ log = logging.getLogger("kvpoold")
 # Keys published at most per entry of the table: past it a probe grows long and new keys wait.
 MAX_LOAD = 0.75
 _FREE_STATE = 0
+_SEQ_SHIFT = np.uint64(8)
+_LOCATION = np.uint64(0xFF)
+_ONE, _TWO = np.uint64(1), np.uint64(2)
+# Up to this many entries are written one by one (a few 8-byte stores each beat numpy's setup)
+_SCALAR_WRITES = 4
 
 
 def capacity_for(pool_bytes: int, disk_bytes: int, setting: int = 0) -> int:
@@ -84,8 +90,12 @@ class IndexSegment:
             raise
         self._shm.close_fd()
         self._words = memoryview(self._buf)[f.HEADER_BYTES:].cast("Q")
+        self._table = np.frombuffer(self._buf, np.uint64, capacity * f.ENTRY_WORDS,
+                                    f.HEADER_BYTES).reshape(capacity, f.ENTRY_WORDS)
         self._where: dict[bytes, int] = {}             # key -> its entry
         self._keys: list[bytes | None] = [None] * capacity   # entry -> its key
+        self._homes: list[int] = [0] * capacity        # entry -> its key's home (a removal's
+        #                                                shift reads it for every entry after)
         self.unpublished = 0
         self._put_header(f.H_MAGIC, f.MAGIC)
         self._put_header(f.H_VERSION, f.FORMAT_VERSION)
@@ -104,11 +114,12 @@ class IndexSegment:
             if len(self._where) >= MAX_LOAD * self.capacity:
                 self.unpublished += 1
                 return False
-            i = f.home(key, self.bits)
+            i = h = f.home(key, self.bits)
             keys = self._keys
             while keys[i] is not None:
                 i = (i + 1) & self._mask
             keys[i] = key
+            self._homes[i] = h
             self._where[key] = i
             self._write(i, location, ref, key)
             self._put_header(f.H_PUBLISHED, len(self._where))
@@ -116,34 +127,80 @@ class IndexSegment:
             self._write(i, location, ref, key)
         return True
 
+    def put_many(self, keys: Sequence[bytes], location: int, refs: Sequence[int]) -> int:
+        """Publish each of ``keys`` at ``location`` with its ref; returns how many were
+        published (a key the table is too full to take is counted in ``unpublished``). The
+        entries are written together: every state odd, then the bodies, then every state even
+        (each entry's seqlock still brackets its body), a few numpy calls for any count."""
+        where, keys_at, homes, mask = self._where, self._keys, self._homes, self._mask
+        limit = MAX_LOAD * self.capacity
+        new = [k for k in keys if k not in where]
+        new_homes = dict(zip(new, _homes(new, self.bits))) if new else {}
+        entries: dict[int, tuple[int, bytes]] = {}
+        published = 0
+        for key, ref in zip(keys, refs):
+            i = where.get(key)
+            if i is None:
+                if len(where) >= limit:
+                    self.unpublished += 1
+                    continue
+                i = h = new_homes[key]
+                while keys_at[i] is not None:
+                    i = (i + 1) & mask
+                keys_at[i] = key
+                homes[i] = h
+                where[key] = i
+            entries[i] = (ref, key)
+            published += 1
+        if entries:
+            self._write_many(entries, location)
+            self._put_header(f.H_PUBLISHED, len(where))
+        return published
+
     def location(self, key: bytes) -> int:
         """What the entry of ``key`` says now (``EMPTY`` if unpublished): the writer's view."""
         i = self._where.get(key)
         return f.EMPTY if i is None else self._words[i * f.ENTRY_WORDS] & 0xFF
 
     def remove(self, key: bytes) -> None:
-        """Withdraw ``key`` (nothing if unpublished); the entries after it in its cluster move
-        back so that no probe needs a tombstone."""
-        i = self._where.pop(key, None)
-        if i is None:
+        self.remove_many([key])
+
+    def remove_many(self, keys: Sequence[bytes]) -> None:
+        """Withdraw ``keys`` (those unpublished are skipped); the entries after each in its
+        cluster move back so that no probe needs a tombstone. The entries that change are
+        written together at the end (a reader racing it may miss a key that moved: a miss,
+        never a wrong hit)."""
+        where, keys_at, homes, mask = self._where, self._keys, self._homes, self._mask
+        moved: dict[int, int] = {}      # entry -> the entry whose old contents it now holds
+        cleared: set[int] = set()
+        for key in keys:
+            i = where.pop(key, None)
+            if i is None:
+                continue
+            j = i
+            while True:
+                j = (j + 1) & mask
+                k = keys_at[j]
+                if k is None:
+                    break
+                if ((j - homes[j]) & mask) >= ((j - i) & mask):    # k may live at i: move it
+                    keys_at[i] = k
+                    homes[i] = homes[j]
+                    where[k] = i
+                    moved[i] = moved.pop(j, j)
+                    cleared.discard(i)
+                    i = j
+            keys_at[i] = None
+            moved.pop(i, None)
+            cleared.add(i)
+        if not moved and not cleared:
             return
-        keys, mask, bits = self._keys, self._mask, self.bits
-        j = i
-        while True:
-            j = (j + 1) & mask
-            k = keys[j]
-            if k is None:
-                break
-            h = f.home(k, bits)
-            if ((j - h) & mask) >= ((j - i) & mask):    # k may live at i: move it back
-                w = self._words[j * f.ENTRY_WORDS:(j + 1) * f.ENTRY_WORDS]
-                self._write(i, w[0] & 0xFF, w[1], k)
-                keys[i] = k
-                self._where[k] = i
-                i = j
-        keys[i] = None
-        self._write(i, f.EMPTY, 0, None)
-        self._put_header(f.H_PUBLISHED, len(self._where))
+        words, w = self._words, f.ENTRY_WORDS
+        # what each changed entry says now: a moved key keeps its location and ref
+        loc_ref = {i: (words[j * w] & 0xFF, words[j * w + 1]) for i, j in moved.items()}
+        self._write_many({i: (loc_ref[i][1], keys_at[i]) for i in moved}, None,
+                         [loc_ref[i][0] for i in moved], cleared)
+        self._put_header(f.H_PUBLISHED, len(where))
 
     def close(self) -> None:
         """Mark the segment superseded and unlink it (readers drop their mapping when they see
@@ -151,12 +208,45 @@ class IndexSegment:
         if self._buf.closed:
             return
         self._put_header(f.H_SUPERSEDED, 1)
+        self._table = None      # type: ignore[assignment]  (its export pins the mapping)
         self._words.release()
         self._buf.close()
         try:
             posix_ipc.unlink_shared_memory(self.name)
         except posix_ipc.ExistentialError:
             pass
+
+    def _write_many(self, entries: dict[int, tuple[int, bytes]], location: int | None,
+                    locations: list[int] | None = None, cleared: set[int] = frozenset()
+                    ) -> None:
+        """Entries ``entries`` (entry -> ref and key) at ``location`` (or each at its own of
+        ``locations``), and the entries ``cleared`` made EMPTY, under their sequence numbers:
+        every state odd, then the bodies, then every state even with its location. Each phase
+        is one numpy pass of 8-byte stores, and x86-64 keeps stores in program order, so a
+        reader that sees an even state equal before and after its read of a body read a body
+        written whole."""
+        n = len(entries)
+        if n + len(cleared) <= _SCALAR_WRITES:
+            for k, (i, (ref, key)) in enumerate(entries.items()):
+                self._write(i, location if locations is None else locations[k], ref, key)
+            for i in cleared:
+                self._write(i, f.EMPTY, 0, None)
+            return
+        idx = np.fromiter(list(entries) + list(cleared), np.int64, n + len(cleared))
+        table = self._table
+        state = table[idx, 0]
+        seq = state >> _SEQ_SHIFT
+        table[idx, 0] = ((seq + _ONE) << _SEQ_SHIFT) | (state & _LOCATION)
+        body = np.zeros((len(idx), f.ENTRY_WORDS - 1), np.uint64)
+        if n:
+            ref_keys = list(entries.values())
+            body[:n, 0] = np.fromiter((r for r, _ in ref_keys), np.uint64, n)
+            body[:n, 1:] = np.frombuffer(b"".join(k for _, k in ref_keys),
+                                         np.uint64).reshape(n, 4)
+        table[idx, 1:] = body
+        loc = np.zeros(len(idx), np.uint64)
+        loc[:n] = location if locations is None else locations
+        table[idx, 0] = ((seq + _TWO) << _SEQ_SHIFT) | loc
 
     def _write(self, i: int, location: int, ref: int, key: bytes | None) -> None:
         """One entry, under its sequence number: odd while the body changes, even after."""
@@ -177,6 +267,18 @@ class IndexSegment:
     def _put_header(self, field: tuple[int, str], value) -> None:
         offset, fmt = field
         struct.pack_into(fmt, self._buf, offset, value)
+
+
+def _homes(keys: list[bytes], bits: int) -> list[int]:
+    """``index_format.home`` of each 32-byte key, in one numpy pass."""
+    w = np.frombuffer(b"".join(keys), np.uint64).reshape(len(keys), 4)
+    h = w[:, 0] ^ w[:, 1]
+    h ^= w[:, 2]
+    h ^= w[:, 3]
+    h ^= h >> np.uint64(32)
+    h *= np.uint64(f.HASH_MULTIPLIER)
+    h >>= np.uint64(64 - bits)
+    return h.tolist()
 
 
 def _retire(name: str) -> None:
@@ -212,12 +314,12 @@ class KeyLocations:
     # -- the slot table's watcher --
 
     def committed(self, slots: list["Slot"]) -> None:
-        put = self.segment.put
-        pool = f.POOL
-        for s in slots:
-            put(s.key, pool, s.ref)
+        self.segment.put_many([s.key for s in slots], f.POOL, [s.ref for s in slots])
 
     def removed(self, slots: list["Slot"]) -> None:
+        if not any(t.is_enabled for t in self.lowers):
+            self.segment.remove_many([s.key for s in slots])
+            return
         for s in slots:
             self._settle(s.key)
 

@@ -18,9 +18,10 @@ NS = b"R" * 16
 KEYS = 3000
 ID_BITS = 20
 
-# Keys 0..KEYS-1 come and go at random; each put gives the key a new ref, (version << 20) | i,
-# so a hit whose ref names another key (a body torn between two entries, a stale slot of a
-# moved entry) is caught. Stops when its stdin closes.
+# Keys 0..KEYS-1 come and go at random, one at a time and in batches (the store path's
+# put_many and remove_many write many entries phase by phase); each put gives the key a new
+# ref, (version << 20) | i, so a hit whose ref names another key (a body torn between two
+# entries, a stale slot of a moved entry) is caught. Stops when its stdin closes.
 _WRITER = r"""
 import os, random, sys, threading
 from kvpool.daemon.index_segment import IndexSegment
@@ -42,6 +43,15 @@ while not stop.is_set():
             version += 1
             seg.put(key(i), f.POOL, (version << %(bits)d) | i); live.add(i)
         ops += 1
+    for _ in range(20):
+        batch = rng.sample(range(%(keys)d), 40)
+        gone = [i for i in batch if i in live][:20]
+        seg.remove_many([key(i) for i in gone]); live.difference_update(gone)
+        came = [i for i in batch if i not in gone]
+        version += 1
+        seg.put_many([key(i) for i in came], f.POOL,
+                     [(version << %(bits)d) | i for i in came]); live.update(came)
+        ops += len(batch)
 print("ops", ops, flush=True)
 seg.close()
 """ % {"keys": KEYS, "bits": ID_BITS}
