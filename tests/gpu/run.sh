@@ -16,7 +16,8 @@
 #  diag+tests: diag, then every GPU test; TRANSFER_RUNS: gpu_transfer runs in diag (default 1);
 #  confirm: bench/gpu_transfer.py --reps 3 TRANSFER_RUNS times (default 3; TRANSFER_ARGS), then
 #  bench/host_scale.py on every GPU (SCALE_ARGS), then the GPU tests in what is left of
-#  CONFIRM_BUDGET_S (default 560 s); the daemons' event-loop gap lines are collected in gaps.log)
+#  CONFIRM_BUDGET_S (default 560 s); the daemons' event-loop gap lines are collected in gaps.log;
+#  SCALE_PYSPY=1 samples host_scale's daemon with py-spy)
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -106,7 +107,10 @@ if [ "$what" = confirm ]; then
       --reps 3 ${TRANSFER_ARGS:-} 2>&1 | tee "$OUT/bench-run$k.log" | grep -v "^\[daemon\]" || rc=1
     grep -h "event-loop gap\|did not run" /tmp/kvpool-bench-$k/kvpoold.log >> "$OUT/gaps.log" 2>/dev/null
   done
-  timeout ${SCALE_TIMEOUT:-200} python3 -m bench.host_scale --out "$OUT" --tmp /tmp/kvpool-scale \
+  # SCALE_PYSPY=1: py-spy samples host_scale's daemon (not gpu_transfer's, whose ratios it
+  # would touch) into $OUT/pyspy-scale*.txt
+  ${SCALE_PYSPY:+env KVPOOL_BENCH_PYSPY=$OUT/pyspy-scale} timeout ${SCALE_TIMEOUT:-200} \
+    python3 -m bench.host_scale --out "$OUT" --tmp /tmp/kvpool-scale \
     ${SCALE_ARGS:-} 2>&1 | tee "$OUT/scale.log" || rc=1
   grep -h "event-loop gap\|did not run\|numa placement" /tmp/kvpool-scale/kvpoold.log >> "$OUT/gaps.log" 2>/dev/null
   left=$(( ${CONFIRM_BUDGET_S:-560} - (SECONDS - t_start) ))
