@@ -234,6 +234,12 @@ def host_free(addr: int) -> None:
     driver().check("cuMemFreeHost", driver().cuMemFreeHost(addr))
 
 
+# Pool pieces registered per driver call. Pinning holds the process's mmap lock: with 1 GiB
+# pieces the event loop sat 180-253 ms in the kernel before its first registration whenever it
+# needed the lock (growing its heap) on an H200 host (a 12 GiB pool, gpu_transfer's daemons).
+PIECE_BYTES = 128 << 20
+
+
 class HostRegistration:
     """Registers ``[addr, addr + nbytes)`` with CUDA in ``piece_bytes`` pieces, in address
     order, on a background thread, so a daemon with a pool of any size answers at once (8 GiB
@@ -244,7 +250,7 @@ class HostRegistration:
     pageable memory at about a third of the speed (DESIGN.md: 17.4 / 13.9 GB/s).
     """
 
-    def __init__(self, addr: int, nbytes: int, piece_bytes: int = 1 << 30) -> None:
+    def __init__(self, addr: int, nbytes: int, piece_bytes: int = PIECE_BYTES) -> None:
         self.addr = addr
         self.nbytes = nbytes
         self.piece_bytes = piece_bytes

@@ -141,7 +141,7 @@ class CudaCopyEngine(CopyEngine):
     def __init__(self, pool: Any, *, backend: Backend = "auto", max_ctas: int = 32,
                  dma_min_chunk_bytes: int = 16 << 10, dma_batch_copies: int = 2048,
                  dma_streams: int = 4, register_pool: bool = True,
-                 register_piece_bytes: int = 1 << 30, kernel_words: int = 4096,
+                 register_piece_bytes: int = cuda.PIECE_BYTES, kernel_words: int = 4096,
                  kernel_warps: int = 16, dma_2d: bool | None = None,
                  dma_2d_batch_ops: int = 256, inline_max_ops: int = SMALL_OPS,
                  chunk_blocks: int = CHUNK_BLOCKS, trace: bool = False,
