@@ -129,24 +129,28 @@ class Loads:
         if reg.closing:
             return 0, list(range(len(refs)))
         part = self.index.resolve_load(ns, refs, keys)
-        self.index.pin([s for s in part if s is not None])
-        need = [j for j, s in enumerate(part) if s is None] if keys else []
-        deadline = time.monotonic() + ROOM_WAIT_S
-        while need:
-            got, short = self.tiering.fetch(ns, [keys[j] for j in need],  # type: ignore
-                                            time.monotonic())
-            self.index.pin([g for g in got if g is not None])
-            for j, g in zip(need, got):
-                part[j] = g
-            if not short or reg.closing or time.monotonic() > deadline:
-                break
-            # Slots pinned elsewhere (other loads' copies, a tier writing blocks out) are let
-            # go within milliseconds; this window keeps its turn meanwhile.
-            await asyncio.sleep(ROOM_POLL_S)
-            need = [j for j in need if part[j] is None]
+        # Every pin from here on is in ``held`` before anything can raise or be cancelled:
+        # the finally gives each back (a cancelled wait for room leaked its pool hits' pins).
         held = [s for s in part if s is not None]
-        ok, nbytes = False, 0
+        self.index.pin(held)
+        ok, nbytes, take = False, 0, []
         try:
+            need = [j for j, s in enumerate(part) if s is None] if keys else []
+            deadline = time.monotonic() + ROOM_WAIT_S
+            while need:
+                got, short = self.tiering.fetch(ns, [keys[j] for j in need],  # type: ignore
+                                                time.monotonic())
+                fetched = [g for g in got if g is not None]
+                self.index.pin(fetched)
+                held += fetched
+                for j, g in zip(need, got):
+                    part[j] = g
+                if not short or reg.closing or time.monotonic() > deadline:
+                    break
+                # Slots pinned elsewhere (other loads' copies, a tier writing blocks out) are
+                # let go within milliseconds; this window keeps its turn meanwhile.
+                await asyncio.sleep(ROOM_POLL_S)
+                need = [j for j in need if part[j] is None]
             fills = self.tiering.pending(held)                                   # type: ignore
             if fills:
                 await asyncio.gather(*fills, return_exceptions=True)
