@@ -20,7 +20,7 @@ import logging
 import mmap
 import os
 import struct
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import posix_ipc
@@ -304,30 +304,55 @@ class KeyLocations:
     order. Callers: the slot table and the tiering, on the event loop."""
 
     def __init__(self, segment: IndexSegment, namespaces: "Namespaces",
-                 lowers: list["LowerTier"]) -> None:
+                 lowers: list["LowerTier"],
+                 defer: Callable[[Callable[[], None]], object] | None = None) -> None:
         self.segment = segment
         self.namespaces = namespaces
         self.lowers = lowers
         self._tier_location = {id(t): (f.DISK if i == 0 else f.REMOTE)
                                for i, t in enumerate(lowers)}
+        # Keys that left the pool, withdrawn once the event loop's current callback is done
+        # (``defer``: the loop's call_soon): a store that evicts launches its copy first.
+        # Until then a reader may still see such a key in the pool: its ref's generation is
+        # stale, so its load fails that block (a recompute), never reads the new block.
+        self._defer = defer
+        self._leaving: list[bytes] = []
 
     # -- the slot table's watcher --
 
     def committed(self, slots: list["Slot"]) -> None:
+        self.flush()
         self.segment.put_many([s.key for s in slots], f.POOL, [s.ref for s in slots])
 
     def removed(self, slots: list["Slot"]) -> None:
-        if not any(t.is_enabled for t in self.lowers):
-            self.segment.remove_many([s.key for s in slots])
+        keys = [s.key for s in slots]
+        if self._defer is None:
+            self._withdraw(keys)
             return
-        for s in slots:
-            self._settle(s.key)
+        if not self._leaving:
+            self._defer(self.flush)
+        self._leaving += keys
+
+    def flush(self) -> None:
+        """Withdraw the keys that left the pool (or publish their lower tier) now; every other
+        change calls this first, so changes reach the segment in the order they were made."""
+        if self._leaving:
+            keys, self._leaving = self._leaving, []
+            self._withdraw(keys)
+
+    def _withdraw(self, keys: list[bytes]) -> None:
+        if not any(t.is_enabled for t in self.lowers):
+            self.segment.remove_many(keys)
+            return
+        for k in keys:
+            self._settle(k)
 
     # -- the lower tiers' observer --
 
     def tier_holds(self, tier: "LowerTier", keys: list[bytes]) -> None:
         """``tier`` can serve ``keys`` now: published there unless the pool (or an upper tier)
         has them."""
+        self.flush()
         here = self._tier_location[id(tier)]
         segment = self.segment
         for k in keys:
@@ -336,6 +361,7 @@ class KeyLocations:
                 segment.put(k, here)
 
     def tier_dropped(self, tier: "LowerTier", keys: list[bytes]) -> None:
+        self.flush()
         here = self._tier_location[id(tier)]
         for k in keys:
             if self.segment.location(k) == here:

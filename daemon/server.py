@@ -473,7 +473,8 @@ def publish_index(pool: Pool, index: Index, tiering: Tiering | None, config: Dae
         segment_name(pool.name), capacity_for(pool.nbytes, disk_bytes, config.index_entries),
         daemon_id, mode=config.socket_mode_bits, gid=socket_path.stat().st_gid,
         flags=FLAG_REMOTE_TIER if any(t.name == "remote" for t in lowers) else 0)
-    locations = KeyLocations(segment, index.namespaces, lowers)
+    locations = KeyLocations(segment, index.namespaces, lowers,
+                             defer=asyncio.get_running_loop().call_soon)
     index.table.watch(locations)
     locations.committed(index.committed_slots())
     if tiering is not None:

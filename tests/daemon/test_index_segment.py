@@ -239,3 +239,31 @@ def test_leading_runs_follow_displaced_keys_and_stop_at_the_first_miss(segment):
         n, loc, ref = reader.leading(NS, [key(i)[16:] for i in ids])
         assert n == want and ref.tolist() == [i + 1 for i in ids[:n]]
     reader.close()
+
+
+def test_evicted_keys_leave_the_index_after_the_current_callback_in_order(segment):
+    """With ``defer`` (the loop's call_soon) a store that evicts launches its copy before the
+    victims leave the index; any other change first withdraws what is pending, so the
+    segment sees changes in the order they were made."""
+    later: list = []
+    disk = _Tier("disk")
+    loc = KeyLocations(segment, _Namespaces(), [disk], defer=later.append)
+    a, b, c = key(1), key(2), key(3)
+    loc.committed([_Slot(a, 11), _Slot(b, 12)])
+    loc.removed([_Slot(a, 11)])
+    loc.removed([_Slot(b, 12)])
+    assert len(later) == 1, "one deferred withdrawal per callback, however many evictions"
+    assert [segment.location(k) for k in (a, b)] == [f.POOL, f.POOL]
+    later.pop()()
+    assert [segment.location(k) for k in (a, b)] == [f.EMPTY, f.EMPTY]
+    loc.committed([_Slot(a, 21)])
+    loc.removed([_Slot(a, 21)])
+    loc.committed([_Slot(a, 31), _Slot(c, 32)])     # a came back before the callback ended
+    assert [segment.location(k) for k in (a, c)] == [f.POOL, f.POOL]
+    disk.holds |= {b}
+    loc.removed([_Slot(c, 32)])
+    loc.tier_holds(disk, [b])                        # withdraws c first, then publishes b
+    assert [segment.location(k) for k in (b, c)] == [f.DISK, f.EMPTY]
+    later.pop()()                                    # nothing left to do: a stays
+    assert segment.location(a) == f.POOL
+
