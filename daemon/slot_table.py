@@ -122,7 +122,7 @@ class SlotTable:
                 self.extents.stamp(s, tick)
                 self._count_bytes(s.ns, cls.slot_bytes)
                 self._became_evictable(s)
-            for ns, k in Counter(map(_NS, adopted)).items():
+            for ns, k in _per_ns(adopted):
                 self.namespaces.blocks[ns] = self.namespaces.blocks.get(ns, 0) + k
             kept += len(adopted)
         self.stats.adopted_blocks = kept
@@ -182,7 +182,7 @@ class SlotTable:
             if not s.pins:
                 self._became_evictable(s)
         blocks = self.namespaces.blocks
-        for ns, k in Counter(map(_NS, slots)).items():
+        for ns, k in _per_ns(slots):
             blocks[ns] = blocks.get(ns, 0) + k
         self.stats.stored_blocks += len(slots)
         for w in self.watchers:
@@ -373,7 +373,7 @@ class SlotTable:
         for cls, group in _by_class(victims):
             cls.lru.remove_many(map(_ID, group))
         blocks, quota_lrus = self.namespaces.blocks, self.namespaces.lru
-        for ns, k in Counter(map(_NS, victims)).items():
+        for ns, k in _per_ns(victims):
             blocks[ns] -= k
             own = quota_lrus.get(ns)
             if own is not None:
@@ -386,8 +386,19 @@ class SlotTable:
         used[ns] = used.get(ns, 0) + delta
 
     def _count_bytes_many(self, slots: list[Slot], per_slot: int) -> None:
-        for ns, k in Counter(map(_NS, slots)).items():
+        for ns, k in _per_ns(slots):
             self._count_bytes(ns, k * per_slot)
+
+
+def _per_ns(slots: list[Slot]) -> list[tuple[bytes, int]]:
+    """(namespace, slots of it) for ``slots``: nearly always one namespace, found without a
+    Counter (a tenth of a store's eviction work)."""
+    if not slots:
+        return []
+    first = slots[0].ns
+    if all(s.ns == first for s in slots):
+        return [(first, len(slots))]
+    return list(Counter(map(_NS, slots)).items())
 
 
 def _by_class(slots: list[Slot]) -> list[tuple[SizeClass, list[Slot]]]:
