@@ -115,7 +115,7 @@ class Lookups:
         self.queued: list[str] = []       # request ids, in order (a few may be stale)
         self.retry: list[str] = []        # P/D consumers to look up again next step
         self.release: list[int] = []      # leases to release at the next step
-        self._trips = RoundTrips(groups, client, link, self.release)
+        self._trips = RoundTrips(groups, client, link)
         self._polled = -1                 # the step whose answers were last taken in
         self._index = IndexReads(groups, client, link)
         # A reset was sent: the index may show what the daemon has yet to forget, so lookups
@@ -221,7 +221,7 @@ class Lookups:
 
     def has_work(self) -> bool:
         """Leases to release or hand-offs to ask about again: the engine must step again."""
-        return bool(self.release or self.retry)
+        return bool(self.release or self.retry or self._trips.has_stray)
 
     def forget(self, rid: str) -> None:
         a = self._asks.pop(rid, None)
@@ -273,9 +273,9 @@ class Lookups:
             self._send_lookups()
 
     def send_releases(self) -> None:
-        if self.release:
-            leases = sorted(set(self.release))
-            self.release.clear()        # (in place: the round trips add to it too)
+        if self.release or self._trips.has_stray:
+            leases = sorted(set(self.release + self._trips.take_stray()))
+            self.release.clear()
             self._link.nowait(self.client.release_nowait, leases)
 
     def _range(self, a: _Ask, g: Any) -> tuple[int, int]:

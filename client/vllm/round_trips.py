@@ -2,7 +2,7 @@
 (``lookups.py`` decides when). One call per namespace for a step's batch of requests, one batch
 in flight, collected without waiting; hits come pinned with leases, so every lease of an answer
 nobody takes (a failed batch's other calls, an orphaned call answering late) is handed to the
-caller's release list. A state group's keys go one by one (``hybrid.state_key_lists``) and
+stray list (``take_stray``). A state group's keys go one by one (``hybrid.state_key_lists``) and
 come back folded into one answer per request.
 """
 
@@ -32,12 +32,11 @@ class Collected(NamedTuple):
 class RoundTrips:
     """Called from vLLM's scheduler thread only."""
 
-    def __init__(self, groups: list[Any], client: Any, link: DaemonLink,
-                 release: list[int]) -> None:
+    def __init__(self, groups: list[Any], client: Any, link: DaemonLink) -> None:
         self.groups = groups
         self.client = client
         self._link = link
-        self._release = release           # the caller's leases to release (shared list)
+        self._release: list[int] = []     # leases of answers no request takes (take_stray)
         self._calls: list[tuple[Any, int, list[tuple[str, int]], list]] = []
         self._replies: list[Any] = []
         self._orphans: list[Any] = []     # lookups nobody waits for; their leases get released
@@ -46,6 +45,16 @@ class RoundTrips:
     @property
     def in_flight(self) -> bool:
         return bool(self._calls)
+
+    @property
+    def has_stray(self) -> bool:
+        return bool(self._release)
+
+    def take_stray(self) -> list[int]:
+        """The leases of answers nobody takes (a failed batch's, late orphans'), to release;
+        handed out once."""
+        out, self._release = self._release, []
+        return out
 
     def send(self, ids: list[str], spans_of: Any, fenced: bool) -> bool:
         """Send one lookup per namespace for ``ids`` (``spans_of(rid, gi, g)``: the request's
