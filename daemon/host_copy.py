@@ -394,8 +394,11 @@ _MADV_POPULATE_WRITE = 23
 # behind it, the event loop's among them. 64 MiB calls (~0.2 s each on a loaded 2-core host)
 # made pings take 70-600 ms while a 5.7 GiB pool was populated; 2 MiB calls take milliseconds.
 _POPULATE_CHUNK = 2 << 20
-# The thread's nice value: a speed-up must not take a core from the engines or the loop.
-_POPULATE_NICE = 19
+# After each call the thread rests as long as the call took: at most half a core, taken from
+# nobody for long. It keeps its priority: at nice 19 a loaded 2-core host left it off the CPU
+# for 100+ ms in the middle of a call, holding the mmap lock, and the event loop waited that
+# long behind it (156 ms in tests/integration/test_event_loop.py beside other tests).
+_POPULATE_DUTY = 0.5
 try:
     _madvise = ctypes.CDLL(None, use_errno=True).madvise
     _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -412,23 +415,21 @@ def _populate(u8: np.ndarray, stop: Callable[[], bool]) -> None:
     the same pages in. ``MADV_POPULATE_WRITE`` does it in 0.37 s per GiB of one core, in
     2 MiB steps (ctypes drops the GIL for each), stopping at close. A pure speed-up: where
     the kernel lacks it, pages fault in on first use as before. (A CUDA pool is pinned by
-    ``cudaHostRegister`` at start; this then finds every page mapped already.) Runs at the
-    lowest CPU priority, in calls short enough that the event loop never waits for one."""
+    ``cudaHostRegister`` at start; this then finds every page mapped already.) Calls short
+    enough that the event loop never waits long for one, a rest after each."""
     if _madvise is None or not len(u8):
         return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _POPULATE_NICE)
-    except OSError as e:     # a sandbox may refuse; the chunks still keep the loop's waits short
-        log.debug("pool population keeps its priority: %s", e)
     t0 = time.monotonic()
     base, n = u8.ctypes.data, len(u8)
     start = base - base % mmap.PAGESIZE
     for at in range(start, base + n, _POPULATE_CHUNK):
         if stop():
             return
+        t_call = time.monotonic()
         if _madvise(at, min(_POPULATE_CHUNK, base + n - at), _MADV_POPULATE_WRITE) != 0:
             log.debug("pool pages not mapped ahead: %s", os.strerror(ctypes.get_errno()))
             return
+        time.sleep((time.monotonic() - t_call) * _POPULATE_DUTY / (1 - _POPULATE_DUTY))
     log.debug("pool pages mapped in %.2f s", time.monotonic() - t0)
 
 

@@ -4,7 +4,11 @@ run (issue 36): clients time out after 2 s, and a restarted daemon whose loop st
 while torch's import held the GIL turned idle engines away."""
 
 import re
+import subprocess
+import sys
 import time
+
+import pytest
 
 from bench.kvtest import HostKv
 from tests.conftest import wait_for
@@ -33,7 +37,23 @@ def _check(daemon, gap: float, when: str) -> None:
         f"out):\n{daemon.log()[-3000:]}")
 
 
-def test_the_loop_is_never_held_over_50_ms_from_start_through_registrations(daemon_factory):
+@pytest.mark.parametrize("busy", [0, 2], ids=["idle host", "two busy processes"])
+def test_the_loop_is_never_held_over_50_ms_from_start_through_registrations(daemon_factory,
+                                                                            busy):
+    """``busy`` processes spin beside the daemon: on a loaded host, background work that
+    holds a lock the loop needs (the pool's population held the mmap lock at nice 19, off the
+    CPU for 285-624 ms) shows as a gap here."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(busy)]
+    try:
+        _check_lives(daemon_factory)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+
+
+def _check_lives(daemon_factory) -> None:
     d = daemon_factory()
     kv, later = HostKv(), HostKv()
     first, _ = kv.register(d.client_config(), name="loop-gap worker")
