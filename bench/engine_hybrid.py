@@ -17,8 +17,9 @@ Workloads (each with its own prompts):
   the tokens the engine answered, served a few at a time in turn (``concurrent``), as an
   operator's engine serves more conversations than it holds: the engine's own KV holds a
   fraction of the histories, so by the time a conversation's next turn comes its history was
-  evicted by the others' (``engine_cached_tokens``: what the engine's own prefix cache still
-  gave). ``hybrid_multiturn_ttft_speedup`` = mean TTFT (every turn, the first included)
+  evicted by the others' (``cached_tokens``: prompt tokens not computed, from the engine's own
+  prefix cache or kvpool's loads; 0 without kvpool when every history was evicted in time).
+  ``hybrid_multiturn_ttft_speedup`` = mean TTFT (every turn, the first included)
   without / with kvpool.
 - restart: long prompts, then a new engine (the restart) gets them again.
   ``hybrid_restart_ttft_speedup`` = the second engine's mean TTFT without / with.
@@ -30,8 +31,9 @@ multiturn, a third engine without kvpool whose own KV holds every history
 (``own_cache_reference``), so each turn resumes from the states vLLM kept, as kvpool's does. The
 arm that recomputes each history is no such reference: a state vLLM kept at a boundary that a
 turn's answer crossed was made by decode steps, one recomputed by a prefill chunk, and the two
-differ in bfloat16 by enough to move a logprob by ~0.05 and to flip a near-tie token (what
-``multiturn_same_as_recomputed`` shows; a wrong state moves logprobs by ~1).
+can differ in bfloat16 by enough to move a logprob by ~0.05 and flip a near-tie token (the
+quick plan's first turn, 500 tokens answered past 512, did in 2 of 12 requests; the full plan's
+boundaries matched: ``multiturn_same_as_recomputed``). A wrong state moves logprobs by ~1.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def chat(daemon: Daemon | None, model: str, work: Path, plan: dict, tag: str,
                 for i, p, ans in zip(ids, prompts, r["tokens"]):
                     convs[i] = p + ans
         out["multiturn"] = {"mean_ttft_s": statistics.fmean(ttfts), "requests": len(ttfts),
-                            "engine_cached_tokens": cached, "preemptions": preempted,
+                            "cached_tokens": cached, "preemptions": preempted,
                             **moved(daemon, before)}
         out["multiturn_outputs"] = outputs
         r = e.next()
