@@ -260,17 +260,24 @@ def test_sliding_window_and_full_attention_groups(make_engine, info, async_sched
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_tp2_stores_commit_only_after_every_rank(make_engine, info, async_scheduling):
-    e = make_engine(async_scheduling=async_scheduling, tp=2)
+    # Both ranks' stores are held back until the ack below is checked: a rank whose store
+    # landed and reported within the step that made the batch (fast stores, a quiet machine)
+    # had already acked it once, and the test's ack then resolved it (a CI run saw that).
+    e = make_engine(async_scheduling=async_scheduling, tp=2, hold_stores=True)
     role = e.connector.scheduler
     # A batch reported by one rank stays in flight; the second rank's report resolves it.
     e.add("a", prompt(40), max_tokens=1)
-    e.run(until=lambda: role.batches.by_id)
+    e.run(until=lambda: role.batches.by_id and all(h.held for h in e.held))
     from vllm.v1.outputs import KVConnectorOutput
     batch = next(iter(role.batches.by_id))
     held = role.batches.by_id[batch]
+    assert held.done == 0, "a rank reported a store that was held back"
     role.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=WorkerAcks({batch: 1})))
     assert batch in role.batches.by_id and held.done == 1
     held.done = 0                                   # give the real acks their say
+    e.release_stores()
+    for h in e.held:
+        h.steps = 0                                 # from now on stores go out at once
     e.run()
     assert e.stats.finished == ["a"]
     e.sched.reset_prefix_cache()
