@@ -105,18 +105,14 @@ class IndexReader:
         if got is None:
             return None
         hit, where, refs, home = got
-        n = end = len(hit)
+        end = len(hit)
         if not hit.all():
             where, refs = where.copy(), refs.copy()
-            end = int(hit.argmin())
-            while end < n and not hit[end]:
+            for i in np.flatnonzero(~hit).tolist():
                 # an entry that is neither EMPTY nor torn holds another key: ours may be on
-                if not (where[end] and self._follow(end, ns, hashes[end], int(home[end]),
-                                                    where, refs)):
+                if not (where[i] and self._follow(i, ns, hashes[i], int(home[i]), where, refs)):
+                    end = i
                     break
-                end += 1
-                if end < n and hit[end]:
-                    end += int(hit[end:].argmin()) if not hit[end:].all() else n - end
         return end, where[:end], refs[:end]
 
     def _home_pass(self, ns: bytes, hashes: Sequence[bytes]):

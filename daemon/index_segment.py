@@ -136,7 +136,7 @@ class IndexSegment:
         limit = MAX_LOAD * self.capacity
         new = [k for k in keys if k not in where]
         new_homes = dict(zip(new, _homes(new, self.bits))) if new else {}
-        entries: dict[int, tuple[int, bytes]] = {}
+        entries: dict[int, tuple[int, int, bytes]] = {}
         published = 0
         for key, ref in zip(keys, refs):
             i = where.get(key)
@@ -150,10 +150,10 @@ class IndexSegment:
                 keys_at[i] = key
                 homes[i] = h
                 where[key] = i
-            entries[i] = (ref, key)
+            entries[i] = (location, ref, key)
             published += 1
         if entries:
-            self._write_many(entries, location)
+            self._write_many(entries)
             self._put_header(f.H_PUBLISHED, len(where))
         return published
 
@@ -196,10 +196,9 @@ class IndexSegment:
         if not moved and not cleared:
             return
         words, w = self._words, f.ENTRY_WORDS
-        # what each changed entry says now: a moved key keeps its location and ref
-        loc_ref = {i: (words[j * w] & 0xFF, words[j * w + 1]) for i, j in moved.items()}
-        self._write_many({i: (loc_ref[i][1], keys_at[i]) for i in moved}, None,
-                         [loc_ref[i][0] for i in moved], cleared)
+        # a moved key keeps the location and ref of the entry it came from
+        self._write_many({i: (words[j * w] & 0xFF, words[j * w + 1], keys_at[i])
+                          for i, j in moved.items()}, cleared)
         self._put_header(f.H_PUBLISHED, len(where))
 
     def close(self) -> None:
@@ -216,19 +215,17 @@ class IndexSegment:
         except posix_ipc.ExistentialError:
             pass
 
-    def _write_many(self, entries: dict[int, tuple[int, bytes]], location: int | None,
-                    locations: list[int] | None = None, cleared: set[int] = frozenset()
-                    ) -> None:
-        """Entries ``entries`` (entry -> ref and key) at ``location`` (or each at its own of
-        ``locations``), and the entries ``cleared`` made EMPTY, under their sequence numbers:
-        every state odd, then the bodies, then every state even with its location. Each phase
-        is one numpy pass of 8-byte stores, and x86-64 keeps stores in program order, so a
-        reader that sees an even state equal before and after its read of a body read a body
-        written whole."""
+    def _write_many(self, entries: dict[int, tuple[int, int, bytes]],
+                    cleared: set[int] = frozenset()) -> None:
+        """Entries ``entries`` (entry -> location, ref and key) and the entries ``cleared``
+        made EMPTY, under their sequence numbers: every state odd, then the bodies, then every
+        state even with its location. Each phase is one numpy pass of 8-byte stores, and
+        x86-64 keeps stores in program order, so a reader that sees an even state equal before
+        and after its read of a body read a body written whole."""
         n = len(entries)
         if n + len(cleared) <= _SCALAR_WRITES:
-            for k, (i, (ref, key)) in enumerate(entries.items()):
-                self._write(i, location if locations is None else locations[k], ref, key)
+            for i, (location, ref, key) in entries.items():
+                self._write(i, location, ref, key)
             for i in cleared:
                 self._write(i, f.EMPTY, 0, None)
             return
@@ -238,14 +235,14 @@ class IndexSegment:
         seq = state >> _SEQ_SHIFT
         table[idx, 0] = ((seq + _ONE) << _SEQ_SHIFT) | (state & _LOCATION)
         body = np.zeros((len(idx), f.ENTRY_WORDS - 1), np.uint64)
+        loc = np.zeros(len(idx), np.uint64)
         if n:
-            ref_keys = list(entries.values())
-            body[:n, 0] = np.fromiter((r for r, _ in ref_keys), np.uint64, n)
-            body[:n, 1:] = np.frombuffer(b"".join(k for _, k in ref_keys),
+            written = list(entries.values())
+            loc[:n] = np.fromiter((e[0] for e in written), np.uint64, n)
+            body[:n, 0] = np.fromiter((e[1] for e in written), np.uint64, n)
+            body[:n, 1:] = np.frombuffer(b"".join(e[2] for e in written),
                                          np.uint64).reshape(n, 4)
         table[idx, 1:] = body
-        loc = np.zeros(len(idx), np.uint64)
-        loc[:n] = location if locations is None else locations
         table[idx, 0] = ((seq + _TWO) << _SEQ_SHIFT) | loc
 
     def _write(self, i: int, location: int, ref: int, key: bytes | None) -> None:
