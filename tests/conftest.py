@@ -62,3 +62,33 @@ def pool(pool_config):
     p = Pool.open(pool_config)
     yield p
     p.close(unlink=True)
+
+
+@pytest.fixture
+def compiled_index_probe():
+    """client/_index_probe.c, which the install builds wherever it can (a C compiler and
+    Python's headers, as in CI): fails where it could have been built and was not, skips where
+    it could not."""
+    import shutil
+    import sysconfig
+
+    import kvpool.client.index_reader as index_reader
+    if index_reader._index_probe is None:
+        headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+        assert shutil.which("cc") is None or not os.path.exists(headers), (
+            "a C compiler and Python's headers are here but the index probe was not built: "
+            "pip install -e . builds client/_index_probe.c")
+        pytest.skip("no C compiler or Python headers: the compiled index probe was not built")
+    return index_reader._index_probe
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def index_probe(request, monkeypatch):
+    """Runs a test of the shared-memory index's reader once with each probe: the compiled one
+    and the numpy one it falls back to."""
+    import kvpool.client.index_reader as index_reader
+    if request.param == "numpy":
+        monkeypatch.setattr(index_reader, "_index_probe", None)
+    else:
+        request.getfixturevalue("compiled_index_probe")
+    return request.param

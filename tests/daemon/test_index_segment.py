@@ -14,6 +14,9 @@ from kvpool.client.index_reader import IndexReader
 from kvpool.daemon.index_segment import IndexSegment, KeyLocations, capacity_for
 from kvpool.shared import index_format as f
 
+# Every test here runs with the compiled probe and with numpy's.
+pytestmark = pytest.mark.usefixtures("index_probe")
+
 NS = b"N" * 16
 
 

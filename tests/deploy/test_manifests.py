@@ -159,6 +159,10 @@ def test_dockerfile():
     assert '"/src/kvpool[mooncake]"' in daemon
     for lib in ("libibverbs1", "librdmacm1", "libnuma1"):
         assert lib in daemon, f"{lib}: Mooncake's binaries load it even over TCP"
+    # Both images install kvpool from its source: setup.py builds the scheduler's index probe.
+    for stage in stages[1:]:
+        copies = re.findall(r"^COPY (pyproject.toml .*)$", stage, re.M)
+        assert copies and "setup.py" in copies[0].split(), (stage.split()[2], copies)
 
 
 # ---- compose ---------------------------------------------------------------------------------
