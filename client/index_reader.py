@@ -96,7 +96,7 @@ class IndexReader:
             return None
         if self.compiled:
             loc, ref = np.empty(len(hashes), np.uint64), np.empty(len(hashes), np.uint64)
-            _index_probe.probe(self._buf, self.capacity, f.MAX_PROBE, ns, b"".join(hashes),
+            _index_probe.probe(self._buf, self.capacity, f.MAX_PROBE, ns, _listed(hashes),
                                False, loc, ref)
             return loc, ref
         return self._find_numpy(ns, hashes)
@@ -110,9 +110,22 @@ class IndexReader:
         if self.compiled:
             loc, ref = np.empty(len(hashes), np.uint64), np.empty(len(hashes), np.uint64)
             end = _index_probe.probe(self._buf, self.capacity, f.MAX_PROBE, ns,
-                                     b"".join(hashes), True, loc, ref)
+                                     _listed(hashes), True, loc, ref)
             return end, loc[:end], ref[:end]
         return self._leading_numpy(ns, hashes)
+
+    def leading_lists(self, ns: bytes, hashes: Sequence[bytes]
+                      ) -> tuple[int, list[int], list[int]] | None:
+        """``leading`` as Python lists: (how many, their refs, their locations), what a
+        scheduler hands on; the compiled probe builds them itself (numpy's ``tolist`` of two
+        arrays costs more than the probe). None when superseded."""
+        if self._buf[self._superseded_at]:
+            return None
+        if self.compiled:
+            return _index_probe.probe(self._buf, self.capacity, f.MAX_PROBE, ns,
+                                      _listed(hashes), True)
+        n, loc, ref = self._leading_numpy(ns, hashes)
+        return n, ref.tolist(), loc.tolist()
 
     # ---- numpy: the reference, and the path where the probe was not built ----------------
 
@@ -209,3 +222,8 @@ class IndexReader:
             self._buf.close()
         except BufferError:
             pass                        # a caller still holds a view; the mapping goes with it
+
+
+def _listed(hashes: Sequence[bytes]) -> list[bytes] | tuple[bytes, ...] | bytes:
+    """What the compiled probe takes: a list or tuple of hashes as they are, else joined."""
+    return hashes if isinstance(hashes, (list, tuple)) else b"".join(hashes)

@@ -237,12 +237,13 @@ class SchedulerClient:
         when there is no usable index (see ``index``). Pins nothing: a block evicted before
         its load fails that block alone."""
         ix = self.index()
-        got = ix.leading(namespace, hashes) if ix is not None else None
+        got = ix.leading_lists(namespace, hashes) if ix is not None else None
         if got is None:
             return None
-        n, loc, ref = got
-        ref[loc != index_format.POOL] = 0
-        return n, ref.tolist(), loc.tolist()
+        n, refs, locs = got
+        if locs.count(index_format.POOL) != n:
+            refs = [r if where == index_format.POOL else 0 for r, where in zip(refs, locs)]
+        return n, refs, locs
 
     def find_each(self, namespace: bytes, hashes: Sequence[bytes]) -> list[int] | None:
         """Every key of ``hashes`` read in the index now, hits past a miss too (a state

@@ -88,7 +88,10 @@ def test_a_run_of_leading_hits_stops_at_the_first_miss(segment):
         segment.put(key(i), f.POOL, 100 + i)
     n, loc, ref = reader.leading(NS, [key(i)[16:] for i in range(6)])
     assert n == 3 and loc.tolist() == [f.POOL] * 3 and ref.tolist() == [100, 101, 102]
-    assert reader.leading(NS, [])[0] == 0
+    assert reader.leading_lists(NS, [key(i)[16:] for i in range(6)]) == \
+        (3, [100, 101, 102], [f.POOL] * 3)
+    assert reader.leading_lists(NS, tuple(key(i)[16:] for i in range(6)))[0] == 3, "a tuple"
+    assert reader.leading(NS, [])[0] == 0 and reader.leading_lists(NS, []) == (0, [], [])
     reader.close()
 
 
@@ -241,6 +244,8 @@ def test_leading_runs_follow_displaced_keys_and_stop_at_the_first_miss(segment):
         want = next((n for n, i in enumerate(ids) if i not in published), len(ids))
         n, loc, ref = reader.leading(NS, [key(i)[16:] for i in ids])
         assert n == want and ref.tolist() == [i + 1 for i in ids[:n]]
+        assert reader.leading_lists(NS, [key(i)[16:] for i in ids]) == \
+            (want, [i + 1 for i in ids[:n]], [f.POOL] * n)
     reader.close()
 
 
