@@ -165,8 +165,8 @@ def demote_promote(work: Path, nbytes: int) -> dict:
         t0, wall0 = time.perf_counter(), time.time()
         hit = sched.lookup(kv.namespace, [keys], pin=True)
         assert hit.hits == [n], hit.hits
-        jobs = [worker.submit_load(reg, hit.slots[0][a:a + 64], list(range(a, min(n, a + 64))))
-                for a in range(0, n, 64)]
+        jobs = [worker.submit_load(reg, hit.slots[0][a:a + 64], list(range(a, min(n, a + 64))),
+                                   keys[a:a + 64]) for a in range(0, n, 64)]
         promote_s = _until(sched, "promoted_bytes", n * BIG_BYTES) - wall0
         assert all(c.ok for c in worker.wait(jobs, 600))
         end_to_end_s = time.perf_counter() - t0
@@ -255,7 +255,9 @@ def kill_loop(work: Path, rounds: int, seed: int) -> dict:
             for a in range(0, len(refs), 32):
                 ids = list(range(len(refs[a:a + 32])))
                 kv.poison(ids)
-                c = worker.wait([worker.submit_load(reg, refs[a:a + 32], ids)], 60)[0]
+                c = worker.wait([worker.submit_load(reg, refs[a:a + 32], ids,
+                                                    keys[a:a + len(ids)])],
+                                60)[0]
                 if not c.ok:
                     continue
                 for b, k in zip(ids, keys[a:a + 32]):

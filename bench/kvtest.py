@@ -206,7 +206,7 @@ class PoolEngine:
 
     def load(self, keys: list[bytes]):
         """Look up ``keys`` (one prompt) and load its hit run 32 blocks at a time into blocks
-        32.. (poisoned first); returns (hits, the failed JobCompletion or None). Every block
+        32.. (poisoned first), naming each block's key (a lower tier's hits have ref 0); returns (hits, the failed JobCompletion or None). Every block
         of a load that succeeded must equal what was stored."""
         hit = self.sched.lookup(self.kv.namespace, [keys], pin=True)
         n = hit.hits[0]
@@ -215,7 +215,8 @@ class PoolEngine:
                 refs = hit.slots[0][a:a + 32]
                 ids = list(range(32, 32 + len(refs)))
                 self.kv.poison(ids)
-                done = self.worker.wait([self.worker.submit_load(self.reg, refs, ids)], 30)[0]
+                done = self.worker.wait([self.worker.submit_load(self.reg, refs, ids,
+                                                                 keys[a:a + len(refs)])], 30)[0]
                 if not done.ok or done.failed:
                     return n, done
                 for b, k in zip(ids, keys[a:a + 32]):

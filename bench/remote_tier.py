@@ -234,8 +234,8 @@ def one_rep(work: Path, m: MooncakeMaster, raw: Raw, n: int, singles: int, rep: 
         t0, wall0 = time.perf_counter(), time.time()
         hit = sched_b.lookup(kv_b.namespace, [keys], pin=True)
         assert hit.hits == [n], hit.hits
-        jobs = [worker_b.submit_load(reg_b, hit.slots[0][i:i + 64], list(range(i, min(n, i + 64))))
-                for i in range(0, n, 64)]
+        jobs = [worker_b.submit_load(reg_b, hit.slots[0][i:i + 64], list(range(i, min(n, i + 64))),
+                                     keys[i:i + 64]) for i in range(0, n, 64)]
         fetch_s = _until(sched_b, "promoted_bytes", n * BIG_BYTES) - wall0
         assert all(c.ok for c in worker_b.wait(jobs, 600))
         to_engine_s = time.perf_counter() - t0
@@ -262,7 +262,7 @@ def one_rep(work: Path, m: MooncakeMaster, raw: Raw, n: int, singles: int, rep: 
             t = time.perf_counter()
             h = sched_b.lookup(kv_b.namespace, [k], pin=True)
             assert h.hits == [1], h.hits
-            c = worker_b.wait([worker_b.submit_load(reg_b, h.slots[0], [0])], 60)[0]
+            c = worker_b.wait([worker_b.submit_load(reg_b, h.slots[0], [0], k)], 60)[0]
             times.append(time.perf_counter() - t)
             assert c.ok, c
             sched_b.release(h.leases)

@@ -10,7 +10,8 @@ index; the parts never call it back.
 
 - Lookups answered here are the round-trip kind (a client that cannot map the shared-memory
   index, a probe of a lower tier): with ``pin`` each hit run is held by a *lease* until released
-  or expired. Schedulers that map the index read hits there and take no lease (issue 37).
+  or expired; what lower tiers hold past it counts too, unpinned, ref 0 (their load brings it
+  up). Schedulers that map the index read hits there and take no lease (issue 37).
 - A load pins its slots for its copy. FILLING is a slot a lower tier is bringing back
   (``daemon/tiering.py``): a lookup counts it as a hit and a load may name it, but the copy
   must wait for ``end_fill``.
@@ -22,6 +23,7 @@ so tests control it.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.daemon.extents import FILLING, Extents, SizeClass, Slot
@@ -123,13 +125,16 @@ class Index:
     # ---- lookups and leases ----------------------------------------------------------------
 
     def lookup(self, ns: bytes, key_lists: list[list[bytes]], pin: bool, owner: int,
-               now: float) -> tuple[list[int], list[int], list[list[int]]]:
+               now: float, beyond: Callable[[bytes, list[bytes], int], list[int]] | None = None
+               ) -> tuple[list[int], list[int], list[list[int]]]:
         """Leading committed (or filling) hits per key list, as slot refs; with ``pin``, each
-        hit run under a new lease. Hits become most recently used."""
+        hit run under a new lease. Hits become most recently used. ``beyond(ns, keys, n)``
+        (the lower tiers' ``held_past``) extends a list's run past its first ``n`` with refs
+        that are neither pinned nor touched (0: a lower tier holds the block)."""
         get = self.table.tables.get(ns, _EMPTY).get
         hits, leases, refs = [], [], []
         found: list[Slot] = []
-        n_keys = 0
+        n_keys = n_beyond = 0
         committed, filling = COMMITTED, FILLING
         for keys in key_lists:
             run: list[Slot] = []
@@ -139,9 +144,11 @@ class Index:
                 if s is None or (s.state != committed and s.state != filling) or s.doomed:
                     break
                 add(s)
-            hits.append(len(run))
+            more = beyond(ns, keys, len(run)) if beyond is not None else []
+            hits.append(len(run) + len(more))
             n_keys += len(keys)
-            refs.append([s.ref for s in run])
+            n_beyond += len(more)
+            refs.append([s.ref for s in run] + more)
             found += run
             if pin and run:
                 self.table.pin(run)
@@ -151,7 +158,8 @@ class Index:
             else:
                 leases.append(0)
         self.table.touch([s for s in found if s.state == committed])
-        self.count_lookup(ns, len(found), n_keys - len(found))
+        hit_blocks = len(found) + n_beyond
+        self.count_lookup(ns, hit_blocks, n_keys - hit_blocks)
         return hits, leases, refs
 
     def touch(self, ns: bytes, hashes: list[bytes]) -> int:

@@ -77,8 +77,8 @@ _TIER_FIELDS = {
     "kvpool_tier_used_bytes": ("used_bytes", False, "Bytes of blocks the tier holds or is "
                                "writing (remote: that this host knows the store holds)."),
     "kvpool_tier_blocks": ("blocks", False, "Blocks the tier holds (loadable)."),
-    "kvpool_tier_hit_blocks": ("hit_blocks", True, "Lookup hits answered from the tier (each "
-                               "promotes its block into the pool)."),
+    "kvpool_tier_hit_blocks": ("hit_blocks", True, "Blocks the tier was asked to bring up "
+                               "into the pool (by a load's staging window)."),
     "kvpool_tier_demoted_blocks": ("demoted_blocks", True, "Blocks written down from the pool."),
     "kvpool_tier_demoted_bytes": ("demoted_bytes", True, "Bytes written down from the pool."),
     "kvpool_tier_promoted_blocks": ("promoted_blocks", True, "Blocks read back into the pool "

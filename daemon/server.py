@@ -366,9 +366,9 @@ class Server:
 
     def _lookup(self, owner: Owner, msg: p.LookupRequest, now: float) -> p.LookupReply:
         idx = self.index
-        if self.tiering is not None:
-            self.tiering.before_lookup(msg.namespace, msg.key_lists, now)
-        hits, leases, slots = idx.lookup(msg.namespace, msg.key_lists, msg.pin, owner.id, now)
+        beyond = self.tiering.held_past if self.tiering is not None else None
+        hits, leases, slots = idx.lookup(msg.namespace, msg.key_lists, msg.pin, owner.id, now,
+                                         beyond)
         self.telemetry.lookup(hits, msg.key_lists, idx.block_tokens(msg.namespace))
         return p.LookupReply(msg.req_id, hits, leases, slots)
 

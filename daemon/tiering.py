@@ -2,8 +2,8 @@
 
 ``Tiering`` sits between the index (``daemon/index.py``, the pool) and the ``LowerTier``s
 (``daemon/tier.py``), in order: the disk tier, then the remote tier. The server calls it at
-four moments: before a lookup (``probe``, then ``before_lookup``), when a load starts, and on a
-reset. It never copies bytes itself and never blocks the event loop.
+four moments: before a lookup (``probe``), during it (``held_past``), when a load starts, and
+on a reset. It never copies bytes itself and never blocks the event loop.
 
 - **Down: write-behind, oldest first, to every tier.** Every block that commits in the pool
   (stored by an engine, adopted from the previous daemon's pool, or brought up from a tier)
@@ -24,12 +24,11 @@ reset. It never copies bytes itself and never blocks the event loop.
 - **Probe.** A tier whose index is not in memory (the remote store) is asked about the keys of
   each key list past what the pool and the tiers above it hold; the server answers the lookup
   when those probes resolve (each tier bounds its own).
-- **Up: at lookup time, upper tiers first.** Before the index answers a lookup, each key
-  list's first keys missing from the pool are looked up in the tiers in order (from memory);
-  each run a tier holds gets FILLING slots and one ``promote`` from that tier. The lookup then
-  counts them as hits at once, and the engine's load of such a slot waits (``pending``) until
-  the fill has landed and been verified; a block that fails makes the load fail with
-  ``BLOCK_LOST`` and the engine recomputes it.
+- **Up: at load time, upper tiers first.** A lookup counts the blocks a tier holds past the
+  pool's (``held_past``; the shared-memory index publishes the same), bringing nothing up. The
+  load names each block's key, and its staging window (``fetch``, from ``daemon/loads.py``)
+  gives the blocks the pool lacks FILLING slots and one ``promote`` per run of a tier, a window
+  at a time; a block that fails makes that block's load fail and the engine recomputes it.
 """
 
 from __future__ import annotations
@@ -284,45 +283,32 @@ class Tiering:
             return None
         return waits[0] if len(waits) == 1 else asyncio.gather(*waits)
 
-    def before_lookup(self, ns: bytes, key_lists: list[list[bytes]], now: float) -> None:
-        """Start bringing up the leading keys of each list that the pool lacks and a tier
-        holds (the first tier in order that holds the next key), so the lookup that follows
-        counts them. Where the pool has no room, the run stops there (the lookup's hits stop
-        there too)."""
+    def held_past(self, ns: bytes, keys: list[bytes], start: int) -> list[int]:
+        """A round-trip lookup's hits past the pool's leading run (``keys[start:]``): per key
+        from there on, while the pool or an enabled tier holds it, its slot ref, 0 where a lower
+        tier holds it. Nothing is brought up and nothing pinned: the load names each block's key
+        and its staging window brings up what the pool lacks, as for hits read in the
+        shared-memory index, so a run larger than the pool is served in order, not cut."""
         index = self.index
         lowers = [t for t in self.lowers if t.is_enabled]
-        if not lowers or not index.has_layout(ns):
-            return
+        if not lowers or start >= len(keys) or not index.has_layout(ns):
+            return []
         slot_bytes = index.layout_of(ns).slot_bytes
-        table = index.table.tables.get(ns, {})
-        for keys in key_lists:
-            # The list's blocks the pool holds are held while its fills find room, so that
-            # room is never the blocks the lookup is about to count.
-            held = [s for s in map(table.get, keys) if s is not None and s.state == COMMITTED]
-            index.pin(held)
-            try:
-                self._fill_run(ns, keys, lowers, slot_bytes, now)
-            finally:
-                index.unpin(held)
-
-    def _fill_run(self, ns: bytes, keys: list[bytes], lowers: list[LowerTier],
-                  slot_bytes: int, now: float) -> None:
-        index = self.index
-        i = index.leading(ns, keys)
+        get = index.table.tables.get(ns, {}).get
+        refs: list[int] = []
+        i = start
         while i < len(keys):
-            for lower in lowers:
-                n = lower.leading(ns, keys[i:], slot_bytes)
-                if n:
-                    break
-            else:
+            s = get(keys[i])
+            if s is not None and (s.state == COMMITTED or s.state == FILLING) and not s.doomed:
+                refs.append(s.ref)
+                i += 1
+                continue
+            n = next((n for n in (t.leading(ns, keys[i:], slot_bytes) for t in lowers) if n), 0)
+            if not n:
                 break
-            slots = index.reserve_fills(ns, keys[i:i + n], now)
-            if slots:
-                self._promote(lower, ns, keys[i:i + len(slots)], slots, slot_bytes)
-            i += len(slots)
-            if len(slots) < n and not index.leading(ns, keys[i:i + 1]):
-                break           # no room for more (not merely a block the pool holds)
-            i += index.leading(ns, keys[i:])
+            refs += [0] * n         # a key of the run the pool holds too: the load finds it
+            i += n
+        return refs
 
     def fetch(self, ns: bytes, hashes: list[bytes], now: float
               ) -> tuple[list[Slot | None], bool]:

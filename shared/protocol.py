@@ -290,9 +290,10 @@ class RegisterReply(msgspec.Struct, tag=67, **_WIRE):
 
 class LookupReply(msgspec.Struct, tag=68, **_WIRE):
     req_id: int
-    hits: list[int]          # per key list: number of leading committed keys
-    leases: list[int]        # per key list: lease pinning those slots (0: none)
-    slots: list[list[int]]   # per key list: slot refs of the hit run, for LoadRequest
+    hits: list[int]          # per key list: leading keys the pool or a lower tier holds
+    leases: list[int]        # per key list: lease pinning the pool's leading slots (0: none)
+    slots: list[list[int]]   # per key list: slot refs of the hit run, for LoadRequest; 0 where
+    #                          a lower tier holds the block (the load names its key)
 
 
 class OkReply(msgspec.Struct, tag=70, **_WIRE):

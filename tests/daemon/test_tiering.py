@@ -46,6 +46,9 @@ def test_every_commit_goes_to_every_tier(pool):
 
 
 def test_lookup_takes_pool_then_disk_then_remote(pool):
+    """A round-trip lookup counts what the tiers hold past the pool, in order, bringing nothing
+    up (ref 0 for a lower tier's block, none pinned); the load's staging window (``fetch``)
+    brings each run up from the first tier that holds it."""
     ks = keys(8)
     disk = FakeTier("disk", {NS + k for k in ks[2:5]})
     remote = FakeTier("remote", probe_adds={NS + k for k in ks[3:7]})
@@ -56,13 +59,36 @@ def test_lookup_takes_pool_then_disk_then_remote(pool):
         waiting = t.probe(NS, [ks])
         assert waiting is not None
         await waiting
-        t.before_lookup(NS, [ks], 0.0)
+        hits, leases, refs = ix.lookup(NS, [ks], True, 1, 0.0, t.held_past)
+        assert hits == [7] and refs[0][2:] == [0] * 5 and all(refs[0][:2])
+        assert ix.table.pinned_count() == 2, "the lease pins the pool's run only"
+        assert disk.promoted == [] and remote.promoted == [], "nothing comes up at lookup"
+        slots, out_of_room = t.fetch(NS, ks[2:7], 0.0)
+        assert not out_of_room and all(slots)
         await asyncio.sleep(0)
-        return ix.lookup(NS, [ks], False, 1, 0.0)[0]
-    assert asyncio.run(run()) == [7]
+    asyncio.run(run())
     assert remote.probed == [[ks[5:]]], "the probe starts past the pool and the disk tier"
     assert disk.promoted == [NS + k for k in ks[2:5]]
     assert remote.promoted == [NS + k for k in ks[5:7]]
+
+
+def test_a_lookup_past_the_pool_counts_a_tier_run_larger_than_the_pool(pool):
+    """Lower-tier hits no longer need room at lookup time: a run longer than the pool has
+    slots is counted whole (issue 37: it used to stop where the pool's room did)."""
+    capacity = pool.nbytes // SLOT
+    ks = keys(capacity + 40)
+    disk = FakeTier("disk", {NS + k for k in ks[1:]})
+    ix, t = setup(pool, disk, FakeTier("remote"))
+
+    async def run():
+        store(ix, ks[:1])
+        hits, _, refs = ix.lookup(NS, [ks], False, 1, 0.0, t.held_past)
+        assert hits == [len(ks)] and refs[0][1:] == [0] * (len(ks) - 1)
+        assert disk.promoted == []
+        # the same with the tier off: the pool's run only
+        disk.enabled = False
+        assert ix.lookup(NS, [ks], False, 1, 0.0, t.held_past)[0] == [1]
+    asyncio.run(run())
 
 
 def test_no_probe_when_the_pool_and_disk_hold_everything(pool):

@@ -96,6 +96,33 @@ def test_sigterm_writes_down_the_pool_and_a_reboot_keeps_the_disk(daemon_factory
         e2.close()
 
 
+def test_a_round_trip_lookup_larger_than_the_pool_is_counted_and_loaded_whole(daemon_factory,
+                                                                              tmp_path):
+    """The round trip (a scheduler that cannot map the index) counts what the disk holds past
+    the pool without bringing it up, and the loads' staging windows bring it up in order: a
+    prompt of 2.5x the pool comes back whole (it used to be cut where the pool ran out of
+    room at lookup time, issue 37)."""
+    disk = tmp_path / "disk"
+    d = disk_daemon(daemon_factory, disk)           # 8 MiB: about 48 blocks of 128 KiB
+    e = Engine(d)
+    keys = e.store(0, 120, seed=5)
+    e.wait_demoted(120)
+    e.close()
+    d.kill()
+    drop_pool(d)
+    d.restart()
+    e2 = Engine(d, e.stored)
+    try:
+        capacity = e2.sched.info().pool_bytes // SLOT
+        assert capacity < 60, f"the pool holds {capacity} blocks: not smaller than the prompt"
+        hit = e2.sched.lookup(e2.kv.namespace, [keys])
+        assert hit.hits == [120] and e2.tier().promoted_blocks == 0, "brought up at lookup"
+        assert e2.load_and_check(keys) == 120
+        assert e2.tier().promoted_blocks == 120 and e2.tier().verify_failures == 0
+    finally:
+        e2.close()
+
+
 def test_kill9_during_demotion_never_serves_a_torn_block(daemon_factory, tmp_path):
     """SIGKILL while blocks are being written, again and again, with the pool dropped each
     time: whatever the next daemon serves is exactly what was stored."""
@@ -157,8 +184,8 @@ def test_a_corrupted_block_is_a_counted_miss_never_loaded(daemon_factory, tmp_pa
         hit = e2.sched.lookup(e2.kv.namespace, [keys], pin=True)
         assert hit.hits == [8]                  # the tier's index still lists it
         e2.kv.poison(list(range(40, 48)))
-        done = e2.worker.wait([e2.worker.submit_load(e2.reg, hit.slots[0], list(range(40, 48)))],
-                              30)[0]
+        done = e2.worker.wait([e2.worker.submit_load(e2.reg, hit.slots[0], list(range(40, 48)),
+                                                     keys)], 30)[0]
         # The load is done but for that block, which it names (its engine recomputes it);
         # whether the fill failed before the load came or while it waited.
         assert done.ok and done.failed == (3,), done
