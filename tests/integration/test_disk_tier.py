@@ -46,6 +46,23 @@ def disk_daemon(daemon_factory, disk: Path, size: str = "64MiB", pool: str = "8M
                                                  *(extra or [])])
 
 
+def stored_then_rebooted(d, blocks: int, seed: int, while_down=None
+                         ) -> tuple[Engine, list[bytes]]:
+    """A prompt of ``blocks`` stored and written down, then kill -9 and a lost pool (and
+    ``while_down(engine, keys)``, if given, before the restart): the (closed) engine that
+    stored it, and its keys; the daemon is running again."""
+    e = Engine(d)
+    keys = e.store(0, blocks, seed=seed)
+    e.wait_demoted(blocks)
+    e.close()
+    d.kill()
+    drop_pool(d)
+    if while_down is not None:
+        while_down(e, keys)
+    d.restart()
+    return e, keys
+
+
 def drop_pool(d) -> None:
     """What a reboot does to the pool: it is gone (the disk stays)."""
     try:
@@ -104,13 +121,7 @@ def test_a_round_trip_lookup_larger_than_the_pool_is_counted_and_loaded_whole(da
     room at lookup time, issue 37)."""
     disk = tmp_path / "disk"
     d = disk_daemon(daemon_factory, disk)           # 8 MiB: about 48 blocks of 128 KiB
-    e = Engine(d)
-    keys = e.store(0, 120, seed=5)
-    e.wait_demoted(120)
-    e.close()
-    d.kill()
-    drop_pool(d)
-    d.restart()
+    e, keys = stored_then_rebooted(d, 120, seed=5)
     e2 = Engine(d, e.stored)
     try:
         capacity = e2.sched.info().pool_bytes // SLOT
@@ -166,19 +177,15 @@ def _record_of(disk: Path, key: bytes) -> int:
 def test_a_corrupted_block_is_a_counted_miss_never_loaded(daemon_factory, tmp_path):
     disk = tmp_path / "disk"
     d = disk_daemon(daemon_factory, disk)
-    e = Engine(d)
-    keys = e.store(0, 8, seed=3)
-    e.wait_demoted(8)
-    e.close()
-    d.kill()
-    drop_pool(d)
-    bad = _record_of(disk, e.kv.namespace + keys[3])
-    with open(disk / f"blocks-{SLOT}.dat", "r+b") as f:     # one flipped byte mid-block
-        f.seek(bad * SLOT + SLOT // 2)
-        byte = f.read(1)
-        f.seek(bad * SLOT + SLOT // 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    d.restart()
+
+    def corrupt_block_3(e, keys):
+        bad = _record_of(disk, e.kv.namespace + keys[3])
+        with open(disk / f"blocks-{SLOT}.dat", "r+b") as f:     # one flipped byte mid-block
+            f.seek(bad * SLOT + SLOT // 2)
+            byte = f.read(1)
+            f.seek(bad * SLOT + SLOT // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    e, keys = stored_then_rebooted(d, 8, seed=3, while_down=corrupt_block_3)
     e2 = Engine(d, e.stored)
     try:
         hit = e2.sched.lookup(e2.kv.namespace, [keys], pin=True)
