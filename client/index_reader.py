@@ -95,9 +95,7 @@ class IndexReader:
         if self._buf[self._superseded_at]:
             return None
         if self.compiled:
-            loc, ref = np.empty(len(hashes), np.uint64), np.empty(len(hashes), np.uint64)
-            _index_probe.probe(self._buf, self.capacity, f.MAX_PROBE, ns, _listed(hashes),
-                               False, loc, ref)
+            _, loc, ref = self._probe_arrays(ns, hashes, leading=False)
             return loc, ref
         return self._find_numpy(ns, hashes)
 
@@ -108,9 +106,7 @@ class IndexReader:
         if self._buf[self._superseded_at]:
             return None
         if self.compiled:
-            loc, ref = np.empty(len(hashes), np.uint64), np.empty(len(hashes), np.uint64)
-            end = _index_probe.probe(self._buf, self.capacity, f.MAX_PROBE, ns,
-                                     _listed(hashes), True, loc, ref)
+            end, loc, ref = self._probe_arrays(ns, hashes, leading=True)
             return end, loc[:end], ref[:end]
         return self._leading_numpy(ns, hashes)
 
@@ -126,6 +122,14 @@ class IndexReader:
                                       _listed(hashes), True)
         n, loc, ref = self._leading_numpy(ns, hashes)
         return n, ref.tolist(), loc.tolist()
+
+    def _probe_arrays(self, ns: bytes, hashes: Sequence[bytes], leading: bool
+                      ) -> tuple[int, np.ndarray, np.ndarray]:
+        """The compiled probe into two new arrays: (keys read, locations, refs)."""
+        loc, ref = np.empty(len(hashes), np.uint64), np.empty(len(hashes), np.uint64)
+        n = _index_probe.probe(self._buf, self.capacity, f.MAX_PROBE, ns, _listed(hashes),
+                               leading, loc, ref)
+        return n, loc, ref
 
     # ---- numpy: the reference, and the path where the probe was not built ----------------
 
@@ -155,9 +159,9 @@ class IndexReader:
 
     def _home_pass(self, ns: bytes, hashes: Sequence[bytes]):
         """Every key's home entry, read under its seqlock: (which keys were found there, the
-        entries' locations and refs, the homes). A location is nonzero
-        where no key was found only if the entry was stable and held another key (ours may
-        sit further on in the cluster)."""
+        entries' locations and refs, the homes). A location is nonzero where no key was found
+        only if the entry was stable and held another key (ours may sit further on in the
+        cluster)."""
         n = len(hashes)
         if not n:
             empty = np.zeros(0, np.uint64)
