@@ -64,22 +64,45 @@ def pool(pool_config):
     p.close(unlink=True)
 
 
-@pytest.fixture
-def compiled_index_probe():
-    """client/_index_probe.c, which the install builds wherever it can (a C compiler and
-    Python's headers, as in CI): fails where it could have been built and was not, skips where
-    it could not."""
+def _compiled(module, what: str, source: str):
+    """``module`` where the install built it (a C compiler and Python's headers, as in CI);
+    fails where it could have been built and was not, skips where it could not."""
     import shutil
     import sysconfig
 
-    import kvpool.client.index_reader as index_reader
-    if index_reader._index_probe is None:
+    if module is None:
         headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
         assert shutil.which("cc") is None or not os.path.exists(headers), (
-            "a C compiler and Python's headers are here but the index probe was not built: "
-            "pip install -e . builds client/_index_probe.c")
-        pytest.skip("no C compiler or Python headers: the compiled index probe was not built")
-    return index_reader._index_probe
+            f"a C compiler and Python's headers are here but the {what} was not built: "
+            f"pip install -e . builds {source}")
+        pytest.skip(f"no C compiler or Python headers: the compiled {what} was not built")
+    return module
+
+
+@pytest.fixture
+def compiled_index_probe():
+    """client/_index_probe.c."""
+    import kvpool.client.index_reader as index_reader
+    return _compiled(index_reader._index_probe, "index probe", "client/_index_probe.c")
+
+
+@pytest.fixture
+def compiled_index_writer():
+    """daemon/_index_writer.c."""
+    import kvpool.daemon.index_segment as index_segment
+    return _compiled(index_segment._index_writer, "index writer", "daemon/_index_writer.c")
+
+
+@pytest.fixture(params=["compiled", "python"])
+def index_writer(request, monkeypatch):
+    """Runs a test of the shared-memory index's writer once with each: the compiled one and
+    the Python one it falls back to."""
+    import kvpool.daemon.index_segment as index_segment
+    if request.param == "python":
+        monkeypatch.setattr(index_segment, "_index_writer", None)
+    else:
+        request.getfixturevalue("compiled_index_writer")
+    return request.param
 
 
 @pytest.fixture(params=["compiled", "numpy"])

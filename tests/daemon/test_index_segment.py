@@ -14,8 +14,9 @@ from kvpool.client.index_reader import IndexReader
 from kvpool.daemon.index_segment import IndexSegment, KeyLocations, capacity_for
 from kvpool.shared import index_format as f
 
-# Every test here runs with the compiled probe and with numpy's.
-pytestmark = pytest.mark.usefixtures("index_probe")
+# Every test here runs with the compiled probe and with numpy's, and with the compiled writer
+# and the Python one.
+pytestmark = pytest.mark.usefixtures("index_probe", "index_writer")
 
 NS = b"N" * 16
 
@@ -100,8 +101,8 @@ def test_a_record_stopped_half_written_is_never_a_hit(segment):
     entry's body may say anything, the reader must miss it."""
     reader = IndexReader.open(segment.name)
     segment.put(key(1), f.POOL, 7)
-    i = segment._where[key(1)]
-    words = segment._words
+    i = segment.entry_of(key(1))
+    words = memoryview(segment._buf)[f.HEADER_BYTES:].cast("Q")
     base = i * f.ENTRY_WORDS
     seq = words[base] >> 8
     words[base] = ((seq + 1) << 8) | f.POOL          # odd: a write began...
@@ -109,6 +110,7 @@ def test_a_record_stopped_half_written_is_never_a_hit(segment):
     assert reader.find(NS, [key(1)[16:]])[0].tolist() == [f.EMPTY]
     words[base] = ((seq + 2) << 8) | f.POOL          # finished
     assert reader.find(NS, [key(1)[16:]])[1].tolist() == [99]
+    words.release()
     reader.close()
 
 
@@ -221,7 +223,7 @@ def test_keys_that_are_not_uniform_hashes_spread_over_the_table(segment):
     keys = [NS + b"%016d" % i for i in range(3000)]          # 73% of the table
     for i, k in enumerate(keys):
         assert segment.put(k, f.POOL, i + 1)
-    walks = [(segment._where[k] - f.home(k, segment.bits)) & (segment.capacity - 1)
+    walks = [(segment.entry_of(k) - f.home(k, segment.bits)) & (segment.capacity - 1)
              for k in keys]
     assert max(walks) < f.MAX_PROBE and sum(walks) / len(walks) < 4, \
         f"clusters too long: mean walk {sum(walks) / len(walks):.1f}, longest {max(walks)}"

@@ -31,11 +31,12 @@ fi
 rm -rf /tmp/pp && mkdir -p /tmp/pp/kvpool && cp kvpool/__init__.py /tmp/pp/kvpool/
 for d in shared daemon client; do ln -s "$PWD/$d" /tmp/pp/kvpool/$d; done
 export PYTHONPATH=/tmp/pp:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
-# the scheduler's compiled index probe, as pip install builds it (the reader falls back to numpy)
+# the compiled index probe and writer, as pip install builds them (else numpy reads the index
+# and the daemon writes it in Python)
 if command -v cc >/dev/null && python3 setup.py -q build_ext --inplace >/dev/null 2>&1; then
   rm -rf build
 else
-  echo "run.sh: client/_index_probe.c not built; index lookups read with numpy"
+  echo "run.sh: client/_index_probe.c and daemon/_index_writer.c not built: the index is read with numpy, written in Python"
 fi
 # the benchmark's pools need room in /dev/shm (container defaults are often 64 MiB)
 shm_kb=$(df -k --output=size /dev/shm | tail -1)
