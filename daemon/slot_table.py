@@ -131,16 +131,20 @@ class SlotTable:
     # ---- claims ----------------------------------------------------------------------------
 
     def claim(self, slots: list[Slot], ns: bytes, hashes: list[bytes], state: int, owner: int,
-              deadline: float, tickets: list[int] | None = None) -> None:
+              deadline: float, tickets: list[int] | None = None, pin_units: int = 0) -> None:
         """Give free ``slots`` (from ``allocate``) to ``hashes`` of ``ns`` in ``state``
         (WRITING or FILLING), with new generations, mapped in the namespace's table, counted,
-        and their WRITING records written in one pass before any ref of theirs leaves."""
+        and their WRITING records written in one pass before any ref of theirs leaves.
+        ``pin_units``: a store job's units in flight on each, with its pin (the store path's
+        ``_pin_store`` in the same pass)."""
         if not slots:
             return
         mask = GENERATION_MASK
         tick = self.now_tick()
-        stamp = self.extents.stamp
         table = self.tables.setdefault(ns, {})
+        pins = 1 if pin_units else 0
+        # A FREE slot holds no pins or reads (it is freed when the last goes): a store's pin
+        # and units in flight are given here, in the claim's one pass over the slots.
         for s, h in zip(slots, hashes):
             gen = s.generation = (s.generation + 1) & mask
             s.ref = (gen << 32) | s.id
@@ -149,17 +153,22 @@ class SlotTable:
             s.key = ns + h
             s.owner = owner
             s.deadline = deadline
-            s.landed = s.writing = 0
+            s.landed = 0
+            s.writing = pin_units
+            s.pins = pins
             s.doomed = s.void = False
-            stamp(s, tick)
+            s.last_use = tick
+        newest = self.extents.newest_use
+        for e in set(map(_EXTENT, slots)):
+            newest[e] = tick
         if tickets is not None:
             for s, t in zip(slots, tickets):
                 s.ticket = t
         table.update(zip(hashes, slots))
-        by_id = dict(zip(map(_ID, slots), slots))
-        (self.writing if state == WRITING else self.filling).update(by_id)
+        ids = list(map(_ID, slots))
+        (self.writing if state == WRITING else self.filling).update(zip(ids, slots))
         self._count_bytes(ns, len(slots) * slots[0].size_class.slot_bytes)
-        self.pool.write_states(list(by_id), WRITING, [s.generation for s in slots])
+        self.pool.write_states(ids, WRITING, list(map(_GENERATION, slots)))
 
     # ---- commits, pins, hits ---------------------------------------------------------------
 
@@ -168,19 +177,22 @@ class SlotTable:
         extent), then the state lookups read, the queues, the counts and the watchers."""
         if not slots:
             return
-        self.pool.commit_records([s.id for s in slots], [s.key for s in slots],
-                                 [s.generation for s in slots])
+        self.pool.commit_records(list(map(_ID, slots)), list(map(_KEY, slots)),
+                                 list(map(_GENERATION, slots)))
         tick = self.now_tick()
-        stamp = self.extents.stamp
         pop_w, pop_f = self.writing.pop, self.filling.pop
+        became = self._became_evictable
         for s in slots:
-            pop_w(s.id, None)
-            pop_f(s.id, None)
+            if pop_w(s.id, None) is None:
+                pop_f(s.id, None)
             s.state = COMMITTED
             s.ticket = 0
-            stamp(s, tick)
+            s.last_use = tick
             if not s.pins:
-                self._became_evictable(s)
+                became(s)
+        newest = self.extents.newest_use
+        for e in set(map(_EXTENT, slots)):
+            newest[e] = tick
         blocks = self.namespaces.blocks
         for ns, k in _per_ns(slots):
             blocks[ns] = blocks.get(ns, 0) + k
@@ -391,21 +403,21 @@ class SlotTable:
 
 
 def _per_ns(slots: list[Slot]) -> list[tuple[bytes, int]]:
-    """(namespace, slots of it) for ``slots``: nearly always one namespace, found without a
-    Counter (a tenth of a store's eviction work)."""
+    """(namespace, slots of it) for ``slots``: nearly always one namespace, found in one
+    C-level pass (a Counter, or a generator per slot, cost a tenth of a store's eviction)."""
     if not slots:
         return []
-    first = slots[0].ns
-    if all(s.ns == first for s in slots):
-        return [(first, len(slots))]
+    names = set(map(_NS, slots))
+    if len(names) == 1:
+        return [(names.pop(), len(slots))]
     return list(Counter(map(_NS, slots)).items())
 
 
 def _by_class(slots: list[Slot]) -> list[tuple[SizeClass, list[Slot]]]:
     """``slots`` grouped by size class, in order (nearly always one class: one call)."""
-    first = slots[0].size_class
-    if all(s.size_class is first for s in slots):
-        return [(first, slots)]
+    classes = set(map(_CLASS, slots))
+    if len(classes) == 1:
+        return [(classes.pop(), slots)]
     groups: dict[int, tuple[SizeClass, list[Slot]]] = {}
     for s in slots:
         groups.setdefault(id(s.size_class), (s.size_class, []))[1].append(s)
@@ -415,5 +427,9 @@ def _by_class(slots: list[Slot]) -> list[tuple[SizeClass, list[Slot]]]:
 # C-level getters for batch passes over slots (a generator costs ~2x more).
 _ID = attrgetter("id")
 _NS = attrgetter("ns")
+_KEY = attrgetter("key")
+_GENERATION = attrgetter("generation")
+_EXTENT = attrgetter("extent")
+_CLASS = attrgetter("size_class")
 _LAST_USE = attrgetter("last_use")
 _READS = attrgetter("reads")

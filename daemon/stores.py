@@ -290,24 +290,24 @@ class StorePath:
         if None not in job.slots:
             slots: list[Slot] = job.slots           # type: ignore[assignment]
             self.table.claim(slots, job.ns, job.keys, WRITING, job.grants[0].owner, deadline,
-                             job.refs)
+                             job.refs, pin_units=bit)
         else:
             given = [(s, k, r) for s, k, r in zip(job.slots, job.keys, job.refs) if s is not None]
             self.table.claim([g[0] for g in given], job.ns, [g[1] for g in given], WRITING,
-                             job.grants[0].owner, deadline, [g[2] for g in given])
+                             job.grants[0].owner, deadline, [g[2] for g in given],
+                             pin_units=bit)
             dups = job.duplicate.count(True)
             self.stats.duplicate_blocks += dups
             self.stats.no_room_blocks += len(job.slots) - len(given) - dups
             slots = [s if s is not None else self._void(job.ns, k, g.owner, r, deadline)
                      for s, k, g, r in zip(job.slots, job.keys, job.grants, job.refs)]
-        first = job.grants[0].owner
-        for s, g in zip(slots, job.grants):
-            if g.owner != first:
+            if bit:
+                _pin_store([s for s in slots if s.void], bit)
+        if len(set(map(_OWNER, job.grants))) > 1:     # one job, tickets of several clients
+            for s, g in zip(slots, job.grants):
                 s.owner = g.owner
         self.bound.update(zip(job.refs, slots))
         self.tickets.spend(job.refs)
-        if bit:
-            _pin_store(slots, bit)
         return slots
 
     def _void(self, ns: bytes, k: bytes, owner: int, ticket: int, deadline: float) -> Slot:
@@ -336,6 +336,7 @@ def _pin_store(slots: list[Slot], bit: int) -> None:
 
 
 _VOID = attrgetter("void")
+_OWNER = attrgetter("owner")
 _EMPTY: dict[bytes, Slot] = {}
 # The size class of void placeholders: they hold no pool space, so no real class counts them.
 _VOID_CLASS = SizeClass(0)
