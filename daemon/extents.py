@@ -41,6 +41,7 @@ class Slot:
     generation: int = 0
     ns: bytes = b""
     key: bytes = b""            # ns + block hash (32 bytes), as in the slot record
+    block_hash: bytes = b""     # key[16:], kept: batch passes unmap it without slicing
     ref: int = 0                # slot ref for the current generation
     pins: int = 0
     reads: int = 0              # lower-tier reads in flight (no pin: see SlotTable.begin_read)

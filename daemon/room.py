@@ -69,7 +69,7 @@ class Room:
             if len(cls.free) > before:
                 return True
         if own is not None:
-            self.table.evict_many([self.table.slots[i] for i in cls.lru.victims(n)])
+            self.table.evict_many(list(map(self.table.slots.__getitem__, cls.lru.victims(n))))
             return True
         return False
 

@@ -33,7 +33,7 @@ the mapped pool.
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
@@ -107,6 +107,7 @@ class SlotTable:
                 if (int(rec["state"]) == COMMITTED and layout is not None
                         and layout.slot_bytes == cls.slot_bytes and key[16:] not in table):
                     slot.state, slot.key, slot.ns = COMMITTED, key, key[:16]
+                    slot.block_hash = key[16:]
                     slot.generation = int(rec["generation"])
                     slot.ref = make_slot_ref(slot.id, slot.generation)
                     slot.landed = layout.full_mask
@@ -151,6 +152,7 @@ class SlotTable:
             s.state = state
             s.ns = ns
             s.key = ns + h
+            s.block_hash = h
             s.owner = owner
             s.deadline = deadline
             s.landed = 0
@@ -367,7 +369,7 @@ class SlotTable:
         """``s`` leaves its key: unmapped if it is still the key's slot; a committed one also
         leaves the queues and its namespace's count, and the watchers are told."""
         table = self.tables.get(s.ns)
-        h = s.key[16:]
+        h = s.block_hash
         if table is None or table.get(h) is not s:
             return
         del table[h]
@@ -379,13 +381,16 @@ class SlotTable:
 
     def _forget_many(self, victims: list[Slot]) -> None:
         """``_forget`` of committed, mapped, unpinned slots, in batches."""
-        tables = self.tables
-        for s in victims:
-            del tables[s.ns][s.key[16:]]    # a committed block is its key's slot
+        blocks, quota_lrus = self.namespaces.blocks, self.namespaces.lru
+        per_ns = _per_ns(victims)
+        for ns, _ in per_ns:
+            # a committed block is its key's slot
+            unmap = self.tables[ns].__delitem__
+            of_ns = victims if len(per_ns) == 1 else [s for s in victims if s.ns == ns]
+            deque(map(unmap, map(_BLOCK_HASH, of_ns)), 0)
         for cls, group in _by_class(victims):
             cls.lru.remove_many(map(_ID, group))
-        blocks, quota_lrus = self.namespaces.blocks, self.namespaces.lru
-        for ns, k in _per_ns(victims):
+        for ns, k in per_ns:
             blocks[ns] -= k
             own = quota_lrus.get(ns)
             if own is not None:
@@ -428,6 +433,7 @@ def _by_class(slots: list[Slot]) -> list[tuple[SizeClass, list[Slot]]]:
 _ID = attrgetter("id")
 _NS = attrgetter("ns")
 _KEY = attrgetter("key")
+_BLOCK_HASH = attrgetter("block_hash")
 _GENERATION = attrgetter("generation")
 _EXTENT = attrgetter("extent")
 _CLASS = attrgetter("size_class")

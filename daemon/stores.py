@@ -145,8 +145,9 @@ class StorePath:
         if not bit:
             raise ProtocolError("a store job must land at least one unit")
         unbound = self.tickets.unbound
-        grants = [unbound.get(r) for r in refs]
-        if None not in grants and all(g.ns == ns for g in grants):
+        grants = list(map(unbound.get, refs))
+        # (a job's tickets nearly always come from one reserve: one Grant to check)
+        if None not in grants and all(g.ns == ns for g in set(grants)):
             job = self._find_room(ns, refs, grants, keys)     # type: ignore[arg-type]
             if self.defer_claims and None not in job.slots:
                 return OpenedStore(job.slots, partial(self._claim, job, bit, now),  # type: ignore
@@ -243,7 +244,7 @@ class StorePath:
             if s.doomed or s.ns != ns:
                 raise UnknownId(f"ticket {ref:#x} is not reserved for this namespace (aborted, "
                                 f"reset, expired, timed out or another namespace's)")
-            if s.key[16:] != key:
+            if s.block_hash != key:
                 raise ProtocolError(f"ticket {ref:#x} is bound to another key than the one "
                                     f"this store names")
             if (s.landed | s.writing) & bit:
@@ -267,11 +268,14 @@ class StorePath:
         evictions in one batch) in order, and those past the room found get none. Changes the
         pool's room (evictions) but claims nothing."""
         table = self.table.tables.get(ns, _EMPTY)
-        seen: set[bytes] = set()
-        duplicate = []
-        for k in keys:
-            duplicate.append(k in table or k in seen)
-            seen.add(k)
+        if len(set(keys)) == len(keys) and table.keys().isdisjoint(keys):
+            duplicate = [False] * len(keys)     # the usual job: a C-level check, not a loop
+        else:
+            seen: set[bytes] = set()
+            duplicate = []
+            for k in keys:
+                duplicate.append(k in table or k in seen)
+                seen.add(k)
         fresh = duplicate.count(False)
         slot_bytes = grants[0].slot_bytes           # a namespace's tickets are of one size
         cls = self.table.extents.size_class(slot_bytes)
@@ -313,7 +317,7 @@ class StorePath:
     def _void(self, ns: bytes, k: bytes, owner: int, ticket: int, deadline: float) -> Slot:
         """A void ticket's placeholder: a slot of no extent, which later ranks resolve to and
         which carries their landing bits until every one has reported it."""
-        return Slot(-1, -1, -1, 0, _VOID_CLASS, state=WRITING, ns=ns, key=ns + k, owner=owner,
+        return Slot(-1, -1, -1, 0, _VOID_CLASS, state=WRITING, ns=ns, key=ns + k, block_hash=k, owner=owner,
                     deadline=deadline, void=True, ticket=ticket)
 
     def _drop(self, s: Slot) -> None:

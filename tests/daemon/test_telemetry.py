@@ -39,7 +39,7 @@ class _Table:
 
 def _blocks(*hashes):
     """Slots of ``NS`` holding ``hashes``, as the slot table tells its watchers about them."""
-    return [SimpleNamespace(ns=NS, key=NS + h) for h in hashes]
+    return [SimpleNamespace(ns=NS, key=NS + h, block_hash=h) for h in hashes]
 
 
 def test_off_by_default_except_metrics():
