@@ -96,6 +96,13 @@ class LoopWatch:
                         "waiting for a CPU, %.0f ms running on it)", gap * 1e3, wall * 1e3,
                         waited * 1e3, ran * 1e3)
 
+    def summary_now(self) -> str:
+        """``summary`` with the gap still open counted: the caller, on the loop, may be what
+        holds it (the first registration's line is written at its end, and an attach on the
+        loop went unseen in it until the next tick)."""
+        self.tick()
+        return self.summary()
+
     def summary(self) -> str:
         return (f"longest event-loop gap since start {self.max_gap_s * 1e3:.1f} ms (wall "
                 f"{self.max_wall_gap_s * 1e3:.1f} ms, {self.ticks} ticks of "

@@ -456,9 +456,9 @@ class Server:
                  heads_note(msg.layout, msg.tp_rank))
         if not self._registered_once:
             self._registered_once = True
-            log.info("first registration: %s", self.loop_watch.summary())
+            log.info("first registration: %s", self.loop_watch.summary_now())
         else:
-            log.debug("registration: %s", self.loop_watch.summary())
+            log.debug("registration: %s", self.loop_watch.summary_now())
         return p.RegisterReply(msg.req_id, reg.id)
 
     # ---- releasing -------------------------------------------------------------------------
