@@ -60,8 +60,10 @@ class LoopWatch:
         self._last_times = (0.0, 0.0)
         self._warned = float("-inf")
         self._handle: asyncio.TimerHandle | None = None
+        self._started = False
 
     def start(self) -> None:
+        self._started = True
         self._last = self._clock()
         self._last_times = self._thread_times()
         self._schedule()
@@ -99,8 +101,9 @@ class LoopWatch:
     def summary_now(self) -> str:
         """``summary`` with the gap still open counted: the caller, on the loop, may be what
         holds it (the first registration's line is written at its end, and an attach on the
-        loop went unseen in it until the next tick)."""
-        self.tick()
+        loop went unseen in it until the next tick). A watch never started has nothing open."""
+        if self._started:
+            self.tick()
         return self.summary()
 
     def summary(self) -> str:

@@ -47,7 +47,8 @@ def test_the_summary_now_counts_the_gap_still_open():
     sees its own hold in the summary it writes."""
     c = Clock()
     w = LoopWatch(tick_s=0.01, clock=c, thread_times=lambda: (0.0, 0.0))
-    w._last, w._last_times = c.now, (0.0, 0.0)
+    assert "gap since start 0.0 ms" in w.summary_now(), "not started: no gap yet"
+    w._started, w._last, w._last_times = True, c.now, (0.0, 0.0)   # what start() records
     c.now += 0.25
     assert "longest event-loop gap since start 250.0 ms" in w.summary_now()
 
