@@ -48,6 +48,11 @@ class Registration:
     closing: bool = False    # no new jobs; detach when the last one finishes
 
     @property
+    def key(self) -> tuple[bytes, int]:
+        """What a re-registration of its client replaces: (namespace, tp_rank)."""
+        return self.namespace, self.tp_rank
+
+    @property
     def mask(self) -> int:
         """The slot units this rank's stores land (0: a head replica that only loads)."""
         return self.layout.rank_mask(self.tp_rank)

@@ -1,11 +1,11 @@
 """kvpoold's server: the ROUTER socket, dispatch, housekeeping and the lifecycle. Store and load
-jobs run in ``daemon/copy_jobs.py``; clients whose process exits are released by
-``daemon/exit_watch.py``.
+jobs run in ``daemon/copy_jobs.py``; registrations' memory is attached off the loop by
+``daemon/attaches.py``; clients whose process exits are released by ``daemon/exit_watch.py``.
 
 ``Server.serve()`` reads top to bottom: ``startup()`` (bind, signals) → ``main_loop()`` (receive,
 dispatch, reply) beside ``housekeeping()`` (heartbeat timeouts, lease/write expiry) → ``shutdown()``
-(stop accepting, let jobs finish for a grace period, abort the rest, drop leases, close engines,
-unlink or keep the pool).
+(stop accepting, let attaches and jobs finish for a grace period, abort the rest, drop leases,
+close engines, unlink or keep the pool).
 
 With tiers under the pool (``--disk-path``, ``--remote-store``), ``daemon/tiering.py`` is asked
 before each lookup (lower-tier hits come up into the pool; a lookup that a remote store must be
@@ -13,9 +13,11 @@ asked about is answered when it has answered, within its tier's deadline, while 
 everyone else) and when a load starts (a load of a block still coming up waits for it); the
 tiers' I/O runs on their own threads.
 
-Rules: the event loop never blocks (copies run in the engines, off the loop); every request gets
-exactly one reply; every exception is turned into an ``ErrorReply`` (or a failed ``JobDone``) in
-``_dispatch``, unexpected ones as INTERNAL with a logged traceback, and the peer stays connected.
+Rules: the event loop never blocks (copies run in the engines and attaches on threads of their
+own, off the loop); every request gets exactly one reply, unless its client left before it was
+ready; every exception is turned into an ``ErrorReply`` (or a failed ``JobDone``) in
+``_dispatch`` (a registration's: when its attach comes back), unexpected ones as INTERNAL with a
+logged traceback, and the peer stays connected.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from typing import Callable
 import msgspec
 import zmq
 
-from kvpool.daemon.copy_engine import CopyEngine
+from kvpool.daemon.attaches import Attaches, Attaching
+from kvpool.daemon.copy_engine import CopyEngine, Mapped
 from kvpool.daemon.copy_jobs import CopyJobs, check_count
 from kvpool.daemon.exit_watch import ExitWatch
 from kvpool.daemon.index import Index
@@ -58,9 +61,10 @@ from kvpool.shared.errors import (ConfigError, HelloRequired, ProtocolError, Too
 log = logging.getLogger("kvpoold")
 
 SHUTDOWN_GRACE_S = 5.0
-# Registrations one client may hold at once (re-registering a namespace and rank replaces, and
-# does not count). A vLLM worker holds one per KV-cache group; each one maps memory and may own
-# a copy thread, so a client must not be able to open them without end.
+# Registrations one client may hold at once, those still attaching included (re-registering a
+# namespace and rank replaces, and does not count). A vLLM worker holds one per KV-cache group;
+# each one maps memory and may own a copy thread, so a client must not be able to open them
+# without end.
 MAX_REGISTRATIONS_PER_CLIENT = 64
 _SEND_MORE = zmq.NOBLOCK | zmq.SNDMORE
 # How often abandoned engine KV segments are looked for besides start and client release.
@@ -96,6 +100,7 @@ class Server:
         # From the loop's start, before the socket is bound (logged at the first registration).
         self.loop_watch = LoopWatch()
         self._registered_once = False
+        self.attaches = Attaches(self._attached)
         # Counts from now on; serves /metrics and events once _startup opens it.
         self.telemetry = Telemetry(config)
         if pool.adopted:
@@ -217,6 +222,9 @@ class Server:
         self.is_serving = False
         self.telemetry.stopping()
         self.jobs.abort_held()
+        # Before the engines close: an attach still running would open memory (and make a GPU's
+        # lanes) in an engine already closed.
+        await self.attaches.close(SHUTDOWN_GRACE_S)
         for engine in set(self.engines.values()):
             engine.close()
         if self.jobs.in_flight:
@@ -344,7 +352,8 @@ class Server:
             case p.StoreRequest() | p.LoadRequest():
                 return self.jobs.start(owner, msg)
             case p.RegisterRequest():
-                return self._register(owner, msg)
+                self._register(owner, msg)
+                return None
             case p.UnregisterRequest():
                 reg = self.registry.registration(owner, msg.registration_id)
                 self._close_registration(self.registry.close_registration(reg.id))
@@ -403,13 +412,37 @@ class Server:
                             self.config.max_request_bytes,
                             self.index_segment.name if self.index_segment is not None else "")
 
-    def _register(self, owner: Owner, msg: p.RegisterRequest) -> p.Reply:
-        old = self.registry.find_registration(owner, msg.namespace, msg.tp_rank)
-        engine = checked_engine(msg, self.engines, len(owner.registrations) + (old is None),
-                                MAX_REGISTRATIONS_PER_CLIENT)
+    def _register(self, owner: Owner, msg: p.RegisterRequest) -> None:
+        """Check ``msg`` here (a refusal is answered at once), then attach its memory off the
+        loop; ``_attached`` answers when that is done."""
+        # One per (namespace, rank), made or attaching: a re-registration replaces.
+        held = {self.registry.registrations[rid].key for rid in owner.registrations}
+        held.update(a.key for a in self.attaches.of(owner))
+        held.add((msg.namespace, msg.tp_rank))
+        engine = checked_engine(msg, self.engines, len(held), MAX_REGISTRATIONS_PER_CLIENT)
         # Any TP size may join a head-split namespace: each rank moves its own heads.
         self.index.register_namespace(msg.namespace, msg.layout, msg.quota_bytes)
-        mapped = engine.attach(msg, owner.peer)
+        self.attaches.start(owner, msg, engine)
+
+    def _attached(self, attaching: Attaching, mapped: Mapped | None,
+                  error: BaseException | None) -> None:
+        """An attach came back (on the loop): the registration is made and answered, or its
+        client is answered the error (none when it was released meanwhile)."""
+        owner, msg = attaching.owner, attaching.msg
+        if mapped is None:
+            if error is not None:
+                self._send(owner.identity, error_reply(msg.req_id, error, self._count_error,
+                                                       "attaching a registration"))
+            return
+        try:
+            reply: p.Reply = self._add_registration(attaching, mapped)
+        except Exception as e:   # a bug of ours, answered as _dispatch answers one
+            reply = error_reply(msg.req_id, e, self._count_error, "making a registration")
+        self._send(owner.identity, reply)
+
+    def _add_registration(self, attaching: Attaching, mapped: Mapped) -> p.RegisterReply:
+        owner, msg, engine = attaching.owner, attaching.msg, attaching.engine
+        old = self.registry.find_registration(owner, msg.namespace, msg.tp_rank)
         # Before closing the one it replaces, so the engine's event feed sees no removal.
         self.telemetry.registration_added(owner.engine_id, owner.pid, msg.namespace,
                                           msg.layout.block_tokens,
@@ -423,15 +456,16 @@ class Server:
                  heads_note(msg.layout, msg.tp_rank))
         if not self._registered_once:
             self._registered_once = True
-            log.info("first registration: %s", self.loop_watch.summary())
+            log.info("first registration: %s", self.loop_watch.summary_now())
         else:
-            log.debug("registration: %s", self.loop_watch.summary())
+            log.debug("registration: %s", self.loop_watch.summary_now())
         return p.RegisterReply(msg.req_id, reg.id)
 
     # ---- releasing -------------------------------------------------------------------------
 
     def _release_owner(self, owner: Owner) -> None:
         self.exit_watch.unwatch(owner)
+        self.attaches.drop_owner(owner)
         regs = self.registry.remove_owner(owner)
         for reg in regs:
             self._close_registration(reg)

@@ -11,6 +11,7 @@ import pytest
 from bench.kvtest import DaemonProcess, unless_unavailable  # noqa: F401  (tests import them from here)
 from bench.mooncake import MooncakeMaster
 from bench.soak.common import stop_process, wait_for  # noqa: F401  (tests import them from here)
+from bench.soak.common import wait_for_async  # noqa: F401  (likewise)
 from kvpool.daemon.pool import Pool
 from kvpool.shared.config import DaemonConfig
 

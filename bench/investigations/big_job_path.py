@@ -36,6 +36,7 @@ import statistics
 import time
 from concurrent.futures import Future
 
+from bench.soak.common import wait_for_async
 from kvpool.daemon.copy_engine import CopyEngine, JobResult, Mapped
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.server import Server
@@ -121,6 +122,13 @@ def run(blocks: int, jobs: int) -> dict[str, dict[str, float]]:
             srv._dispatch(ident, _Frame(p.encode(msg)))
             return replies[-1]
 
+        async def registered(msg) -> object:
+            """The reply to a RegisterRequest: it comes once the attach (off the loop) is done."""
+            n = len(replies)
+            srv._dispatch(ident, _Frame(p.encode(msg)))
+            await wait_for_async(lambda: len(replies) > n, 10, "the RegisterReply")
+            return replies[-1]
+
         async def finish(nbytes: int) -> None:
             """Land every chunk but the last (their commits run on the loop), then the job."""
             # The chunks the CUDA engine would report (a store's end with a small tail
@@ -144,9 +152,9 @@ def run(blocks: int, jobs: int) -> dict[str, dict[str, float]]:
             call(p.Hello(next(req), p.PROTOCOL_VERSION, p.Role.WORKER, "bench", os.getpid()))
             ns = b"n" * 16
             lay = Layout(16, 1, "bfloat16", (SLOT,), "bench")
-            reg = call(p.RegisterRequest(next(req), ns, lay, 0, blocks,
-                                         [CudaRegion("GPU-0", b"h" * 64, blocks * SLOT)],
-                                         [SegmentPlacement(0, 0, SLOT)])).registration_id
+            reg = (await registered(p.RegisterRequest(
+                next(req), ns, lay, 0, blocks, [CudaRegion("GPU-0", b"h" * 64, blocks * SLOT)],
+                [SegmentPlacement(0, 0, SLOT)]))).registration_id
             idx = srv.index
             ids = list(range(blocks))
             for i in range(jobs):

@@ -101,6 +101,7 @@ def engine_hops(layout: str, jobs: int) -> dict[str, dict[str, float]]:
 
 def server_job_us(jobs: int) -> dict[str, float]:
     """Median us of ``Server._dispatch`` of a 1-block store and load (done at once)."""
+    from bench.soak.common import wait_for_async
     from kvpool.daemon.copy_engine import CopyEngine, JobResult, Mapped
     from kvpool.daemon.pool import Pool
     from kvpool.daemon.server import Server
@@ -153,13 +154,20 @@ def server_job_us(jobs: int) -> dict[str, float]:
             srv._dispatch(ident, _Frame(p.encode(msg)))
             return replies[-1]
 
+        async def registered(msg) -> object:
+            """The reply to a RegisterRequest: it comes once the attach (off the loop) is done."""
+            n = len(replies)
+            srv._dispatch(ident, _Frame(p.encode(msg)))
+            await wait_for_async(lambda: len(replies) > n, 10, "the RegisterReply")
+            return replies[-1]
+
         async def run() -> None:
             call(p.Hello(next(req), p.PROTOCOL_VERSION, p.Role.WORKER, "bench", os.getpid()))
             ns = b"n" * 16
             lay = Layout(16, 1, "bfloat16", (BLOCK,), "bench")
-            reg = call(p.RegisterRequest(next(req), ns, lay, 0, 64,
-                                         [CudaRegion("GPU-0", b"h" * 64, 64 * BLOCK)],
-                                         [SegmentPlacement(0, 0, BLOCK)])).registration_id
+            reg = (await registered(p.RegisterRequest(
+                next(req), ns, lay, 0, 64, [CudaRegion("GPU-0", b"h" * 64, 64 * BLOCK)],
+                [SegmentPlacement(0, 0, BLOCK)]))).registration_id
             for i in range(jobs):
                 key = b"%016d" % i
                 grant = call(p.ReserveRequest(next(req), ns, 1))

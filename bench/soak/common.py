@@ -50,6 +50,22 @@ def wait_for(cond: Callable[[], object], timeout_s: float, what: str | Callable[
         time.sleep(every_s)
 
 
+async def wait_for_async(cond: Callable[[], object], timeout_s: float,
+                         what: str | Callable[[], str], every_s: float = 0.005):
+    """``wait_for`` on an event loop: polls ``cond`` between awaits, so the loop (an in-process
+    daemon's) runs meanwhile."""
+    import asyncio
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for "
+                                 f"{what() if callable(what) else what}")
+        await asyncio.sleep(every_s)
+
+
 class LoggedProcess:
     """A helper's subprocess (``proc``) writing to ``log_path``, for tests and benchmarks."""
 

@@ -83,7 +83,7 @@ def holds(srv) -> dict[str, float]:
             for o in ("written", "expired")}
 
 
-def _held_store_server(pool):
+async def _held_store_server(pool):
     """An in-process daemon on ``pool`` over a disk that writes only when told, its pool
     filled with blocks the disk has not written yet; (server, disk, store) where ``store(n)``
     sends a keyed store of ``n`` new blocks and returns the replies list's length before it."""
@@ -93,6 +93,7 @@ def _held_store_server(pool):
     from kvpool.shared import protocol as p
     from kvpool.shared.config import DaemonConfig
     from kvpool.shared.layout import Layout, SegmentPlacement
+    from tests.conftest import wait_for_async
     from tests.daemon.tierkit import GatedTier
 
     slot = 64 << 10
@@ -112,9 +113,11 @@ def _held_store_server(pool):
         return replies[-1]
 
     call(p.Hello(1, p.PROTOCOL_VERSION, p.Role.WORKER, "t", os.getpid()))
-    reg = call(p.RegisterRequest(2, ns, Layout(16, 1, "f16", (slot,), "t"), 0, 16,
-                                 [p.CudaRegion("GPU-0", b"h" * 64, 16 * slot)],
-                                 [SegmentPlacement(0, 0, slot)])).registration_id
+    srv._dispatch(b"\0me", Frame(p.RegisterRequest(
+        2, ns, Layout(16, 1, "f16", (slot,), "t"), 0, 16,
+        [p.CudaRegion("GPU-0", b"h" * 64, 16 * slot)], [SegmentPlacement(0, 0, slot)])))
+    await wait_for_async(lambda: len(replies) == 2, 10, "the registration's reply")  # attached
+    reg = replies[-1].registration_id
     made = iter(range(10 ** 6))
 
     def store(n: int) -> int:
@@ -131,7 +134,7 @@ def test_a_store_that_would_push_out_blocks_the_disk_has_not_written_waits_for_t
     import asyncio
 
     async def run():
-        srv, disk, store, replies = _held_store_server(pool)
+        srv, disk, store, replies = await _held_store_server(pool)
         srv.tiering.start()
         while srv.index.extents.free_extents or srv.index.extents.size_class(64 << 10).free:
             n = store(16)
@@ -160,7 +163,7 @@ def test_a_hold_runs_out_when_the_disk_does_not_keep_up_and_then_nobody_waits(po
     from kvpool.shared.errors import ErrorCode
 
     async def run():
-        srv, disk, store, replies = _held_store_server(pool)
+        srv, disk, store, replies = await _held_store_server(pool)
         srv.tiering.start()
         while srv.index.extents.free_extents or srv.index.extents.size_class(64 << 10).free:
             store(16)

@@ -42,6 +42,17 @@ def test_gaps_are_the_time_between_ticks_less_the_wait_for_a_cpu(caplog):
     assert "400.0 ms" in w.summary() and "4 ticks" in w.summary()
 
 
+def test_the_summary_now_counts_the_gap_still_open():
+    """A caller that held the loop since the last tick (a registration's attach once did)
+    sees its own hold in the summary it writes."""
+    c = Clock()
+    w = LoopWatch(tick_s=0.01, clock=c, thread_times=lambda: (0.0, 0.0))
+    assert "gap since start 0.0 ms" in w.summary_now(), "not started: no gap yet"
+    w._started, w._last, w._last_times = True, c.now, (0.0, 0.0)   # what start() records
+    c.now += 0.25
+    assert "longest event-loop gap since start 250.0 ms" in w.summary_now()
+
+
 def test_a_real_loop_ticks_and_sees_a_blocking_callback():
     async def main() -> LoopWatch:
         w = LoopWatch(tick_s=0.005, thread_times=lambda: (0.0, 0.0))

@@ -15,7 +15,7 @@ import zmq
 from kvpool.client.scheduler import SchedulerClient
 from kvpool.shared import protocol as p
 from kvpool.shared.errors import ErrorCode, TooLarge, VersionMismatch
-from tests.conftest import wait_for
+from tests.conftest import wait_for, wait_for_async
 from bench.kvtest import HostKv, keyed_store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -520,9 +520,11 @@ def test_a_keyed_store_binds_its_slots_in_its_dispatch_whether_its_copy_starts_o
 
     async def run():
         call(p.Hello(1, p.PROTOCOL_VERSION, p.Role.WORKER, "t", os.getpid()))
-        reg = call(p.RegisterRequest(2, ns, Layout(16, 1, "f16", (slot,), "t"), 0, 16,
-                                     [p.CudaRegion("GPU-0", b"h" * 64, 16 * slot)],
-                                     [SegmentPlacement(0, 0, slot)])).registration_id
+        srv._dispatch(b"\0me", Frame(p.RegisterRequest(
+            2, ns, Layout(16, 1, "f16", (slot,), "t"), 0, 16,
+            [p.CudaRegion("GPU-0", b"h" * 64, 16 * slot)], [SegmentPlacement(0, 0, slot)])))
+        await wait_for_async(lambda: len(replies) == 2, 10, "the registration's reply")
+        reg = replies[-1].registration_id
         ix = srv.index
         ks = [b"%016d" % i for i in range(8)]
         refs = ix.reserve(ns, 8, 7, 0.0)
