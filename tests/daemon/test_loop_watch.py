@@ -3,8 +3,9 @@ gap logged once per period, and ticks that keep coming on a real loop."""
 
 import asyncio
 import logging
+import time
 
-from kvpool.daemon.loop_watch import LoopWatch, thread_times_s
+from kvpool.daemon.loop_watch import LoopWatch, ThreadTimes, thread_times_s
 
 
 class Clock:
@@ -58,7 +59,6 @@ def test_a_real_loop_ticks_and_sees_a_blocking_callback():
         w = LoopWatch(tick_s=0.005, thread_times=lambda: (0.0, 0.0))
         w.start()
         await asyncio.sleep(0.05)
-        import time
         time.sleep(0.12)                               # the loop held for 120 ms
         await asyncio.sleep(0.03)
         w.stop()
@@ -71,3 +71,20 @@ def test_a_real_loop_ticks_and_sees_a_blocking_callback():
 def test_the_threads_times_are_read_where_the_kernel_keeps_them():
     ran, waited = thread_times_s()
     assert ran >= 0.0 and waited >= 0.0
+
+
+def test_the_kept_file_reads_what_a_fresh_open_reads_and_closes():
+    """``ThreadTimes`` (the loop's schedstat kept open, read with pread) moves as the
+    per-call open does, on the thread that made it."""
+    times = ThreadTimes()
+    ran0, _ = times()
+    fresh0, _ = thread_times_s()
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.05:     # spin on this thread: its run time grows
+        pass
+    ran1, _ = times()
+    fresh1, _ = thread_times_s()
+    assert ran1 - ran0 >= 0.04 and fresh1 - fresh0 >= 0.04, (ran0, ran1, fresh0, fresh1)
+    assert abs(ran1 - fresh1) < 0.02
+    times.close()
+    assert times() == (0.0, 0.0)
