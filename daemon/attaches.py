@@ -96,9 +96,12 @@ class Attaches:
         return [a for a in self._in_flight.values() if a.owner is owner and a.is_wanted]
 
     def drop_owner(self, owner: Owner) -> None:
-        """``owner`` is released: its attaches are detached as they come back, unanswered."""
+        """``owner`` is released: its attaches are detached as they come back and answered
+        ABORTED (every request gets its one reply: a client released by a new Hello on the same
+        socket is still there to read it; a gone one's is dropped by the socket)."""
         for a in self.of(owner):
-            a.drop(None)
+            a.drop(Aborted("the client was released (bye, a new hello, silence or exit) "
+                           "before its registration was attached: register again"))
 
     async def close(self, timeout_s: float) -> None:
         """Start no more and wait up to ``timeout_s`` for the running ones, whose clients are
