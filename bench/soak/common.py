@@ -40,14 +40,9 @@ def wait_for(cond: Callable[[], object], timeout_s: float, what: str | Callable[
     """Poll ``cond`` until truthy; raise with ``what`` after ``timeout_s`` (a callable ``what``
     is asked then, so the message can carry the state at the time of the failure)."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for "
-                                 f"{what() if callable(what) else what}")
+    while not (value := _polled(cond, deadline, timeout_s, what)):
         time.sleep(every_s)
+    return value
 
 
 async def wait_for_async(cond: Callable[[], object], timeout_s: float,
@@ -56,14 +51,20 @@ async def wait_for_async(cond: Callable[[], object], timeout_s: float,
     daemon's) runs meanwhile."""
     import asyncio
     deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for "
-                                 f"{what() if callable(what) else what}")
+    while not (value := _polled(cond, deadline, timeout_s, what)):
         await asyncio.sleep(every_s)
+    return value
+
+
+def _polled(cond: Callable[[], object], deadline: float, timeout_s: float,
+            what: str | Callable[[], str]):
+    """One poll of ``cond``: its value, or an AssertionError naming ``what`` once past
+    ``deadline``."""
+    value = cond()
+    if value or time.monotonic() <= deadline:
+        return value
+    raise AssertionError(f"timed out after {timeout_s} s waiting for "
+                         f"{what() if callable(what) else what}")
 
 
 class LoggedProcess:
