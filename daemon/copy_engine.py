@@ -20,11 +20,17 @@ Contract for every engine:
   never for the last chunk (the future says that) and never for items that did not land. The
   server commits those slots while the rest is still copying, so that after the last copy only
   the last chunk's bookkeeping stands between the copy and the reply.
+- A store may come with ``late`` (``LateOffsets``): only its first ``late.head`` offsets are
+  written when it is submitted (``store_head`` says how many the engine wants), and the caller
+  writes the rest into that array (``late.offsets``, the one submitted), then calls
+  ``late.ready()`` (or ``late.fail``). The engine copies those items only after ``late.wait()``, never on the
+  caller's thread: a big store's first bytes move while the event loop finds room for the rest.
 """
 
 from __future__ import annotations
 
 import abc
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -73,6 +79,37 @@ def chunk_bounds(n: int, chunk: int, tail: int = 0, head: int = 0) -> list[int]:
     return [n * i // k for i in range(k + 1)]
 
 
+class LateOffsets:
+    """A store's ``offsets`` (the array it is submitted with), of which those past the first
+    ``head`` are written by the caller after it submitted the job (see the module docstring).
+    Waited on by engine threads alone."""
+
+    __slots__ = ("offsets", "head", "_written", "_error")
+
+    def __init__(self, offsets: np.ndarray, head: int) -> None:
+        self.offsets = offsets
+        self.head = head
+        self._written = threading.Event()
+        self._error: BaseException | None = None
+
+    def ready(self) -> None:
+        """Every offset is written."""
+        self._written.set()
+
+    def fail(self, error: BaseException) -> None:
+        """The rest will not be written: the job ends with ``error`` after its head."""
+        self._error = error
+        self._written.set()
+
+    def wait(self) -> None:
+        """Block until ``ready`` (then every offset may be read) or ``fail`` (raises its error).
+        The caller sets one or the other in the same event-loop dispatch that submitted the job,
+        so this waits for that dispatch at most."""
+        self._written.wait()
+        if self._error is not None:
+            raise self._error
+
+
 @dataclass(frozen=True)
 class JobResult:
     nbytes: int
@@ -109,8 +146,13 @@ class CopyEngine(abc.ABC):
 
     @abc.abstractmethod
     def submit_store(self, mapped: Mapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
-                     wait_event: bytes = b"", progress: Progress | None = None
-                     ) -> Future[JobResult]: ...
+                     wait_event: bytes = b"", progress: Progress | None = None,
+                     late: LateOffsets | None = None) -> Future[JobResult]: ...
+
+    def store_head(self, n: int) -> int:
+        """How many leading offsets of an ``n``-item store this engine needs when it is
+        submitted, the rest coming ``late`` (0: all of them, no late offsets)."""
+        return 0
 
     @abc.abstractmethod
     def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray,

@@ -33,8 +33,8 @@ from typing import Any, Literal
 import numpy as np
 
 from kvpool.daemon import cuda
-from kvpool.daemon.copy_engine import (CopyEngine, JobResult, Mapped, Progress, part_span,
-                                       segment_address_table)
+from kvpool.daemon.copy_engine import (HEAD_BLOCKS, CopyEngine, JobResult, LateOffsets, Mapped,
+                                       Progress, part_span, segment_address_table)
 from kvpool.daemon.copy_plan import (SMALL_OPS, PitchedOps, block_runs, chunk_table,
                                      flatten_plan, pitched_plan, strided_runs)
 from kvpool.daemon.cuda_lane import Gpu, Job
@@ -334,9 +334,14 @@ class CudaCopyEngine(CopyEngine):
     # -- jobs --
 
     def submit_store(self, mapped: Mapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
-                     wait_event: bytes = b"", progress: Progress | None = None
-                     ) -> Future[JobResult]:
-        return self._submit(mapped, True, block_ids, shard_offsets, wait_event, progress)
+                     wait_event: bytes = b"", progress: Progress | None = None,
+                     late: LateOffsets | None = None) -> Future[JobResult]:
+        return self._submit(mapped, True, block_ids, shard_offsets, wait_event, progress, late)
+
+    def store_head(self, n: int) -> int:
+        # The first chunk, launched on the caller's thread (``cuda_lane``): its offsets are
+        # all a big store needs to start copying.
+        return HEAD_BLOCKS if self.inline_first_chunk and 0 < self.chunk_blocks < n else 0
 
     def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray,
                     block_ids: np.ndarray) -> Future[JobResult]:
@@ -344,7 +349,8 @@ class CudaCopyEngine(CopyEngine):
 
     def _submit(self, mapped: Mapped, to_pool: bool, block_ids: np.ndarray,
                 shard_offsets: np.ndarray, wait_event: bytes,
-                progress: Progress | None = None) -> Future[JobResult]:
+                progress: Progress | None = None,
+                late: LateOffsets | None = None) -> Future[JobResult]:
         assert isinstance(mapped, CudaMapped)
         fut: Future[JobResult] = Future()
         if self._closed:
@@ -352,6 +358,9 @@ class CudaCopyEngine(CopyEngine):
             return fut
         blocks = np.ascontiguousarray(block_ids, dtype=np.int64)
         shards = np.ascontiguousarray(shard_offsets, dtype=np.int64)
+        if late is not None and shards is not late.offsets:
+            fut.set_exception(OutOfRange("late offsets need the caller's own int64 array"))
+            return fut
         if blocks.shape != shards.shape or blocks.ndim != 1:
             fut.set_exception(OutOfRange("block ids and slots differ in number"))
             return fut
@@ -361,7 +370,8 @@ class CudaCopyEngine(CopyEngine):
             fut.set_exception(e)
             return fut
         nbytes = len(blocks) * mapped.registration.layout.shard_bytes
-        job = Job(mapped, to_pool, blocks, shards, wait_event, fut, nbytes, progress=progress)
+        job = Job(mapped, to_pool, blocks, shards, wait_event, fut, nbytes, progress=progress,
+                  late=late)
         if self.trace:
             job.trace = [time.monotonic_ns()]
         if len(blocks) == 0:

@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvpool.daemon import cuda, numa
-from kvpool.daemon.copy_engine import HEAD_BLOCKS, TAIL_BLOCKS, Progress, chunk_bounds
+from kvpool.daemon.copy_engine import (HEAD_BLOCKS, TAIL_BLOCKS, LateOffsets, Progress,
+                                       chunk_bounds)
 from kvpool.daemon.copy_plan import (SMALL_OPS, PitchedOps, chunk_table, small_table,
                                      split_at_boundaries, split_items)
 from kvpool.shared.errors import Aborted
@@ -73,6 +74,9 @@ class Job:
     error: BaseException | None = None   # a launch that failed after some chunks went out
     bounds: list[int] = field(default_factory=list)   # item bounds of its chunks
     launched: int = 0                    # chunks enqueued so far
+    # A store whose offsets past its first chunk come after submission (``copy_engine``): the
+    # caller's thread launches that chunk at most, this lane's thread waits for the rest.
+    late: LateOffsets | None = None
 
 
 class Lane:
@@ -116,9 +120,10 @@ class Lane:
         job.bounds = chunk_bounds(len(job.block_ids), eng.chunk_blocks,
                                   TAIL_BLOCKS if job.progress is not None else 0,
                                   HEAD_BLOCKS if eng.inline_first_chunk else 0)
-        small = (len(job.bounds) == 2 and len(job.block_ids) * job.mapped.copies_per_block(eng)
-                 <= eng.inline_max_ops)
-        first = eng.inline_first_chunk and len(job.bounds) > 2
+        small = (len(job.bounds) == 2 and job.late is None
+                 and len(job.block_ids) * job.mapped.copies_per_block(eng) <= eng.inline_max_ops)
+        first = eng.inline_first_chunk and len(job.bounds) > 2 and (
+            job.late is None or job.bounds[1] <= job.late.head)
         if (small or first) and self.launch_lock.acquire(blocking=False):
             try:
                 with self.qlock:
@@ -159,7 +164,7 @@ class Lane:
             with self.launch_lock:
                 try:
                     if job.launched:         # its first chunk went out on the caller's thread
-                        self._launch_chunks(job)
+                        self._continue(job)
                     else:
                         self._launch(job)
                 except Exception as e:  # noqa: BLE001 - every failure goes back through the future
@@ -169,6 +174,23 @@ class Lane:
                 finally:
                     with self.qlock:
                         self.queued -= 1
+
+    def _continue(self, job: Job) -> None:
+        """Enqueue the chunks of a job whose first went out on the caller's thread, once its
+        late offsets are written (and the pool under them registered). Where they will not be
+        (the caller found no room for them), the job ends after the chunk that went out."""
+        if job.late is not None:
+            try:
+                job.late.wait()
+                reg = self.engine.registration
+                if reg is not None:
+                    reg.wait_until(self.engine.pool_base + int(job.shard_offsets.max())
+                                   + job.mapped.part_hi)
+            except Exception as e:  # noqa: BLE001 - reported through the future, after the head
+                job.error = e
+                job.launched = len(job.bounds) - 1
+                return
+        self._launch_chunks(job)
 
     def _warm_kernel(self) -> None:
         """Import torch and compile this direction's kernel before the first job needs it
@@ -218,6 +240,11 @@ class Lane:
         m = job.mapped
         eng = self.engine
         offs = job.shard_offsets
+        if job.late is not None:
+            if inline:
+                offs = offs[:job.late.head]     # all the first chunk reads; the rest is unwritten
+            else:
+                job.late.wait()
         top = max(offs.tolist()) if len(offs) <= SMALL_OPS else int(offs.max())
         shard_end = eng.pool_base + top + m.part_hi
         reg = eng.registration

@@ -38,7 +38,7 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
-from kvpool.daemon.copy_engine import (CopyEngine, JobResult, Mapped, Progress,
+from kvpool.daemon.copy_engine import (CopyEngine, JobResult, LateOffsets, Mapped, Progress,
                                        chunk_bounds, segment_address_table)
 from kvpool.daemon.peer import Peer, check_may_open
 from kvpool.daemon.pool import Pool
@@ -178,9 +178,15 @@ class HostCopyEngine(CopyEngine):
                 log.warning("host region still referenced at detach")
 
     def submit_store(self, mapped: Mapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
-                     wait_event: bytes = b"", progress: Progress | None = None
-                     ) -> Future[JobResult]:
-        return self._submit(mapped, block_ids, shard_offsets, to_pool=True, progress=progress)
+                     wait_event: bytes = b"", progress: Progress | None = None,
+                     late: LateOffsets | None = None) -> Future[JobResult]:
+        return self._submit(mapped, block_ids, shard_offsets, to_pool=True, progress=progress,
+                            late=late)
+
+    def store_head(self, n: int) -> int:
+        # The first chunk: its copy on the registration's thread runs beside the event loop
+        # finding room for the rest.
+        return self.chunk_blocks if 0 < self.chunk_blocks < n else 0
 
     def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray,
                     block_ids: np.ndarray) -> Future[JobResult]:
@@ -204,22 +210,23 @@ class HostCopyEngine(CopyEngine):
     # ---- internals -------------------------------------------------------------------------
 
     def _submit(self, mapped: Mapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
-                to_pool: bool, progress: Progress | None = None) -> Future[JobResult]:
+                to_pool: bool, progress: Progress | None = None,
+                late: LateOffsets | None = None) -> Future[JobResult]:
         assert isinstance(mapped, HostMapped)
         if self._closed:
             f: Future[JobResult] = Future()
             f.set_exception(Aborted("daemon is shutting down"))
             return f
         stamps = [time.monotonic_ns()] if self.trace else None
-        if (len(block_ids) * mapped.shard_bytes <= self.inline_bytes
+        if (late is None and len(block_ids) * mapped.shard_bytes <= self.inline_bytes
                 and (mapped.last is None or mapped.last.done())):
             return self._inline(stamps, mapped, block_ids, shard_offsets, to_pool)
         if stamps is None:
             fut = mapped.executor.submit(self._copy_job, mapped, block_ids, shard_offsets,
-                                         to_pool, progress)
+                                         to_pool, progress, True, late)
         else:
             fut = mapped.executor.submit(self._traced, stamps, mapped, block_ids, shard_offsets,
-                                         to_pool, progress)
+                                         to_pool, progress, True, late)
             fut.kvpool_trace = stamps  # type: ignore[attr-defined]
         mapped.last = fut
         return fut
@@ -249,14 +256,18 @@ class HostCopyEngine(CopyEngine):
 
     def _copy_job(self, mapped: HostMapped, block_ids: np.ndarray, shard_offsets: np.ndarray,
                   to_pool: bool, progress: Progress | None = None,
-                  fan_out: bool = True) -> JobResult:
+                  fan_out: bool = True, late: LateOffsets | None = None) -> JobResult:
         """A job, in chunks when a store wants to hear of them (``progress``): each chunk's
-        slots can then be committed on the loop while this thread copies the next one."""
+        slots can then be committed on the loop while this thread copies the next one. Items
+        past ``late.head`` are copied once the caller has written their offsets."""
         # (No small tail chunk, ``TAIL_BLOCKS``, here: each chunk's fixed cost is paid on the
         # copying thread, in line with the copy, where it would cost more than it saves.)
         bounds = chunk_bounds(len(block_ids), self.chunk_blocks if progress is not None else 0)
         total = 0
         for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if late is not None and hi > late.head:
+                late.wait()
+                late = None
             total += self._copy(mapped, block_ids[lo:hi], shard_offsets[lo:hi], to_pool,
                                 fan_out).nbytes
             if progress is not None and hi < len(block_ids):

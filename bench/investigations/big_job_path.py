@@ -73,7 +73,8 @@ class _Held(CopyEngine):
         self.fut = Future()
         return self.fut
 
-    def submit_store(self, mapped, block_ids, shard_offsets, wait_event=b"", progress=None):
+    def submit_store(self, mapped, block_ids, shard_offsets, wait_event=b"", progress=None,
+                     late=None):
         t = self._hold()
         self.progress, self.n = progress, len(block_ids)
         return t

@@ -129,7 +129,8 @@ def server_job_us(jobs: int) -> dict[str, float]:
             f.set_result(JobResult(len(blocks) * BLOCK))
             return f
 
-        def submit_store(self, mapped, block_ids, shard_offsets, wait_event=b"", progress=None):
+        def submit_store(self, mapped, block_ids, shard_offsets, wait_event=b"", progress=None,
+                         late=None):
             return self._done(block_ids)
 
         def submit_load(self, mapped, shard_offsets, block_ids):

@@ -11,13 +11,15 @@ import torch
 
 from kvpool.client.host_memory import SharedHostMemory
 from kvpool.client.kv_layout import plan_kv_memory
+from kvpool.daemon.copy_engine import LateOffsets
 from kvpool.daemon.host_copy import HostCopyEngine
 from kvpool.daemon.peer import Peer
 from kvpool.daemon.pool import Pool
-from kvpool.shared.errors import (LayoutMismatch, OutOfRange, PermissionDenied, ProtocolError,
+from kvpool.shared.errors import (Aborted, LayoutMismatch, OutOfRange, PermissionDenied, ProtocolError,
                                   UnknownId)
 from kvpool.shared.layout import Layout, SegmentPlacement
 from kvpool.shared.protocol import HostRegion, RegisterRequest
+from tests.conftest import wait_for
 
 
 def make(shape, block_dim, dtype=torch.float16, split=1):
@@ -406,6 +408,70 @@ def test_a_store_that_fails_halfway_reports_only_the_chunks_that_landed(pool, mo
         mem.close()
 
 
+def _late_store(pool):
+    """An engine of 4-item chunks, a registration of random blocks, and a 12-item store's
+    source blocks and slot offsets (slots in reverse pool order)."""
+    mem, tensors, reg = make(*CASES["block-outermost"][:2])
+    engine = HostCopyEngine(pool)
+    engine.chunk_blocks = 4
+    mapped = engine.attach(reg)
+    tensors[0].copy_(torch.randn(tensors[0].shape).half())
+    stride = reg.layout.slot_bytes
+    offsets = np.arange(12, dtype=np.int64)[::-1].copy() * stride + pool.geometry.data_offset
+    return mem, tensors[0], reg, engine, mapped, np.arange(12, dtype=np.int64), offsets
+
+
+def _in_pool(pool, kv, reg, block, offset) -> bool:
+    stride = reg.layout.slot_bytes
+    got = torch.from_numpy(pool.view()[offset:offset + stride].copy()).view(torch.float16)
+    return torch.equal(got, kv[block].reshape(-1))
+
+
+def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(pool):
+    """``late``: the engine copies the head whose offsets it was given, and nothing past it
+    until the caller has written the rest and said so; then every block lands where the
+    offsets written late say."""
+    mem, kv, reg, engine, mapped, src, want = _late_store(pool)
+    try:
+        head = engine.store_head(len(src))
+        assert head == 4 and engine.store_head(4) == 0     # no split of a one-chunk store
+        late = LateOffsets(np.full(len(src), -1, np.int64), head)
+        late.offsets[:head] = want[:head]
+        seen = []
+        fut = engine.submit_store(mapped, src, late.offsets, progress=seen.append, late=late)
+        wait_for(lambda: seen == [4], 10, "the head's chunk to land")
+        assert not fut.done(), "the engine went past the head before the rest was written"
+        assert all(_in_pool(pool, kv, reg, b, o) for b, o in zip(src[:head], want[:head]))
+        late.offsets[head:] = want[head:]
+        late.ready()
+        assert fut.result(10).nbytes == 12 * reg.layout.shard_bytes
+        assert seen == [4, 8]
+        assert all(_in_pool(pool, kv, reg, b, o) for b, o in zip(src, want))
+    finally:
+        engine.detach(mapped)
+        engine.close()
+        mem.close()
+
+
+def test_a_store_whose_late_offsets_never_come_ends_with_their_error_after_its_head(pool):
+    mem, kv, reg, engine, mapped, src, want = _late_store(pool)
+    try:
+        late = LateOffsets(np.zeros(len(src), np.int64), 4)
+        late.offsets[:4] = want[:4]
+        before = pool.view()[want[4]:want[4] + reg.layout.slot_bytes].copy()
+        seen = []
+        fut = engine.submit_store(mapped, src, late.offsets, progress=seen.append, late=late)
+        late.fail(Aborted("no room for the rest"))
+        with pytest.raises(Aborted, match="no room for the rest"):
+            fut.result(10)
+        assert seen == [4]                  # the head landed and was reported; nothing else
+        assert np.array_equal(pool.view()[want[4]:want[4] + reg.layout.slot_bytes], before)
+    finally:
+        engine.detach(mapped)
+        engine.close()
+        mem.close()
+
+
 def test_the_host_engine_copies_without_torch(tmp_path):
     """In a fresh interpreter where ``import torch`` fails, the host engine stores and loads
     every path (runs of slots, scattered slots, a block inline) bit-exact: the daemon never
@@ -414,6 +480,7 @@ def test_the_host_engine_copies_without_torch(tmp_path):
 import os, sys, mmap, secrets
 import numpy as np, posix_ipc
 sys.modules["torch"] = None                      # any import of torch now raises
+from kvpool.daemon.copy_engine import LateOffsets
 from kvpool.daemon.host_copy import HostCopyEngine
 from kvpool.daemon.pool import Pool
 from kvpool.shared.config import DaemonConfig

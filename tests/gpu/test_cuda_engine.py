@@ -337,6 +337,71 @@ def test_a_chunked_job_reports_landed_chunks_in_order_and_moves_exact_bytes(engi
         w.close()
 
 
+@pytest.mark.parametrize("pending", [False, True])
+@pytest.mark.parametrize("layout", ["block_outer", "per_layer"])
+def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engine, pool, layout,
+                                                                         pending):
+    """``late``: the head (the first chunk, launched on the caller's thread when the worker's
+    event is done already) copies with the offsets given at submission; nothing past it is
+    read until the caller writes the rest and says so (decoy offsets there stay untouched);
+    then every block lands where the late offsets say. A store whose rest never comes ends
+    with the caller's error after its head. ``pending``: the worker's event is not done yet,
+    so the lane's thread launches everything."""
+    from kvpool.daemon.copy_engine import HEAD_BLOCKS, LateOffsets
+    from kvpool.shared.errors import Aborted
+    from tests.conftest import wait_for
+
+    w = Worker(0, layout, NUM_BLOCKS)
+    old = engine.chunk_blocks
+    try:
+        engine.chunk_blocks = 40
+        reg = w.register_request()
+        m = engine.attach(reg)
+        n = 80
+        assert engine.store_head(n) == HEAD_BLOCKS == 32 and engine.store_head(40) == 0
+        cap = 200 if reg.layout.slot_bytes * 200 < pool.nbytes else 2 * n
+        rng = np.random.default_rng(5)
+        slots = rng.choice(cap, 2 * n, replace=False)
+        offs, decoys = _shard_offsets(reg, slots[:n]), _shard_offsets(reg, slots[n:])
+        src = rng.choice(NUM_BLOCKS, n, replace=False)
+        for fails in (False, True):
+            pool.array()[:] = POISON ^ 0xFF
+            ev = w.call("late_fill", 13, 20) if pending else (w.call("fill", 13),
+                                                              w.call("event"))[1]
+            if not pending:
+                wait_for(lambda: w.call("event_done"), 30, "the worker's event")
+            want = w.call("blocks", src.tolist())
+            late = LateOffsets(np.empty(n, np.int64), HEAD_BLOCKS)
+            late.offsets[:HEAD_BLOCKS] = offs[:HEAD_BLOCKS]
+            late.offsets[HEAD_BLOCKS:] = decoys[HEAD_BLOCKS:]
+            seen = []
+            fut = engine.submit_store(m, src, late.offsets, ev, seen.append, late)
+            if not pending:
+                # the head went out on this thread: it lands with nothing more from us
+                wait_for(lambda: seen, 30, "the head's chunk to land")
+                assert seen == [HEAD_BLOCKS] and not fut.done()
+                assert np.array_equal(_pool_shards(pool, reg, offs[:HEAD_BLOCKS]),
+                                      want[:HEAD_BLOCKS])
+            if fails:
+                late.fail(Aborted("no room for the rest"))
+                with pytest.raises(Aborted, match="no room for the rest"):
+                    fut.result(60)
+                assert seen == ([HEAD_BLOCKS] if not pending else [])
+            else:
+                late.offsets[HEAD_BLOCKS:] = offs[HEAD_BLOCKS:]
+                late.ready()
+                fut.result(60)
+                assert seen[:1] == [HEAD_BLOCKS] and seen == sorted(seen)
+                assert np.array_equal(_pool_shards(pool, reg, offs), want), \
+                    f"{layout}: late offsets not copied exactly"
+            assert (_pool_shards(pool, reg, decoys) == POISON ^ 0xFF).all(), \
+                "the engine read offsets past the head before they were written"
+        engine.detach(m, wait_s=10)
+    finally:
+        engine.chunk_blocks = old
+        w.close()
+
+
 def test_a_chunked_store_whose_launch_fails_halfway_reports_only_what_landed(engine, pool,
                                                                              monkeypatch):
     from kvpool.daemon.cuda_lane import Lane
