@@ -3,6 +3,10 @@ and the index, handed to the registration's copy engine (after any lower-tier fi
 waits for), a store's leading chunks committed as they land, and the end on the loop (the
 index, the byte counters, the one reply, the trace line).
 
+A big store goes to its engine with its head's offsets alone where the store path allows it
+(``StorePath.open_store``'s ``head``); the rest are written in the same dispatch, after the
+submit, while the head copies (``_finish_late``).
+
 Every job ends exactly once, also when it fails before its copy starts or its worker leaves
 during the copy: a store's slots are ended by ``Landing`` (chunk by chunk, then the rest), a
 load's pins are dropped after its reply. ``in_flight`` is what the server's shutdown waits on.
@@ -25,8 +29,8 @@ from typing import Callable, TextIO
 
 import numpy as np
 
-from kvpool.daemon.copy_engine import JobResult
-from kvpool.daemon.index import Index, Slot
+from kvpool.daemon.copy_engine import JobResult, LateOffsets
+from kvpool.daemon.index import Index, OpenedStore, Slot
 from kvpool.daemon.loads import Loads
 from kvpool.daemon.registry import Owner, Registration, Registry
 from kvpool.daemon.telemetry import Telemetry
@@ -151,7 +155,8 @@ class CopyJobs:
             # once the copy has gone out (a big job's first chunk is copying by then).
             if job.is_store:
                 opened = self.index.open_store(reg.namespace, msg.slots, self._store_keys(msg),
-                                               reg.tp_rank, reg.mask, now=job.started)
+                                               reg.tp_rank, reg.mask, now=job.started,
+                                               head=reg.engine.store_head(len(msg.slots)))
                 job.slots = opened.slots
             else:
                 if msg.keys and len(msg.keys) != len(msg.slots):
@@ -160,7 +165,9 @@ class CopyJobs:
         except KvpoolError as e:
             return job_failed(msg, e, self.count_error)
         if job.is_store:
-            fut = self._submit_store(job, blocks, opened.has_voids)
+            late = (LateOffsets(np.empty(len(blocks), np.int64), len(opened.slots))
+                    if opened.late else None)
+            fut = self._submit_store(job, blocks, opened.has_voids, late)
             if fut is None:
                 # The engine refused the job: its slots go back (its tickets have slots by
                 # now, open_store found them, which only the job's end frees).
@@ -176,7 +183,10 @@ class CopyJobs:
                 # The copy is on its way: the pins and bindings run beside it, before the loop
                 # turns (so before any chunk commits or the job ends, and before another
                 # request can evict, reuse or see the slots).
-                opened.finish()
+                if late is None:
+                    opened.finish()
+                else:
+                    self._finish_late(opened, late)
         reg.jobs_in_flight += 1
         owner.jobs_in_flight += 1
         job.t_sub = time.monotonic_ns() if self.trace else 0
@@ -199,12 +209,17 @@ class CopyJobs:
         fut.add_done_callback(resolved)
         return None
 
-    def _submit_store(self, job: "_Job", blocks: np.ndarray, has_voids: bool
-                      ) -> Future[JobResult] | None:
+    def _submit_store(self, job: "_Job", blocks: np.ndarray, has_voids: bool,
+                      late: LateOffsets | None = None) -> Future[JobResult] | None:
         """Hand a checked store to its registration's engine (``job.landing`` set): its
-        future, or None (``self._refusal`` set) when the engine refused it."""
+        future, or None (``self._refusal`` set) when the engine refused it. With ``late``,
+        ``job.slots`` is the job's head: ``_finish_late`` writes the rest's offsets."""
         slots, reg = job.slots, job.reg
-        offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
+        if late is None:
+            offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
+        else:
+            offsets = late.offsets
+            offsets[:late.head] = np.fromiter((s.offset for s in slots), np.int64, late.head)
         job.landing = Landing(slots)
         if has_voids:
             # Duplicates (keys someone else holds) are bound but written by nobody.
@@ -216,11 +231,33 @@ class CopyJobs:
             done.set_result(JobResult(0))
             return done
         try:
+            if late is None:
+                return reg.engine.submit_store(reg.mapped, blocks, offsets, job.msg.wait_event,
+                                               self._progress(reg, job.landing))
             return reg.engine.submit_store(reg.mapped, blocks, offsets, job.msg.wait_event,
-                                           self._progress(reg, job.landing))
+                                           self._progress(reg, job.landing), late)
         except BaseException as e:
             self._refusal = e
             return None
+
+    def _finish_late(self, opened: OpenedStore, late: LateOffsets) -> None:
+        """A store submitted with its head's offsets: bind the rest of its tickets (room
+        found now, while the head copies), write their offsets into the job's array and let
+        the engine go on; or, where no room came for some (never with room assured), end
+        the job after its head. The engine waits for this in every case."""
+        slots = opened.slots                      # also the job's and its landing's list
+        try:
+            opened.finish()
+            if opened.short:
+                late.fail(Aborted("no room for the whole store: stored its first "
+                                  f"{late.head} blocks only"))
+                return
+            late.offsets[late.head:] = np.fromiter(
+                (s.offset for s in slots[late.head:]), np.int64, len(slots) - late.head)
+        except BaseException as e:
+            late.fail(Aborted(f"the store's binding failed: {e}"))
+            raise
+        late.ready()
 
     def _store_keys(self, msg: p.StoreRequest) -> list[bytes]:
         """The store's keys, checked: every store names one per ticket."""

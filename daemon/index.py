@@ -89,8 +89,8 @@ class Index:
         return self.stores.reserve(ns, count, owner, now)
 
     def open_store(self, ns: bytes, refs: list[int], keys: list[bytes], rank: int,
-                   mask: int | None = None, now: float = 0.0) -> OpenedStore:
-        return self.stores.open_store(ns, refs, keys, rank, mask, now)
+                   mask: int | None = None, now: float = 0.0, head: int = 0) -> OpenedStore:
+        return self.stores.open_store(ns, refs, keys, rank, mask, now, head)
 
     def begin_store(self, ns: bytes, refs: list[int], keys: list[bytes], rank: int,
                     mask: int | None = None, now: float = 0.0) -> list[Slot]:

@@ -40,6 +40,19 @@ class Room:
             got += self.extents.take_free(cls, n - len(got))
         return got
 
+    def assured(self, cls: SizeClass, n: int) -> bool:
+        """Whether ``allocate(cls, n)`` will find all ``n`` (now, and after any allocations of
+        ``cls`` that come to fewer in all, with nothing else run in between): its free slots,
+        unassigned extents and least recently used blocks alone are enough, and no drain can
+        take evicted slots."""
+        if self.extents.draining:
+            return False
+        have = len(cls.free) + len(cls.lru)
+        if have < n and self.extents.free_extents:
+            have += len(self.extents.free_extents) * self.extents.pool.slots_per_extent(
+                cls.slot_bytes)
+        return have >= n
+
     def fit_quota(self, ns: bytes, slot_bytes: int, n: int) -> int:
         """How many of ``n`` new slots of ``ns`` its quota lets in, after evicting its own
         least recently used blocks to make that room (all ``n`` when it has no quota)."""

@@ -18,7 +18,11 @@ room for the rest found in one batch (``_find_room``), then the slots claimed in
 (``_claim``). Where nothing can come out void (keys distinct and unheld, no quota, room for all:
 the common case), the claim is deferred until the job's copy has gone out (``open_store``'s
 ``finish``); a test drives the same stores with and without that deferral and compares the
-state after.
+state after. Where, besides, the pool's free and evictable slots assure room for the whole job
+(``Room.assured``), only the head its copy engine starts with gets room before the copy
+(``open_store``'s ``head``): ``finish`` finds the rest's while the head copies, and the job's
+offsets past the head reach the engine late (``LateOffsets``). On a full pool, finding room for
+1024 blocks cost ~1 ms before the first byte could move.
 
 Runs on the daemon's event loop thread, never blocks.
 """
@@ -50,9 +54,13 @@ class StoreStats:
 class OpenedStore:
     """A store job ``StorePath.open_store`` let through."""
 
+    # Its slots, in ticket order; only the first ``len(slots)`` (its head) while ``late`` is
+    # set: ``finish`` appends the rest to this same list.
     slots: list[Slot]
     finish: Callable[[], None] | None   # its claims and pins left to do, see open_store
     has_voids: bool                     # whether any slot is void (nobody copies into those)
+    late: int = 0                       # tickets past the head, bound by ``finish``
+    short: bool = False                 # ``finish`` found no room for some of those (voids)
 
 
 @dataclass(slots=True)
@@ -126,7 +134,7 @@ class StorePath:
     # ---- a store job -----------------------------------------------------------------------
 
     def open_store(self, ns: bytes, refs: list[int], keys: list[bytes], rank: int,
-                   mask: int | None = None, now: float = 0.0) -> OpenedStore:
+                   mask: int | None = None, now: float = 0.0, head: int = 0) -> OpenedStore:
         """Check a store job and find its slots; all or nothing (it raises with nothing
         changed). ``mask``: the units it lands (``Layout.rank_mask``; default rank ``rank``'s
         shard). A first rank's tickets are bound here (see the module docstring).
@@ -136,6 +144,10 @@ class StorePath:
         caller (the copy jobs) must call it once it has handed the copy to its engine, before
         it gives the event loop back (until then nothing else runs there, so nothing can evict,
         reuse or see the slots). So a big store's copy starts after its checks and room alone.
+
+        With ``head`` (what the copy engine needs to start, ``CopyEngine.store_head``), where
+        the whole job is sure of room, only its first ``head`` tickets get room now: ``finish``
+        finds the rest's (``late``), so the copy of the head starts before it.
         """
         bit = 1 << rank if mask is None else mask
         if len(keys) != len(refs):
@@ -148,6 +160,10 @@ class StorePath:
         grants = list(map(unbound.get, refs))
         # (a job's tickets nearly always come from one reserve: one Grant to check)
         if None not in grants and all(g.ns == ns for g in set(grants)):
+            if self.defer_claims and 0 < head < len(refs):
+                opened = self._open_head(ns, refs, grants, keys, head, bit, now)  # type: ignore
+                if opened is not None:
+                    return opened
             job = self._find_room(ns, refs, grants, keys)     # type: ignore[arg-type]
             if self.defer_claims and None not in job.slots:
                 return OpenedStore(job.slots, partial(self._claim, job, bit, now),  # type: ignore
@@ -286,6 +302,35 @@ class StorePath:
             given = iter(room)
             slots = [None if dup else next(given, None) for dup in duplicate]
         return _Binding(ns, refs, grants, keys, slots, duplicate)
+
+    def _open_head(self, ns: bytes, refs: list[int], grants: list[Grant], keys: list[bytes],
+                   head: int, bit: int, now: float) -> OpenedStore | None:
+        """A first rank's fresh job with room for its first ``head`` tickets and the rest
+        left to ``finish`` (``open_store``), or None where it may not all be bound to slots
+        (duplicates, a quota that lets fewer in, a pool that may not make room for all)."""
+        table = self.table.tables.get(ns, _EMPTY)
+        if len(set(keys)) != len(keys) or not table.keys().isdisjoint(keys):
+            return None
+        n = len(keys)
+        slot_bytes = grants[0].slot_bytes           # a namespace's tickets are of one size
+        cls = self.table.extents.size_class(slot_bytes)
+        if self.room.fit_quota(ns, slot_bytes, n) < n or not self.room.assured(cls, n):
+            return None
+        first = self.room.allocate(cls, head)
+        opened = OpenedStore(first, None, False, n - head)
+
+        def finish() -> None:
+            slots = opened.slots
+            claimed = self._claim(_Binding(ns, refs[:head], grants[:head], keys[:head],
+                                           first, [False] * head), bit, now)
+            room: list[Slot | None] = self.room.allocate(cls, n - head)  # type: ignore
+            opened.short = len(room) < n - head       # (not with room assured: voids then)
+            room += [None] * (n - head - len(room))
+            rest = self._claim(_Binding(ns, refs[head:], grants[head:], keys[head:], room,
+                                        [False] * (n - head)), bit, now)
+            slots[:] = claimed + rest
+        opened.finish = finish
+        return opened
 
     def _claim(self, job: _Binding, bit: int, now: float) -> list[Slot]:
         """Claim ``job``'s slots for its keys (one pass, WRITING), make voids of the tickets

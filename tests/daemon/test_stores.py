@@ -388,6 +388,93 @@ def test_open_store_leaves_pins_and_only_bindings_that_cannot_void_a_slot_for_la
         ix.open_store(NS_TP2, tp, keys(1, b"t"), 1, now=0)
 
 
+def _full_index(pool):
+    """An index over a pool full of committed SMALL blocks, a third of them leased (pinned);
+    the keys of the blocks that may be evicted, oldest first."""
+    ix = Index(pool, 10, 60)
+    ix.register_namespace(NS_SMALL, SMALL)
+    held = fill_pool(ix, NS_SMALL, pool_slots(pool, SMALL))
+    third = len(held) // 3
+    for i in range(0, third, 256):
+        ix.lookup(NS_SMALL, [held[i:min(i + 256, third)]], True, OTHER, 0)
+    return ix, held[third:]
+
+
+def test_a_big_fresh_store_gets_room_for_its_head_and_the_rest_in_finish(pool, pool_config):
+    """With ``head`` and room assured for the whole job, open_store finds room for the head
+    alone (so the copy of the head can start) and ``finish`` binds the rest, appending to the
+    same list: the same blocks are evicted and the same keys held as where the job was bound
+    in one piece, with the bindings, pins and pool records of begin_store."""
+    ix, evictable = _full_index(pool)
+    other = Pool.open(msgspec.structs.replace(pool_config, pool_name=pool_config.pool_name + "b"))
+    try:
+        whole, _ = _full_index(other)
+        ks = keys(200, b"late")
+        refs = ix.reserve(NS_SMALL, 200, OWNER, 0)
+        job = ix.open_store(NS_SMALL, refs, ks, 0, now=0, head=32)
+        assert job.late == 168 and len(job.slots) == 32 and job.finish is not None
+        assert ix.table.stats.evictions == 32 and ix.ticket_count == 200
+        head = job.slots
+        job.finish()
+        assert job.slots is head and len(head) == 200 and not job.short
+        assert all(s.pins == 1 and s.writing == 1 and not s.void for s in head)
+        assert [s.block_hash for s in head] == ks and ix.ticket_count == 0
+        assert ix.end_store(head, 0, True) == 200
+        one = whole.begin_store(NS_SMALL, whole.reserve(NS_SMALL, 200, OWNER, 0), ks, 0, now=0)
+        assert whole.end_store(one, 0, True) == 200
+        for a in (ix, whole):
+            records_match_slots(a)
+            assert a.table.stats.evictions == 200
+            assert a.lookup(NS_SMALL, [[k] for k in evictable[:200]], False, OWNER, 0)[0] \
+                == [0] * 200                       # the 200 oldest went, in both
+            assert a.lookup(NS_SMALL, [ks], False, OWNER, 0)[0] == [200]
+        assert ix.slot_counts() == whole.slot_counts()
+    finally:
+        other.close(unlink=True)
+
+
+def test_a_store_that_may_not_all_find_room_or_may_void_is_bound_in_one_piece(pool):
+    """No head split where a ticket could come out void or short: keys named twice or held
+    already, a quota that lets fewer in, a pool whose free and evictable slots are fewer than
+    the job, claims not deferred, or a job no bigger than its head."""
+    ix, evictable = _full_index(pool)
+    cases = {
+        "named twice": keys(40, b"a") + keys(1, b"a"),
+        "held already": keys(40, b"b") + evictable[-1:],
+        "no bigger than its head": keys(8, b"c"),
+    }
+    for why, ks in cases.items():
+        job = ix.open_store(NS_SMALL, ix.reserve(NS_SMALL, len(ks), OWNER, 0), ks, 0, now=0,
+                            head=8)
+        assert job.late == 0 and len(job.slots) == len(ks), why
+        if job.finish is not None:
+            job.finish()
+        ix.end_store(job.slots, 0, True)
+    ix.stores.defer_claims = False
+    job = ix.open_store(NS_SMALL, ix.reserve(NS_SMALL, 40, OWNER, 0), keys(40, b"d"), 0,
+                        now=0, head=8)
+    assert job.late == 0 and job.finish is None and len(job.slots) == 40
+    ix.end_store(job.slots, 0, True)
+    ix.stores.defer_claims = True
+    # a quota of 10 slots: 40 do not fit
+    ix.register_namespace(NS_TP2, TP2, quota_bytes=10 * TP2.slot_bytes)
+    job = ix.open_store(NS_TP2, ix.reserve(NS_TP2, 40, OWNER, 0), keys(40, b"e"), 0, now=0,
+                        head=8)
+    assert job.late == 0 and [s.void for s in job.slots].count(False) == 10
+    ix.end_store(job.slots, 0, True)
+    # every slot pinned but 20: no room for 40 assured
+    cls = ix.table.extents.size_class(SMALL.slot_bytes)
+    spare = len(cls.free) + len(cls.lru)
+    ix.lookup(NS_SMALL, [[k] for k in evictable], True, OTHER, 0)
+    ix.lookup(NS_SMALL, [[k] for k in keys(40, b"a") + keys(40, b"b") + keys(8, b"c")
+                         + keys(40, b"d")], True, OTHER, 0)
+    assert len(cls.lru) + len(cls.free) < spare and not ix.room.assured(cls, 40)
+    job = ix.open_store(NS_SMALL, ix.reserve(NS_SMALL, 40, OWNER, 0), keys(40, b"f"), 0, now=0,
+                        head=8)
+    assert job.late == 0 and len(job.slots) == 40
+    records_match_slots(ix)
+
+
 # ---- tickets: reservations that hold no slot (issue 26, guarantee 2) ---------------------------
 
 

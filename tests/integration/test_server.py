@@ -466,90 +466,187 @@ def test_a_big_store_whose_worker_dies_keeps_only_landed_chunks_and_frees_the_re
         sched.close(); kv.close()
 
 
+class _HeldEngine:
+    """A CUDA-region engine that copies nothing: it keeps each store's future, progress and
+    late offsets for the test to play the copy, and notes what the index held at submission.
+    ``head``: what it asks of a store before its copy starts (``store_head``)."""
+
+    def __new__(cls, srv_of, head: int = 0):
+        from concurrent.futures import Future
+
+        from kvpool.daemon.copy_engine import CopyEngine, Mapped
+        from kvpool.shared.errors import Aborted
+
+        class Held(CopyEngine):
+            name = "held"
+            refuse = False
+            late = None
+
+            def attach(self, registration, peer=None):
+                m = Mapped.__new__(Mapped)
+                m.registration = registration
+                return m
+
+            def detach(self, mapped):
+                pass
+
+            def store_head(self, n):
+                return head if 0 < head < n else 0
+
+            def submit_store(self, mapped, block_ids, shard_offsets, wait_event=b"",
+                             progress=None, late=None):
+                if self.refuse:
+                    raise Aborted("refused")
+                srv = srv_of()
+                self.seen = (srv.index.ticket_count, srv.index.slot_counts()[0])
+                self.offsets = shard_offsets.copy()     # as written at submission
+                self.fut, self.progress, self.late = Future(), progress, late
+                return self.fut
+
+            def submit_load(self, mapped, shard_offsets, block_ids):
+                raise AssertionError
+        return Held()
+
+
+class _ServerHarness:
+    """A ``Server`` on ``pool`` with one worker client ("\0me") registered for ``ns`` through
+    ``engine``, requests dispatched straight in and replies collected."""
+
+    slot = 4096
+    ns = b"s" * 16
+
+    def __init__(self, pool, head: int = 0) -> None:
+        from kvpool.daemon.server import Server
+        from kvpool.shared.config import DaemonConfig
+
+        cfg = DaemonConfig(pool_name=pool.name.lstrip("/"), pool_size="8MiB",
+                           extent_size="1MiB")
+        self.engine = _HeldEngine(lambda: self.srv, head)
+        self.srv = Server(cfg, pool, {p.CudaRegion: self.engine})
+        self.replies: list = []
+        self.srv._send = self.srv.jobs.send = lambda _identity, r: self.replies.append(r)
+
+    def dispatch(self, msg) -> None:
+        class Frame:
+            buffer = memoryview(p.encode(msg))
+        self.srv._dispatch(b"\0me", Frame())
+
+    def call(self, msg):
+        self.dispatch(msg)
+        return self.replies[-1]
+
+    async def register(self, blocks: int = 16) -> int:
+        from kvpool.shared.layout import Layout, SegmentPlacement
+
+        self.call(p.Hello(1, p.PROTOCOL_VERSION, p.Role.WORKER, "t", os.getpid()))
+        self.dispatch(p.RegisterRequest(
+            2, self.ns, Layout(16, 1, "f16", (self.slot,), "t"), 0, blocks,
+            [p.CudaRegion("GPU-0", b"h" * 64, blocks * self.slot)],
+            [SegmentPlacement(0, 0, self.slot)]))
+        await wait_for_async(lambda: len(self.replies) == 2, 10, "the registration's reply")
+        return self.replies[-1].registration_id
+
+    async def reply_after(self, n: int):
+        await wait_for_async(lambda: len(self.replies) > n, 10, "the job's reply")
+        return self.replies[-1]
+
+
 def test_a_keyed_store_binds_its_slots_in_its_dispatch_whether_its_copy_starts_or_not(pool):
     """A store of tickets hands its copy to the engine once their slots are found, before they
     are bound (Index.open_store); the binding still happens within the same dispatch: before
     the dispatch returns, the slots are bound and in flight, and a chunk that lands commits.
     An engine that refuses the job leaves neither the tickets nor the key behind."""
     import asyncio
-    from concurrent.futures import Future
 
-    from kvpool.daemon.copy_engine import CopyEngine, JobResult, Mapped
-    from kvpool.daemon.server import Server
-    from kvpool.shared.config import DaemonConfig
-    from kvpool.shared.errors import Aborted
-    from kvpool.shared.layout import Layout, SegmentPlacement
+    from kvpool.daemon.copy_engine import JobResult
 
-    class Held(CopyEngine):
-        name = "held"
-        refuse = False
-
-        def attach(self, registration, peer=None):
-            m = Mapped.__new__(Mapped)
-            m.registration = registration
-            return m
-
-        def detach(self, mapped):
-            pass
-
-        def submit_store(self, mapped, block_ids, shard_offsets, wait_event=b"", progress=None):
-            if self.refuse:
-                raise Aborted("refused")
-            self.seen = (srv.index.ticket_count, srv.index.slot_counts()[0])
-            self.fut, self.progress = Future(), progress
-            return self.fut
-
-        def submit_load(self, mapped, shard_offsets, block_ids):
-            raise AssertionError
-
-    cfg = DaemonConfig(pool_name=pool.name.lstrip("/"), pool_size="8MiB", extent_size="1MiB")
-    eng = Held()
-    srv = Server(cfg, pool, {p.CudaRegion: eng})
-    replies: list = []
-    srv._send = srv.jobs.send = lambda _identity, reply: replies.append(reply)
-    slot = 4096
-    ns = b"s" * 16
-
-    class Frame:
-        def __init__(self, msg) -> None:
-            self.buffer = memoryview(p.encode(msg))
-
-    def call(msg):
-        srv._dispatch(b"\0me", Frame(msg))
-        return replies[-1]
+    h = _ServerHarness(pool)
+    eng, ns, slot = h.engine, h.ns, h.slot
 
     async def run():
-        call(p.Hello(1, p.PROTOCOL_VERSION, p.Role.WORKER, "t", os.getpid()))
-        srv._dispatch(b"\0me", Frame(p.RegisterRequest(
-            2, ns, Layout(16, 1, "f16", (slot,), "t"), 0, 16,
-            [p.CudaRegion("GPU-0", b"h" * 64, 16 * slot)], [SegmentPlacement(0, 0, slot)])))
-        await wait_for_async(lambda: len(replies) == 2, 10, "the registration's reply")
-        reg = replies[-1].registration_id
-        ix = srv.index
+        reg = await h.register()
+        ix = h.srv.index
         ks = [b"%016d" % i for i in range(8)]
         refs = ix.reserve(ns, 8, 7, 0.0)
-        n = len(replies)
-        srv._dispatch(b"\0me", Frame(p.StoreRequest(3, reg, 1, list(range(8)), refs, keys=ks)))
-        assert len(replies) == n                          # in flight: no reply yet
+        n = len(h.replies)
+        h.dispatch(p.StoreRequest(3, reg, 1, list(range(8)), refs, keys=ks))
+        assert len(h.replies) == n                          # in flight: no reply yet
         assert eng.seen == (8, 0)                         # handed over before the binding
         assert ix.ticket_count == 0 and ix.slot_counts()[0] == 8   # bound in the dispatch
         eng.progress(4)
-        await asyncio.sleep(0.01)
-        assert ix.leading(ns, ks) == 4                    # the landed chunk committed
+        await wait_for_async(lambda: ix.leading(ns, ks) == 4, 10, "the landed chunk's commit")
         eng.fut.set_result(JobResult(8 * slot))
-        for _ in range(100):
-            if len(replies) > n:
-                break
-            await asyncio.sleep(0.001)
-        assert replies[-1].code == 0 and ix.leading(ns, ks) == 8
+        assert (await h.reply_after(n)).code == 0 and ix.leading(ns, ks) == 8
         eng.refuse = True
         more = [b"%016d" % i for i in range(8, 12)]
         refs = ix.reserve(ns, 4, 7, 0.0)
         used = ix.namespaces.used_bytes_of(ns)
-        done = call(p.StoreRequest(4, reg, 2, list(range(4)), refs, keys=more))
+        done = h.call(p.StoreRequest(4, reg, 2, list(range(4)), refs, keys=more))
         assert done.code == int(ErrorCode.ABORTED)
         assert ix.ticket_count == 0 and ix.slot_counts()[0] == 0
         assert ix.namespaces.used_bytes_of(ns) == used and ix.leading(ns, more) == 0
         assert ix.tickets.held == {} and ix.pinned_count() == 0
+
+    asyncio.run(run())
+
+
+def test_a_big_store_is_handed_over_with_its_heads_offsets_and_gets_the_rest_in_its_dispatch(
+        pool):
+    """Where the engine asks for a head (``store_head``), a big fresh store reaches it with the
+    head's offsets written and its tickets unbound; before the dispatch returns, every ticket
+    is bound and every offset written (the engine may go on), and the job commits as any
+    other. Where the rest then finds no room after all, the engine is told to stop after the
+    head, the job fails, and neither tickets, slots nor pins are left behind."""
+    import asyncio
+
+    import numpy as np
+
+    from kvpool.daemon.copy_engine import JobResult
+    from kvpool.shared.errors import Aborted
+
+    h = _ServerHarness(pool, head=4)
+    eng, ns, slot = h.engine, h.ns, h.slot
+
+    async def run():
+        reg = await h.register()
+        ix = h.srv.index
+        ks = [b"%016d" % i for i in range(12)]
+        refs = ix.reserve(ns, 12, 7, 0.0)
+        n = len(h.replies)
+        h.dispatch(p.StoreRequest(3, reg, 1, list(range(12)), refs, keys=ks))
+        assert eng.seen == (12, 0) and eng.late is not None and eng.late.head == 4
+        assert eng.late.offsets is not None and len(eng.late.offsets) == 12
+        assert ix.ticket_count == 0 and ix.slot_counts()[0] == 12
+        bound = [ix.stores.bound[r] for r in refs]
+        want = np.array([s.offset for s in bound], np.int64)
+        assert np.array_equal(eng.offsets[:4], want[:4])      # at submission: the head
+        eng.late.wait()                                       # ready: returns at once
+        assert np.array_equal(eng.late.offsets, want)
+        assert [s.block_hash for s in bound] == ks and all(s.pins == 1 for s in bound)
+        eng.progress(4)
+        await wait_for_async(lambda: ix.leading(ns, ks) == 4, 10, "the head's commit")
+        eng.fut.set_result(JobResult(12 * slot))
+        assert (await h.reply_after(n)).code == 0 and ix.leading(ns, ks) == 12
+        # room assured, yet none found for the rest (a broken promise): the engine is told
+        h.srv.index.room.assured = lambda cls, k: True
+        free = ix.room.allocate
+        ix.room.allocate = lambda cls, k: free(cls, k) if k == 4 else []
+        more = [b"%016d" % i for i in range(100, 112)]
+        refs = ix.reserve(ns, 12, 7, 0.0)
+        used = ix.namespaces.used_bytes_of(ns)
+        n = len(h.replies)
+        h.dispatch(p.StoreRequest(4, reg, 2, list(range(12)), refs, keys=more))
+        with pytest.raises(Aborted, match="no room for the whole store"):
+            eng.late.wait()
+        try:
+            eng.late.wait()
+        except Aborted as e:
+            eng.fut.set_exception(e)                          # as an engine ends such a job
+        assert (await h.reply_after(n)).code == int(ErrorCode.ABORTED)
+        assert ix.ticket_count == 0 and ix.slot_counts()[0] == 0
+        assert ix.namespaces.used_bytes_of(ns) == used and ix.leading(ns, more) == 0
+        assert ix.pinned_count() == 0
+        ix.stores.expire(0.0)             # housekeeping forgets the dropped slots' bindings
+        assert ix.stores.bound == {}
 
     asyncio.run(run())
