@@ -204,13 +204,27 @@ def breakdown(trace: dict, client: dict, kind: str) -> dict[str, float]:
     return {h: round(float(v), 1) for h, v in zip(HOPS, med)} | {"jobs": len(rows)}
 
 
-def big_jobs(trace: dict, owner: int, min_blocks: int) -> dict[str, float]:
+def big_jobs(trace: dict, owner: int, min_blocks: int, client: dict | None = None
+             ) -> dict[str, float]:
     """Median hops (ms) of the ``owner``'s jobs of >= ``min_blocks``. A big job is launched in
     chunks (``CHUNK_BLOCKS``), its first one possibly on the event loop's thread inside the
     dispatch: ``launch`` ends when the first chunk is enqueued (the GPU has work), ``copy``
     runs from there to the last chunk's event; ``to_copy`` (request received -> first chunk
-    enqueued) and ``after_copy`` (last copy done -> reply sent) are the parts no copy hides."""
+    enqueued) and ``after_copy`` (last copy done -> reply sent) are the parts no copy hides.
+    With the ``client``'s stamps of one-job stores and loads, also the hops outside the
+    daemon: ``client_to_recv`` (before the submit -> the job's start in the daemon) and
+    ``sent_to_seen`` (reply sent -> its completion seen by the client)."""
     out = {}
+    if client is not None:
+        seen = {jid: (n0, n1) for jid, n0, n1 in client["jobs"]}
+        for kind in ("store", "load"):
+            r = [(seen[j], t) for (o, j), t in trace.items() if o == client["owner"]
+                 and j in seen and t[0] == kind and t[1] >= min_blocks and t[8]]
+            if r:
+                out[f"{kind}_client_to_recv_ms"] = round(float(np.median(
+                    [t[2] - n0 for (n0, _), t in r])) / 1e6, 3)
+                out[f"{kind}_sent_to_seen_ms"] = round(float(np.median(
+                    [n1 - t[8] for (_, n1), t in r])) / 1e6, 3)
     for kind in ("store", "load"):
         r = [t for (o, _), t in trace.items() if o == owner and t[0] == kind
              and t[1] >= min_blocks and t[4] and t[5] and t[6]]
@@ -289,7 +303,7 @@ def daemon_run(args, res: dict) -> None:
                 tr = read_trace(trace_path)
                 r["single_store_breakdown_us"] = breakdown(tr, stamps, "store")
                 r["single_load_breakdown_us"] = breakdown(tr, stamps, "load")
-                r["big_jobs"] = big_jobs(tr, stamps["owner"], n)
+                r["big_jobs"] = big_jobs(tr, stamps["owner"], n, bench("job_stamps"))
                 r["single_store_seen_p50_us"] = seen_p50_us(stamps, len(sst), True)
                 r["single_load_seen_p50_us"] = seen_p50_us(stamps, len(sst), False)
                 r["single_store_p50_us"] = statistics.median(sst) * 1e6

@@ -302,6 +302,9 @@ class _DaemonBench:
         self.prepared_keys: list[bytes] = []
         self.grant = ""                  # the daemon life that granted the tickets
         self.lease: list[int] = []
+        # (job id, monotonic ns before its submit, ns its completion was seen) of every
+        # one-job ``store`` and ``load``: the client's side of the daemon's KVPOOL_TRACE hops
+        self.timed: list[tuple[int, int, int]] = []
 
     def _keys(self, n: int) -> list[bytes]:
         import hashlib
@@ -366,23 +369,36 @@ class _DaemonBench:
         slots = self.prepare(len(blocks))
         per = -(-len(blocks) // jobs)
         t0 = time.perf_counter()
+        n0 = time.monotonic_ns()
         keys = self.prepared_keys
         ids = [self.submit_store(blocks[i:i + per], slots[i:i + per], keys[i:i + per])
                for i in range(0, len(blocks), per)]
         self._wait(ids)
         dt = time.perf_counter() - t0
+        self._timed(ids, n0)
         self._commit(slots)
         return dt
+
+    def _timed(self, ids: list[int], n0: int) -> None:
+        if len(ids) == 1:
+            self.timed.append((ids[0], n0, time.monotonic_ns()))
+
+    def job_stamps(self) -> dict:
+        """``timed`` with this client's owner id, for joining with the daemon's trace."""
+        return {"owner": self.client._t.owner_id, "jobs": self.timed}
 
     def load(self, blocks: list[int], jobs: int = 1) -> float:
         """Load the last stored batch into ``blocks``; seconds."""
         slots = self.committed[:len(blocks)]
         per = -(-len(blocks) // jobs)
         t0 = time.perf_counter()
+        n0 = time.monotonic_ns()
         ids = [self.client.submit_load(self.reg_id, slots[i:i + per], blocks[i:i + per])
                for i in range(0, len(blocks), per)]
         self._wait(ids)
-        return time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self._timed(ids, n0)
+        return dt
 
     def bidir(self, store_blocks: list[int], load_blocks: list[int], jobs: int = 1) -> float:
         """Store one batch and load the previous one at the same time; seconds for both."""
