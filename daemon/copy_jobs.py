@@ -241,23 +241,25 @@ class CopyJobs:
             return None
 
     def _finish_late(self, opened: OpenedStore, late: LateOffsets) -> None:
-        """A store submitted with its head's offsets: bind the rest of its tickets (room
-        found now, while the head copies), write their offsets into the job's array and let
-        the engine go on; or, where no room came for some (never with room assured), end
-        the job after its head. The engine waits for this in every case."""
+        """A store submitted with its head's offsets: find room for the rest (while the head
+        copies), write their offsets into the job's array and let the engine go on, then bind
+        every ticket (the claims: bookkeeping the copy does not wait for). Where no room came
+        for some (never with room assured), the engine ends the job after its head. The
+        engine waits for ``ready`` or ``fail`` in every case."""
         slots = opened.slots                      # also the job's and its landing's list
         try:
-            opened.finish()
+            opened.place()                        # type: ignore[misc]
             if opened.short:
                 late.fail(Aborted("no room for the whole store: stored its first "
                                   f"{late.head} blocks only"))
-                return
-            late.offsets[late.head:] = np.fromiter(
-                (s.offset for s in slots[late.head:]), np.int64, len(slots) - late.head)
+            else:
+                late.offsets[late.head:] = np.fromiter(
+                    (s.offset for s in slots[late.head:]), np.int64, len(slots) - late.head)
+                late.ready()
         except BaseException as e:
-            late.fail(Aborted(f"the store's binding failed: {e}"))
+            late.fail(Aborted(f"the store's placement failed: {e}"))
             raise
-        late.ready()
+        opened.finish()
 
     def _store_keys(self, msg: p.StoreRequest) -> list[bytes]:
         """The store's keys, checked: every store names one per ticket."""

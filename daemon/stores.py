@@ -60,7 +60,10 @@ class OpenedStore:
     finish: Callable[[], None] | None   # its claims and pins left to do, see open_store
     has_voids: bool                     # whether any slot is void (nobody copies into those)
     late: int = 0                       # tickets past the head, bound by ``finish``
-    short: bool = False                 # ``finish`` found no room for some of those (voids)
+    # Where ``late``: finds the rest's room and appends its slots, unclaimed (``finish`` does
+    # it first where not done yet): their offsets, before the claims' bookkeeping.
+    place: Callable[[], None] | None = None
+    short: bool = False                 # ``place`` found no room for some of those (voids)
 
 
 @dataclass(slots=True)
@@ -146,8 +149,9 @@ class StorePath:
         reuse or see the slots). So a big store's copy starts after its checks and room alone.
 
         With ``head`` (what the copy engine needs to start, ``CopyEngine.store_head``), where
-        the whole job is sure of room, only its first ``head`` tickets get room now: ``finish``
-        finds the rest's (``late``), so the copy of the head starts before it.
+        the whole job is sure of room, only its first ``head`` tickets get room now: ``place``
+        finds the rest's (``late``), so the copy of the head starts before it, and ``finish``
+        claims them all (placing first where ``place`` was not called).
         """
         bit = 1 << rank if mask is None else mask
         if len(keys) != len(refs):
@@ -316,20 +320,26 @@ class StorePath:
         cls = self.table.extents.size_class(slot_bytes)
         if self.room.fit_quota(ns, slot_bytes, n) < n or not self.room.assured(cls, n):
             return None
-        first = self.room.allocate(cls, head)
-        opened = OpenedStore(first, None, False, n - head)
+        opened = OpenedStore(self.room.allocate(cls, head), None, False, n - head)
+
+        def place() -> None:
+            slots = opened.slots
+            if len(slots) == head:
+                room = self.room.allocate(cls, n - head)
+                opened.short = len(room) < n - head   # (not with room assured)
+                slots += room
 
         def finish() -> None:
+            place()
             slots = opened.slots
+            room: list[Slot | None] = slots[head:]        # type: ignore[assignment]
+            room += [None] * (n - len(slots))             # voids where room came short
             claimed = self._claim(_Binding(ns, refs[:head], grants[:head], keys[:head],
-                                           first, [False] * head), bit, now)
-            room: list[Slot | None] = self.room.allocate(cls, n - head)  # type: ignore
-            opened.short = len(room) < n - head       # (not with room assured: voids then)
-            room += [None] * (n - head - len(room))
+                                           slots[:head], [False] * head), bit, now)
             rest = self._claim(_Binding(ns, refs[head:], grants[head:], keys[head:], room,
                                         [False] * (n - head)), bit, now)
             slots[:] = claimed + rest
-        opened.finish = finish
+        opened.place, opened.finish = place, finish
         return opened
 
     def _claim(self, job: _Binding, bit: int, now: float) -> list[Slot]:
