@@ -344,9 +344,10 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
     """``late``: the head (the first chunk, launched on the caller's thread when the worker's
     event is done already) copies with the offsets given at submission; nothing past it is
     read until the caller writes the rest and says so (decoy offsets there stay untouched);
-    then every block lands where the late offsets say. A store whose rest never comes ends
-    with the caller's error after its head. ``pending``: the worker's event is not done yet,
-    so the lane's thread launches everything."""
+    then every block lands where the late offsets say, its chunks reported in order. A store
+    whose rest never comes ends with the caller's error after its head. ``pending``: the
+    worker's event is not done yet, so the lane's thread launches everything, head included,
+    once the rest is written."""
     from kvpool.daemon.copy_engine import HEAD_BLOCKS, LateOffsets
     from kvpool.shared.errors import Aborted
     from tests.conftest import wait_for
@@ -355,10 +356,14 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
     old = engine.chunk_blocks
     try:
         engine.chunk_blocks = 40
+        engine.backend = "dma"          # the kernel path is never launched on the caller's thread
         reg = w.register_request()
         m = engine.attach(reg)
         n = 80
         assert engine.store_head(n) == HEAD_BLOCKS == 32 and engine.store_head(40) == 0
+        # (a launch on the caller's thread also waits for nothing: not for the pool's pinning)
+        wait_for(lambda: engine.registration is None or engine.registration.is_finished, 120,
+                 "the pool's registration")
         cap = 200 if reg.layout.slot_bytes * 200 < pool.nbytes else 2 * n
         rng = np.random.default_rng(5)
         slots = rng.choice(cap, 2 * n, replace=False)
@@ -366,38 +371,48 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
         src = rng.choice(NUM_BLOCKS, n, replace=False)
         for fails in (False, True):
             pool.array()[:] = POISON ^ 0xFF
-            ev = w.call("late_fill", 13, 20) if pending else (w.call("fill", 13),
-                                                              w.call("event"))[1]
-            if not pending:
+            if pending:
+                # (the worker's blocks are read once the job is over: a read now would wait for
+                # its GPU, and the event with it)
+                ev, want = w.call("late_fill", 13 + fails, 200), None
+            else:
+                w.call("fill", 13 + fails)
+                ev = w.call("event")
                 wait_for(lambda: w.call("event_done"), 30, "the worker's event")
-            want = w.call("blocks", src.tolist())
+                want = w.call("blocks", src.tolist())
             late = LateOffsets(np.empty(n, np.int64), HEAD_BLOCKS)
             late.offsets[:HEAD_BLOCKS] = offs[:HEAD_BLOCKS]
             late.offsets[HEAD_BLOCKS:] = decoys[HEAD_BLOCKS:]
             seen = []
             fut = engine.submit_store(m, src, late.offsets, ev, seen.append, late)
-            if not pending:
-                # the head went out on this thread: it lands with nothing more from us
-                wait_for(lambda: seen, 30, "the head's chunk to land")
-                assert seen == [HEAD_BLOCKS] and not fut.done()
-                assert np.array_equal(_pool_shards(pool, reg, offs[:HEAD_BLOCKS]),
-                                      want[:HEAD_BLOCKS])
+            try:
+                if not pending:
+                    # the head went out on this thread: it lands with nothing more from us
+                    wait_for(lambda: np.array_equal(_pool_shards(pool, reg, offs[:HEAD_BLOCKS]),
+                                                    want[:HEAD_BLOCKS]), 30,
+                             "the head's bytes in the pool before the rest is written")
+                    assert not fut.done()
+            finally:
+                if fails:
+                    late.fail(Aborted("no room for the rest"))
+                else:
+                    late.offsets[HEAD_BLOCKS:] = offs[HEAD_BLOCKS:]
+                    late.ready()
             if fails:
-                late.fail(Aborted("no room for the rest"))
                 with pytest.raises(Aborted, match="no room for the rest"):
                     fut.result(60)
-                assert seen == ([HEAD_BLOCKS] if not pending else [])
+                assert seen == ([] if pending else [HEAD_BLOCKS])
             else:
-                late.offsets[HEAD_BLOCKS:] = offs[HEAD_BLOCKS:]
-                late.ready()
                 fut.result(60)
-                assert seen[:1] == [HEAD_BLOCKS] and seen == sorted(seen)
+                want = w.call("blocks", src.tolist()) if want is None else want
+                assert seen == [HEAD_BLOCKS, 48]          # chunks [0, 32, 48, 80]
                 assert np.array_equal(_pool_shards(pool, reg, offs), want), \
                     f"{layout}: late offsets not copied exactly"
             assert (_pool_shards(pool, reg, decoys) == POISON ^ 0xFF).all(), \
                 "the engine read offsets past the head before they were written"
         engine.detach(m, wait_s=10)
     finally:
+        engine.backend = "auto"
         engine.chunk_blocks = old
         w.close()
 
