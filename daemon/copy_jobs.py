@@ -231,9 +231,6 @@ class CopyJobs:
             done.set_result(JobResult(0))
             return done
         try:
-            if late is None:
-                return reg.engine.submit_store(reg.mapped, blocks, offsets, job.msg.wait_event,
-                                               self._progress(reg, job.landing))
             return reg.engine.submit_store(reg.mapped, blocks, offsets, job.msg.wait_event,
                                            self._progress(reg, job.landing), late)
         except BaseException as e:

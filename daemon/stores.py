@@ -54,8 +54,8 @@ class StoreStats:
 class OpenedStore:
     """A store job ``StorePath.open_store`` let through."""
 
-    # Its slots, in ticket order; only the first ``len(slots)`` (its head) while ``late`` is
-    # set: ``finish`` appends the rest to this same list.
+    # Its slots, in ticket order; only its head while ``late`` is set: ``place`` (or
+    # ``finish``) appends the rest to this same list.
     slots: list[Slot]
     finish: Callable[[], None] | None   # its claims and pins left to do, see open_store
     has_voids: bool                     # whether any slot is void (nobody copies into those)
@@ -288,7 +288,7 @@ class StorePath:
         evictions in one batch) in order, and those past the room found get none. Changes the
         pool's room (evictions) but claims nothing."""
         table = self.table.tables.get(ns, _EMPTY)
-        if len(set(keys)) == len(keys) and table.keys().isdisjoint(keys):
+        if self._all_fresh(ns, keys):
             duplicate = [False] * len(keys)     # the usual job: a C-level check, not a loop
         else:
             seen: set[bytes] = set()
@@ -307,13 +307,18 @@ class StorePath:
             slots = [None if dup else next(given, None) for dup in duplicate]
         return _Binding(ns, refs, grants, keys, slots, duplicate)
 
+    def _all_fresh(self, ns: bytes, keys: list[bytes]) -> bool:
+        """Whether ``keys`` are distinct and none is held or in flight in ``ns`` (C-level
+        checks, not a loop)."""
+        return len(set(keys)) == len(keys) and \
+            self.table.tables.get(ns, _EMPTY).keys().isdisjoint(keys)
+
     def _open_head(self, ns: bytes, refs: list[int], grants: list[Grant], keys: list[bytes],
                    head: int, bit: int, now: float) -> OpenedStore | None:
         """A first rank's fresh job with room for its first ``head`` tickets and the rest
         left to ``finish`` (``open_store``), or None where it may not all be bound to slots
         (duplicates, a quota that lets fewer in, a pool that may not make room for all)."""
-        table = self.table.tables.get(ns, _EMPTY)
-        if len(set(keys)) != len(keys) or not table.keys().isdisjoint(keys):
+        if not self._all_fresh(ns, keys):
             return None
         n = len(keys)
         slot_bytes = grants[0].slot_bytes           # a namespace's tickets are of one size
@@ -332,13 +337,8 @@ class StorePath:
         def finish() -> None:
             place()
             slots = opened.slots
-            room: list[Slot | None] = slots[head:]        # type: ignore[assignment]
-            room += [None] * (n - len(slots))             # voids where room came short
-            claimed = self._claim(_Binding(ns, refs[:head], grants[:head], keys[:head],
-                                           slots[:head], [False] * head), bit, now)
-            rest = self._claim(_Binding(ns, refs[head:], grants[head:], keys[head:], room,
-                                        [False] * (n - head)), bit, now)
-            slots[:] = claimed + rest
+            room: list[Slot | None] = slots + [None] * (n - len(slots))  # voids where short
+            slots[:] = self._claim(_Binding(ns, refs, grants, keys, room, [False] * n), bit, now)
         opened.place, opened.finish = place, finish
         return opened
 
