@@ -213,7 +213,9 @@ def big_jobs(trace: dict, owner: int, min_blocks: int, client: dict | None = Non
     enqueued) and ``after_copy`` (last copy done -> reply sent) are the parts no copy hides.
     With the ``client``'s stamps of one-job stores and loads, also the hops outside the
     daemon: ``client_to_recv`` (before the submit -> the job's start in the daemon) and
-    ``sent_to_seen`` (reply sent -> its completion seen by the client)."""
+    ``sent_to_seen`` (reply sent -> its completion seen by the client). Where the trace has
+    each chunk's stamps (the CUDA engine's): ``gpu_idle`` per job, the time the lane had
+    nothing enqueued (a chunk launched after the one before it was seen landed)."""
     out = {}
     if client is not None:
         seen = {jid: (n0, n1) for jid, n0, n1 in client["jobs"]}
@@ -241,7 +243,23 @@ def big_jobs(trace: dict, owner: int, min_blocks: int, client: dict | None = Non
             # every job's copy and end-to-end span, in order: a slow rep shows where it lost
             out[f"{kind}_copy_ms_each"] = [round((t[6] - t[5]) / 1e6, 2) for t in r]
             out[f"{kind}_total_ms_each"] = [round((t[8] - t[2]) / 1e6, 2) for t in r]
+            chunked = [_chunks(t) for t in r if len(t) > 9]
+            if chunked:
+                # the lane's pace against the copy's: time with nothing enqueued (a chunk
+                # launched after the one before it was seen landed), and when the last chunk
+                # went out, from the first chunk's launch
+                out[f"{kind}_gpu_idle_ms_each"] = [round(sum(
+                    max(0, up[k] - down[k - 1]) for k in range(1, len(down))) / 1e6, 2)
+                    for up, down in chunked]
+                out[f"{kind}_all_launched_ms"] = med([up[-1] - up[0] for up, _ in chunked])
+                out[f"{kind}_chunks"] = len(chunked[0][0])
     return out
+
+
+def _chunks(t: list) -> tuple[list[int], list[int]]:
+    """A trace row's per-chunk stamps: (launched, seen landed), monotonic ns."""
+    k = t[9]
+    return t[10:10 + k], t[10 + k:10 + 2 * k]
 
 
 def seen_p50_us(stamps: dict, kind_jobs: int, first: bool) -> float:

@@ -335,12 +335,16 @@ class CopyJobs:
         if reg.closing and reg.jobs_in_flight == 0:
             self.detach(reg)
         if self.trace:
-            # owner job store|load blocks backend recv submitted engine-stamps... callback sent
-            # ("sent": the reply handed to the socket; a load's unpins come after it)
+            # owner job store|load blocks recv submitted engine-stamps... callback sent
+            # ("sent": the reply handed to the socket; a load's unpins come after it), then
+            # where the engine stamps its chunks: their count, each one's launch, each one's
+            # landing
             eng = (getattr(fut, "kvpool_trace", None) or []) + [0, 0, 0, 0]
+            launched, landed = getattr(fut, "kvpool_chunks", None) or ([], [])
             self.trace.write(" ".join(map(str, [
                 owner.id, msg.job_id, "store" if job.is_store else "load", len(msg.slots),
-                job.t_recv, job.t_sub, *eng[1:4], t_cb, t_sent])) + "\n")
+                job.t_recv, job.t_sub, *eng[1:4], t_cb, t_sent,
+                *([len(launched), *launched, *landed] if launched else [])])) + "\n")
 
     def _end(self, job: "_Job", ok: bool) -> None:
         """Give back what the job holds in the index: a store's slots (committed where every

@@ -33,8 +33,9 @@ from typing import Any, Literal
 import numpy as np
 
 from kvpool.daemon import cuda
-from kvpool.daemon.copy_engine import (HEAD_BLOCKS, CopyEngine, JobResult, LateOffsets, Mapped,
-                                       Progress, part_span, segment_address_table)
+from kvpool.daemon.copy_engine import (HEAD_BLOCKS, TAIL_BLOCKS, CopyEngine, JobResult,
+                                       LateOffsets, Mapped, Progress, chunk_bounds, part_span,
+                                       segment_address_table)
 from kvpool.daemon.copy_plan import (SMALL_OPS, PitchedOps, block_runs, chunk_table,
                                      flatten_plan, pitched_plan, strided_runs)
 from kvpool.daemon.cuda_lane import Gpu, Job
@@ -51,6 +52,15 @@ Backend = Literal["auto", "dma", "kernel"]
 # Kernel vector alignment: every chunk address and size must be a multiple of this.
 _KERNEL_ALIGN = 16
 _OPENED_EVENTS_MAX = 256   # a worker's store events we keep open (it should reuse a ring)
+
+# Chunks of a big store launched on the event loop's thread before it finds room for the rest
+# (``store_head``). After that launch the loop runs ~2 ms of Python (the rest's room, then
+# every ticket's claim: 1024 blocks on a full pool, 2 x H200 host), and no other thread runs
+# Python meanwhile: the lane's thread, woken for the rest, waits for the GIL. With the first
+# chunk alone (32 blocks, ~1.2 ms of copy) the GPU sat idle for ~1 ms of each such store
+# (its copy 39.9-40.9 ms against 38.9 for the memcpy); the second (~120 blocks, ~4.5 ms)
+# outlasts that Python.
+LATE_INLINE_CHUNKS = 2
 
 
 # ---- registrations ---------------------------------------------------------------------------
@@ -339,9 +349,12 @@ class CudaCopyEngine(CopyEngine):
         return self._submit(mapped, True, block_ids, shard_offsets, wait_event, progress, late)
 
     def store_head(self, n: int) -> int:
-        # The first chunk, launched on the caller's thread (``cuda_lane``): its offsets are
-        # all a big store needs to start copying.
-        return HEAD_BLOCKS if self.inline_first_chunk and 0 < self.chunk_blocks < n else 0
+        # The first ``LATE_INLINE_CHUNKS`` chunks, launched on the caller's thread
+        # (``cuda_lane``): their offsets are all a big store needs to start copying.
+        if not (self.inline_first_chunk and 0 < self.chunk_blocks < n):
+            return 0
+        bounds = chunk_bounds(n, self.chunk_blocks, TAIL_BLOCKS, HEAD_BLOCKS)
+        return bounds[LATE_INLINE_CHUNKS] if len(bounds) > LATE_INLINE_CHUNKS + 1 else 0
 
     def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray,
                     block_ids: np.ndarray) -> Future[JobResult]:
@@ -413,6 +426,7 @@ class CudaCopyEngine(CopyEngine):
         m = job.mapped
         if job.trace is not None:
             job.future.kvpool_trace = job.trace  # type: ignore[attr-defined]
+            job.future.kvpool_chunks = job.chunks_ns  # type: ignore[attr-defined]
         try:
             if err is None:
                 job.future.set_result(JobResult(job.nbytes))

@@ -11,7 +11,8 @@ queued, saving the hop to the submit thread (H100 run 20: ~75 us from dispatch t
 of a single block). It was off by default while a single block's launch cost 40-150 us of
 Python on the loop (runs 4-5: no gain); the templates cut that to ~15 us on CPU.
 With ``trace`` (the daemon's ``trace`` setting) every job carries monotonic timestamps of its
-hops (``Future.kvpool_trace``) for latency breakdowns.
+hops (``Future.kvpool_trace``) and of each chunk's launch and landing (``Future.kvpool_chunks``)
+for latency breakdowns.
 
 Ordering: a store must not copy before the worker's step has written the KV: the worker sends
 the handle of an interprocess event it recorded on its compute stream, and the lane's thread
@@ -70,12 +71,15 @@ class Job:
     backend: str = ""
     # monotonic ns: submitted, launch start, first chunk launched, done
     trace: list[int] | None = None
+    # with ``trace``, monotonic ns per chunk: enqueued, seen landed (``Future.kvpool_chunks``:
+    # a chunk enqueued after the one before it landed left the GPU idle in between)
+    chunks_ns: tuple[list[int], list[int]] | None = None
     progress: Progress | None = None
     error: BaseException | None = None   # a launch that failed after some chunks went out
     bounds: list[int] = field(default_factory=list)   # item bounds of its chunks
     launched: int = 0                    # chunks enqueued so far
-    # A store whose offsets past its first chunk come after submission (``copy_engine``): the
-    # caller's thread launches that chunk at most, this lane's thread waits for the rest.
+    # A store whose offsets past its head come after submission (``copy_engine``): the
+    # caller's thread launches the head's chunks at most, this lane's thread waits for the rest.
     late: LateOffsets | None = None
 
 
@@ -115,15 +119,18 @@ class Lane:
     def submit(self, job: Job) -> None:
         """Launch ``job`` now on the caller's thread where that saves a thread hop and the
         lane is idle: a small job whole, a big one's first chunk (the GPU starts on it while
-        the submit thread, which takes the job next, enqueues the rest); else queue it."""
+        the submit thread, which takes the job next, enqueues the rest), a late store's head;
+        else queue it."""
         eng = self.engine
         job.bounds = chunk_bounds(len(job.block_ids), eng.chunk_blocks,
                                   TAIL_BLOCKS if job.progress is not None else 0,
                                   HEAD_BLOCKS if eng.inline_first_chunk else 0)
         small = (len(job.bounds) == 2 and job.late is None
                  and len(job.block_ids) * job.mapped.copies_per_block(eng) <= eng.inline_max_ops)
-        first = eng.inline_first_chunk and len(job.bounds) > 2 and (
-            job.late is None or job.bounds[1] <= job.late.head)
+        # A late store: every chunk its head covers (``CudaCopyEngine.store_head``), else the
+        # first chunk
+        heads = 1 if job.late is None else sum(b <= job.late.head for b in job.bounds[1:])
+        first = eng.inline_first_chunk and len(job.bounds) > 2 and heads > 0
         if (small or first) and self.launch_lock.acquire(blocking=False):
             try:
                 with self.qlock:
@@ -131,7 +138,8 @@ class Lane:
                 if idle:
                     try:
                         cuda.use_device(self.gpu.ordinal)
-                        launched = self._launch(job, inline=True, chunks=None if small else 1)
+                        launched = self._launch(job, inline=True,
+                                                chunks=None if small else heads)
                     except Exception as e:  # noqa: BLE001 - failures go back through the future
                         eng._finish(job, e)
                         return
@@ -242,7 +250,7 @@ class Lane:
         offs = job.shard_offsets
         if job.late is not None:
             if inline:
-                offs = offs[:job.late.head]     # all the first chunk reads; the rest is unwritten
+                offs = offs[:job.late.head]     # all the head reads; the rest is unwritten
             else:
                 job.late.wait()
         top = max(offs.tolist()) if len(offs) <= SMALL_OPS else int(offs.max())
@@ -311,8 +319,13 @@ class Lane:
         ev = self._event()
         cuda.event_record(ev, self.stream)
         job.marks.append((ev, end))
-        if job.trace is not None and len(job.marks) == 1:
-            job.trace.append(time.monotonic_ns())
+        if job.trace is not None:
+            now = time.monotonic_ns()
+            if len(job.marks) == 1:
+                job.trace.append(now)
+            if job.chunks_ns is None:
+                job.chunks_ns = ([], [])
+            job.chunks_ns[0].append(now)
 
     def _drain_streams(self) -> None:
         """Wait until nothing is in flight on this lane's streams (a failed launch)."""
@@ -490,6 +503,8 @@ class Lane:
             except Exception as e:  # noqa: BLE001
                 err = err or e
                 continue
+            if job.chunks_ns is not None:
+                job.chunks_ns[1].append(time.monotonic_ns())
             if err is None and job.progress is not None and end < n:
                 try:
                     job.progress(end)

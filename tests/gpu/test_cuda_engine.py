@@ -341,14 +341,14 @@ def test_a_chunked_job_reports_landed_chunks_in_order_and_moves_exact_bytes(engi
 @pytest.mark.parametrize("layout", ["block_outer", "per_layer"])
 def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engine, pool, layout,
                                                                          pending):
-    """``late``: the head (the first chunk, launched on the caller's thread when the worker's
-    event is done already) copies with the offsets given at submission; nothing past it is
+    """``late``: the head (its first two chunks, launched on the caller's thread when the
+    worker's event is done already) copies with the offsets given at submission; nothing past it is
     read until the caller writes the rest and says so (decoy offsets there stay untouched);
     then every block lands where the late offsets say, its chunks reported in order. A store
     whose rest never comes ends with the caller's error after its head. ``pending``: the
     worker's event is not done yet, so the lane's thread launches everything, head included,
     once the rest is written."""
-    from kvpool.daemon.copy_engine import HEAD_BLOCKS, LateOffsets
+    from kvpool.daemon.copy_engine import LateOffsets
     from kvpool.shared.errors import Aborted
     from tests.conftest import wait_for
 
@@ -360,7 +360,8 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
         reg = w.register_request()
         m = engine.attach(reg)
         n = 80
-        assert engine.store_head(n) == HEAD_BLOCKS == 32 and engine.store_head(40) == 0
+        head = engine.store_head(n)
+        assert head == 48 and engine.store_head(40) == 0    # chunks [0, 32, 48, 80]
         # (a launch on the caller's thread also waits for nothing: not for the pool's pinning)
         wait_for(lambda: engine.registration is None or engine.registration.is_finished, 120,
                  "the pool's registration")
@@ -380,32 +381,32 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
                 ev = w.call("event")
                 wait_for(lambda: w.call("event_done"), 30, "the worker's event")
                 want = w.call("blocks", src.tolist())
-            late = LateOffsets(np.empty(n, np.int64), HEAD_BLOCKS)
-            late.offsets[:HEAD_BLOCKS] = offs[:HEAD_BLOCKS]
-            late.offsets[HEAD_BLOCKS:] = decoys[HEAD_BLOCKS:]
+            late = LateOffsets(np.empty(n, np.int64), head)
+            late.offsets[:head] = offs[:head]
+            late.offsets[head:] = decoys[head:]
             seen = []
             fut = engine.submit_store(m, src, late.offsets, ev, seen.append, late)
             try:
                 if not pending:
                     # the head went out on this thread: it lands with nothing more from us
-                    wait_for(lambda: np.array_equal(_pool_shards(pool, reg, offs[:HEAD_BLOCKS]),
-                                                    want[:HEAD_BLOCKS]), 30,
+                    wait_for(lambda: np.array_equal(_pool_shards(pool, reg, offs[:head]),
+                                                    want[:head]), 30,
                              "the head's bytes in the pool before the rest is written")
                     assert not fut.done()
             finally:
                 if fails:
                     late.fail(Aborted("no room for the rest"))
                 else:
-                    late.offsets[HEAD_BLOCKS:] = offs[HEAD_BLOCKS:]
+                    late.offsets[head:] = offs[head:]
                     late.ready()
             if fails:
                 with pytest.raises(Aborted, match="no room for the rest"):
                     fut.result(60)
-                assert seen == ([] if pending else [HEAD_BLOCKS])
+                assert seen == ([] if pending else [32, head])
             else:
                 fut.result(60)
                 want = w.call("blocks", src.tolist()) if want is None else want
-                assert seen == [HEAD_BLOCKS, 48]          # chunks [0, 32, 48, 80]
+                assert seen == [32, head]
                 assert np.array_equal(_pool_shards(pool, reg, offs), want), \
                     f"{layout}: late offsets not copied exactly"
             assert (_pool_shards(pool, reg, decoys) == POISON ^ 0xFF).all(), \

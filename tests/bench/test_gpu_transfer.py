@@ -1,0 +1,35 @@
+"""bench/gpu_transfer.py's reading of the daemon's trace file (no GPU: the rows are written
+here as the daemon's copy jobs write them)."""
+
+from __future__ import annotations
+
+from bench.gpu_transfer import big_jobs, read_trace
+
+MS = 1_000_000
+
+
+def _row(owner: int, job: int, kind: str, n: int, recv: int, launched: list[int],
+         landed: list[int]) -> str:
+    # owner job kind blocks recv submitted launch-start first-launched done callback sent
+    # count launched... landed...
+    done = landed[-1]
+    return " ".join(map(str, [owner, job, kind, n, recv, recv + 3 * MS, recv + MS // 2,
+                              launched[0], done, done + MS // 10, done + MS // 5,
+                              len(launched), *launched, *landed]))
+
+
+def test_big_jobs_reads_each_chunks_launch_and_landing_as_gpu_idle_time(tmp_path):
+    t0 = 10 * MS
+    # chunk 2 went out 1 ms after chunk 1 landed; chunk 3 before chunk 2 landed
+    rows = [_row(7, 1, "store", 1024, t0, [t0 + MS, t0 + 4 * MS, t0 + 5 * MS],
+                 [t0 + 3 * MS, t0 + 8 * MS, t0 + 12 * MS]),
+            # a load without chunk stamps (the host engine's): no idle figure from it
+            " ".join(map(str, [7, 2, "load", 1024, t0, t0 + MS, t0, t0 + MS, t0 + 9 * MS,
+                               t0 + 9 * MS, t0 + 10 * MS]))]
+    path = tmp_path / "trace.txt"
+    path.write_text("\n".join(rows) + "\n")
+    out = big_jobs(read_trace(path), 7, 1024)
+    assert out["store_gpu_idle_ms_each"] == [1.0]
+    assert out["store_all_launched_ms"] == 4.0 and out["store_chunks"] == 3
+    assert out["store_copy_ms_each"] == [11.0]
+    assert "load_gpu_idle_ms_each" not in out and out["load_jobs"] == 1
