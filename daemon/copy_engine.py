@@ -20,11 +20,12 @@ Contract for every engine:
   never for the last chunk (the future says that) and never for items that did not land. The
   server commits those slots while the rest is still copying, so that after the last copy only
   the last chunk's bookkeeping stands between the copy and the reply.
-- A store may come with ``late`` (``LateOffsets``): only its first ``late.head`` offsets are
-  written when it is submitted (``store_head`` says how many the engine wants), and the caller
-  writes the rest into that array (``late.offsets``, the one submitted), then calls
-  ``late.ready()`` (or ``late.fail``). The engine copies those items only after ``late.wait()``, never on the
-  caller's thread: a big store's first bytes move while the event loop finds room for the rest.
+- A store or a load may come with ``late`` (``LateOffsets``): only its first ``late.head``
+  offsets are written when it is submitted (``store_head``/``load_head`` say how many the engine
+  wants), and the caller writes the rest into that array (``late.offsets``, the one submitted),
+  then calls ``late.ready()`` (or ``late.fail``). The engine copies those items only after
+  ``late.wait()``, never on the caller's thread: a big job's first bytes move while the event
+  loop finds room for a store's rest, or the slots of a load's.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def chunk_bounds(n: int, chunk: int, tail: int = 0, head: int = 0) -> list[int]:
 
 
 class LateOffsets:
-    """A store's ``offsets`` (the array it is submitted with), of which those past the first
+    """A job's ``offsets`` (the array it is submitted with), of which those past the first
     ``head`` are written by the caller after it submitted the job (see the module docstring).
     Waited on by engine threads alone."""
 
@@ -155,8 +156,12 @@ class CopyEngine(abc.ABC):
         return 0
 
     @abc.abstractmethod
-    def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray,
-                    block_ids: np.ndarray) -> Future[JobResult]: ...
+    def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray, block_ids: np.ndarray,
+                    late: LateOffsets | None = None) -> Future[JobResult]: ...
+
+    def load_head(self, n: int) -> int:
+        """``store_head`` for an ``n``-item load."""
+        return 0
 
     def start(self) -> None:
         """Called once on the event loop as the daemon starts serving: warm-up that must stay

@@ -185,12 +185,15 @@ class HostCopyEngine(CopyEngine):
 
     def store_head(self, n: int) -> int:
         # The first chunk: its copy on the registration's thread runs beside the event loop
-        # finding room for the rest.
+        # finding room for the rest (a store) or the rest's slots (a load).
         return self.chunk_blocks if 0 < self.chunk_blocks < n else 0
 
-    def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray,
-                    block_ids: np.ndarray) -> Future[JobResult]:
-        return self._submit(mapped, block_ids, shard_offsets, to_pool=False)
+    def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray, block_ids: np.ndarray,
+                    late: LateOffsets | None = None) -> Future[JobResult]:
+        return self._submit(mapped, block_ids, shard_offsets, to_pool=False, late=late)
+
+    def load_head(self, n: int) -> int:
+        return self.store_head(n)
 
     def close(self) -> None:
         self._closed = True
@@ -259,10 +262,12 @@ class HostCopyEngine(CopyEngine):
                   fan_out: bool = True, late: LateOffsets | None = None) -> JobResult:
         """A job, in chunks when a store wants to hear of them (``progress``): each chunk's
         slots can then be committed on the loop while this thread copies the next one. Items
-        past ``late.head`` are copied once the caller has written their offsets."""
+        past ``late.head`` (a job in chunks too) are copied once the caller has written their
+        offsets."""
         # (No small tail chunk, ``TAIL_BLOCKS``, here: each chunk's fixed cost is paid on the
         # copying thread, in line with the copy, where it would cost more than it saves.)
-        bounds = chunk_bounds(len(block_ids), self.chunk_blocks if progress is not None else 0)
+        bounds = chunk_bounds(len(block_ids), self.chunk_blocks
+                              if progress is not None or late is not None else 0)
         total = 0
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             if late is not None and hi > late.head:

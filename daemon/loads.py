@@ -7,7 +7,9 @@ to the slot the pool holds its key in now; a block the pool lacks comes up from 
 tier that holds it; what nothing holds fails alone (``JobResult.failed``), and the engine
 recomputes exactly those blocks. A reused slot is never read: refs carry generations.
 
-The common load (every block in the pool, committed) is one copy, started in the dispatch. A
+The common load (every block in the pool, committed) is one copy, started in the dispatch; a
+big one (``CopyEngine.load_head``) starts copying its head before the rest is found, and where
+some of the rest is not in the pool, the rest runs as a load of its own once the head landed. A
 load that needs fills runs through a *staging window*: at most ``STAGING_BLOCKS`` blocks (and a
 quarter of the pool's slots of its size) are resolved, brought up, copied and let go before the
 next window starts, in the job's order, so a job larger than the pool is served whole instead of
@@ -28,10 +30,11 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from kvpool.daemon.copy_engine import JobResult
+from kvpool.daemon.copy_engine import JobResult, LateOffsets
 from kvpool.daemon.index import COMMITTED, Index, Slot
 from kvpool.daemon.registry import Registration
 from kvpool.daemon.tiering import Tiering
+from kvpool.shared.errors import Aborted
 
 # Blocks one window of a staged load brings up at most (each a pool slot, pinned until copied).
 STAGING_BLOCKS = 64
@@ -55,8 +58,14 @@ class Loads:
         """Start a checked load job (``blocks``: its block ids, checked against the
         registration). Returns its future and the slots the caller ends (``end_load``) after
         its reply; a staged job ends its own windows and returns none. ``OutOfRange`` for a
-        ref that names no slot of the pool (nothing started)."""
+        ref that names no slot of the pool (nothing started), or, for a ref past a late
+        load's head, as the future's error once the head has landed."""
         ns = reg.namespace
+        head = reg.engine.load_head(len(refs))
+        if head:
+            started = self._start_late(reg, refs, keys, blocks, head)
+            if started is not None:
+                return started
         slots = self.index.resolve_load(ns, refs, keys)
         found = [s for s in slots if s is not None]
         if len(found) == len(slots) and all(s.state == COMMITTED for s in found):
@@ -72,6 +81,75 @@ class Loads:
         refs = [s.ref if s is not None else 0 for s in slots]
         asyncio.get_running_loop().create_task(self._staged(reg, refs, keys, blocks, out))
         return out, []
+
+    def _start_late(self, reg: Registration, refs: list[int], keys: list[bytes],
+                    blocks: np.ndarray, head: int
+                    ) -> tuple[Future[JobResult], list[Slot]] | None:
+        """``start`` for a big load whose first ``head`` blocks are in the pool: their copy
+        goes out before the rest is found (a 1024-block job's resolve, ~0.3 ms on an H200
+        host, no longer comes before its first byte moves). None, having done nothing, where
+        the head is not all there."""
+        ns = reg.namespace
+        first = self.index.resolve_load(ns, refs[:head], keys[:head])
+        if not all(s is not None and s.state == COMMITTED for s in first):
+            return None
+        held: list[Slot] = first        # type: ignore[assignment]
+        late = LateOffsets(np.empty(len(refs), np.int64), head)
+        late.offsets[:head] = _offsets(held)
+        fut = reg.engine.submit_load(reg.mapped, late.offsets, blocks, late)
+        self.index.pin(held)            # before the loop turns, as ``start``'s
+        try:
+            rest = self.index.resolve_load(ns, refs[head:], keys[head:])
+        except Exception as e:
+            late.fail(e)        # (OutOfRange: a ref that names no slot) once the head landed
+            return fut, held
+        except BaseException:
+            late.fail(Aborted("the load was interrupted"))    # no engine thread waits forever
+            raise
+        if all(s is not None and s.state == COMMITTED for s in rest):
+            late.offsets[head:] = _offsets(rest)        # type: ignore[arg-type]
+            late.ready()
+            self.index.pin(rest)                        # type: ignore[arg-type]
+            return fut, held + rest                     # type: ignore[operator]
+        # Some of the rest is elsewhere (evicted, in a lower tier, filling): once the head has
+        # landed, the rest is a load of its own, by the rules of any load.
+        late.fail(_RestApart())
+        out: Future[JobResult] = Future()
+        loop = asyncio.get_running_loop()
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(
+            self._load_rest, f, reg, refs[head:], keys[head:], blocks[head:], head, out))
+        return out, held
+
+    def _load_rest(self, head_job: Future[JobResult], reg: Registration, refs: list[int],
+                   keys: list[bytes], blocks: np.ndarray, head: int,
+                   out: Future[JobResult]) -> None:
+        """The rest of a late load whose head has landed (``head_job`` ended with
+        ``_RestApart``), on the loop; ``out`` gets the whole job's result."""
+        try:
+            err = head_job.exception()
+            if not isinstance(err, _RestApart):
+                raise err or Aborted("a load's head ended without its rest")
+            if reg.closing:
+                raise Aborted("worker disconnected during the transfer")
+            head_bytes = head * reg.layout.shard_bytes
+            rest, slots = self.start(reg, refs, keys, blocks)
+        except BaseException as e:
+            out.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+            return
+        loop = asyncio.get_running_loop()
+
+        def done(f: Future[JobResult]) -> None:
+            ok = not f.cancelled() and f.exception() is None
+            self.index.end_load(slots, ok)
+            if ok:
+                r = f.result()
+                out.set_result(JobResult(head_bytes + r.nbytes,
+                                         tuple(head + i for i in r.failed)))
+            else:
+                out.set_exception(f.exception() or Aborted("a load's rest was cancelled"))
+        rest.add_done_callback(lambda f: loop.call_soon_threadsafe(done, f))
 
     def _partial(self, reg: Registration, slots: list[Slot | None],
                  blocks: np.ndarray) -> Future[JobResult]:
@@ -172,6 +250,11 @@ class Loads:
         slot_bytes = self.index.layout_of(ns).slot_bytes
         room = pool.geometry.num_extents * pool.slots_per_extent(slot_bytes)
         return max(1, min(STAGING_BLOCKS, room // 4))
+
+
+class _RestApart(Aborted):
+    """A late load's rest is not all in the pool: its head's copy ends with this, then the
+    rest runs as a load of its own (``Loads._load_rest``)."""
 
 
 def _offsets(slots: list[Slot]) -> np.ndarray:

@@ -79,7 +79,7 @@ class _Held(CopyEngine):
         self.progress, self.n = progress, len(block_ids)
         return t
 
-    def submit_load(self, mapped, shard_offsets, block_ids):
+    def submit_load(self, mapped, shard_offsets, block_ids, late=None):
         t = self._hold()
         self.progress, self.n = None, len(block_ids)
         return t

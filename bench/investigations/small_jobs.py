@@ -133,7 +133,7 @@ def server_job_us(jobs: int) -> dict[str, float]:
                          late=None):
             return self._done(block_ids)
 
-        def submit_load(self, mapped, shard_offsets, block_ids):
+        def submit_load(self, mapped, shard_offsets, block_ids, late=None):
             return self._done(block_ids)
 
     class _Frame:

@@ -71,7 +71,7 @@ class _Instant:
                 f.set_result(JobResult(len(block_ids)))
                 return f
 
-            def submit_load(self, mapped, shard_offsets, block_ids):
+            def submit_load(self, mapped, shard_offsets, block_ids, late=None):
                 raise AssertionError("no loads here")
         return Instant()
 

@@ -472,6 +472,41 @@ def test_a_store_whose_late_offsets_never_come_ends_with_their_error_after_its_h
         mem.close()
 
 
+def test_a_load_with_late_offsets_copies_its_head_then_waits_for_the_rest(pool):
+    """A load's ``late``, as a store's: the head's blocks come in from the offsets given at
+    submission, nothing past them until the rest is written and said to be; a rest that never
+    comes ends the job with the caller's error after its head, the other blocks untouched."""
+    mem, kv, reg, engine, mapped, src, offsets = _late_store(pool)
+    try:
+        engine.submit_store(mapped, src, offsets).result(10)
+        stored = kv.clone()
+        head = engine.load_head(len(src))
+        assert head == 4 and engine.load_head(4) == 0
+        for fails in (False, True):
+            kv.zero_()
+            late = LateOffsets(np.full(len(src), -1, np.int64), head)
+            late.offsets[:head] = offsets[:head]
+            fut = engine.submit_load(mapped, late.offsets, src, late)
+            wait_for(lambda: torch.equal(kv[src[:head]], stored[src[:head]]), 10,
+                     "the head's blocks to land")
+            assert not fut.done(), "the engine went past the head before the rest was written"
+            assert not kv[src[head:]].any(), "a block past the head moved before its offset came"
+            if fails:
+                late.fail(Aborted("the rest is elsewhere"))
+                with pytest.raises(Aborted, match="the rest is elsewhere"):
+                    fut.result(10)
+                assert not kv[src[head:]].any()
+            else:
+                late.offsets[head:] = offsets[head:]
+                late.ready()
+                assert fut.result(10).nbytes == 12 * reg.layout.shard_bytes
+                assert torch.equal(kv[src], stored[src])
+    finally:
+        engine.detach(mapped)
+        engine.close()
+        mem.close()
+
+
 def test_the_host_engine_copies_without_torch(tmp_path):
     """In a fresh interpreter where ``import torch`` fails, the host engine stores and loads
     every path (runs of slots, scattered slots, a block inline) bit-exact: the daemon never

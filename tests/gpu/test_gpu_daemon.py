@@ -68,6 +68,39 @@ def test_daemon_round_trip(gpu_daemon, layout):
         print(gpu_daemon.log()[-3000:])
 
 
+@pytest.mark.parametrize("layout", ["per_layer", "block_outer"])
+def test_daemon_round_trip_in_chunks_with_late_offsets(daemon_factory, layout):
+    """Chunks of 4 blocks: a 16-block store launches its first two chunks before the daemon
+    finds room for the rest, a 16-block load its first chunk before it finds the rest's
+    slots (late offsets on both sides), and the bytes come back exact."""
+    d = daemon_factory(pool_size="3GiB", extra=["--cuda", "on", "--extent-size", "64MiB",
+                                                "--chunk-blocks", "4"])
+    w = Worker(0, layout, 64)
+    sched = _scheduler(d)
+    try:
+        ns = hashlib.blake2b(b"chunks" + layout.encode(), digest_size=16).digest()
+        w.call("connect", d.socket, ns, 0, 1)
+        for rep in range(3):
+            keys = _keys(f"{layout}-{rep}", 16)
+            slots, grant = _reserve(sched, ns, len(keys))
+            w.call("fill", 20 + rep)
+            want = w.call("blocks", list(range(16)))
+            dt, ok, msg = w.call("store", list(range(16)), slots, keys, grant)
+            assert ok, msg
+            reply = sched.lookup(ns, [keys], pin=True)
+            assert reply.hits == [16]
+            w.call("poison", POISON)
+            dt, ok, msg = w.call("load", reply.slots[0], list(range(32, 48)))
+            assert ok, msg
+            sched.release(reply.leases)
+            got = w.call("blocks", list(range(32, 48)))
+            assert (got == want).all(), f"rep {rep}: loaded KV differs from stored KV"
+    finally:
+        sched.close()
+        w.close()
+        print(d.log()[-3000:])
+
+
 def test_killed_worker_mid_transfer(gpu_daemon):
     probe = Worker(0, "block_outer", 4)
     sched = _scheduler(gpu_daemon)

@@ -96,6 +96,33 @@ def test_blocks_the_pool_drops_come_back_from_disk_byte_exact(daemon_factory, tm
         e.close()
 
 
+def test_a_big_load_whose_head_is_in_the_pool_brings_its_rest_up_from_disk(daemon_factory,
+                                                                          tmp_path):
+    """A load bigger than a chunk starts copying its head before it finds the rest (the late
+    load); where the rest is on disk, it comes up as a load of its own once the head landed:
+    every block byte-exact, none failed."""
+    d = disk_daemon(daemon_factory, tmp_path / "disk", extra=["--chunk-blocks", "8"])
+    e = Engine(d)
+    try:
+        old = e.store(0, 40, seed=1)
+        new = e.store(10_000, 40, seed=2)       # 80 blocks through ~48 slots
+        e.wait_demoted(80)
+        hit = e.sched.lookup(e.kv.namespace, [new[:8], old[:24]], pin=True)
+        assert hit.hits == [8, 24]
+        head, rest = list(hit.slots[0]), list(hit.slots[1])
+        assert all(head), "the head should be in the pool"
+        assert not all(rest), "some of the rest should be on disk only"
+        ids, keys = list(range(32, 64)), new[:8] + old[:24]
+        e.kv.poison(ids)
+        done = e.worker.wait([e.worker.submit_load(e.reg, head + rest, ids, keys)], 30)[0]
+        assert done.ok and not done.failed, done
+        for b, k in zip(ids, keys):
+            assert torch.equal(e.kv.blocks_of([b]), e.stored[k]), f"block {b} differs"
+        e.sched.release(hit.leases)
+    finally:
+        e.close()
+
+
 def test_sigterm_writes_down_the_pool_and_a_reboot_keeps_the_disk(daemon_factory, tmp_path):
     disk = tmp_path / "disk"
     d = disk_daemon(daemon_factory, disk, pool="16MiB")

@@ -405,6 +405,58 @@ def test_a_big_store_becomes_visible_chunk_by_chunk_and_only_landed_blocks_load(
         w.close(); r.close(); sched.close(); writer.close(); reader.close()
 
 
+def test_a_big_load_copies_its_head_first_and_sends_what_the_pool_lacks_down_the_load_path(
+        daemon_factory):
+    """A load bigger than a chunk starts its head's copy before it finds the rest (the late
+    load): all in the pool, every block lands exact; a stale ref past the head is found by its
+    key, or without a key fails alone, the failed position counted in the whole job; a ref
+    past the head that names no slot fails the job with OUT_OF_RANGE once its head landed,
+    and pins nothing after (the daemon serves on, every block evictable again)."""
+    d = daemon_factory(pool_size="64MiB", extra=["--chunk-blocks", "4"])
+    cfg = d.client_config(timeout_ms=20000)
+    kv = HostKv(blocks=48)
+    w, reg = kv.register(cfg)
+    sched = SchedulerClient(cfg)
+    try:
+        ks = kv.keys(list(range(16 * 16)))
+        kv.fill_random(list(range(16)), seed=11)
+        assert w.wait([keyed_store(sched, w, reg, kv.namespace, list(range(16)), ks)],
+                      20)[0].ok
+        expected = kv.blocks_of(list(range(16)))
+        refs = list(sched.lookup(kv.namespace, [ks]).slots[0])
+        assert len(refs) == 16
+        into = list(range(16, 32))
+        stale = refs[:]
+        stale[9] ^= 1 << 40                 # another generation of the same slot
+
+        def load(refs, keys=()):
+            kv.poison(into)
+            return w.wait([w.submit_load(reg, refs, into, list(keys))], 20)[0]
+
+        done = load(refs)
+        assert done.ok and not done.failed, done
+        assert torch.equal(kv.blocks_of(into), expected)
+        done = load(stale, ks)
+        assert done.ok and not done.failed, done
+        assert torch.equal(kv.blocks_of(into), expected)
+        done = load(stale)
+        assert done.ok and list(done.failed) == [9], done
+        got = kv.blocks_of(into)            # [layers, 2, blocks, ...]
+        assert torch.equal(got[:, :, :9], expected[:, :, :9])
+        assert torch.equal(got[:, :, 10:], expected[:, :, 10:])
+        bad = refs[:]
+        bad[12] = (1 << 32) | 0xFFFF_FFF0    # a slot id past the pool's
+        done = load(bad)
+        assert not done.ok and done.code == ErrorCode.OUT_OF_RANGE, done
+        assert "names no slot" in done.message
+        wait_for(lambda: sched.info().slots_pinned == 0, 10,
+                 lambda: f"the failed load's head to be unpinned: {sched.info()}")
+        done = load(refs)
+        assert done.ok and torch.equal(kv.blocks_of(into), expected)
+    finally:
+        w.close(); sched.close(); kv.close()
+
+
 _DYING_WORKER = """
 import sys, time
 from kvpool.client.scheduler import SchedulerClient
@@ -503,7 +555,7 @@ class _HeldEngine:
                 self.fut, self.progress, self.late = Future(), progress, late
                 return self.fut
 
-            def submit_load(self, mapped, shard_offsets, block_ids):
+            def submit_load(self, mapped, shard_offsets, block_ids, late=None):
                 raise AssertionError
         return Held()
 
