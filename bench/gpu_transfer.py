@@ -239,6 +239,10 @@ def big_jobs(trace: dict, owner: int, min_blocks: int, client: dict | None = Non
             out[f"{kind}_copy_ms"] = round(float(np.median([t[6] - t[5] for t in r])) / 1e6, 2)
             out[f"{kind}_to_copy_ms"] = med([t[5] - t[2] for t in r])
             out[f"{kind}_after_copy_ms"] = med([t[8] - t[6] for t in r])
+            # after_copy's two hops: the engine's thread saw the copy end -> the loop runs the
+            # job's end; that end (a store's last commit) -> its reply sent
+            out[f"{kind}_done_to_loop_ms"] = med([t[7] - t[6] for t in r])
+            out[f"{kind}_loop_to_sent_ms"] = med([t[8] - t[7] for t in r])
             out[f"{kind}_jobs"] = len(r)
             # every job's copy and end-to-end span, in order: a slow rep shows where it lost
             out[f"{kind}_copy_ms_each"] = [round((t[6] - t[5]) / 1e6, 2) for t in r]
@@ -252,6 +256,9 @@ def big_jobs(trace: dict, owner: int, min_blocks: int, client: dict | None = Non
                     max(0, up[k] - down[k - 1]) for k in range(1, len(down))) / 1e6, 2)
                     for up, down in chunked]
                 out[f"{kind}_all_launched_ms"] = med([up[-1] - up[0] for up, _ in chunked])
+                # the last chunk's copy as the engine's thread saw it (a store's: its small tail)
+                out[f"{kind}_last_chunk_ms"] = med([down[-1] - down[-2] for _, down in chunked
+                                                    if len(down) > 1])
                 out[f"{kind}_chunks"] = len(chunked[0][0])
     return out
 

@@ -262,12 +262,14 @@ class HostCopyEngine(CopyEngine):
                   fan_out: bool = True, late: LateOffsets | None = None) -> JobResult:
         """A job, in chunks when a store wants to hear of them (``progress``): each chunk's
         slots can then be committed on the loop while this thread copies the next one. Items
-        past ``late.head`` (a job in chunks too) are copied once the caller has written their
-        offsets."""
+        past ``late.head`` are copied once the caller has written their offsets."""
         # (No small tail chunk, ``TAIL_BLOCKS``, here: each chunk's fixed cost is paid on the
         # copying thread, in line with the copy, where it would cost more than it saves.)
-        bounds = chunk_bounds(len(block_ids), self.chunk_blocks
-                              if progress is not None or late is not None else 0)
+        n = len(block_ids)
+        if progress is not None:
+            bounds = chunk_bounds(n, self.chunk_blocks)
+        else:   # (nobody to tell of chunks) in one piece, or the head then the rest
+            bounds = [0, late.head, n] if late is not None and 0 < late.head < n else [0, n]
         total = 0
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             if late is not None and hi > late.head:

@@ -32,4 +32,6 @@ def test_big_jobs_reads_each_chunks_launch_and_landing_as_gpu_idle_time(tmp_path
     assert out["store_gpu_idle_ms_each"] == [1.0]
     assert out["store_all_launched_ms"] == 4.0 and out["store_chunks"] == 3
     assert out["store_copy_ms_each"] == [11.0]
+    assert out["store_last_chunk_ms"] == 4.0
+    assert out["store_done_to_loop_ms"] == 0.1 and out["store_loop_to_sent_ms"] == 0.1
     assert "load_gpu_idle_ms_each" not in out and out["load_jobs"] == 1
