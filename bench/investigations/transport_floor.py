@@ -1,12 +1,16 @@
 """The round-trip floor under kvpool's requests: two bare processes, no kvpool code.
 
-    python -m bench.investigations.transport_floor [--reps 3000] [--out DIR]
+    python -m bench.investigations.transport_floor [--reps 3000] [--idle-ms 0] [--out DIR]
 
 A client process sends a 64-byte message and waits for the 64-byte answer of an echo process,
 ``--reps`` times, over the transport kvpool uses (ZeroMQ DEALER -> ROUTER over ipc://) and,
 side by side in the same run, over a plain Unix stream socket; each one with both ends
 sleeping in the kernel until a message comes (how kvpoold and its clients wait) and with both
 ends spinning on non-blocking reads (no thread wake-ups). Prints p50/p99 per variant.
+``--idle-ms``: the client sleeps that long before each round trip, as a big job's copy (~40 ms
+for 2 GiB) leaves both ends idle between its request and its reply: a thread woken after a long
+sleep (a halted virtual CPU, a deep idle state) takes longer to run than one woken a moment
+after its last message.
 
 What it answers: how much of a single-block round trip (issue 15's target: <= 150 us, copy
 included) the transport alone takes on this host. A ZeroMQ message crosses libzmq's I/O
@@ -59,13 +63,15 @@ def _zmq_echo(addr: str, spin: bool, ready) -> None:
     ctx.term()
 
 
-def _zmq_client(addr: str, spin: bool, reps: int) -> list[float]:
+def _zmq_client(addr: str, spin: bool, reps: int, idle_s: float) -> list[float]:
     import zmq
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.connect(addr)
     out = []
     for i in range(WARMUP + reps):
+        if idle_s and i >= WARMUP:
+            time.sleep(idle_s)
         t0 = time.perf_counter()
         s.send(MSG)
         _zmq_recv(s, spin)
@@ -105,11 +111,13 @@ def _unix_echo(path: str, spin: bool, ready) -> None:
     srv.close()
 
 
-def _unix_client(path: str, spin: bool, reps: int) -> list[float]:
+def _unix_client(path: str, spin: bool, reps: int, idle_s: float) -> list[float]:
     c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     c.connect(path)
     out = []
     for i in range(WARMUP + reps):
+        if idle_s and i >= WARMUP:
+            time.sleep(idle_s)
         t0 = time.perf_counter()
         c.sendall(MSG)
         _recv_exact(c, len(MSG), spin)
@@ -119,7 +127,7 @@ def _unix_client(path: str, spin: bool, reps: int) -> list[float]:
     return out
 
 
-def run_variant(kind: str, spin: bool, reps: int, path: str) -> dict:
+def run_variant(kind: str, spin: bool, reps: int, path: str, idle_s: float = 0.0) -> dict:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     if kind == "zmq":
@@ -130,7 +138,7 @@ def run_variant(kind: str, spin: bool, reps: int, path: str) -> dict:
     echo.start()
     assert ready.wait(60), f"{kind} echo did not start"
     try:
-        xs = client(addr, spin, reps)
+        xs = client(addr, spin, reps, idle_s)
     finally:
         echo.join(10)
         if echo.is_alive():
@@ -144,6 +152,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=2, help="alternating passes over the variants")
+    ap.add_argument("--idle-ms", type=float, default=0.0,
+                    help="the client sleeps this long before each timed round trip")
     ap.add_argument("--out", default="", help="directory for the JSON (default: print only)")
     args = ap.parse_args()
     variants = [("zmq", False), ("unix", False), ("zmq", True), ("unix", True)]
@@ -152,7 +162,8 @@ def main() -> None:
         for r in range(args.rounds):
             for kind, spin in variants:
                 name = f"{kind}_{'spin' if spin else 'sleep'}"
-                res = run_variant(kind, spin, args.reps, os.path.join(tmp, f"{name}-{r}.sock"))
+                res = run_variant(kind, spin, args.reps, os.path.join(tmp, f"{name}-{r}.sock"),
+                                  args.idle_ms / 1e3)
                 results[name].append(res)
                 print(f"round {r}: {name:10s} p50 {res['p50_us']:7.1f} us  p99 "
                       f"{res['p99_us']:7.1f} us", flush=True)
@@ -168,7 +179,8 @@ def main() -> None:
     print(json.dumps({k: out[k] for k in ("best_round", "zmq_sleep_over_unix_sleep")}, indent=1))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        name = f"transport-floor-{datetime.date.today().isoformat()}.json"
+        idle = f"-idle{args.idle_ms:g}ms" if args.idle_ms else ""
+        name = f"transport-floor-{datetime.date.today().isoformat()}{idle}.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(out, f, indent=1)
 
