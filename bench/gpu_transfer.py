@@ -243,11 +243,14 @@ def big_jobs(trace: dict, owner: int, min_blocks: int, client: dict | None = Non
             # job's end; that end (a store's last commit) -> its reply sent
             out[f"{kind}_done_to_loop_ms"] = med([t[7] - t[6] for t in r])
             out[f"{kind}_loop_to_sent_ms"] = med([t[8] - t[7] for t in r])
+            if kind == "store" and all(len(t) > 9 and t[9] for t in r):
+                # of which: the store's last slots committed (the reply waits for them)
+                out["store_end_commit_ms"] = med([t[9] - t[7] for t in r])
             out[f"{kind}_jobs"] = len(r)
             # every job's copy and end-to-end span, in order: a slow rep shows where it lost
             out[f"{kind}_copy_ms_each"] = [round((t[6] - t[5]) / 1e6, 2) for t in r]
             out[f"{kind}_total_ms_each"] = [round((t[8] - t[2]) / 1e6, 2) for t in r]
-            chunked = [_chunks(t) for t in r if len(t) > 9]
+            chunked = [_chunks(t) for t in r if len(t) > 10]
             if chunked:
                 # the lane's pace against the copy's: time with nothing enqueued (a chunk
                 # launched after the one before it was seen landed), and when the last chunk
@@ -265,8 +268,8 @@ def big_jobs(trace: dict, owner: int, min_blocks: int, client: dict | None = Non
 
 def _chunks(t: list) -> tuple[list[int], list[int]]:
     """A trace row's per-chunk stamps: (launched, seen landed), monotonic ns."""
-    k = t[9]
-    return t[10:10 + k], t[10 + k:10 + 2 * k]
+    k = t[10]
+    return t[11:11 + k], t[11 + k:11 + 2 * k]
 
 
 def seen_p50_us(stamps: dict, kind_jobs: int, first: bool) -> float:

@@ -85,13 +85,24 @@ class LateOffsets:
     ``head`` are written by the caller after it submitted the job (see the module docstring).
     Waited on by engine threads alone."""
 
-    __slots__ = ("offsets", "head", "_written", "_error")
+    __slots__ = ("offsets", "head", "step", "on_advance", "_written", "_error")
 
     def __init__(self, offsets: np.ndarray, head: int) -> None:
         self.offsets = offsets
         self.head = head
+        # Set by the engine as it takes the job: how many leading offsets, once written and
+        # ``advance``d to, let it copy more on the caller's thread before ``ready`` (0: none).
+        self.step = 0
+        self.on_advance: Callable[[int], None] | None = None    # the engine's, for ``advance``
         self._written = threading.Event()
         self._error: BaseException | None = None
+
+    def advance(self, upto: int) -> None:
+        """Offsets [0, ``upto``) are written: the engine may launch what they cover now, on
+        the caller's thread (the event loop's, which holds the GIL through the rest's room
+        and claims: an engine thread could not run meanwhile)."""
+        if self.on_advance is not None:
+            self.on_advance(upto)
 
     def ready(self) -> None:
         """Every offset is written."""
@@ -101,6 +112,10 @@ class LateOffsets:
         """The rest will not be written: the job ends with ``error`` after its head."""
         self._error = error
         self._written.set()
+
+    def settle(self) -> None:
+        """Block until ``ready`` or ``fail``, without raising (``wait`` says which)."""
+        self._written.wait()
 
     def wait(self) -> None:
         """Block until ``ready`` (then every offset may be read) or ``fail`` (raises its error).

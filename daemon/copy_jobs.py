@@ -240,18 +240,28 @@ class CopyJobs:
     def _finish_late(self, opened: OpenedStore, late: LateOffsets) -> None:
         """A store submitted with its head's offsets: find room for the rest (while the head
         copies), write their offsets into the job's array and let the engine go on, then bind
-        every ticket (the claims: bookkeeping the copy does not wait for). Where no room came
-        for some (never with room assured), the engine ends the job after its head. The
-        engine waits for ``ready`` or ``fail`` in every case."""
+        every ticket (the claims: bookkeeping the copy does not wait for). Where the engine
+        asks for a ``step``, room up to it comes first, and the engine launches what it covers
+        (``advance``) before the rest's room is found. Where no room came for some (never with
+        room assured), the engine ends the job after what it was given. The engine waits for
+        ``ready`` or ``fail`` in every case."""
         slots = opened.slots                      # also the job's and its landing's list
+        n = len(late.offsets)
         try:
-            opened.place()                        # type: ignore[misc]
+            written = late.head
+            for upto in ([late.step] if late.head < late.step < n else []) + [n]:
+                opened.place(upto)                # type: ignore[misc]
+                if opened.short:
+                    break
+                late.offsets[written:upto] = np.fromiter(
+                    (s.offset for s in slots[written:upto]), np.int64, upto - written)
+                written = upto
+                if upto < n:
+                    late.advance(upto)            # the engine's next chunk goes out now
             if opened.short:
                 late.fail(Aborted("no room for the whole store: stored its first "
-                                  f"{late.head} blocks only"))
+                                  f"{written} blocks only"))
             else:
-                late.offsets[late.head:] = np.fromiter(
-                    (s.offset for s in slots[late.head:]), np.int64, len(slots) - late.head)
                 late.ready()
         except BaseException as e:
             late.fail(Aborted(f"the store's placement failed: {e}"))
@@ -309,8 +319,10 @@ class CopyJobs:
         # up the moment it reads it. What no client can tell from the reply comes after the
         # send, in this same callback (so before any other request is served): a load's unpins
         # (~50 us for 1024 slots on a 2-core host) and the metrics.
+        t_ended = 0
         if job.is_store:
             self._end(job, ok)
+            t_ended = time.monotonic_ns() if self.trace else 0
         result = fut.result() if ok else JobResult(0)
         if ok:
             self.failed_load_blocks += len(result.failed)
@@ -336,14 +348,14 @@ class CopyJobs:
             self.detach(reg)
         if self.trace:
             # owner job store|load blocks recv submitted engine-stamps... callback sent
-            # ("sent": the reply handed to the socket; a load's unpins come after it), then
-            # where the engine stamps its chunks: their count, each one's launch, each one's
-            # landing
+            # ended ("sent": the reply handed to the socket; a load's unpins come after it;
+            # "ended": a store's last slots committed, 0 for a load), then where the engine
+            # stamps its chunks: their count, each one's launch, each one's landing
             eng = (getattr(fut, "kvpool_trace", None) or []) + [0, 0, 0, 0]
             launched, landed = getattr(fut, "kvpool_chunks", None) or ([], [])
             self.trace.write(" ".join(map(str, [
                 owner.id, msg.job_id, "store" if job.is_store else "load", len(msg.slots),
-                job.t_recv, job.t_sub, *eng[1:4], t_cb, t_sent,
+                job.t_recv, job.t_sub, *eng[1:4], t_cb, t_sent, t_ended,
                 *([len(launched), *launched, *landed] if launched else [])])) + "\n")
 
     def _end(self, job: "_Job", ok: bool) -> None:

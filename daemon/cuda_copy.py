@@ -53,14 +53,6 @@ Backend = Literal["auto", "dma", "kernel"]
 _KERNEL_ALIGN = 16
 _OPENED_EVENTS_MAX = 256   # a worker's store events we keep open (it should reuse a ring)
 
-# Chunks of a big store launched on the event loop's thread before it finds room for the rest
-# (``store_head``). After that launch the loop runs ~2 ms of Python (the rest's room, then
-# every ticket's claim: 1024 blocks on a full pool, 2 x H200 host), and no other thread runs
-# Python meanwhile: the lane's thread, woken for the rest, waits for the GIL. With the first
-# chunk alone (32 blocks, ~1.2 ms of copy) the GPU sat idle for ~1 ms of each such store
-# (its copy 39.9-40.9 ms against 38.9 for the memcpy); the second (~120 blocks, ~4.5 ms)
-# outlasts that Python.
-LATE_INLINE_CHUNKS = 2
 
 
 # ---- registrations ---------------------------------------------------------------------------
@@ -349,12 +341,13 @@ class CudaCopyEngine(CopyEngine):
         return self._submit(mapped, True, block_ids, shard_offsets, wait_event, progress, late)
 
     def store_head(self, n: int) -> int:
-        # The first ``LATE_INLINE_CHUNKS`` chunks, launched on the caller's thread
-        # (``cuda_lane``): their offsets are all a big store needs to start copying.
+        # The first chunk, launched on the caller's thread (``cuda_lane``): its offsets are
+        # all a big store needs to start copying; the next chunk's go out on that thread too
+        # (``LateOffsets.step``), before the loop finds room for the rest.
         if not (self.inline_first_chunk and 0 < self.chunk_blocks < n):
             return 0
         bounds = chunk_bounds(n, self.chunk_blocks, TAIL_BLOCKS, HEAD_BLOCKS)
-        return bounds[LATE_INLINE_CHUNKS] if len(bounds) > LATE_INLINE_CHUNKS + 1 else 0
+        return bounds[1] if len(bounds) > 2 else 0
 
     def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray, block_ids: np.ndarray,
                     late: LateOffsets | None = None) -> Future[JobResult]:

@@ -147,6 +147,11 @@ class Lane:
                         self.waits.put(job)
                         return
                     if launched:
+                        if job.late is not None and len(job.bounds) > 3:
+                            # The caller finds the next chunk's room first and launches it
+                            # here too (``advance``), before it finds the rest's.
+                            job.late.step = job.bounds[2]
+                            job.late.on_advance = lambda upto: self._advance(job, upto)
                         # Queued before the lock goes: no later job overtakes its other chunks.
                         self._queue(job)
                         return
@@ -169,6 +174,9 @@ class Lane:
             if job is None:
                 self.waits.put(None)
                 return
+            if job.launched and job.late is not None:
+                # Outside the lock: the caller may launch the job's next chunk meanwhile.
+                job.late.settle()
             with self.launch_lock:
                 try:
                     if job.launched:         # its first chunk went out on the caller's thread
@@ -183,10 +191,42 @@ class Lane:
                     with self.qlock:
                         self.queued -= 1
 
+    def _advance(self, job: Job, upto: int) -> None:
+        """``LateOffsets.advance`` of a late store whose head went out on the caller's thread:
+        launch, on that thread too, the chunks its offsets now cover, where the lane is free
+        and the pool under them registered (else this thread launches them with the rest).
+        A failure is the job's (``_continue`` reports it), never the caller's."""
+        if job.error is not None or not self.launch_lock.acquire(blocking=False):
+            return
+        try:
+            bounds, k = job.bounds, job.launched
+            end = k
+            while end + 1 < len(bounds) and bounds[end + 1] <= upto:
+                end += 1
+            if end == k:
+                return
+            eng = self.engine
+            reg = eng.registration
+            top = int(job.shard_offsets[bounds[k]:bounds[end]].max())
+            if reg is not None and reg.registered_end < eng.pool_base + top + job.mapped.part_hi:
+                return
+            cuda.use_device(self.gpu.ordinal)
+            self._launch_chunks(job, end - k, inline=True)
+        except Exception as e:  # noqa: BLE001 - reported through the job's future
+            job.error = e
+        finally:
+            self.launch_lock.release()
+
     def _continue(self, job: Job) -> None:
         """Enqueue the chunks of a job whose first went out on the caller's thread, once its
         late offsets are written (and the pool under them registered). Where they will not be
-        (the caller found no room for them), the job ends after the chunk that went out."""
+        (the caller found no room for them), the job ends after the chunks that went out."""
+        if job.error is not None:
+            # (a chunk that the caller's thread launched failed part way: what it enqueued
+            # may still run, so it is waited for before anything is reported)
+            self._drain_streams()
+            job.launched = len(job.bounds) - 1
+            return
         if job.late is not None:
             try:
                 job.late.wait()
@@ -294,8 +334,9 @@ class Lane:
         table, and the waiting thread can report each chunk as it lands. A failure after some
         chunks went out waits (on the host) for what was enqueued, then goes back through the
         waiting thread with the chunks that did land, so no slot is dropped or reused while a
-        copy into it may still run. (Not on the event loop's thread, ``inline``: there only a
-        first chunk goes out, and a failure in it leaves no chunk to report.)"""
+        copy into it may still run. (Not on the event loop's thread, ``inline``: a failure in a
+        first chunk leaves no chunk to report, and one after it (``_advance``) is waited out
+        by the lane's thread, ``_continue``.)"""
         bounds = job.bounds
         last = len(bounds) - 1
         end = last if chunks is None else min(last, job.launched + chunks)

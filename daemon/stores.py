@@ -60,9 +60,10 @@ class OpenedStore:
     finish: Callable[[], None] | None   # its claims and pins left to do, see open_store
     has_voids: bool                     # whether any slot is void (nobody copies into those)
     late: int = 0                       # tickets past the head, bound by ``finish``
-    # Where ``late``: finds the rest's room and appends its slots, unclaimed (``finish`` does
-    # it first where not done yet): their offsets, before the claims' bookkeeping.
-    place: Callable[[], None] | None = None
+    # Where ``late``: finds room for the tickets up to the given count (default: all) and
+    # appends their slots, unclaimed (``finish`` places what is left first): their offsets,
+    # before the claims' bookkeeping.
+    place: Callable[..., None] | None = None
     short: bool = False                 # ``place`` found no room for some of those (voids)
 
 
@@ -327,11 +328,12 @@ class StorePath:
             return None
         opened = OpenedStore(self.room.allocate(cls, head), None, False, n - head)
 
-        def place() -> None:
+        def place(upto: int = n) -> None:
             slots = opened.slots
-            if len(slots) == head:
-                room = self.room.allocate(cls, n - head)
-                opened.short = len(room) < n - head   # (not with room assured)
+            want = min(upto, n) - len(slots)
+            if want > 0 and not opened.short:
+                room = self.room.allocate(cls, want)
+                opened.short = len(room) < want       # (not with room assured)
                 slots += room
 
         def finish() -> None:

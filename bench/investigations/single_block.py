@@ -133,13 +133,13 @@ def main() -> None:
 def hops(path: str) -> dict[str, dict[str, float]]:
     """Median of each hop of the daemon's job trace (see ``CopyJobs._job_done``, daemon/copy_jobs.py): received,
     submitted, the engine's stamps (copy started, launched, done), completion on the loop,
-    reply sent."""
+    reply sent (the fields after it, a store's commit and the chunks' stamps, are not read)."""
     out: dict[str, dict[str, float]] = {}
     rows: dict[str, list[list[int]]] = {}
     with open(path) as f:
         for line in f:
             parts = line.split()
-            rows.setdefault(parts[2], []).append([int(x) for x in parts[4:]])
+            rows.setdefault(parts[2], []).append([int(x) for x in parts[4:11]])
     for kind, rs in rows.items():
         a = np.asarray(rs, dtype=np.int64)
         recv, sub, start, launched, done, cb, sent = a.T

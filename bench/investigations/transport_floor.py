@@ -171,7 +171,7 @@ def main() -> None:
     out = {"device": f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "command": "python -m bench.investigations.transport_floor " + " ".join(
-               f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
            "rounds": results, "best_round": best,
            "zmq_sleep_over_unix_sleep": round(best["zmq_sleep"]["p50_us"]
                                               / best["unix_sleep"]["p50_us"], 2),

@@ -11,11 +11,11 @@ MS = 1_000_000
 def _row(owner: int, job: int, kind: str, n: int, recv: int, launched: list[int],
          landed: list[int]) -> str:
     # owner job kind blocks recv submitted launch-start first-launched done callback sent
-    # count launched... landed...
+    # ended count launched... landed...
     done = landed[-1]
     return " ".join(map(str, [owner, job, kind, n, recv, recv + 3 * MS, recv + MS // 2,
                               launched[0], done, done + MS // 10, done + MS // 5,
-                              len(launched), *launched, *landed]))
+                              done + 3 * MS // 20, len(launched), *launched, *landed]))
 
 
 def test_big_jobs_reads_each_chunks_launch_and_landing_as_gpu_idle_time(tmp_path):
@@ -25,7 +25,7 @@ def test_big_jobs_reads_each_chunks_launch_and_landing_as_gpu_idle_time(tmp_path
                  [t0 + 3 * MS, t0 + 8 * MS, t0 + 12 * MS]),
             # a load without chunk stamps (the host engine's): no idle figure from it
             " ".join(map(str, [7, 2, "load", 1024, t0, t0 + MS, t0, t0 + MS, t0 + 9 * MS,
-                               t0 + 9 * MS, t0 + 10 * MS]))]
+                               t0 + 9 * MS, t0 + 10 * MS, 0]))]
     path = tmp_path / "trace.txt"
     path.write_text("\n".join(rows) + "\n")
     out = big_jobs(read_trace(path), 7, 1024)
@@ -34,4 +34,5 @@ def test_big_jobs_reads_each_chunks_launch_and_landing_as_gpu_idle_time(tmp_path
     assert out["store_copy_ms_each"] == [11.0]
     assert out["store_last_chunk_ms"] == 4.0
     assert out["store_done_to_loop_ms"] == 0.1 and out["store_loop_to_sent_ms"] == 0.1
+    assert out["store_end_commit_ms"] == 0.05
     assert "load_gpu_idle_ms_each" not in out and out["load_jobs"] == 1

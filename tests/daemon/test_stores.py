@@ -402,9 +402,10 @@ def _full_index(pool):
 
 def test_a_big_fresh_store_gets_room_for_its_head_and_the_rest_in_finish(pool, pool_config):
     """With ``head`` and room assured for the whole job, open_store finds room for the head
-    alone (so the copy of the head can start), ``place`` the rest's, appending to the same
-    list, and ``finish`` binds them all: the same blocks are evicted and the same keys held as where the job was bound
-    in one piece, with the bindings, pins and pool records of begin_store."""
+    alone (so the copy of the head can start), ``place`` the rest's (up to a count, then all),
+    appending to the same list, and ``finish`` binds them all: the same blocks are evicted and
+    the same keys held as where the job was bound in one piece, with the bindings, pins and
+    pool records of begin_store."""
     ix, evictable = _full_index(pool)
     other = Pool.open(msgspec.structs.replace(pool_config, pool_name=pool_config.pool_name + "b"))
     try:
@@ -415,6 +416,10 @@ def test_a_big_fresh_store_gets_room_for_its_head_and_the_rest_in_finish(pool, p
         assert job.late == 168 and len(job.slots) == 32 and job.finish is not None
         assert ix.table.stats.evictions == 32 and ix.ticket_count == 200
         head = job.slots
+        job.place(96)                             # room up to a count first (an engine's step)
+        assert len(head) == 96 and ix.table.stats.evictions == 96 and not job.short
+        job.place(64)                             # (already there: nothing more)
+        assert len(head) == 96 and ix.table.stats.evictions == 96
         job.place()                               # the rest's room: offsets, no claims yet
         assert len(head) == 200 and ix.table.stats.evictions == 200 and not job.short
         assert ix.ticket_count == 200 and all(s.pins == 0 and s.writing == 0 for s in head)

@@ -341,13 +341,14 @@ def test_a_chunked_job_reports_landed_chunks_in_order_and_moves_exact_bytes(engi
 @pytest.mark.parametrize("layout", ["block_outer", "per_layer"])
 def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engine, pool, layout,
                                                                          pending):
-    """``late``: the head (its first two chunks, launched on the caller's thread when the
-    worker's event is done already) copies with the offsets given at submission; nothing past it is
-    read until the caller writes the rest and says so (decoy offsets there stay untouched);
-    then every block lands where the late offsets say, its chunks reported in order. A store
-    whose rest never comes ends with the caller's error after its head. ``pending``: the
-    worker's event is not done yet, so the lane's thread launches everything, head included,
-    once the rest is written."""
+    """``late``: the head (the first chunk, launched on the caller's thread when the worker's
+    event is done already) copies with the offsets given at submission; the engine then asks
+    for the next chunk's offsets first (``step``) and launches it on the caller's thread once
+    they are written (``advance``); nothing past them is read until the caller writes the rest
+    and says so (decoy offsets there stay untouched); then every block lands where the late
+    offsets say, its chunks reported in order. A store whose rest never comes ends with the
+    caller's error after what went out. ``pending``: the worker's event is not done yet, so
+    the lane's thread launches everything, head included, once the rest is written."""
     from kvpool.daemon.copy_engine import LateOffsets
     from kvpool.shared.errors import Aborted
     from tests.conftest import wait_for
@@ -361,7 +362,7 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
         m = engine.attach(reg)
         n = 80
         head = engine.store_head(n)
-        assert head == 48 and engine.store_head(40) == 0    # chunks [0, 32, 48, 80]
+        assert head == 32 and engine.store_head(40) == 0    # chunks [0, 32, 48, 80]
         # (a launch on the caller's thread also waits for nothing: not for the pool's pinning)
         wait_for(lambda: engine.registration is None or engine.registration.is_finished, 120,
                  "the pool's registration")
@@ -392,7 +393,15 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
                     wait_for(lambda: np.array_equal(_pool_shards(pool, reg, offs[:head]),
                                                     want[:head]), 30,
                              "the head's bytes in the pool before the rest is written")
+                    assert late.step == 48, "the engine should ask for its next chunk first"
+                    late.offsets[head:48] = offs[head:48]
+                    late.advance(48)
+                    wait_for(lambda: np.array_equal(_pool_shards(pool, reg, offs[:48]),
+                                                    want[:48]), 30,
+                             "the advanced chunk's bytes in the pool before the rest is written")
                     assert not fut.done()
+                else:
+                    assert late.step == 0
             finally:
                 if fails:
                     late.fail(Aborted("no room for the rest"))
@@ -402,11 +411,11 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
             if fails:
                 with pytest.raises(Aborted, match="no room for the rest"):
                     fut.result(60)
-                assert seen == ([] if pending else [32, head])
+                assert seen == ([] if pending else [head, 48])
             else:
                 fut.result(60)
                 want = w.call("blocks", src.tolist()) if want is None else want
-                assert seen == [32, head]
+                assert seen == [head, 48]
                 assert np.array_equal(_pool_shards(pool, reg, offs), want), \
                     f"{layout}: late offsets not copied exactly"
             assert (_pool_shards(pool, reg, decoys) == POISON ^ 0xFF).all(), \

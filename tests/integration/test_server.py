@@ -521,9 +521,10 @@ def test_a_big_store_whose_worker_dies_keeps_only_landed_chunks_and_frees_the_re
 class _HeldEngine:
     """A CUDA-region engine that copies nothing: it keeps each store's future, progress and
     late offsets for the test to play the copy, and notes what the index held at submission.
-    ``head``: what it asks of a store before its copy starts (``store_head``)."""
+    ``head``: what it asks of a store before its copy starts (``store_head``); ``step``: where
+    it asks the caller to ``advance`` to first (``LateOffsets.step``), noting each advance."""
 
-    def __new__(cls, srv_of, head: int = 0):
+    def __new__(cls, srv_of, head: int = 0, step: int = 0):
         from concurrent.futures import Future
 
         from kvpool.daemon.copy_engine import CopyEngine, Mapped
@@ -553,6 +554,11 @@ class _HeldEngine:
                 self.seen = (srv.index.ticket_count, srv.index.slot_counts()[0])
                 self.offsets = shard_offsets.copy()     # as written at submission
                 self.fut, self.progress, self.late = Future(), progress, late
+                self.advanced = []
+                if late is not None and step:
+                    late.step = step
+                    late.on_advance = lambda upto: self.advanced.append(
+                        (upto, late.offsets[:upto].copy(), srv.index.ticket_count))
                 return self.fut
 
             def submit_load(self, mapped, shard_offsets, block_ids, late=None):
@@ -567,13 +573,13 @@ class _ServerHarness:
     slot = 4096
     ns = b"s" * 16
 
-    def __init__(self, pool, head: int = 0) -> None:
+    def __init__(self, pool, head: int = 0, step: int = 0) -> None:
         from kvpool.daemon.server import Server
         from kvpool.shared.config import DaemonConfig
 
         cfg = DaemonConfig(pool_name=pool.name.lstrip("/"), pool_size="8MiB",
                            extent_size="1MiB")
-        self.engine = _HeldEngine(lambda: self.srv, head)
+        self.engine = _HeldEngine(lambda: self.srv, head, step)
         self.srv = Server(cfg, pool, {p.CudaRegion: self.engine})
         self.replies: list = []
         self.srv._send = self.srv.jobs.send = lambda _identity, r: self.replies.append(r)
@@ -642,13 +648,16 @@ def test_a_keyed_store_binds_its_slots_in_its_dispatch_whether_its_copy_starts_o
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("step", [0, 8])
 def test_a_big_store_is_handed_over_with_its_heads_offsets_and_gets_the_rest_in_its_dispatch(
-        pool):
+        pool, step):
     """Where the engine asks for a head (``store_head``), a big fresh store reaches it with the
     head's offsets written and its tickets unbound; before the dispatch returns, every ticket
     is bound and every offset written (the engine may go on), and the job commits as any
-    other. Where the rest then finds no room after all, the engine is told to stop after the
-    head, the job fails, and neither tickets, slots nor pins are left behind."""
+    other. Where the engine asks for a ``step``, the offsets up to it are written and handed on
+    (``advance``) before the rest's room is found and any ticket is bound. Where the rest then
+    finds no room after all, the engine is told to stop after the head, the job fails, and
+    neither tickets, slots nor pins are left behind."""
     import asyncio
 
     import numpy as np
@@ -656,7 +665,7 @@ def test_a_big_store_is_handed_over_with_its_heads_offsets_and_gets_the_rest_in_
     from kvpool.daemon.copy_engine import JobResult
     from kvpool.shared.errors import Aborted
 
-    h = _ServerHarness(pool, head=4)
+    h = _ServerHarness(pool, head=4, step=step)
     eng, ns, slot = h.engine, h.ns, h.slot
 
     async def run():
@@ -674,6 +683,12 @@ def test_a_big_store_is_handed_over_with_its_heads_offsets_and_gets_the_rest_in_
         assert np.array_equal(eng.offsets[:4], want[:4])      # at submission: the head
         eng.late.wait()                                       # ready: returns at once
         assert np.array_equal(eng.late.offsets, want)
+        if step:
+            assert [a[0] for a in eng.advanced] == [step]
+            upto, offsets, tickets = eng.advanced[0]
+            assert np.array_equal(offsets, want[:step]) and tickets == 12   # none bound yet
+        else:
+            assert eng.advanced == []
         assert [s.block_hash for s in bound] == ks and all(s.pins == 1 for s in bound)
         eng.progress(4)
         await wait_for_async(lambda: ix.leading(ns, ks) == 4, 10, "the head's commit")
@@ -682,14 +697,17 @@ def test_a_big_store_is_handed_over_with_its_heads_offsets_and_gets_the_rest_in_
         # room assured, yet none found for the rest (a broken promise): the engine is told
         h.srv.index.room.assured = lambda cls, k: True
         free = ix.room.allocate
-        ix.room.allocate = lambda cls, k: free(cls, k) if k == 4 else []
+        calls: list[int] = []        # the head's room only
+        ix.room.allocate = lambda cls, k: free(cls, k) if not calls.append(k) and \
+            len(calls) == 1 else []
         more = [b"%016d" % i for i in range(100, 112)]
         refs = ix.reserve(ns, 12, 7, 0.0)
         used = ix.namespaces.used_bytes_of(ns)
         n = len(h.replies)
         h.dispatch(p.StoreRequest(4, reg, 2, list(range(12)), refs, keys=more))
-        with pytest.raises(Aborted, match="no room for the whole store"):
+        with pytest.raises(Aborted, match="no room for the whole store: stored its first 4 "):
             eng.late.wait()
+        assert eng.advanced == [], "an advance past room that was not found"
         try:
             eng.late.wait()
         except Aborted as e:
