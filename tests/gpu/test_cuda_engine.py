@@ -387,6 +387,8 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
             late.offsets[head:] = decoys[head:]
             seen = []
             fut = engine.submit_store(m, src, late.offsets, ev, seen.append, late)
+            inline = late.step != 0             # the head went out on this thread
+            print(f"{layout} pending={pending} fails={fails}: head launched inline: {inline}")
             try:
                 if not pending:
                     # the head went out on this thread: it lands with nothing more from us
@@ -401,7 +403,10 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
                              "the advanced chunk's bytes in the pool before the rest is written")
                     assert not fut.done()
                 else:
-                    assert late.step == 0
+                    # (a fresh worker's first kernels can be done before its call returns, so
+                    # the event may be done already: then the head went out here)
+                    assert not inline or w.call("event_done"), \
+                        "the head was launched before the worker's kernels were done"
             finally:
                 if fails:
                     late.fail(Aborted("no room for the rest"))
@@ -411,7 +416,8 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
             if fails:
                 with pytest.raises(Aborted, match="no room for the rest"):
                     fut.result(60)
-                assert seen == ([] if pending else [head, 48])
+                assert seen == ([head] if inline and pending else [] if pending
+                                else [head, 48])
             else:
                 fut.result(60)
                 want = w.call("blocks", src.tolist()) if want is None else want
