@@ -40,6 +40,25 @@ def _scheduler(d):
     return SchedulerClient(d.client_config(timeout_ms=10000), name="gpu-test-scheduler")
 
 
+def _round_trip(w, sched, ns: bytes, keys: list[bytes], seed: int, what: str = "") -> None:
+    """Store blocks 0-15 of ``w`` (filled from ``seed``) under ``keys``, look them up, load
+    them into blocks 32-47, and check the bytes."""
+    slots, grant = _reserve(sched, ns, len(keys))
+    assert all(s >= 0 for s in slots), slots
+    w.call("fill", seed)
+    want = w.call("blocks", list(range(16)))
+    dt, ok, msg = w.call("store", list(range(16)), slots, keys, grant)
+    assert ok, msg
+    reply = sched.lookup(ns, [keys], pin=True)
+    assert reply.hits == [16]
+    w.call("poison", POISON)
+    dt, ok, msg = w.call("load", reply.slots[0], list(range(32, 48)))
+    assert ok, msg
+    sched.release(reply.leases)
+    got = w.call("blocks", list(range(32, 48)))
+    assert (got == want).all(), f"{what}loaded KV differs from stored KV"
+
+
 @pytest.mark.parametrize("layout", ["per_layer", "block_outer", "mla"])
 def test_daemon_round_trip(gpu_daemon, layout):
     w = Worker(0, layout, 64)
@@ -47,21 +66,7 @@ def test_daemon_round_trip(gpu_daemon, layout):
     try:
         ns = hashlib.blake2b(layout.encode(), digest_size=16).digest()
         w.call("connect", gpu_daemon.socket, ns, 0, 1)
-        keys = _keys(layout, 16)
-        slots, grant = _reserve(sched, ns, len(keys))
-        assert all(s >= 0 for s in slots), slots
-        w.call("fill", 11)
-        want = w.call("blocks", list(range(16)))
-        dt, ok, msg = w.call("store", list(range(16)), slots, keys, grant)
-        assert ok, msg
-        reply = sched.lookup(ns, [keys], pin=True)
-        assert reply.hits == [16]
-        w.call("poison", POISON)
-        dt, ok, msg = w.call("load", reply.slots[0], list(range(32, 48)))
-        assert ok, msg
-        sched.release(reply.leases)
-        got = w.call("blocks", list(range(32, 48)))
-        assert (got == want).all(), "loaded KV differs from stored KV"
+        _round_trip(w, sched, ns, _keys(layout, 16), 11)
     finally:
         sched.close()
         w.close()
@@ -70,9 +75,10 @@ def test_daemon_round_trip(gpu_daemon, layout):
 
 @pytest.mark.parametrize("layout", ["per_layer", "block_outer"])
 def test_daemon_round_trip_in_chunks_with_late_offsets(daemon_factory, layout):
-    """Chunks of 4 blocks: a 16-block store launches its first two chunks before the daemon
-    finds room for the rest, a 16-block load its first chunk before it finds the rest's
-    slots (late offsets on both sides), and the bytes come back exact."""
+    """Chunks of 4 blocks: a 16-block store launches its first chunk before the daemon finds
+    room for the rest (and the next once that chunk's room is found), a 16-block load its
+    first chunk before it finds the rest's slots (late offsets on both sides), and the bytes
+    come back exact."""
     d = daemon_factory(pool_size="3GiB", extra=["--cuda", "on", "--extent-size", "64MiB",
                                                 "--chunk-blocks", "4"])
     w = Worker(0, layout, 64)
@@ -81,20 +87,7 @@ def test_daemon_round_trip_in_chunks_with_late_offsets(daemon_factory, layout):
         ns = hashlib.blake2b(b"chunks" + layout.encode(), digest_size=16).digest()
         w.call("connect", d.socket, ns, 0, 1)
         for rep in range(3):
-            keys = _keys(f"{layout}-{rep}", 16)
-            slots, grant = _reserve(sched, ns, len(keys))
-            w.call("fill", 20 + rep)
-            want = w.call("blocks", list(range(16)))
-            dt, ok, msg = w.call("store", list(range(16)), slots, keys, grant)
-            assert ok, msg
-            reply = sched.lookup(ns, [keys], pin=True)
-            assert reply.hits == [16]
-            w.call("poison", POISON)
-            dt, ok, msg = w.call("load", reply.slots[0], list(range(32, 48)))
-            assert ok, msg
-            sched.release(reply.leases)
-            got = w.call("blocks", list(range(32, 48)))
-            assert (got == want).all(), f"rep {rep}: loaded KV differs from stored KV"
+            _round_trip(w, sched, ns, _keys(f"{layout}-{rep}", 16), 20 + rep, f"rep {rep}: ")
     finally:
         sched.close()
         w.close()
