@@ -54,7 +54,6 @@ _KERNEL_ALIGN = 16
 _OPENED_EVENTS_MAX = 256   # a worker's store events we keep open (it should reuse a ring)
 
 
-
 # ---- registrations ---------------------------------------------------------------------------
 
 class CudaMapped(Mapped):
@@ -344,10 +343,7 @@ class CudaCopyEngine(CopyEngine):
         # The first chunk, launched on the caller's thread (``cuda_lane``): its offsets are
         # all a big store needs to start copying; the next chunk's go out on that thread too
         # (``LateOffsets.step``), before the loop finds room for the rest.
-        if not (self.inline_first_chunk and 0 < self.chunk_blocks < n):
-            return 0
-        bounds = chunk_bounds(n, self.chunk_blocks, TAIL_BLOCKS, HEAD_BLOCKS)
-        return bounds[1] if len(bounds) > 2 else 0
+        return self._first_chunk(n, TAIL_BLOCKS)
 
     def submit_load(self, mapped: Mapped, shard_offsets: np.ndarray, block_ids: np.ndarray,
                     late: LateOffsets | None = None) -> Future[JobResult]:
@@ -356,9 +352,14 @@ class CudaCopyEngine(CopyEngine):
     def load_head(self, n: int) -> int:
         # The first chunk, launched on the caller's thread: what the loop does after it (the
         # rest's slots, the pins: ~0.4 ms for 1024 blocks) is shorter than its copy (~1.2 ms).
+        return self._first_chunk(n, 0)
+
+    def _first_chunk(self, n: int, tail: int) -> int:
+        """Items in the first of the chunks a lane cuts an ``n``-item job into (``tail``: its
+        last chunk's bound, ``Lane.submit``); 0 where it goes in one piece or not inline."""
         if not (self.inline_first_chunk and 0 < self.chunk_blocks < n):
             return 0
-        bounds = chunk_bounds(n, self.chunk_blocks, 0, HEAD_BLOCKS)
+        bounds = chunk_bounds(n, self.chunk_blocks, tail, HEAD_BLOCKS)
         return bounds[1] if len(bounds) > 2 else 0
 
     def _submit(self, mapped: Mapped, to_pool: bool, block_ids: np.ndarray,

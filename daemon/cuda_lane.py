@@ -78,8 +78,9 @@ class Job:
     error: BaseException | None = None   # a launch that failed after some chunks went out
     bounds: list[int] = field(default_factory=list)   # item bounds of its chunks
     launched: int = 0                    # chunks enqueued so far
-    # A store whose offsets past its head come after submission (``copy_engine``): the
-    # caller's thread launches the head's chunks at most, this lane's thread waits for the rest.
+    # A job whose offsets past its head come after submission (``copy_engine``): the caller's
+    # thread launches its first chunk (and, a store's, the next on ``advance``) at most, this
+    # lane's thread waits for the rest.
     late: LateOffsets | None = None
 
 
@@ -127,10 +128,8 @@ class Lane:
                                   HEAD_BLOCKS if eng.inline_first_chunk else 0)
         small = (len(job.bounds) == 2 and job.late is None
                  and len(job.block_ids) * job.mapped.copies_per_block(eng) <= eng.inline_max_ops)
-        # A late store: every chunk its head covers (``CudaCopyEngine.store_head``), else the
-        # first chunk
-        heads = 1 if job.late is None else sum(b <= job.late.head for b in job.bounds[1:])
-        first = eng.inline_first_chunk and len(job.bounds) > 2 and heads > 0
+        first = eng.inline_first_chunk and len(job.bounds) > 2 and (
+            job.late is None or job.bounds[1] <= job.late.head)
         if (small or first) and self.launch_lock.acquire(blocking=False):
             try:
                 with self.qlock:
@@ -138,8 +137,7 @@ class Lane:
                 if idle:
                     try:
                         cuda.use_device(self.gpu.ordinal)
-                        launched = self._launch(job, inline=True,
-                                                chunks=None if small else heads)
+                        launched = self._launch(job, inline=True, chunks=None if small else 1)
                     except Exception as e:  # noqa: BLE001 - failures go back through the future
                         eng._finish(job, e)
                         return

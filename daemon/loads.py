@@ -67,8 +67,8 @@ class Loads:
             if started is not None:
                 return started
         slots = self.index.resolve_load(ns, refs, keys)
-        found = [s for s in slots if s is not None]
-        if len(found) == len(slots) and all(s.state == COMMITTED for s in found):
+        if _all_committed(slots):
+            found: list[Slot] = slots      # type: ignore[assignment]
             fut = reg.engine.submit_load(reg.mapped, _offsets(found), blocks)
             self.index.pin(found)     # before the loop turns: nothing can evict them meanwhile
             return fut, found
@@ -91,7 +91,7 @@ class Loads:
         the head is not all there."""
         ns = reg.namespace
         first = self.index.resolve_load(ns, refs[:head], keys[:head])
-        if not all(s is not None and s.state == COMMITTED for s in first):
+        if not _all_committed(first):
             return None
         held: list[Slot] = first        # type: ignore[assignment]
         late = LateOffsets(np.empty(len(refs), np.int64), head)
@@ -106,7 +106,7 @@ class Loads:
         except BaseException:
             late.fail(Aborted("the load was interrupted"))    # no engine thread waits forever
             raise
-        if all(s is not None and s.state == COMMITTED for s in rest):
+        if _all_committed(rest):
             late.offsets[head:] = _offsets(rest)        # type: ignore[arg-type]
             late.ready()
             self.index.pin(rest)                        # type: ignore[arg-type]
@@ -255,6 +255,11 @@ class Loads:
 class _RestApart(Aborted):
     """A late load's rest is not all in the pool: its head's copy ends with this, then the
     rest runs as a load of its own (``Loads._load_rest``)."""
+
+
+def _all_committed(slots: list[Slot | None]) -> bool:
+    """Whether every block resolved to a committed slot (a load that is one copy)."""
+    return all(s is not None and s.state == COMMITTED for s in slots)
 
 
 def _offsets(slots: list[Slot]) -> np.ndarray:
