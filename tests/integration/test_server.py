@@ -522,9 +522,10 @@ class _HeldEngine:
     """A CUDA-region engine that copies nothing: it keeps each store's future, progress and
     late offsets for the test to play the copy, and notes what the index held at submission.
     ``head``: what it asks of a store before its copy starts (``store_head``); ``step``: where
-    it asks the caller to ``advance`` to first (``LateOffsets.step``), noting each advance."""
+    it asks the caller to ``advance`` to first (``LateOffsets.step``), noting each advance;
+    ``load_head``: a load's (``load_head``, 0: it takes no loads), whose future it keeps."""
 
-    def __new__(cls, srv_of, head: int = 0, step: int = 0):
+    def __new__(cls, srv_of, head: int = 0, step: int = 0, load_head: int = 0):
         from concurrent.futures import Future
 
         from kvpool.daemon.copy_engine import CopyEngine, Mapped
@@ -561,8 +562,13 @@ class _HeldEngine:
                         (upto, late.offsets[:upto].copy(), srv.index.ticket_count))
                 return self.fut
 
+            def load_head(self, n):
+                return load_head if 0 < load_head < n else 0
+
             def submit_load(self, mapped, shard_offsets, block_ids, late=None):
-                raise AssertionError
+                assert load_head, "no loads here"
+                self.load_fut, self.load_late = Future(), late
+                return self.load_fut
         return Held()
 
 
@@ -573,13 +579,13 @@ class _ServerHarness:
     slot = 4096
     ns = b"s" * 16
 
-    def __init__(self, pool, head: int = 0, step: int = 0) -> None:
+    def __init__(self, pool, head: int = 0, step: int = 0, load_head: int = 0) -> None:
         from kvpool.daemon.server import Server
         from kvpool.shared.config import DaemonConfig
 
         cfg = DaemonConfig(pool_name=pool.name.lstrip("/"), pool_size="8MiB",
                            extent_size="1MiB")
-        self.engine = _HeldEngine(lambda: self.srv, head, step)
+        self.engine = _HeldEngine(lambda: self.srv, head, step, load_head)
         self.srv = Server(cfg, pool, {p.CudaRegion: self.engine})
         self.replies: list = []
         self.srv._send = self.srv.jobs.send = lambda _identity, r: self.replies.append(r)
@@ -718,5 +724,46 @@ def test_a_big_store_is_handed_over_with_its_heads_offsets_and_gets_the_rest_in_
         assert ix.pinned_count() == 0
         ix.stores.expire(0.0)             # housekeeping forgets the dropped slots' bindings
         assert ix.stores.bound == {}
+
+    asyncio.run(run())
+
+
+def test_a_late_load_whose_worker_goes_before_its_rest_is_aborted_and_pins_nothing(pool):
+    """A late load whose rest is not all in the pool waits for its head to land, then loads
+    the rest as a job of its own; where the worker unregistered meanwhile, the job is answered
+    ABORTED instead, and neither the head's pins nor anything else is left behind."""
+    import asyncio
+
+    from kvpool.daemon.copy_engine import JobResult
+    from kvpool.shared.errors import Aborted
+
+    h = _ServerHarness(pool, load_head=4)
+    eng, ns, slot = h.engine, h.ns, h.slot
+
+    async def run():
+        reg = await h.register()
+        ix = h.srv.index
+        ks = [b"%016d" % i for i in range(16)]
+        n = len(h.replies)
+        h.dispatch(p.StoreRequest(3, reg, 1, list(range(16)), ix.reserve(ns, 16, 7, 0.0),
+                                  keys=ks))
+        eng.fut.set_result(JobResult(16 * slot))
+        assert (await h.reply_after(n)).code == 0
+        refs = ix.lookup(ns, [ks], False, 7, 0.0)[2][0]
+        refs[9] ^= 1 << 40                  # gone since the lookup: the rest is not all there
+        n = len(h.replies)
+        h.dispatch(p.LoadRequest(4, reg, 2, refs, list(range(16))))
+        assert len(h.replies) == n and eng.load_late.head == 4
+        assert ix.pinned_count() == 4                      # the head, copying
+        with pytest.raises(Aborted) as rest:
+            eng.load_late.wait()                           # the rest goes its own way
+        h.dispatch(p.UnregisterRequest(5, reg))            # the worker goes meanwhile
+        eng.load_fut.set_exception(rest.value)             # the head landed
+        await wait_for_async(lambda: any(getattr(r, "job_id", None) == 2
+                                         for r in h.replies[n:]), 10, "the load's reply")
+        done = next(r for r in h.replies[n:] if getattr(r, "job_id", None) == 2)
+        assert done.code == int(ErrorCode.ABORTED) and "disconnected" in done.message
+        assert ix.pinned_count() == 0
+        assert ix.lookup(ns, [ks], False, 7, 0.0)[0] == [16]   # nothing committed was lost
 
     asyncio.run(run())
