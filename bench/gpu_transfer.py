@@ -218,15 +218,20 @@ def big_jobs(trace: dict, owner: int, min_blocks: int, client: dict | None = Non
     nothing enqueued (a chunk launched after the one before it was seen landed)."""
     out = {}
     if client is not None:
-        seen = {jid: (n0, n1) for jid, n0, n1 in client["jobs"]}
+        # (stamps of an older worker have no submit stamp: 0)
+        seen = {jid: (n0, n1, (n_sub or [0])[0]) for jid, n0, n1, *n_sub in client["jobs"]}
         for kind in ("store", "load"):
             r = [(seen[j], t) for (o, j), t in trace.items() if o == client["owner"]
                  and j in seen and t[0] == kind and t[1] >= min_blocks and t[8]]
             if r:
-                out[f"{kind}_client_to_recv_ms"] = round(float(np.median(
-                    [t[2] - n0 for (n0, _), t in r])) / 1e6, 3)
-                out[f"{kind}_sent_to_seen_ms"] = round(float(np.median(
-                    [n1 - t[8] for (_, n1), t in r])) / 1e6, 3)
+                ms = lambda xs: round(float(np.median(xs)) / 1e6, 3)  # noqa: E731
+                out[f"{kind}_client_to_recv_ms"] = ms([t[2] - n0 for (n0, _, _), t in r])
+                out[f"{kind}_sent_to_seen_ms"] = ms([n1 - t[8] for (_, n1, _), t in r])
+                if all(ns for (_, _, ns), _ in r):
+                    # client_to_recv's two parts: the client's submit call (its event and
+                    # the request's encoding), then the transport and the daemon's decode
+                    out[f"{kind}_client_submit_ms"] = ms([ns - n0 for (n0, _, ns), _ in r])
+                    out[f"{kind}_submitted_to_recv_ms"] = ms([t[2] - ns for (_, _, ns), t in r])
     for kind in ("store", "load"):
         r = [t for (o, _), t in trace.items() if o == owner and t[0] == kind
              and t[1] >= min_blocks and t[4] and t[5] and t[6]]

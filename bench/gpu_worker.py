@@ -302,9 +302,10 @@ class _DaemonBench:
         self.prepared_keys: list[bytes] = []
         self.grant = ""                  # the daemon life that granted the tickets
         self.lease: list[int] = []
-        # (job id, monotonic ns before its submit, ns its completion was seen) of every
-        # one-job ``store`` and ``load``: the client's side of the daemon's KVPOOL_TRACE hops
-        self.timed: list[tuple[int, int, int]] = []
+        # (job id, monotonic ns before its submit, ns its completion was seen, ns its submit
+        # call returned) of every one-job ``store`` and ``load``: the client's side of the
+        # daemon's KVPOOL_TRACE hops
+        self.timed: list[tuple[int, int, int, int]] = []
 
     def _keys(self, n: int) -> list[bytes]:
         import hashlib
@@ -373,19 +374,24 @@ class _DaemonBench:
         keys = self.prepared_keys
         ids = [self.submit_store(blocks[i:i + per], slots[i:i + per], keys[i:i + per])
                for i in range(0, len(blocks), per)]
+        n_sub = time.monotonic_ns()
         self._wait(ids)
         dt = time.perf_counter() - t0
-        self._timed(ids, n0)
+        self._timed(ids, n0, n_sub)
         self._commit(slots)
         return dt
 
-    def _timed(self, ids: list[int], n0: int) -> None:
+    def _timed(self, ids: list[int], n0: int, n_sub: int) -> None:
         if len(ids) == 1:
-            self.timed.append((ids[0], n0, time.monotonic_ns()))
+            self.timed.append((ids[0], n0, time.monotonic_ns(), n_sub))
 
     def job_stamps(self) -> dict:
         """``timed`` with this client's owner id, for joining with the daemon's trace."""
         return {"owner": self.client._t.owner_id, "jobs": self.timed}
+
+    def job_stamps_reset(self) -> None:
+        """Forget the jobs timed so far (a profile of the jobs after this alone)."""
+        self.timed = []
 
     def load(self, blocks: list[int], jobs: int = 1) -> float:
         """Load the last stored batch into ``blocks``; seconds."""
@@ -395,9 +401,10 @@ class _DaemonBench:
         n0 = time.monotonic_ns()
         ids = [self.client.submit_load(self.reg_id, slots[i:i + per], blocks[i:i + per])
                for i in range(0, len(blocks), per)]
+        n_sub = time.monotonic_ns()
         self._wait(ids)
         dt = time.perf_counter() - t0
-        self._timed(ids, n0)
+        self._timed(ids, n0, n_sub)
         return dt
 
     def bidir(self, store_blocks: list[int], load_blocks: list[int], jobs: int = 1) -> float:

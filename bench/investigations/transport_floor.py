@@ -46,9 +46,19 @@ def _zmq_recv(s, spin: bool) -> bytes:
             pass
 
 
-def _zmq_echo(addr: str, spin: bool, ready) -> None:
+def _zmq_context(cpu: int | None):
+    """A context whose I/O thread runs on ``cpu`` with this process (None: anywhere)."""
     import zmq
     ctx = zmq.Context()
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+        ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
+    return ctx
+
+
+def _zmq_echo(addr: str, spin: bool, ready, cpu: int | None = None) -> None:
+    import zmq
+    ctx = _zmq_context(cpu)
     s = ctx.socket(zmq.ROUTER)
     s.bind(addr)
     ready.set()
@@ -63,9 +73,10 @@ def _zmq_echo(addr: str, spin: bool, ready) -> None:
     ctx.term()
 
 
-def _zmq_client(addr: str, spin: bool, reps: int, idle_s: float) -> list[float]:
+def _zmq_client(addr: str, spin: bool, reps: int, idle_s: float,
+                cpu: int | None = None) -> list[float]:
     import zmq
-    ctx = zmq.Context()
+    ctx = _zmq_context(cpu)
     s = ctx.socket(zmq.DEALER)
     s.connect(addr)
     out = []
@@ -127,18 +138,21 @@ def _unix_client(path: str, spin: bool, reps: int, idle_s: float) -> list[float]
     return out
 
 
-def run_variant(kind: str, spin: bool, reps: int, path: str, idle_s: float = 0.0) -> dict:
+def run_variant(kind: str, spin: bool, reps: int, path: str, idle_s: float = 0.0,
+                cpus: tuple[int, int] | None = None) -> dict:
+    """``cpus``: (echo's, client's) CPU, each process and its ZeroMQ I/O thread on its own."""
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     if kind == "zmq":
         target, client, addr = _zmq_echo, _zmq_client, f"ipc://{path}"
     else:
         target, client, addr = _unix_echo, _unix_client, path
-    echo = ctx.Process(target=target, args=(addr, spin, ready), daemon=True)
+    pin = () if cpus is None else (cpus[0],)
+    echo = ctx.Process(target=target, args=(addr, spin, ready, *pin), daemon=True)
     echo.start()
     assert ready.wait(60), f"{kind} echo did not start"
     try:
-        xs = client(addr, spin, reps, idle_s)
+        xs = client(addr, spin, reps, idle_s, *(() if cpus is None else (cpus[1],)))
     finally:
         echo.join(10)
         if echo.is_alive():
@@ -156,14 +170,21 @@ def main() -> None:
                     help="the client sleeps this long before each timed round trip")
     ap.add_argument("--out", default="", help="directory for the JSON (default: print only)")
     args = ap.parse_args()
-    variants = [("zmq", False), ("unix", False), ("zmq", True), ("unix", True)]
-    results: dict = {f"{k}_{'spin' if s else 'sleep'}": [] for k, s in variants}
+    # zmq_pinned: each process on one CPU of its own with its ZeroMQ I/O thread (a wake-up
+    # of the I/O thread by the process's own thread, or the other way, stays on that CPU)
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = (cpus[-1], cpus[-2]) if len(cpus) > 1 else None
+    variants = [("zmq", False, None), ("unix", False, None), ("zmq", True, None),
+                ("unix", True, None)] + ([("zmq", False, pinned)] if pinned else [])
+    name_of = {v: f"{v[0]}_{'pinned' if v[2] else 'spin' if v[1] else 'sleep'}" for v in variants}
+    results: dict = {name_of[v]: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="kvpool-floor-") as tmp:
         for r in range(args.rounds):
-            for kind, spin in variants:
-                name = f"{kind}_{'spin' if spin else 'sleep'}"
+            for v in variants:
+                kind, spin, on = v
+                name = name_of[v]
                 res = run_variant(kind, spin, args.reps, os.path.join(tmp, f"{name}-{r}.sock"),
-                                  args.idle_ms / 1e3)
+                                  args.idle_ms / 1e3, on)
                 results[name].append(res)
                 print(f"round {r}: {name:10s} p50 {res['p50_us']:7.1f} us  p99 "
                       f"{res['p99_us']:7.1f} us", flush=True)

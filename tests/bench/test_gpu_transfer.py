@@ -36,3 +36,21 @@ def test_big_jobs_reads_each_chunks_launch_and_landing_as_gpu_idle_time(tmp_path
     assert out["store_done_to_loop_ms"] == 0.1 and out["store_loop_to_sent_ms"] == 0.1
     assert out["store_end_commit_ms"] == 0.05
     assert "load_gpu_idle_ms_each" not in out and out["load_jobs"] == 1
+
+
+def test_big_jobs_splits_the_clients_hop_at_its_submit_stamp(tmp_path):
+    t0 = 10 * MS
+    path = tmp_path / "trace.txt"
+    path.write_text(_row(7, 1, "store", 1024, t0, [t0 + MS, t0 + 2 * MS],
+                         [t0 + 20 * MS, t0 + 40 * MS]) + "\n")
+    sent = t0 + 40 * MS + MS // 5
+    # (job, before the submit, completion seen, submit returned)
+    client = {"owner": 7, "jobs": [(1, t0 - MS, sent + MS // 4, t0 - 3 * MS // 4)]}
+    out = big_jobs(read_trace(path), 7, 1024, client)
+    assert out["store_client_to_recv_ms"] == 1.0
+    assert out["store_client_submit_ms"] == 0.25 and out["store_submitted_to_recv_ms"] == 0.75
+    assert out["store_sent_to_seen_ms"] == 0.25
+    # a worker's stamps without the submit stamp: the hop stays whole
+    client = {"owner": 7, "jobs": [(1, t0 - MS, sent + MS // 4)]}
+    out = big_jobs(read_trace(path), 7, 1024, client)
+    assert out["store_client_to_recv_ms"] == 1.0 and "store_client_submit_ms" not in out

@@ -17,7 +17,10 @@
 #  confirm: bench/gpu_transfer.py --reps 3 TRANSFER_RUNS times (default 3; TRANSFER_ARGS), then
 #  bench/host_scale.py on every GPU (SCALE_ARGS), then the GPU tests in what is left of
 #  CONFIRM_BUDGET_S (default 560 s); the daemons' event-loop gap lines are collected in gaps.log;
-#  SCALE_PYSPY=1 samples host_scale's daemon with py-spy)
+#  SCALE_PYSPY=1 samples host_scale's daemon with py-spy;
+#  profile: where a big job's fixed cost goes: bench/investigations/launch_cost.py,
+#  transport_floor.py back to back and after 40 ms idle, big_job_profile.py per layout without
+#  and with py-spy (PROFILE_REPS, default 20))
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -125,6 +128,17 @@ if [ "$what" = confirm ]; then
     timeout $left python3 -m pytest -p no:cacheprovider -q -rs --timeout 120 -x \
       -c "$REPO/pyproject.toml" --rootdir "$REPO" ${CONFIRM_TESTS:-"$REPO/tests/gpu"} 2>&1 | tail -40 > "$OUT/tests.log" || rc=1
   fi
+fi
+if [ "$what" = profile ]; then
+  timeout 120 python3 -m bench.investigations.launch_cost --out "$OUT" 2>&1 | tee "$OUT/launch.log" || rc=1
+  timeout 120 python3 -m bench.investigations.transport_floor --reps 1000 --out "$OUT" 2>&1 | grep round | tee "$OUT/floor.log" || rc=1
+  timeout 120 python3 -m bench.investigations.transport_floor --reps 100 --idle-ms 40 --out "$OUT" 2>&1 | grep round | tee -a "$OUT/floor.log" || rc=1
+  for layout in block_outer per_layer; do
+    for spy in "" --pyspy; do
+      timeout 200 python3 -m bench.investigations.big_job_profile --out "$OUT/bjp-$layout$spy" \
+        --layout $layout --reps ${PROFILE_REPS:-20} $spy 2>&1 | tail -60 > "$OUT/bjp-$layout$spy.log" || rc=1
+    done
+  done
 fi
 if [ "$what" = diag+tests ]; then
   timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -q -rs --timeout 180 \
