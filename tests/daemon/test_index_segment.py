@@ -277,3 +277,67 @@ def test_evicted_keys_leave_the_index_after_the_current_callback_in_order(segmen
     later.pop()()                                    # nothing left to do: a stays
     assert segment.location(a) == f.POOL
 
+
+
+def _minor_faults() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def test_a_large_tables_pages_are_mapped_at_start_so_no_put_takes_a_page_fault(
+        index_writer, index_probe):
+    """Keys land at random places of a table sized for the smallest blocks: each fresh key's
+    first touch of its entry's page (and its mirror's) was a page fault on the event loop.
+    Counted as faults (an operation count), on a table of 2**20 entries."""
+    if index_writer == "python" or index_probe == "numpy":
+        pytest.skip("the compiled writer prefaults (the Python one is the slow fallback)")
+    seg = IndexSegment(f"/kvpool-test-index-{os.getpid()}-{secrets.token_hex(4)}", 1 << 20, "d1")
+    try:
+        seg.prefault_wait()
+        keys = [key(i) for i in range(1024)]
+        before = _minor_faults()
+        assert seg.put_many(keys, f.POOL, list(range(1024))) == 1024
+        seg.remove_many(keys[::2])
+        faults = _minor_faults() - before
+        # (a page of Python objects may fault; 1024 random entries of a 48 MiB table and its
+        # mirror would take one or two each)
+        assert faults < 32, f"{faults} page faults for 1024 puts into a prefaulted table"
+        reader = IndexReader.open(seg.name)
+        try:
+            loc, _ = reader.find(NS, [k[16:] for k in keys[:4]])
+            assert list(loc) == [f.EMPTY, f.POOL, f.EMPTY, f.POOL]
+        finally:
+            reader.close()
+    finally:
+        seg.close()
+
+
+def test_a_segment_closed_while_its_pages_are_still_being_mapped_waits_for_them():
+    seg = IndexSegment(f"/kvpool-test-index-{os.getpid()}-{secrets.token_hex(4)}", 1 << 21, "d1")
+    seg.put_many([key(1)], f.POOL, [7])
+    seg.close()                     # joins the prefault before the mapping goes
+    assert seg._buf.closed
+
+
+def test_a_readers_lookups_take_no_page_faults_once_its_mapping_is_read_through(index_probe):
+    """The scheduler's side: a lookup on a fresh mapping of a large table faulted on most of
+    its probes (each key's entry on a page of its own)."""
+    seg = IndexSegment(f"/kvpool-test-index-{os.getpid()}-{secrets.token_hex(4)}", 1 << 20, "d1")
+    try:
+        keys = [key(i) for i in range(2048)]
+        seg.put_many(keys, f.POOL, list(range(2048)))
+        reader = IndexReader.open(seg.name)
+        try:
+            reader.prefault_wait()
+            hashes = [k[16:] for k in keys]
+            before = _minor_faults()
+            for i in range(0, 2048, 256):
+                reader.leading(NS, hashes[i:i + 256])
+            loc, ref = reader.find(NS, hashes[:256])
+            faults = _minor_faults() - before
+            assert list(loc) == [f.POOL] * 256 and list(ref) == list(range(256))
+            assert faults < 32, f"{faults} page faults for 2304 probes of a read-through table"
+        finally:
+            reader.close()
+    finally:
+        seg.close()
