@@ -20,9 +20,13 @@
 #  SCALE_PYSPY=1 samples host_scale's daemon with py-spy;
 #  profile: where a big job's fixed cost goes: bench/investigations/launch_cost.py,
 #  transport_floor.py back to back and after 40 ms idle, big_job_profile.py per layout without
-#  and with py-spy (PROFILE_REPS, default 20))
+#  and with py-spy (PROFILE_REPS, default 20);
+#  ab: the daemon and client of this tree against those of the tree at $OLD (a path: e.g. a
+#  `git archive OLD_COMMIT | tar -x -C .old`), the same bench scripts: gpu_transfer --reps 3
+#  new, old, new, then big_job_profile new and old (AB_REPS, default 20))
 set -uo pipefail
 what=${1:-all}; shift || true
+ROOT=$PWD
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 WHL=${WHL:-$PWD/../../.whl}
 [ -d "$WHL" ] || WHL=$PWD/.whl
@@ -128,6 +132,26 @@ if [ "$what" = confirm ]; then
     timeout $left python3 -m pytest -p no:cacheprovider -q -rs --timeout 120 -x \
       -c "$REPO/pyproject.toml" --rootdir "$REPO" ${CONFIRM_TESTS:-"$REPO/tests/gpu"} 2>&1 | tail -40 > "$OUT/tests.log" || rc=1
   fi
+fi
+if [ "$what" = ab ]; then
+  old=$(cd "$ROOT" && cd "${OLD:-/nonexistent}" 2>/dev/null && pwd) \
+    || { echo "run.sh ab: OLD must name an old tree"; exit 2; }
+  rm -rf /tmp/ppo && mkdir -p /tmp/ppo/kvpool && cp "$old/kvpool/__init__.py" /tmp/ppo/kvpool/
+  for d in shared daemon client; do ln -s "$old/$d" /tmp/ppo/kvpool/$d; done
+  (cd "$old" && python3 setup.py -q build_ext --inplace >/dev/null 2>&1 && rm -rf build) \
+    || echo "run.sh ab: the old tree's C extensions not built"
+  cp -r "$REPO/bench" "$REPO/tests" "$REPO/pyproject.toml" /tmp/ppo/
+  for k in new old new; do
+    pp=/tmp/pp; [ $k = old ] && pp=/tmp/ppo
+    (cd $pp && PYTHONPATH=$pp:/tmp/site timeout ${BENCH_TIMEOUT:-170} python3 -m bench.gpu_transfer \
+      --out "$OUT/ab-$k-$SECONDS" --tmp /tmp/kvpool-ab-$k --reps 3 2>&1 | grep "^\[summary\]" \
+      | tee -a "$OUT/ab.log") || rc=1
+  done
+  for k in new old; do
+    pp=/tmp/pp; [ $k = old ] && pp=/tmp/ppo
+    (cd $pp && PYTHONPATH=$pp:/tmp/site timeout 200 python3 -m bench.investigations.big_job_profile \
+      --out "$OUT/bjp-$k" --reps ${AB_REPS:-20} > "$OUT/bjp-$k.log" 2>&1) || rc=1
+  done
 fi
 if [ "$what" = profile ]; then
   timeout 120 python3 -m bench.investigations.launch_cost --out "$OUT" 2>&1 | tee "$OUT/launch.log" || rc=1
