@@ -218,7 +218,8 @@ class WorkerClient:
             self._t.disconnect(backoff=False)
         self._t.ensure_connected()
         job = next(self._job_ids)
-        req_id = self._t.send(lambda rid: make(rid, job, reg.daemon_id))
+        # (connected just now: ``send`` would read the monitor socket a third time)
+        req_id = self._t.send_connected(lambda rid: make(rid, job, reg.daemon_id))
         self._in_flight.add(job)
         self._job_of_req[req_id] = job
         return job
