@@ -389,6 +389,31 @@ class _DaemonBench:
         """``timed`` with this client's owner id, for joining with the daemon's trace."""
         return {"owner": self.client._t.owner_id, "jobs": self.timed}
 
+    def submit_parts(self, blocks: list[int], reps: int, idle_s: float) -> dict[str, float]:
+        """Median microseconds of a submit's parts on this worker, each after ``idle_s`` of
+        sleep (as a big job's copy leaves the worker idle): the store's event record, the
+        store's and the load's request built and encoded, and one whole connection check."""
+        from kvpool.shared import protocol as p
+        keys = self._keys(len(blocks))
+        parts: dict[str, list[float]] = {"record_us": [], "store_encode_us": [],
+                                         "load_encode_us": [], "connection_check_us": []}
+        for _ in range(reps):
+            time.sleep(idle_s)
+            t0 = time.perf_counter()
+            ev = self.store_events.record()
+            t1 = time.perf_counter()
+            p.encode(p.StoreRequest(1, self.reg_id, 1, list(blocks), list(blocks), ev,
+                                    list(keys), self.grant))
+            t2 = time.perf_counter()
+            p.encode(p.LoadRequest(1, self.reg_id, 1, list(blocks), list(blocks), []))
+            t3 = time.perf_counter()
+            self.client._t.ensure_connected()
+            t4 = time.perf_counter()
+            for k, a, b in (("record_us", t0, t1), ("store_encode_us", t1, t2),
+                            ("load_encode_us", t2, t3), ("connection_check_us", t3, t4)):
+                parts[k].append((b - a) * 1e6)
+        return {k: round(float(np.median(v)), 1) for k, v in parts.items()}
+
     def job_stamps_reset(self) -> None:
         """Forget the jobs timed so far (a profile of the jobs after this alone)."""
         self.timed = []

@@ -12,6 +12,8 @@ request), ``--reps`` stores and loads alternated, and:
 - reports gpu_transfer's ``big_jobs`` hops of these jobs (with the client's submit call split
   off: ``client_submit``, the call's own time; ``submitted_to_recv``, the transport and the
   request's decode) and the paired ratios;
+- times the worker's submit call in parts (``client_submit_parts_us``: the store's event
+  record, each request built and encoded, a connection check), each after 40 ms idle;
 - with ``--pyspy``, samples the daemon and the worker with py-spy (``--rate`` Hz, only
   threads that are running: an idle loop's samples would drown the ~1 ms per job it works)
   during exactly these jobs, into folded-stack files, and sums the daemon's samples per thread
@@ -116,6 +118,8 @@ def main() -> None:
         res["paired_ratio_median"] = {k: round(statistics.median(v), 4)
                                       for k, v in ratios.items()}
         res["paired_ratio_each"] = {k: [round(x, 4) for x in v] for k, v in ratios.items()}
+        # the worker's submit call in parts, each after 40 ms idle
+        res["client_submit_parts_us"] = bench("submit_parts", blocks, 20, 0.04)
         stamps = bench("job_stamps")
         timed = {(stamps["owner"], j[0]) for j in stamps["jobs"]}   # not the warm-up's jobs
         trace = {k: t for k, t in read_trace(trace_path).items() if k in timed}
