@@ -195,8 +195,8 @@ static PyObject *Writer_close(Writer *self, PyObject *unused)
  * entry and its mirror sit at a random place of a table sized for the smallest blocks, so
  * without this nearly every new key took a page fault or two on the event loop (16 us a key on
  * a 2-core VM, 0.2 ms for a store's last 32 slots on an H200 host). MADV_POPULATE_WRITE where
- * the kernel has it, else one atomic compare-and-swap per page (a locked write that stores
- * what it read: safe beside the loop's writes to the same page). */
+ * the kernel has it, else (from where it failed) one atomic compare-and-swap per page (a
+ * locked write that stores what it read: safe beside the loop's writes to the same page). */
 static void populate(void *start, size_t len)
 {
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
@@ -205,8 +205,18 @@ static void populate(void *start, size_t len)
     if (hi <= lo)
         return;
 #ifdef MADV_POPULATE_WRITE
-    if (madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE) == 0)
+    /* A piece at a time: the kernel holds the process's mmap lock through each call, and the
+     * loop's own mmaps (a new arena, a registration) wait for it (one call over a 2**21-entry
+     * table stalled the loop 79-142 ms on an H200 host). */
+    uintptr_t piece = (uintptr_t)1 << 20, at = lo;
+    for (; at < hi; at += piece) {
+        uintptr_t end = hi - at < piece ? hi : at + piece;
+        if (madvise((void *)at, end - at, MADV_POPULATE_WRITE) != 0)
+            break;
+    }
+    if (at >= hi)
         return;
+    lo = at;
 #endif
     for (uintptr_t p = lo; p < hi; p += page) {
         uint8_t seen = 0;
