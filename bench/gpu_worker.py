@@ -271,6 +271,24 @@ class _NoEvents:
         return b""
 
 
+def _record_variants() -> dict[str, Any]:
+    """Other ways to record a store's event on the current stream, for ``submit_parts``: an
+    interprocess event through the driver (no torch), a plain torch event, and the same
+    torch interprocess record with its stream looked up once."""
+    import torch
+
+    from kvpool.daemon import cuda
+    stream = torch.cuda.current_stream()
+    handle = stream.cuda_stream
+    cuda.use_device(torch.cuda.current_device())
+    ipc = cuda.event_create(True, False)
+    plain = torch.cuda.Event()
+    ipc_torch = torch.cuda.Event(interprocess=True)
+    return {"record_driver_ipc_us": lambda: cuda.event_record(ipc, handle),
+            "record_torch_plain_us": lambda: plain.record(stream),
+            "record_torch_ipc_stream_given_us": lambda: ipc_torch.record(stream)}
+
+
 def _no_sync() -> None:
     return None
 
@@ -397,7 +415,13 @@ class _DaemonBench:
         keys = self._keys(len(blocks))
         parts: dict[str, list[float]] = {"record_us": [], "store_encode_us": [],
                                          "load_encode_us": [], "connection_check_us": []}
+        others = _record_variants() if hasattr(self.store_events, "_events") else {}
         for _ in range(reps):
+            for name, record in others.items():     # what the store's record could cost
+                time.sleep(idle_s)
+                t0 = time.perf_counter()
+                record()
+                parts.setdefault(name, []).append((time.perf_counter() - t0) * 1e6)
             time.sleep(idle_s)
             t0 = time.perf_counter()
             ev = self.store_events.record()
