@@ -17,12 +17,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
+#include <sched.h>
 #include <unistd.h>
 
-#if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
-#define MADV_POPULATE_WRITE 23      /* Linux 5.14; an older kernel answers EINVAL */
-#endif
 
 #define HEADER_BYTES 4096
 #define H_PUBLISHED 64
@@ -191,37 +188,26 @@ static PyObject *Writer_close(Writer *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* Page tables for the whole of [start, start + len), writable, with no byte changed: a key's
+/* Every page of [start, start + len) mapped now, writable, with no byte changed: a key's
  * entry and its mirror sit at a random place of a table sized for the smallest blocks, so
  * without this nearly every new key took a page fault or two on the event loop (16 us a key on
- * a 2-core VM, 0.2 ms for a store's last 32 slots on an H200 host). MADV_POPULATE_WRITE where
- * the kernel has it, else (from where it failed) one atomic compare-and-swap per page (a
- * locked write that stores what it read: safe beside the loop's writes to the same page). */
+ * a 2-core VM, 0.2 ms for a store's last 32 slots on an H200 host). One atomic compare-and-swap
+ * per page (a locked write that stores what it read: safe beside the loop's writes to the same
+ * page), so each page costs an ordinary fault, as it would have on the loop. Not
+ * MADV_POPULATE_WRITE: with it the loop of a daemon on an H200 host stopped for up to 207 ms
+ * (blocked, not running) while a 2**21-entry table was populated, even in 256 KiB calls. */
 static void populate(void *start, size_t len)
 {
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t lo = ((uintptr_t)start + page - 1) & ~(page - 1);
     uintptr_t hi = ((uintptr_t)start + len) & ~(page - 1);
-    if (hi <= lo)
-        return;
-#ifdef MADV_POPULATE_WRITE
-    /* A piece at a time: the kernel holds the process's mmap lock through each call, and the
-     * loop's own mmaps (a new arena, a registration) wait for it (one call over a 2**21-entry
-     * table stalled the loop 79-142 ms on an H200 host). */
-    uintptr_t piece = (uintptr_t)1 << 20, at = lo;
-    for (; at < hi; at += piece) {
-        uintptr_t end = hi - at < piece ? hi : at + piece;
-        if (madvise((void *)at, end - at, MADV_POPULATE_WRITE) != 0)
-            break;
-    }
-    if (at >= hi)
-        return;
-    lo = at;
-#endif
+    unsigned n = 0;
     for (uintptr_t p = lo; p < hi; p += page) {
         uint8_t seen = 0;
         __atomic_compare_exchange_n((uint8_t *)p, &seen, 0, 0, __ATOMIC_RELAXED,
                                     __ATOMIC_RELAXED);
+        if (++n % 256 == 0)
+            sched_yield();
     }
 }
 

@@ -50,7 +50,7 @@ MAX_LOAD = 0.75
 def capacity_for(pool_bytes: int, disk_bytes: int, setting: int = 0) -> int:
     """Entries of the table: ``setting`` when given (a power of two is taken above it), else
     enough for twice the blocks of 16 KiB a pool of ``pool_bytes`` and a disk tier of
-    ``disk_bytes`` can hold, between 4096 and 2**22 (192 MiB of mostly untouched pages)."""
+    ``disk_bytes`` can hold, between 4096 and 2**22 (192 MiB, all mapped at start)."""
     want = setting or 2 * (pool_bytes + disk_bytes) // (16 << 10)
     want = min(max(want, 4096), 1 << 26 if setting else 1 << 22)
     return 1 << (want - 1).bit_length()

@@ -216,7 +216,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "file to append one line per copy job to, with the monotonic ns of each hop (received, "
         "submitted, copy started and done, replied); empty: off")] = ""
     # ---- the shared-memory index (appended; issue 37) ----
-    # 48 bytes an entry, mapped by every scheduler; pages untouched by keys cost nothing. Full
+    # 48 bytes an entry in /dev/shm, mapped by every scheduler, and 33 in the daemon's mirror;
+    # every page is mapped at start (a thread's job: no put or lookup takes a page fault). Full
     # (3/4 of the entries), new keys go unpublished: lookups miss them, they are never wrong.
     index_entries: Annotated[int, _doc(
         "entries of the shared-memory index that schedulers read their hits in (rounded up to "
