@@ -149,6 +149,15 @@ def start_daemon(tmp: Path, pool_size: str, env: dict | None = None, tag: str = 
     return proc, sock
 
 
+def stop_daemon(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL past 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def gemm_alone_and_with(gemm: Worker, offloader: Worker | None, iters: int, offload_cmd
                         ) -> tuple[float, float | None]:
     gemm.conn.send(("gemm", iters))
@@ -363,11 +372,7 @@ def daemon_run(args, res: dict) -> None:
     finally:
         gemm.close()
         link.close()
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_daemon(proc)
         res["daemon_log_tail"] = (tmp / "kvpoold.log").read_text(errors="replace")[-4000:]
 
 

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from bench.gpu_transfer import (BLOCK_BYTES, LinkReference, Worker, big_jobs, read_trace,
-                                start_daemon)
+                                start_daemon, stop_daemon)
 
 
 def pyspy(pid: int, path: Path, rate: int) -> subprocess.Popen:
@@ -131,11 +131,7 @@ def main() -> None:
         w.close()
         if link is not None:
             link.close()
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_daemon(proc)
     path = out / f"big-job-profile-{dt.date.today().isoformat()}-{os.getpid()}.json"
     path.write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if not k.startswith("pyspy")}, indent=1))
