@@ -54,7 +54,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from bench.engine_e2e import SAME_CORES, Daemon, mean_ttft, moved, snapshot  # noqa: E402
-from bench.vllm_engine.hybrid_model import HYBRID_BLOCK, qwen3_next_config  # noqa: E402
+from bench.vllm_engine.hybrid_model import (  # noqa: E402
+    HYBRID_BLOCK, hybrid_weights, qwen3_next_config)
 from bench.vllm_engine.model import write_model  # noqa: E402
 from bench.vllm_engine.runner import ENGINE_PYTHON, Engine  # noqa: E402
 
@@ -81,7 +82,7 @@ def hybrid_config(quick: bool) -> dict:
 
 
 def settings(model: str, daemon: Daemon | None, plan: dict, kv_cache_bytes: int) -> dict:
-    return {"model": model, "init": "hybrid", "load_format": "dummy", "dtype": "bfloat16",
+    return {"model": model, "dtype": "bfloat16", "mamba_ssm_cache_dtype": "bfloat16",
             "socket": daemon.socket if daemon else None, "kv_cache_bytes": kv_cache_bytes,
             "max_model_len": plan["max_model_len"], "max_num_batched_tokens": 2048,
             "max_num_seqs": 16}
@@ -173,7 +174,7 @@ def one_run(plan: dict, cfg: dict, run: int) -> dict:
     """Both arms once, in an order that turns with the run."""
     with tempfile.TemporaryDirectory(prefix="kvpool-hybrid-") as tmp:
         work = Path(tmp)
-        model = write_model(str(work / "model"), cfg, weights=False)
+        model = write_model(str(work / "model"), cfg, weights=hybrid_weights)
         daemon = Daemon(work, plan["pool_size"])
         out: dict = {arm: {} for arm in ARMS}
         try:

@@ -23,14 +23,13 @@ between steps:
   (a P/D proxy handing the prefill's answer to the decode instance) or ``prompts`` (a chat's
   next turn, which depends on the last answer).
 
-Spec keys beside the engine settings: ``"init": "hybrid"`` re-initialises the weights of the tiny
-hybrid model (``bench.vllm_engine.hybrid_model``) after a dummy load; ``"inprocess": true`` runs
-vLLM's engine core in this process (what ``zero_states`` needs; the engine tests use it to start
-in a third of the time), which the driver then steps while it has work after each step
+Spec keys beside the engine settings (``mamba_ssm_cache_dtype`` among them): ``"inprocess": true``
+runs vLLM's engine core in this process (what ``zero_states`` needs; the engine tests use it to
+start in a third of the time), which the driver then steps while it has work after each step
 (``settle``), as vLLM's engine-core process would between calls.
 
 The ready line lists the pids of the engine's processes (the driver leads its own session), so
-a test can name the KV segments they own.
+a test can name the KV segments they own, and the block size vLLM resolved.
 """
 
 from __future__ import annotations
@@ -70,6 +69,7 @@ def build_llm(spec: dict):
                max_num_seqs=spec.get("max_num_seqs", 16),
                max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
                kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
+               mamba_ssm_cache_dtype=spec.get("mamba_ssm_cache_dtype", "auto"),
                enable_prefix_caching=True, kv_transfer_config=kvt,
                disable_log_stats=False)
 
@@ -124,19 +124,10 @@ def main() -> None:
         spec = json.load(f)
     if spec.get("inprocess"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if spec.get("init"):
-        # apply_model sends a function to the workers: by reference (a module function here),
-        # which vLLM's serializer accepts only with this set.
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     t0 = time.perf_counter()
     llm = build_llm(spec)
-    if spec.get("init") == "hybrid":
-        from bench.vllm_engine.hybrid_model import init_weights
-
-        llm.apply_model(init_weights)
-    elif spec.get("init"):
-        raise SystemExit(f"driver: unknown init {spec['init']!r}")
     emit({"ready": True, "startup_s": time.perf_counter() - t0,
+          "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
           "pids": session_pids(os.getsid(0))})
     given: dict = {}
     for i, step in enumerate(spec["steps"]):

