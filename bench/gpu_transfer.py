@@ -141,12 +141,19 @@ def start_daemon(tmp: Path, pool_size: str, env: dict | None = None, tag: str = 
         time.sleep(0.05)
     profile = os.environ.get("KVPOOL_BENCH_PYSPY")
     if profile:
-        # Sampled for the daemon's whole life, every thread, idle ones too, without pausing it
-        # (folded stacks: one line per stack and its count).
-        subprocess.Popen(["py-spy", "record", "-p", str(proc.pid), "-o", f"{profile}{tag}.txt",
-                          "--format", "raw", "-r", "250", "--threads", "--idle",
-                          "--nonblocking"], stdout=log, stderr=log)
+        # for the daemon's whole life, idle threads too
+        pyspy_record(proc.pid, f"{profile}{tag}.txt", 250, idle=True, log=log)
     return proc, sock
+
+
+def pyspy_record(pid: int, path: str | Path, rate: int, idle: bool = False,
+                 log=subprocess.DEVNULL) -> subprocess.Popen:
+    """py-spy sampling process ``pid`` at ``rate`` Hz, every thread, without pausing it, into
+    folded stacks at ``path`` (one line per stack and its count) once it stops (SIGINT or the
+    process's end); ``idle``: sleeping threads' samples too."""
+    return subprocess.Popen(["py-spy", "record", "-p", str(pid), "-o", str(path), "--format",
+                             "raw", "-r", str(rate), "--threads", "--nonblocking",
+                             *(["--idle"] if idle else [])], stdout=log, stderr=subprocess.STDOUT)
 
 
 def stop_daemon(proc: subprocess.Popen) -> None:

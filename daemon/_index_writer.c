@@ -20,7 +20,6 @@
 #include <sched.h>
 #include <unistd.h>
 
-
 #define HEADER_BYTES 4096
 #define H_PUBLISHED 64
 #define ENTRY_WORDS 6

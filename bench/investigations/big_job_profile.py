@@ -36,13 +36,7 @@ import time
 from pathlib import Path
 
 from bench.gpu_transfer import (BLOCK_BYTES, LinkReference, Worker, big_jobs, read_trace,
-                                start_daemon, stop_daemon)
-
-
-def pyspy(pid: int, path: Path, rate: int) -> subprocess.Popen:
-    return subprocess.Popen(["py-spy", "record", "-p", str(pid), "-o", str(path), "--format",
-                             "raw", "-r", str(rate), "--threads", "--nonblocking"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                                pyspy_record, start_daemon, stop_daemon)
 
 
 def summarize(path: Path, top: int = 25) -> dict:
@@ -100,8 +94,8 @@ def main() -> None:
             bench("store", blocks)
         bench("job_stamps_reset")
         if args.pyspy:
-            spies = [pyspy(proc.pid, out / "pyspy-daemon.txt", args.rate),
-                     pyspy(w.proc.pid, out / "pyspy-worker.txt", args.rate)]
+            spies = [pyspy_record(proc.pid, out / "pyspy-daemon.txt", args.rate),
+                     pyspy_record(w.proc.pid, out / "pyspy-worker.txt", args.rate)]
             time.sleep(1.0)                     # py-spy attached (it samples from then on)
         ratios: dict[str, list[float]] = {"store": [], "load": []}
         for _ in range(args.reps):
