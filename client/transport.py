@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import math
 import os
 import socket
 import threading
@@ -434,7 +435,8 @@ class Transport:
         sock = self._sock
         deadline = time.monotonic() + (timeout_ms or self.config.timeout_ms) / 1000
         while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
+            # (rounded up: truncated, a call gave up to 1 ms before its timeout)
+            left_ms = math.ceil((deadline - time.monotonic()) * 1000)
             ready = dict(self._poller.poll(left_ms)) if left_ms > 0 else {}
             if self._monitor in ready and self.connection_lost():
                 # The daemon went away mid-call: say so now, not at the timeout.
