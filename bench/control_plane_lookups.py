@@ -54,21 +54,36 @@ def timed_calls(fn: Callable[[], Any], n: int) -> list[float]:
 
 # ---- where a round trip's CPU goes -----------------------------------------------------------
 
-def cpu_by_thread(pid: int) -> dict[str, float]:
-    """Seconds on CPU of ``pid``'s main thread (``main``), ZeroMQ I/O threads (``io``) and any
-    others (``other``), from the scheduler's own accounting (``schedstat``, in ns)."""
-    out = {"main": 0.0, "io": 0.0, "other": 0.0}
+def cpu_by_tid(pid: int) -> dict[int, tuple[str, float]]:
+    """Per thread of ``pid``: its name and seconds on CPU, from the scheduler's own accounting
+    (``schedstat``, in ns)."""
+    out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
                 name = f.read().strip()
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
+                out[int(tid)] = (name, int(f.read().split()[0]) / 1e9)
         except (OSError, ValueError, IndexError):
             continue           # a thread that ended meanwhile
-        kind = "main" if int(tid) == pid else "io" if name.startswith("ZMQbg") else "other"
-        out[kind] += ns / 1e9
     return out
+
+
+def cpu_by_thread(pid: int) -> dict[str, float]:
+    """Seconds on CPU of ``pid``'s main thread (``main``), ZeroMQ I/O threads (``io``) and any
+    others (``other``)."""
+    out = {"main": 0.0, "io": 0.0, "other": 0.0}
+    for tid, (name, s) in cpu_by_tid(pid).items():
+        out["main" if tid == pid else "io" if name.startswith("ZMQbg") else "other"] += s
+    return out
+
+
+def cpu_between(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+                ) -> float:
+    """CPU seconds spent between two ``cpu_by_tid`` readings by the threads alive at the second
+    (a thread that ended in between took its seconds with it: summed by kind, its whole life
+    came off the total and the difference went below zero)."""
+    return sum(s - before.get(tid, ("", 0.0))[1] for tid, (_, s) in after.items())
 
 
 def round_trip_cpu(fn: Callable[[], Any], n: int, daemon_pid: int) -> dict[str, float]:
@@ -278,16 +293,15 @@ def index_lookups(sock: str, sched: SchedulerClient, ns: bytes, keys: list[bytes
     wall, cpu, hits = timed_finds(sched, ns, keys, iters)
     _all_hit("lookup256_1client", hits)
     out = _phase("lookup256_1client", wall, cpu, hits)
-    d0, t0 = cpu_by_thread(daemon_pid), time.monotonic()
+    d0, t0 = cpu_by_tid(daemon_pid), time.monotonic()
     got = _in_processes(index_lookup_worker, (sock, ns, keys, iters // 2), CLIENTS)
-    d1, t1 = cpu_by_thread(daemon_pid), time.monotonic()
+    d1, t1 = cpu_by_tid(daemon_pid), time.monotonic()
     wall8 = [x for w, _, _ in got for x in w]
     cpu8 = [x for _, c, _ in got for x in c]
     hits8 = sum((h for _, _, h in got), Counter())
     _all_hit("lookup256_8clients", hits8)
     out.update(_phase("lookup256_8clients", wall8, cpu8, hits8))
-    out["lookup256_8clients_daemon_cpu_share"] = \
-        sum(d1[k] - d0[k] for k in d0) / max(t1 - t0, 1e-9)
+    out["lookup256_8clients_daemon_cpu_share"] = cpu_between(d0, d1) / max(t1 - t0, 1e-9)
     return out
 
 

@@ -19,9 +19,9 @@ import pytest
 import zmq
 
 from bench.control_plane import lookup_setup
-from bench.control_plane_lookups import (LOOKUP_KEYS, busy_index_lookups, cpu_by_thread,
-                                         echo_round_trip_cpu, index_lookups, round_trip_cpu,
-                                         roundtrip_lookups)
+from bench.control_plane_lookups import (LOOKUP_KEYS, busy_index_lookups, cpu_between,
+                                         cpu_by_thread, echo_round_trip_cpu, index_lookups,
+                                         round_trip_cpu, roundtrip_lookups)
 from kvpool.client.scheduler import SchedulerClient
 
 ROOT = Path(__file__).parent.parent.parent
@@ -59,6 +59,14 @@ def test_cpu_goes_to_the_thread_that_spent_it():
     assert spent["main"] >= 0.045, spent
     assert spent["other"] >= 0.045, spent
     assert spent["io"] < 0.02, spent      # an idle I/O thread is counted, and apart
+
+
+def test_cpu_between_counts_what_each_thread_spent_and_never_what_an_ended_one_had():
+    # main spent 0.2, an I/O thread 0.1; a thread that ended meanwhile (its 5 s gone from the
+    # second reading) and one that started (0.3 s, all of it in between)
+    before = {1: ("main", 10.0), 2: ("ZMQbg/IO/0", 1.0), 3: ("attach", 5.0)}
+    after = {1: ("main", 10.2), 2: ("ZMQbg/IO/0", 1.1), 4: ("new", 0.3)}
+    assert abs(cpu_between(before, after) - 0.6) < 1e-9
 
 
 def test_a_round_trip_costs_cpu_on_both_sides(daemon):
