@@ -31,10 +31,19 @@ def require_mooncake() -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports. They are held together while chosen: one at a time,
+    the kernel may hand out a port just released again, and a master given the same port
+    twice exits after its first listener answered (its RPC port taken by its own metrics
+    server: a test then saw "connection refused" for 60 s)."""
+    held = [socket.socket() for _ in range(n)]
+    try:
+        for s in held:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def _accepts(port: int) -> bool:
@@ -43,12 +52,36 @@ def _accepts(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports ``pid`` listens on (Linux /proc): a port that answers may be someone
+    else's."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:                     # closed while listed
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:          # state LISTEN, owned by pid
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 class MooncakeMaster(LoggedProcess):
     """``mooncake_master`` with its HTTP metadata server; ``url`` is kvpoold's --remote-store."""
 
     def __init__(self, tmp: Path) -> None:
         self.binary = require_mooncake()
-        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.rpc_port, self.http_port, self.metrics_port = free_ports(3)
         self.log_path = tmp / "mooncake_master.log"
         self.proc: subprocess.Popen | None = None
 
@@ -58,6 +91,10 @@ class MooncakeMaster(LoggedProcess):
                 f"?metadata=http://127.0.0.1:{self.http_port}/metadata")
 
     def start(self) -> "MooncakeMaster":
+        ports = {self.rpc_port, self.http_port, self.metrics_port}
+        if len(ports) != 3:
+            raise ValueError(f"the master's RPC, HTTP and metrics ports must be distinct: "
+                             f"{self.rpc_port}, {self.http_port}, {self.metrics_port}")
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [str(self.binary), "--enable_http_metadata_server=true",
@@ -66,12 +103,18 @@ class MooncakeMaster(LoggedProcess):
              "--rpc_address=127.0.0.1", f"--metrics_port={self.metrics_port}",
              "--metrics_host=127.0.0.1"], stdout=log, stderr=log)
         log.close()
-        wait_for(lambda: (_accepts(self.rpc_port) and _accepts(self.http_port))
-                 or self.proc.poll() is not None, 30, "mooncake_master to listen")
+        wait_for(lambda: self.proc.poll() is not None or ports <= self._listening(), 30,
+                 lambda: f"mooncake_master to listen on {sorted(ports)}:\n{self.log()[-3000:]}")
         if self.proc.poll() is not None:
             raise AssertionError(f"mooncake_master exited with {self.proc.returncode}:\n"
                                  f"{self.log()[-3000:]}")
         return self
+
+    def _listening(self) -> set[int]:
+        try:
+            return listening_ports(self.proc.pid)
+        except OSError:                     # exited while read: the caller's poll says so
+            return set()
 
     def kill(self) -> None:
         assert self.proc is not None
