@@ -43,6 +43,7 @@ from kvpool.daemon.index import Index
 from kvpool.daemon.index_segment import IndexSegment, KeyLocations, capacity_for
 from kvpool.daemon.listen_socket import bind_router
 from kvpool.daemon.loop_watch import LoopWatch
+from kvpool.daemon.off_loop import off_loop
 from kvpool.daemon.peer import AllowList, Peer
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.registry import (Owner, Registration, Registry, checked_engine,
@@ -116,7 +117,7 @@ class Server:
     async def serve(self) -> None:
         self.loop_watch.start()
         try:
-            self._startup()
+            await self._startup()
         except BaseException:
             self._release_resources(failed_start=True)
             raise
@@ -128,19 +129,21 @@ class Server:
             await self._shutdown()
             self.loop_watch.stop()
 
-    def _startup(self) -> None:
+    async def _startup(self) -> None:
         path = Path(self.config.socket_path)
+        loop = asyncio.get_running_loop()
+        # First: a stop that comes while the start awaits the index's reservation is the
+        # loop's to handle (the start completes, then the daemon stops as it would serving).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.should_exit.set)
         self._ctx, self._sock, self._lock_fd = bind_router(self.config)
-        self.index_segment = publish_index(self.pool, self.index, self.tiering, self.config,
-                                           self.daemon_id, path)
+        self.index_segment = await publish_index(self.pool, self.index, self.tiering,
+                                                 self.config, self.daemon_id, path)
         # After the socket lock: only the one daemon of this host sweeps.
         reap_engine_segments()
         # After the socket lock, so a second daemon reports "socket busy", not a busy port.
         self.telemetry.open()
         self.telemetry.watch(self.index.table)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.should_exit.set)
         if self.tiering is not None:
             self.tiering.start()
         self.is_serving = True
@@ -496,17 +499,20 @@ class Server:
     def info(self, now: float | None = None) -> p.PoolInfo:
         return pool_info(self, time.monotonic() if now is None else now)
 
-def publish_index(pool: Pool, index: Index, tiering: Tiering | None, config: DaemonConfig,
-                  daemon_id: str, socket_path: Path) -> IndexSegment:
+async def publish_index(pool: Pool, index: Index, tiering: Tiering | None,
+                        config: DaemonConfig, daemon_id: str, socket_path: Path) -> IndexSegment:
     """The shared-memory index schedulers read hits in: the socket's group and mode, the
     pool's committed blocks (an adopted pool) and what the lower tiers hold, then every
     change as it happens."""
     lowers = tiering.lowers if tiering is not None else []
     disk_bytes = sum(getattr(t, "capacity_bytes", 0) for t in lowers)
-    segment = IndexSegment(
+    # Made on a thread while the loop runs: reserving the largest table (192 MiB of /dev/shm)
+    # and freeing a killed daemon's took 50-100 ms on a 2-core VM, a stall on the loop.
+    segment = await off_loop(lambda: IndexSegment(
         segment_name(pool.name), capacity_for(pool.nbytes, disk_bytes, config.index_entries),
         daemon_id, mode=config.socket_mode_bits, gid=socket_path.stat().st_gid,
-        flags=FLAG_REMOTE_TIER if any(t.name == "remote" for t in lowers) else 0)
+        flags=FLAG_REMOTE_TIER if any(t.name == "remote" for t in lowers) else 0),
+        "kvpool-index-create", discard=IndexSegment.close)
     locations = KeyLocations(segment, index.namespaces, lowers,
                              defer=asyncio.get_running_loop().call_soon)
     index.table.watch(locations)

@@ -46,8 +46,8 @@ def _check(daemon, gap: float, when: str) -> None:
         f"out):\n{daemon.log()[-3000:]}")
 
 
-@pytest.mark.parametrize("busy,index_entries", [(0, 0), (2, 0), (0, 1 << 21)],
-                         ids=["idle host", "two busy processes", "a 96 MiB index"])
+@pytest.mark.parametrize("busy,index_entries", [(0, 0), (2, 0), (0, 1 << 21), (0, 1 << 22)],
+                         ids=["idle host", "two busy processes", "a 96 MiB index", "the largest index"])
 def test_the_loop_is_never_held_over_50_ms_from_start_through_registrations(daemon_factory,
                                                                             busy, index_entries):
     """``busy`` processes spin beside the daemon: on a loaded host, background work that
