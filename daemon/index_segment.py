@@ -11,7 +11,9 @@ The daemon is the only writer. Its entries are written by the compiled writer
 (``daemon/_index_writer.c``) where the install built it, else by ``daemon/index_entries.py``
 (the reference); both mirror which entry holds which key rather than read the segment back.
 Every call runs on the event loop thread and never blocks: a probe and a few 8-byte stores per
-key (``put``), plus a short backward shift per removal (``remove``).
+key (``put``), plus a short backward shift per removal (``remove``). The segment itself is made
+on a thread while the loop runs (``server.publish_index``): reserving the largest table and
+freeing a killed daemon's takes tens of milliseconds.
 A table too full to take a key leaves it unpublished and counts it (``unpublished``): lookups
 then miss it, which costs a recompute, never a wrong block.
 """
