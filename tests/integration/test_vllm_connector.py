@@ -167,10 +167,12 @@ def test_gpu_prefix_hit_covers_the_pool_hit_and_releases_the_lease(make_engine, 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_preemption_during_stores_and_loads(make_engine, info, async_scheduling):
-    # Store completions arrive twelve steps late: the prompts' stores are still in flight when
-    # their first decode block fills and vLLM preempts (about six steps after the prefill).
+    # Store completions arrive forty steps late: the prompts' stores are still in flight when
+    # the decodes have filled the 24 GPU blocks and vLLM preempts (at step 25). Twelve steps
+    # late, every one had arrived by then, and a flush came only from a later preemption that
+    # met a later store (a run in two beside three busy processes had none).
     e = make_engine(async_scheduling=async_scheduling, num_blocks=24,
-                    max_num_batched_tokens=128, slow_stores=12)
+                    max_num_batched_tokens=128, slow_stores=40)
     prompts = {f"p{i}": prompt(90, 300 * i) for i in range(4)}
     for rid, p in prompts.items():
         e.add(rid, p, max_tokens=40)
