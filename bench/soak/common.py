@@ -76,6 +76,16 @@ class LoggedProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def logged(self, text: str, timeout_s: float = 30) -> str:
+        """The log once it holds ``text``. kvpoold writes its lines from a thread of its own
+        (``daemon/log_queue.py``), after what they report is visible to clients: a test that
+        read the log at once missed a line on a loaded 2-core host."""
+        def holding() -> str | None:
+            log = self.log()
+            return log if text in log else None
+        return wait_for(holding, timeout_s,
+                        lambda: f"{text!r} logged in {self.log_path}:\n{self.log()[-3000:]}")
+
     def kill_if_running(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()

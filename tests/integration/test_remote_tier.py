@@ -128,7 +128,8 @@ def test_master_killed_then_restarted_mid_run(daemon_factory, mooncake_master):
         assert time.monotonic() - t0 < 1.0
         assert ea.tier("remote").demoted_blocks == 8          # nothing published meanwhile
         for d in (a, b):
-            assert d.log().count("REMOTE TIER OFF") == 1, d.log()[-3000:]
+            log = d.logged("REMOTE TIER OFF")
+            assert log.count("REMOTE TIER OFF") == 1, log[-3000:]
         m.start()        # a new master: it lost every object, so the pool is published again
         wait_for(lambda: ea.tier("remote").is_enabled and eb.tier("remote").is_enabled, 60,
                  "both daemons to use the restarted master")
@@ -136,7 +137,8 @@ def test_master_killed_then_restarted_mid_run(daemon_factory, mooncake_master):
         wait_published(ea, 8 + 24)
         for prompt in (before, during, after):
             assert eb.load_and_check(prompt) == 8
-        assert "REMOTE TIER BACK" in a.log() and "REMOTE TIER BACK" in b.log()
+        a.logged("REMOTE TIER BACK")
+        b.logged("REMOTE TIER BACK")
         assert ea.tier("remote").io_errors >= 1
     finally:
         ea.close()
@@ -165,7 +167,7 @@ def test_slow_master_turns_the_tier_off_without_holding_lookups(daemon_factory,
             ea.sched.lookup(ea.kv.namespace, [ea.kv.keys(list(range(1000, 1320)))])
             later = time.monotonic() - t0
             assert later < timeout_s / 2, f"a lookup with the tier off took {later:.3f} s"
-            assert "REMOTE TIER OFF" in a.log()
+            a.logged("REMOTE TIER OFF")
             prompt = ea.store(0, 8, seed=1)                  # the pool serves as ever
             assert ea.load_and_check(prompt) == 8
         finally:
@@ -233,7 +235,7 @@ def test_corrupted_value_is_a_miss_never_loaded(daemon_factory, mooncake_master)
         assert failed.ok and failed.failed == (5,), failed
         t = eb.tier("remote")
         assert t.verify_failures == 1 and t.promoted_blocks == 7, t
-        assert "failed verification" in b.log()
+        b.logged("failed verification")
         # Removed from the store: the next lookup on any host stops before it.
         assert eb.sched.lookup(eb.kv.namespace, [prompt]).hits == [5]
         assert eb.load_and_check(prompt[:5]) == 5
