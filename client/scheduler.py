@@ -274,6 +274,26 @@ class SchedulerClient:
         whenever connected), so the first stores find slots."""
         self._stocks.setdefault(namespace, _Stock())
 
+    def wait_stock(self) -> None:
+        """Start-up only: wait until the reservations the stocks have in flight are answered
+        (at most ``timeout_ms``), so that an engine's first steps find tickets. Without it,
+        on a loaded host the grant came after the first step: that step's stores waited for
+        the next, and the blocks that left a sliding window meanwhile were never stored.
+        Never raises: a daemon that does not answer is the caller's next poll's to find."""
+        deadline = time.monotonic() + self._timeout_s
+        # Those in flight now, answered or not: one round trip, whatever the answer (a refusal
+        # says no worker registered the namespace yet; the stock asks again later).
+        asked = [(st, st.asked) for st in self._stocks.values() if st.asked and not st.count]
+        while any(st.asked == req_id for st, req_id in asked):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._t.is_connected:
+                return
+            self._t.wait_readable(min(left, 0.05))
+            try:
+                self.poll()
+            except DaemonUnavailable:
+                return
+
     def lookup_start(self, namespace: bytes, key_lists: Sequence[Sequence[bytes]],
                      pin: bool = False) -> PendingCall:
         """Send a lookup and return at once; poll ``PendingCall.result()`` later. Raises

@@ -99,7 +99,8 @@ class SchedulerRole:
             connect = getattr(self.client, "connect", None)
             if connect is not None and not connect():
                 self.link.failed(DaemonUnavailable("kvpoold not reachable at start"))
-            self.link.pump()
+            if self.link.pump() and hasattr(self.client, "wait_stock"):
+                self.client.wait_stock()      # the reservations the pump just sent
 
     def bind_kv_cache_manager(self, manager: "KVCacheManager") -> None:
         """vLLM's KV-cache manager, bound once vLLM built it (after the connector)."""

@@ -307,3 +307,28 @@ def test_sustained_stores_through_reservations_keep_a_full_pool_committed(daemon
     assert info.slots_reserved == 12 * (128 - 32)      # outstanding throughout
     assert min(shares) >= 0.95, f"committed share fell to {min(shares):.3f}"
     sched.close(); worker.close(); kv.close()
+
+
+def test_wait_stock_takes_in_the_first_grant_and_one_refusal_without_a_step(daemon):
+    """What the connector's scheduler side waits for as it starts (``wait_stock``): the answers
+    to the reservations in flight. A namespace a worker registered has tickets at once; one
+    that no worker registered yet is refused once and not waited for again (the stock asks
+    again later), so a scheduler built before its workers starts without waiting out the
+    timeout (10 s here)."""
+    kv, worker, reg, sched = _engine(daemon.client_config(timeout_ms=10000))
+    orphan = b"\x5a" * 16                            # a namespace no worker registered
+    try:
+        for ns in (kv.namespace, orphan):
+            sched.keep_stock(ns)
+        assert sched.connect()
+        sched.poll()                                 # sends both reservations
+        assert sched._stocks[kv.namespace].asked and sched._stocks[orphan].asked
+        assert sched.stock(kv.namespace) == 0        # not read yet: nothing polls meanwhile
+        t0 = time.monotonic()
+        sched.wait_stock()
+        waited = time.monotonic() - t0
+        assert sched.stock(kv.namespace) > 0, "the grant was not taken in"
+        assert sched._stocks[orphan].unregistered and sched.stock(orphan) == 0
+        assert waited < 5, f"waited {waited:.1f} s: past the answers, into the timeout"
+    finally:
+        sched.close(); worker.close(); kv.close()

@@ -241,6 +241,25 @@ def test_reset_cache_makes_later_lookups_miss(make_engine, info, async_schedulin
 # ---- hybrid models ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_a_fresh_engine_stores_its_first_chunk_in_its_first_step(make_engine, info,
+                                                                  async_scheduling):
+    # The scheduler side waits for its first tickets as it starts: on a loaded host the grant
+    # came after the first step, whose stores waited a step, and the window group's blocks that
+    # left the window meanwhile were never stored (a hybrid test loaded nothing after that).
+    e = make_engine(async_scheduling=async_scheduling, hybrid=True)
+    role = e.connector.scheduler
+    assert all(role.client.stock(g.namespace) for g in role.groups), \
+        "no ticket in stock once the engine is built"
+    planned = spy_planned_blocks(role)
+    e.add("a", prompt(100), max_tokens=1)     # a 64-token chunk, then 36 tokens
+    e.step()
+    assert planned == [8], f"blocks planned in the first step (4 per group): {planned}"
+    e.run()
+    assert info.info().stored_blocks == 12, "every block of both groups stored"
+    e.assert_clean(info)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_sliding_window_and_full_attention_groups(make_engine, info, async_scheduling):
     e = make_engine(async_scheduling=async_scheduling, hybrid=True)
     role = e.connector.scheduler
