@@ -140,9 +140,11 @@ def test_a_failed_state_load_recomputes_the_whole_request(hybrid, info, async_sc
 
     e._break_loads = break_state_loads
     e.fail_next_loads = 1
+    seen = answers(e)
     e.add("b", p + [7] * 10, max_tokens=3)
     e.run()
-    assert "b" in e.stats.failed_loads and e.stats.finished[-1] == "b"
+    assert "b" in e.stats.failed_loads and e.stats.finished[-1] == "b", (
+        f"lookup answers {seen}, {info.info().stored_blocks} blocks stored, {e.stats}")
     # vLLM recomputed b from token 0 (never resumed on the attention that did load): the fake
     # model checked every state b resumed from.
     assert e.stats.scheduled["b"] >= len(p) + 10
