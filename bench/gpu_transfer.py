@@ -284,6 +284,17 @@ def big_jobs(trace: dict, owner: int, min_blocks: int, client: dict | None = Non
                 out[f"{kind}_last_chunk_ms"] = med([down[-1] - down[-2] for _, down in chunked
                                                     if len(down) > 1])
                 out[f"{kind}_chunks"] = len(chunked[0][0])
+            inside = [(t, x) for t in r if len(t) > 10 for x in [_first_launch(t)] if x[0]]
+            if inside:
+                # to_copy in parts: request received -> the engine has the job (a store's
+                # checks and head room, a load's refs) -> its launch starts -> the worker's
+                # event seen done -> the first chunk's copies enqueued -> its event recorded
+                out[f"{kind}_to_engine_ms"] = med([x[0] - t[2] for t, x in inside])
+                out[f"{kind}_engine_to_launch_ms"] = med([t[4] - x[0] for t, x in inside])
+                if all(x[1] and x[2] for _, x in inside):
+                    out[f"{kind}_launch_to_event_ms"] = med([x[1] - t[4] for t, x in inside])
+                    out[f"{kind}_first_enqueue_ms"] = med([x[2] - x[1] for _, x in inside])
+                    out[f"{kind}_first_mark_ms"] = med([t[5] - x[2] for t, x in inside])
     return out
 
 
@@ -291,6 +302,13 @@ def _chunks(t: list) -> tuple[list[int], list[int]]:
     """A trace row's per-chunk stamps: (launched, seen landed), monotonic ns."""
     k = t[10]
     return t[11:11 + k], t[11 + k:11 + 2 * k]
+
+
+def _first_launch(t: list) -> tuple[int, int, int]:
+    """A trace row's stamps after its chunks (a daemon that writes them): the engine took the
+    job, the worker's event seen done, the first chunk's copies enqueued; zeros where absent."""
+    k = t[10]
+    return tuple((t[11 + 2 * k:14 + 2 * k] + [0, 0, 0])[:3])   # type: ignore[return-value]
 
 
 def seen_p50_us(stamps: dict, kind_jobs: int, first: bool) -> float:

@@ -169,6 +169,12 @@ def _serve(conn: Any, device: int, layout: str, num_blocks: int, tp_size: int = 
             gen.manual_seed(args[0])
             kv.view(torch.int64).random_(generator=gen)
             conn.send(store_events.record())
+        elif cmd == "events_round":  # records every store event of the ring once (each one's
+            # next record goes through the driver): -> "driver" if that is how they go now
+            for _ in range(len(getattr(store_events, "_events", ()))):
+                store_events.record()
+            sync()
+            conn.send("driver" if getattr(store_events, "_raw_stream", None) else "torch")
         elif cmd == "event_done":    # () -> whether the last recorded store event completed
             ring = store_events._events
             conn.send(bool(ring[(store_events._next - 1) % len(ring)].query()))

@@ -39,8 +39,9 @@ _lib: Any = None
 
 
 def _cuda() -> Any:
-    # The driver library, for the three calls torch does not expose: an allocation's range,
-    # its IPC handle, and whether legacy IPC can share it. torch already initialised CUDA.
+    # The driver library, for the calls torch does not expose (an allocation's range, its IPC
+    # handle, whether legacy IPC can share it) or makes slow (a store event's record, see
+    # StoreEvents). torch already initialised CUDA.
     global _lib
     if _lib is None:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -48,6 +49,7 @@ def _cuda() -> Any:
                                                 ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
         lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_Handle), ctypes.c_uint64]
         lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+        lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         _lib = lib
     return _lib
 
@@ -129,20 +131,37 @@ class StoreEvents:
     """Interprocess events a worker records on its compute stream so the daemon's store waits
     for the KV it copies. A ring: the daemon opens each handle once and keeps it; a re-recorded
     event only makes a later wait cover more work, never less (the daemon polls an event when
-    it takes the job, so a re-record after the send can only delay that store)."""
+    it takes the job, so a re-record after the send can only delay that store).
+
+    After an event's first record (torch creates it then) it is recorded through the driver on
+    the raw current stream: torch's ``Event.record()`` builds a ``Stream`` object for the
+    current stream, under a device guard, on every call (192-205 us of a 1024-block store's
+    submit after 40 ms idle on an H200 host, against 65 us for the driver's record)."""
 
     def __init__(self, size: int = _STORE_EVENTS) -> None:
         import torch
         self._events = [torch.cuda.Event(interprocess=True) for _ in range(size)]
         self._handles: list[bytes] = []
+        self._raw: list[int] = []                 # each event's CUevent, once torch made it
         self._next = 0
+        self._device = torch.cuda.current_device
+        # (a CUDA build's: what Triton reads its launch stream with)
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
     def record(self, stream: Any = None) -> bytes:
         """Record on ``stream`` (default: the current stream); returns the handle to send."""
         k = self._next % len(self._events)
         self._next += 1
         ev = self._events[k]
-        ev.record(stream)
-        if k >= len(self._handles):
-            self._handles.append(bytes(ev.ipc_handle()))
+        if k >= len(self._handles) or self._raw_stream is None:
+            ev.record(stream)
+            if k >= len(self._handles):
+                self._handles.append(bytes(ev.ipc_handle()))
+                self._raw.append(ev.cuda_event)
+            return self._handles[k]
+        raw = (self._raw_stream(self._device()) if stream is None
+               else stream.cuda_stream)
+        rc = _cuda().cuEventRecord(self._raw[k], raw)
+        if rc != 0:
+            raise RuntimeError(f"cuEventRecord of a store event failed (driver error {rc})")
         return self._handles[k]

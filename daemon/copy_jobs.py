@@ -350,13 +350,17 @@ class CopyJobs:
             # owner job store|load blocks recv submitted engine-stamps... callback sent
             # ended ("sent": the reply handed to the socket; a load's unpins come after it;
             # "ended": a store's last slots committed, 0 for a load), then where the engine
-            # stamps its chunks: their count, each one's launch, each one's landing
+            # stamps its chunks: their count, each one's launch, each one's landing, then when
+            # it took the job and, in its first chunk's launch, the worker's event seen done
+            # and that chunk's copies enqueued
             eng = (getattr(fut, "kvpool_trace", None) or []) + [0, 0, 0, 0]
             launched, landed = getattr(fut, "kvpool_chunks", None) or ([], [])
+            first = ((getattr(fut, "kvpool_launch", None) or []) + [0, 0])[:2]
             self.trace.write(" ".join(map(str, [
                 owner.id, msg.job_id, "store" if job.is_store else "load", len(msg.slots),
                 job.t_recv, job.t_sub, *eng[1:4], t_cb, t_sent, t_ended,
-                *([len(launched), *launched, *landed] if launched else [])])) + "\n")
+                *([len(launched), *launched, *landed, eng[0], *first] if launched else [])]))
+                + "\n")
 
     def _end(self, job: "_Job", ok: bool) -> None:
         """Give back what the job holds in the index: a store's slots (committed where every

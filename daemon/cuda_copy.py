@@ -429,6 +429,7 @@ class CudaCopyEngine(CopyEngine):
         if job.trace is not None:
             job.future.kvpool_trace = job.trace  # type: ignore[attr-defined]
             job.future.kvpool_chunks = job.chunks_ns  # type: ignore[attr-defined]
+            job.future.kvpool_launch = job.launch_ns  # type: ignore[attr-defined]
         try:
             if err is None:
                 job.future.set_result(JobResult(job.nbytes))

@@ -74,6 +74,9 @@ class Job:
     # with ``trace``, monotonic ns per chunk: enqueued, seen landed (``Future.kvpool_chunks``:
     # a chunk enqueued after the one before it landed left the GPU idle in between)
     chunks_ns: tuple[list[int], list[int]] | None = None
+    # with ``trace``, monotonic ns inside the launch of its first chunk: the worker's event
+    # seen done (or none to wait for), that chunk's copies enqueued (``Future.kvpool_launch``)
+    launch_ns: list[int] | None = None
     progress: Progress | None = None
     error: BaseException | None = None   # a launch that failed after some chunks went out
     bounds: list[int] = field(default_factory=list)   # item bounds of its chunks
@@ -316,6 +319,8 @@ class Lane:
                     return False
                 else:
                     self._await_worker(m, ev)
+        if job.trace is not None:
+            job.launch_ns = [time.monotonic_ns()]
         job.backend = backend
         if backend == "kernel":
             self._launch_kernel(job)
@@ -342,6 +347,8 @@ class Lane:
             lo, hi = bounds[job.launched], bounds[job.launched + 1]
             try:
                 self._enqueue_dma(job, job.block_ids[lo:hi], job.shard_offsets[lo:hi])
+                if job.launch_ns is not None and len(job.launch_ns) == 1:
+                    job.launch_ns.append(time.monotonic_ns())
                 self._mark(job, hi)
             except Exception as e:  # noqa: BLE001 - reported through the future
                 if not inline:

@@ -162,20 +162,22 @@ class StorePath:
         if not bit:
             raise ProtocolError("a store job must land at least one unit")
         unbound = self.tickets.unbound
-        grants = list(map(unbound.get, refs))
-        # (a job's tickets nearly always come from one reserve: one Grant to check)
-        if None not in grants and all(g.ns == ns for g in set(grants)):
+        # (a job's tickets nearly always come from one reserve: one Grant to check; the list
+        # of each ticket's grant waits for the claims, after a head's copy has gone out)
+        given = set(map(unbound.get, refs))
+        if None not in given and all(g.ns == ns for g in given):
             if self.defer_claims and 0 < head < len(refs):
-                opened = self._open_head(ns, refs, grants, keys, head, bit, now)  # type: ignore
+                opened = self._open_head(ns, refs, next(iter(given)), keys, head, bit, now)
                 if opened is not None:
                     return opened
+            grants = list(map(unbound.get, refs))
             job = self._find_room(ns, refs, grants, keys)     # type: ignore[arg-type]
             if self.defer_claims and None not in job.slots:
                 return OpenedStore(job.slots, partial(self._claim, job, bit, now),  # type: ignore
                                    False)
             slots = self._claim(job, bit, now)
             return OpenedStore(slots, None, any(map(_VOID, slots)))
-        items = self._check(ns, refs, keys, bit, grants)
+        items = self._check(ns, refs, keys, bit, list(map(unbound.get, refs)))
         todo = [i for i, x in enumerate(items) if type(x) is Grant]
         if todo:
             job = self._find_room(ns, [refs[i] for i in todo], [items[i] for i in todo],
@@ -314,15 +316,16 @@ class StorePath:
         return len(set(keys)) == len(keys) and \
             self.table.tables.get(ns, _EMPTY).keys().isdisjoint(keys)
 
-    def _open_head(self, ns: bytes, refs: list[int], grants: list[Grant], keys: list[bytes],
+    def _open_head(self, ns: bytes, refs: list[int], grant: Grant, keys: list[bytes],
                    head: int, bit: int, now: float) -> OpenedStore | None:
-        """A first rank's fresh job with room for its first ``head`` tickets and the rest
-        left to ``finish`` (``open_store``), or None where it may not all be bound to slots
-        (duplicates, a quota that lets fewer in, a pool that may not make room for all)."""
+        """A first rank's fresh job (its tickets unbound, of ``ns``, ``grant`` one of theirs)
+        with room for its first ``head`` tickets and the rest left to ``finish``
+        (``open_store``), or None where it may not all be bound to slots (duplicates, a quota
+        that lets fewer in, a pool that may not make room for all)."""
         if not self._all_fresh(ns, keys):
             return None
         n = len(keys)
-        slot_bytes = grants[0].slot_bytes           # a namespace's tickets are of one size
+        slot_bytes = grant.slot_bytes               # a namespace's tickets are of one size
         cls = self.table.extents.size_class(slot_bytes)
         if self.room.fit_quota(ns, slot_bytes, n) < n or not self.room.assured(cls, n):
             return None
@@ -340,6 +343,7 @@ class StorePath:
             place()
             slots = opened.slots
             room: list[Slot | None] = slots + [None] * (n - len(slots))  # voids where short
+            grants = list(map(self.tickets.unbound.get, refs))    # (unchanged since the check)
             slots[:] = self._claim(_Binding(ns, refs, grants, keys, room, [False] * n), bit, now)
         opened.place, opened.finish = place, finish
         return opened

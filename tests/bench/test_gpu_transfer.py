@@ -54,3 +54,21 @@ def test_big_jobs_splits_the_clients_hop_at_its_submit_stamp(tmp_path):
     client = {"owner": 7, "jobs": [(1, t0 - MS, sent + MS // 4)]}
     out = big_jobs(read_trace(path), 7, 1024, client)
     assert out["store_client_to_recv_ms"] == 1.0 and "store_client_submit_ms" not in out
+
+
+def test_big_jobs_splits_the_wait_for_the_first_copy_where_the_daemon_stamped_it(tmp_path):
+    t0 = 10 * MS
+    row = _row(7, 1, "store", 1024, t0, [t0 + MS, t0 + 4 * MS], [t0 + 3 * MS, t0 + 8 * MS])
+    # the engine took the job 0.2 ms after receipt (its launch started 0.5 ms after it), the
+    # worker's event was seen done 0.6 ms after it, the first chunk enqueued 0.9 ms after it
+    path = tmp_path / "trace.txt"
+    path.write_text(row + " " + " ".join(map(str, [t0 + MS // 5, t0 + 3 * MS // 5,
+                                                    t0 + 9 * MS // 10])) + "\n")
+    out = big_jobs(read_trace(path), 7, 1024)
+    assert out["store_to_engine_ms"] == 0.2 and out["store_engine_to_launch_ms"] == 0.3
+    assert out["store_launch_to_event_ms"] == 0.1 and out["store_first_enqueue_ms"] == 0.3
+    assert out["store_first_mark_ms"] == 0.1
+    assert out["store_chunks"] == 2 and out["store_gpu_idle_ms_each"] == [1.0]
+    # rows of an older daemon (nothing after the chunks): no such figures
+    path.write_text(row + "\n")
+    assert "store_to_engine_ms" not in big_jobs(read_trace(path), 7, 1024)

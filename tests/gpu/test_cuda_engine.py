@@ -155,14 +155,17 @@ def test_killed_worker_releases_gpu_memory(engine, pool):
         probe.close()
 
 
-@pytest.mark.parametrize("nblocks,inline,chunk", [(1, True, 128), (1, False, 128),
-                                                 (48, False, 128), (48, False, 16)])
+@pytest.mark.parametrize("nblocks,inline,chunk,recorded_by", [
+    (1, True, 128, "torch"), (1, False, 128, "torch"), (48, False, 128, "torch"),
+    (48, False, 16, "torch"), (1, True, 128, "driver"), (48, False, 16, "driver")])
 def test_a_store_copies_only_after_the_workers_pending_kernels(engine, pool, nblocks, inline,
-                                                               chunk):
+                                                               chunk, recorded_by):
     """The daemon polls the worker's event on the host rather than waiting on it on the GPU: a
     store sent while the step's kernels still run copies what they wrote, not what was there
     before (and a job small enough to launch on the caller's thread, or a big one's first
-    chunk, leaves the wait to the lane's thread)."""
+    chunk, leaves the wait to the lane's thread). ``driver``: the event's ring has gone round
+    once, so the worker records it through the driver on the raw current stream
+    (``StoreEvents``), not through torch."""
     w = Worker(0, "per_layer", NUM_BLOCKS)
     inline_before = engine.inline_max_ops
     try:
@@ -171,6 +174,8 @@ def test_a_store_copies_only_after_the_workers_pending_kernels(engine, pool, nbl
         engine.inline_max_ops = 1 << 20 if inline else 0
         engine.chunk_blocks = chunk
         w.call("fill", 1)
+        if recorded_by == "driver":
+            assert w.call("events_round") == "driver"
         blocks = np.arange(nblocks)
         offs = _shard_offsets(reg, np.arange(nblocks) + 3)
         fut = engine.submit_store(m, blocks, offs, w.call("late_fill", 2, 300))
