@@ -194,12 +194,29 @@ HOPS = ["client->dispatch", "dispatch->queued", "queued->launch", "launch", "cop
 
 
 def read_trace(path: Path) -> dict[tuple[int, int], list]:
-    out = {}
+    """The trace's rows by (owner, job id); a job a worker sent as several requests (its lead
+    and the rest, ``protocol.LEAD_BLOCKS``) as one row: its blocks summed, its start from the
+    first request's, its end from the last's, the chunks of all in turn (so ``gpu_idle``
+    shows whether the rest's checks were hidden by the lead's copy)."""
+    rows: dict[tuple[int, int], list[list]] = {}
     if path.exists():
         for line in path.read_text().splitlines():
             f = line.split()
-            out[(int(f[0]), int(f[1]))] = [f[2], int(f[3])] + [int(x) for x in f[4:]]
-    return out
+            rows.setdefault((int(f[0]), int(f[1])), []).append(
+                [f[2], int(f[3])] + [int(x) for x in f[4:]])
+    return {k: v[0] if len(v) == 1 else _merged(v) for k, v in rows.items()}
+
+
+def _merged(parts: list[list]) -> list:
+    first = min(parts, key=lambda t: t[2])
+    last = max(parts, key=lambda t: t[8])
+    row = [first[0], sum(t[1] for t in parts), *first[2:6], *last[6:10]]
+    if all(len(t) > 10 for t in parts):
+        ordered = sorted(parts, key=lambda t: t[2])
+        up = [x for t in ordered for x in _chunks(t)[0]]
+        down = [x for t in ordered for x in _chunks(t)[1]]
+        row += [len(up), *up, *down, *first[11 + 2 * first[10]:]]
+    return row
 
 
 def breakdown(trace: dict, client: dict, kind: str) -> dict[str, float]:

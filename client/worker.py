@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import msgspec
@@ -41,6 +41,17 @@ class JobCompletion:
 
 
 @dataclass
+class _Parts:
+    """A job sent as several requests (``p.LEAD_BLOCKS``): what their answers add up to."""
+
+    left: int
+    code: int = 0                   # the first failure's, 0 while none failed
+    message: str = ""
+    nbytes: int = 0
+    failed: list[int] = field(default_factory=list)
+
+
+@dataclass
 class _Registration:
     request: p.RegisterRequest       # req_id is refreshed on each (re)send
     daemon_id: int = 0
@@ -55,7 +66,9 @@ class WorkerClient:
         self._local_ids = itertools.count(1)
         self._job_ids = itertools.count(1)
         self._in_flight: set[int] = set()
-        self._job_of_req: dict[int, int] = {}    # req_id of each submitted job's request
+        # req_id of each request in flight -> (its job, the job's position of its first block)
+        self._job_of_req: dict[int, tuple[int, int]] = {}
+        self._parts: dict[int, _Parts] = {}      # jobs sent as several requests, not done
         self._done: list[JobCompletion] = []
 
     def register(self, namespace: bytes, layout: Layout, tp_rank: int, num_blocks: int,
@@ -103,8 +116,10 @@ class WorkerClient:
         ``SchedulerClient.reserve``) bind to ``keys`` (one block hash per ticket); returns the
         job id (see ``poll``). ``grant`` is the daemon id that reserved them (see
         ``StoreRequest``)."""
-        return self._submit(registration_id, lambda rid, job, reg: p.StoreRequest(
-            rid, reg, job, list(block_ids), list(slots), wait_event, list(keys), grant))
+        blocks, refs, hashes = list(block_ids), list(slots), list(keys)
+        n = len(refs) if len(blocks) == len(hashes) == len(refs) else -1
+        return self._submit(registration_id, n, lambda rid, job, reg, lo, hi: p.StoreRequest(
+            rid, reg, job, blocks[lo:hi], refs[lo:hi], wait_event, hashes[lo:hi], grant))
 
     def submit_load(self, registration_id: int, slots: Sequence[int],
                     block_ids: Sequence[int], keys: Sequence[bytes] = ()) -> int:
@@ -112,8 +127,10 @@ class WorkerClient:
         and, optionally, its block hash (a block whose ref went stale is then found by key,
         in the pool or a lower tier). Returns the job id (see ``poll``); blocks that could not
         be loaded are listed in the completion's ``failed``."""
-        return self._submit(registration_id, lambda rid, job, reg: p.LoadRequest(
-            rid, reg, job, list(slots), list(block_ids), list(keys)))
+        refs, blocks, hashes = list(slots), list(block_ids), list(keys)
+        n = len(refs) if len(blocks) == len(refs) and len(hashes) in (0, len(refs)) else -1
+        return self._submit(registration_id, n, lambda rid, job, reg, lo, hi: p.LoadRequest(
+            rid, reg, job, refs[lo:hi], blocks[lo:hi], hashes[lo:hi]))
 
     def poll(self) -> list[JobCompletion]:
         """Completions that have arrived since the last call. Never blocks."""
@@ -151,23 +168,41 @@ class WorkerClient:
     def _collect(self, replies: list[p.Reply]) -> None:
         for reply in replies:
             if isinstance(reply, p.JobDone) and reply.job_id in self._in_flight:
-                self._job_of_req.pop(reply.req_id, None)
-                self._in_flight.discard(reply.job_id)
-                self._done.append(JobCompletion(reply.job_id, reply.code == 0, reply.code,
-                                                reply.message, reply.nbytes,
-                                                tuple(reply.failed)))
+                _, first = self._job_of_req.pop(reply.req_id, (0, 0))
+                self._answered(reply.job_id, reply.code, reply.message, reply.nbytes,
+                               [first + k for k in reply.failed] if first else reply.failed)
             elif isinstance(reply, p.ErrorReply) and reply.req_id in self._job_of_req:
                 # The request was refused before it became a job (say, HELLO_REQUIRED: the
                 # daemon restarted or released us). Its job fails now, not at some timeout.
-                job = self._job_of_req.pop(reply.req_id)
+                job, _ = self._job_of_req.pop(reply.req_id)
                 if job in self._in_flight:
-                    self._in_flight.discard(job)
-                    self._done.append(JobCompletion(job, False, reply.code, reply.message))
+                    self._answered(job, reply.code or int(ErrorCode.INTERNAL), reply.message)
                 if reply.code == ErrorCode.HELLO_REQUIRED:
                     # Nothing else in flight on this connection will be answered either; the
                     # next submit reconnects and replays the registrations.
                     self._fail_in_flight(reply.message)
                     self._t.disconnect(backoff=False)
+
+    def _answered(self, job: int, code: int, message: str, nbytes: int = 0,
+                  failed: Sequence[int] = ()) -> None:
+        """One request of ``job`` answered: its completion once every request of it is (the
+        first failure's code and message; the blocks not loaded, as positions in the job)."""
+        parts = self._parts.get(job)
+        if parts is not None:
+            parts.left -= 1
+            parts.nbytes += nbytes
+            parts.failed += failed
+            if code and not parts.code:
+                parts.code, parts.message = code, message
+            if parts.left:
+                return
+            del self._parts[job]
+            code, message, nbytes, failed = (parts.code, parts.message, parts.nbytes,
+                                             sorted(parts.failed))
+        self._in_flight.discard(job)
+        self._done.append(JobCompletion(job, code == 0, code, message,
+                                        nbytes if code == 0 else 0,
+                                        tuple(failed) if code == 0 else ()))
 
     def wait(self, job_ids: Sequence[int], timeout_s: float, *,
              check: bool = False) -> list[JobCompletion]:
@@ -209,7 +244,13 @@ class WorkerClient:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _submit(self, registration_id: int, make) -> int:
+    def _submit(self, registration_id: int, n: int, make) -> int:
+        """Send ``make(req_id, job, daemon registration, lo, hi)``: blocks [lo, hi) of a job
+        of ``n`` blocks; one request, or the lead and the rest (``p.LEAD_BLOCKS``) where
+        ``n`` is big enough (-1: its lists disagree in length, sent whole, ``hi`` None, for the
+        daemon to refuse). The job id is returned once its first request is sent: a later one that
+        cannot go fails the job when its others are answered (they may be copying), it never
+        makes this call raise."""
         reg = self._registrations.get(registration_id)
         if reg is None:
             raise KeyError(f"unknown local registration {registration_id}")
@@ -218,10 +259,22 @@ class WorkerClient:
             self._t.disconnect(backoff=False)
         self._t.ensure_connected()
         job = next(self._job_ids)
+        split = p.SPLIT_MIN_BLOCKS <= n <= p.MAX_BLOCKS_PER_REQUEST
+        bounds = [0, p.LEAD_BLOCKS, n] if split else [0, None]
         # (connected just now: ``send`` would read the monitor socket a third time)
-        req_id = self._t.send_connected(lambda rid: make(rid, job, reg.daemon_id))
+        req_id = self._t.send_connected(lambda rid: make(rid, job, reg.daemon_id, 0, bounds[1]))
         self._in_flight.add(job)
-        self._job_of_req[req_id] = job
+        self._job_of_req[req_id] = (job, 0)
+        if len(bounds) > 2:
+            self._parts[job] = _Parts(len(bounds) - 1)
+            for lo, hi in zip(bounds[1:], bounds[2:]):
+                try:
+                    req_id = self._t.send_connected(
+                        lambda rid: make(rid, job, reg.daemon_id, lo, hi))  # noqa: B023
+                except DaemonUnavailable as e:
+                    self._answered(job, int(ErrorCode.ABORTED), f"part of the job not sent: {e}")
+                    break
+                self._job_of_req[req_id] = (job, lo)
         return job
 
     def _send_registration(self, reg: _Registration) -> int:
@@ -241,6 +294,7 @@ class WorkerClient:
             self._done.append(JobCompletion(job, False, int(ErrorCode.ABORTED), why))
         self._in_flight.clear()
         self._job_of_req.clear()
+        self._parts.clear()
 
 
 def _with_req_id(req: p.RegisterRequest, req_id: int) -> p.RegisterRequest:

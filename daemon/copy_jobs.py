@@ -39,11 +39,10 @@ from kvpool.daemon.replies import job_failed
 from kvpool.shared import protocol as p
 from kvpool.shared.errors import (Aborted, KvpoolError, OutOfRange,
                                   ProtocolError, TooLarge, UnknownId)
+from kvpool.shared.protocol import MAX_BLOCKS_PER_REQUEST
 
 log = logging.getLogger("kvpoold")
 
-# Blocks one store or load request may name (a vLLM step names a few thousand).
-MAX_BLOCKS_PER_REQUEST = 65536
 
 
 class CopyJobs:

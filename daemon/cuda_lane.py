@@ -6,9 +6,10 @@ while the next is enqueued and each chunk's slots can commit as it lands. The en
 (``cuda_copy``) chooses each job's path; ``copy_plan`` builds its tables.
 
 Small jobs (at most ``inline_max_ops`` copies, ``SMALL_OPS`` by default: those whose tables are
-built in Python) are launched on the caller's thread (the event loop) when the lane has nothing
-queued, saving the hop to the submit thread (H100 run 20: ~75 us from dispatch to launch start
-of a single block). It was off by default while a single block's launch cost 40-150 us of
+built in Python), and jobs of at most ``LEAD_BLOCKS`` blocks (a worker's lead request, or any
+job that size: what a big job's first chunk costs the loop) are launched on the caller's thread
+(the event loop) when the lane has nothing queued, saving the hop to the submit thread (H100
+run 20: ~75 us from dispatch to launch start of a single block). It was off by default while a single block's launch cost 40-150 us of
 Python on the loop (runs 4-5: no gain); the templates cut that to ~15 us on CPU.
 With ``trace`` (the daemon's ``trace`` setting) every job carries monotonic timestamps of its
 hops (``Future.kvpool_trace``) and of each chunk's launch and landing (``Future.kvpool_chunks``)
@@ -48,6 +49,7 @@ from kvpool.daemon.copy_engine import (HEAD_BLOCKS, TAIL_BLOCKS, LateOffsets, Pr
 from kvpool.daemon.copy_plan import (SMALL_OPS, PitchedOps, chunk_table, small_table,
                                      split_at_boundaries, split_items)
 from kvpool.shared.errors import Aborted
+from kvpool.shared.protocol import LEAD_BLOCKS
 
 if TYPE_CHECKING:
     from kvpool.daemon.cuda_copy import CudaCopyEngine, CudaMapped
@@ -129,8 +131,12 @@ class Lane:
         job.bounds = chunk_bounds(len(job.block_ids), eng.chunk_blocks,
                                   TAIL_BLOCKS if job.progress is not None else 0,
                                   HEAD_BLOCKS if eng.inline_first_chunk else 0)
-        small = (len(job.bounds) == 2 and job.late is None
-                 and len(job.block_ids) * job.mapped.copies_per_block(eng) <= eng.inline_max_ops)
+        whole = len(job.bounds) == 2 and job.late is None
+        small = whole and len(job.block_ids) * job.mapped.copies_per_block(eng) <= eng.inline_max_ops
+        # (a worker's lead request, LEAD_BLOCKS: the first chunk of a job sent in two; not
+        # where inline launches are off, ``inline_max_ops`` 0)
+        small = small or (whole and eng.inline_max_ops > 0 and eng.inline_first_chunk
+                          and len(job.block_ids) <= LEAD_BLOCKS)
         first = eng.inline_first_chunk and len(job.bounds) > 2 and (
             job.late is None or job.bounds[1] <= job.late.head)
         if (small or first) and self.launch_lock.acquire(blocking=False):

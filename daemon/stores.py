@@ -161,6 +161,8 @@ class StorePath:
             raise ProtocolError("a store job names the same slot twice")
         if not bit:
             raise ProtocolError("a store job must land at least one unit")
+        if not refs:
+            return OpenedStore([], None, False)     # nothing to bind: the job ends at once
         unbound = self.tickets.unbound
         # (a job's tickets nearly always come from one reserve: one Grant to check; the list
         # of each ticket's grant waits for the claims, after a head's copy has gone out)

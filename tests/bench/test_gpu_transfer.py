@@ -72,3 +72,20 @@ def test_big_jobs_splits_the_wait_for_the_first_copy_where_the_daemon_stamped_it
     # rows of an older daemon (nothing after the chunks): no such figures
     path.write_text(row + "\n")
     assert "store_to_engine_ms" not in big_jobs(read_trace(path), 7, 1024)
+
+
+def test_a_job_sent_as_a_lead_and_the_rest_reads_as_one(tmp_path):
+    t0 = 10 * MS
+    lead = _row(7, 1, "store", 64, t0, [t0 + MS], [t0 + 3 * MS])
+    # the rest's first chunk went out 0.5 ms after the lead landed: the GPU idled that long
+    rest = _row(7, 1, "store", 960, t0 + MS // 5, [t0 + 7 * MS // 2, t0 + 5 * MS],
+                [t0 + 6 * MS, t0 + 40 * MS])
+    path = tmp_path / "trace.txt"
+    path.write_text(lead + " " + " ".join(map(str, [t0 + MS // 5, t0 + 3 * MS // 5,
+                                                     t0 + 9 * MS // 10])) + "\n" + rest + "\n")
+    out = big_jobs(read_trace(path), 7, 1024)
+    assert out["store_jobs"] == 1 and out["store_chunks"] == 3
+    assert out["store_to_copy_ms"] == 1.0 and out["store_copy_ms_each"] == [39.0]
+    assert out["store_gpu_idle_ms_each"] == [0.5]
+    assert out["store_to_engine_ms"] == 0.2 and out["store_first_enqueue_ms"] == 0.3
+    assert out["store_total_ms_each"] == [40.2]

@@ -358,3 +358,59 @@ def test_wait_with_check_raises_what_failed_a_store_or_a_load(daemon):
         assert not worker.wait([again], 5)[0].ok
     finally:
         sched.close(); worker.close(); kv.close()
+
+
+def test_a_big_job_goes_as_a_lead_and_the_rest_with_one_completion(daemon_factory, tmp_path):
+    """A store or load of ``SPLIT_MIN_BLOCKS`` blocks or more is sent as two requests (its first
+    ``LEAD_BLOCKS`` blocks, then the rest) and completes once: bytes summed, the blocks a load
+    could not move given as positions in the whole job, bit-exact either way."""
+    from kvpool.shared.protocol import LEAD_BLOCKS, SPLIT_MIN_BLOCKS
+    trace = tmp_path / "trace.txt"
+    daemon = daemon_factory(extra=["--trace", str(trace)])
+    n = SPLIT_MIN_BLOCKS + 44
+    kv = HostKv(blocks=n)
+    worker, reg = kv.register(daemon.client_config())
+    sched = SchedulerClient(daemon.client_config())
+    try:
+        keys = kv.keys(list(range(n * kv.block_tokens)))
+        kv.fill_random(list(range(n)), seed=5)
+        want = kv.blocks_of(list(range(n)))
+        job = keyed_store(sched, worker, reg, kv.namespace, list(range(n)), keys)
+        done = worker.wait([job], 10)
+        assert [d.ok for d in done] == [True], done[0].message
+        assert done[0].nbytes == n * kv.layout.shard_bytes
+        rows = [line.split() for line in wait_for(     # (its lines come as each job ends)
+            lambda: trace.exists() and len(trace.read_text().splitlines()) > 1
+            and trace.read_text().splitlines(), 5, lambda: "two trace lines")]
+        assert [(r[2], int(r[3])) for r in rows] == [("store", LEAD_BLOCKS),
+                                                     ("store", n - LEAD_BLOCKS)], rows
+        hit = sched.lookup(kv.namespace, [keys])
+        assert hit.hits == [n]
+        # A load with one block gone in each part (no ref, a key nobody holds): those two fail
+        # alone, at their positions in the job; every other block comes back as stored.
+        refs = list(hit.slots[0])
+        gone = [10, LEAD_BLOCKS + 100]
+        for k in gone:
+            refs[k], keys[k] = 0, b"\xee" * 16
+        kv.poison(list(range(n)))
+        load = worker.submit_load(reg, refs, list(range(n)), keys)
+        (got,) = worker.wait([load], 10)
+        assert got.ok and got.failed == tuple(gone), got
+        assert worker.poll() == [], "a job sent in two completes once"
+        back = kv.blocks_of(list(range(n)))
+        keep = [k for k in range(n) if k not in gone]
+        assert torch.equal(back[:, :, keep], want[:, :, keep])
+        # The rest refused (a ticket of no grant in it), the lead taken: the job fails, once,
+        # with the rest's reason.
+        more = kv.keys(list(range(n * kv.block_tokens)), salt=b"again")
+        tickets = sched.reserve(kv.namespace, n)
+        slots = list(tickets.slots)
+        slots[LEAD_BLOCKS + 5] = 0xFFFF_FFF0
+        bad = worker.submit_store(reg, list(range(n)), slots, keys=more,
+                                  grant=tickets.daemon_id)
+        (failed,) = worker.wait([bad], 10)
+        assert not failed.ok and "0xfffffff0" in failed.message, failed
+        assert failed.nbytes == 0 and failed.failed == ()
+        assert worker.poll() == []
+    finally:
+        sched.close(); worker.close(); kv.close()
