@@ -97,6 +97,7 @@ class HeldStores:
         self._ours: dict[int, int] = {}         # the client's job id -> ours
         self._done: list = []                    # completions made here (failures)
         self.sent_blocks: list[int] = []         # blocks per job let go, in order
+        self._passthrough = False                # inside ``wait``: the client's own ids
 
     def submit_store(self, *args, **kw) -> int:
         job = next(self._ids)
@@ -138,13 +139,22 @@ class HeldStores:
                 for c in got]
 
     def poll(self):
+        if self._passthrough:
+            return self._poll()
         out, self._done = self._done + self._map(self._poll()), []
         return out
 
     def wait(self, job_ids, timeout_s):
         self.release(want=set(job_ids))
         mine = {o: c for c, o in self._ours.items()}
-        got = self._map(self._wait([mine.get(j, j) for j in job_ids if j in mine], timeout_s))
+        # The client's ``wait`` polls through ``poll``, which must then leave its ids as they
+        # are (mapped, they matched nothing it waited for and it timed out).
+        self._passthrough = True
+        try:
+            got = self._wait([mine.get(j, j) for j in job_ids if j in mine], timeout_s)
+        finally:
+            self._passthrough = False
+        got = self._map(got)
         got += [c for c in self._done if c.job_id in set(job_ids)]
         self._done = [c for c in self._done if c.job_id not in set(job_ids)]
         by_id = {c.job_id: c for c in got}

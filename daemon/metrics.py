@@ -249,15 +249,18 @@ class Metrics:
         self._load_blocks = Counter(
             "kvpool_load_blocks", "Block shards read by finished load jobs.", registry=r)
         self._store_jobs = Counter(
-            "kvpool_store_jobs", "Store jobs finished, by result.", ["result"], registry=r)
+            "kvpool_store_jobs", "Store requests finished, by result (a worker sends a job of "
+            "256 blocks or more as two requests).", ["result"], registry=r)
         self._load_jobs = Counter(
-            "kvpool_load_jobs", "Load jobs finished, by result.", ["result"], registry=r)
+            "kvpool_load_jobs", "Load requests finished, by result (a worker sends a job of "
+            "256 blocks or more as two requests).", ["result"], registry=r)
         self._store_seconds = Histogram(
             "kvpool_store_duration_seconds",
-            "Store job time from request received to copy done (includes waiting on the "
-            "engine's compute event).", buckets=_JOB_SECONDS_BUCKETS, registry=r)
+            "Store request time from received to copy done (includes waiting on the engine's "
+            "compute event; a job of 256+ blocks is two requests).", buckets=_JOB_SECONDS_BUCKETS, registry=r)
         self._load_seconds = Histogram(
-            "kvpool_load_duration_seconds", "Load job time from request received to copy done.",
+            "kvpool_load_duration_seconds", "Load request time from received to copy done (a "
+            "job of 256+ blocks is two requests).",
             buckets=_JOB_SECONDS_BUCKETS, registry=r)
 
         self._evictions = Counter(

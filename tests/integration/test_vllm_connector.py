@@ -323,12 +323,20 @@ def test_tp2_a_failed_rank_commits_nothing(make_engine, info):
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_in_flight_stores_are_not_planned_twice(make_engine, info, async_scheduling):
-    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=256)
+    # a's stores are held back from the daemon until b has run: they stay in flight however
+    # fast this host steps (let go at once, they could be planned, copied and reported inside
+    # one step, and a wait for "in flight" never saw them: a loaded 2-core host, 2 runs in 6)
+    e = make_engine(async_scheduling=async_scheduling, max_num_batched_tokens=256,
+                    hold_stores=True)
     role = e.connector.scheduler
     planned: list[bytes] = []
     original = role.build_connector_meta
 
+    b_first_step: list[bool] = []       # whether a's keys were in flight as b was scheduled
+
     def spy(so):
+        if any(r.req_id == "b" for r in so.scheduled_new_reqs):
+            b_first_step.append(any(role.batches.keys_in_flight))
         meta = original(so)
         planned.extend(k for spec in meta.stores for k in spec.keys)
         return meta
@@ -338,6 +346,11 @@ def test_in_flight_stores_are_not_planned_twice(make_engine, info, async_schedul
     e.add("a", shared + [1] * 5, max_tokens=2)
     e.run(until=lambda: any(role.batches.keys_in_flight))   # a's 4 blocks planned, in flight
     e.add("b", shared + [2] * 5, max_tokens=2)
+    e.run(until=lambda: "b" in e.stats.finished)
+    assert b_first_step == [True], "b was not scheduled while a's stores were in flight"
+    e.release_stores()
+    for h in e.held:
+        h.steps = 0                                 # from now on stores go out at once
     e.run()
     assert len(planned) == len(set(planned)), "a key was planned twice"
     assert info.info().stored_blocks == 4
