@@ -9,8 +9,9 @@ Small jobs (at most ``inline_max_ops`` copies, ``SMALL_OPS`` by default: those w
 built in Python), and jobs of at most ``LEAD_BLOCKS`` blocks (a worker's lead request, or any
 job that size: what a big job's first chunk costs the loop) are launched on the caller's thread
 (the event loop) when the lane has nothing queued, saving the hop to the submit thread (H100
-run 20: ~75 us from dispatch to launch start of a single block). It was off by default while a single block's launch cost 40-150 us of
-Python on the loop (runs 4-5: no gain); the templates cut that to ~15 us on CPU.
+run 20: ~75 us from dispatch to launch start of a single block). It was off by default while
+a single block's launch cost 40-150 us of Python on the loop (runs 4-5: no gain); the
+templates cut that to ~15 us on CPU.
 With ``trace`` (the daemon's ``trace`` setting) every job carries monotonic timestamps of its
 hops (``Future.kvpool_trace``) and of each chunk's launch and landing (``Future.kvpool_chunks``)
 for latency breakdowns.
@@ -132,7 +133,8 @@ class Lane:
                                   TAIL_BLOCKS if job.progress is not None else 0,
                                   HEAD_BLOCKS if eng.inline_first_chunk else 0)
         whole = len(job.bounds) == 2 and job.late is None
-        small = whole and len(job.block_ids) * job.mapped.copies_per_block(eng) <= eng.inline_max_ops
+        small = whole and (len(job.block_ids) * job.mapped.copies_per_block(eng)
+                           <= eng.inline_max_ops)
         # (a worker's lead request, LEAD_BLOCKS: the first chunk of a job sent in two; not
         # where inline launches are off, ``inline_max_ops`` 0)
         small = small or (whole and eng.inline_max_ops > 0 and eng.inline_first_chunk

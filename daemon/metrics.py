@@ -257,7 +257,8 @@ class Metrics:
         self._store_seconds = Histogram(
             "kvpool_store_duration_seconds",
             "Store request time from received to copy done (includes waiting on the engine's "
-            "compute event; a job of 256+ blocks is two requests).", buckets=_JOB_SECONDS_BUCKETS, registry=r)
+            "compute event; a job of 256+ blocks is two requests).",
+            buckets=_JOB_SECONDS_BUCKETS, registry=r)
         self._load_seconds = Histogram(
             "kvpool_load_duration_seconds", "Load request time from received to copy done (a "
             "job of 256+ blocks is two requests).",

@@ -103,7 +103,8 @@ def test_stores_naming_a_stale_grant_or_bad_keys_are_refused(daemon):
         done = worker.wait([worker.submit_store(reg, [0, 1], refs, **kw)], 10)[0]
         assert not done.ok and done.code == code and re.search(why, done.message), done
     # an empty store or load is done at once (it once failed as an internal error)
-    empty = [worker.submit_store(reg, [], [], keys=[], grant=grant), worker.submit_load(reg, [], [])]
+    empty = [worker.submit_store(reg, [], [], keys=[], grant=grant),
+             worker.submit_load(reg, [], [])]
     assert [(d.ok, d.nbytes, d.message) for d in worker.wait(empty, 10)] == [(True, 0, "")] * 2
     # none of that bound or lost the slots: they still take a proper store
     assert worker.wait([worker.submit_store(reg, [0, 1], refs, keys=keys, grant=grant)],
