@@ -44,7 +44,6 @@ from kvpool.shared.protocol import MAX_BLOCKS_PER_REQUEST
 log = logging.getLogger("kvpoold")
 
 
-
 class CopyJobs:
     def __init__(self, index: Index, registry: Registry, tiering: Tiering | None, daemon_id: str,
                  telemetry: Telemetry, send: Callable[[bytes, p.Reply], None],
