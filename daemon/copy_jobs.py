@@ -423,11 +423,12 @@ class Landing:
 
 
 def _block_ids(ids: list[int], num_blocks: int) -> np.ndarray:
-    """A job's block ids as int64, each in [0, ``num_blocks``), else ``OutOfRange``. A few are
-    checked on the list (numpy's min and max cost ~5 us even for one id; Python's ~30 us for
-    1024), which also turns away ids too big for int64 before the array is made."""
+    """A job's block ids as int64, each in [0, ``num_blocks``), else ``OutOfRange``. Up to a
+    worker's lead request they are checked on the list (numpy's min and max cost ~5 us even
+    for one id, ~70 us with the array's making after a copy evicted the caches; Python's ~30
+    us for 1024), which also turns away ids too big for int64 before the array is made."""
     blocks = None
-    if len(ids) <= 32:
+    if len(ids) <= p.LEAD_BLOCKS:
         lo, hi = (min(ids), max(ids)) if ids else (0, -1)
     else:
         try:

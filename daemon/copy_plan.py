@@ -210,6 +210,14 @@ def crosses_pieces(shard_offsets: np.ndarray, shard_bytes: int, piece: int) -> b
 # ~25 us however small the job, ~20 Python additions cost ~5.
 SMALL_OPS = 16
 
+# Copies at most that a chunk may have for its table to be built in Python (``small_table``,
+# ``PitchedOps.small``) rather than with numpy, whatever launches it: at 64 both cost ~18 us
+# warm, but the daemon meets a job cold (it slept through the copy before, whose DMA into host
+# memory evicted the CPU's caches), and cold numpy's ~8 calls for a 64-copy chunk cost 264 us
+# against 75 for the Python table (this VM, 256 MiB written and 40 ms idle before each: the
+# 0.31-0.43 ms first-chunk enqueue of a big job on an H200 host).
+SMALL_TABLE_OPS = 64
+
 
 def block_runs(seg_dev: np.ndarray, seg_stride: np.ndarray, seg_bytes: np.ndarray,
                seg_prefix: np.ndarray) -> list[tuple[int, int, int, int]]:

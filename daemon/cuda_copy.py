@@ -36,8 +36,8 @@ from kvpool.daemon import cuda
 from kvpool.daemon.copy_engine import (HEAD_BLOCKS, TAIL_BLOCKS, CopyEngine, JobResult,
                                        LateOffsets, Mapped, Progress, chunk_bounds, part_span,
                                        segment_address_table)
-from kvpool.daemon.copy_plan import (SMALL_OPS, PitchedOps, block_runs, chunk_table,
-                                     flatten_plan, pitched_plan, strided_runs)
+from kvpool.daemon.copy_plan import (SMALL_OPS, SMALL_TABLE_OPS, PitchedOps, block_runs,
+                                     chunk_table, flatten_plan, pitched_plan, strided_runs)
 from kvpool.daemon.cuda_lane import Gpu, Job
 from kvpool.shared.config import CHUNK_BLOCKS
 from kvpool.shared.errors import (Aborted, InternalError, KvpoolError, LayoutMismatch,
@@ -107,7 +107,7 @@ class CudaMapped(Mapped):
     def inside_pieces(self, shard_offsets: np.ndarray, piece: int) -> bool:
         """Whether no slot of a small job (a few items: in Python) spans two separately
         registered pieces of the pool; a big job says False (``split_items`` then decides)."""
-        if len(shard_offsets) > SMALL_OPS:
+        if len(shard_offsets) > SMALL_TABLE_OPS:
             return False
         lo, hi = self.part_lo, self.part_hi - 1
         return all((o + lo) // piece == (o + hi) // piece for o in shard_offsets.tolist())

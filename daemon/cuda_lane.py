@@ -47,7 +47,7 @@ import numpy as np
 from kvpool.daemon import cuda, numa
 from kvpool.daemon.copy_engine import (HEAD_BLOCKS, TAIL_BLOCKS, LateOffsets, Progress,
                                        chunk_bounds)
-from kvpool.daemon.copy_plan import (SMALL_OPS, PitchedOps, chunk_table, small_table,
+from kvpool.daemon.copy_plan import (SMALL_TABLE_OPS, PitchedOps, chunk_table, small_table,
                                      split_at_boundaries, split_items)
 from kvpool.shared.errors import Aborted
 from kvpool.shared.protocol import LEAD_BLOCKS
@@ -302,7 +302,7 @@ class Lane:
                 offs = offs[:job.late.head]     # all the head reads; the rest is unwritten
             else:
                 job.late.wait()
-        top = max(offs.tolist()) if len(offs) <= SMALL_OPS else int(offs.max())
+        top = max(offs.tolist()) if len(offs) <= SMALL_TABLE_OPS else int(offs.max())
         shard_end = eng.pool_base + top + m.part_hi
         reg = eng.registration
         if reg is None:
@@ -409,7 +409,7 @@ class Lane:
                 tmpl = m.pitched_ops[kind] = PitchedOps(m.plan if kind[1] else m.plan_2d,
                                                         job.to_pool)
             job.backend = "dma2d"
-            if cross is None and len(blocks) * len(tmpl.rows) <= SMALL_OPS:
+            if cross is None and len(blocks) * len(tmpl.rows) <= SMALL_TABLE_OPS:
                 table, count = tmpl.small(blocks.tolist(), shards.tolist(), eng.pool_base)
                 cuda.memcpy_2d_batch_at(ctypes.addressof(table), count, self.stream)
             else:
@@ -420,7 +420,7 @@ class Lane:
                 blocks = blocks[:0]
             else:
                 blocks, shards = blocks[cross], shards[cross]
-        if len(blocks) and len(blocks) * len(m.runs) <= SMALL_OPS and (
+        if len(blocks) and len(blocks) * len(m.runs) <= SMALL_TABLE_OPS and (
                 not split or m.inside_pieces(shards, reg.piece_bytes)):
             table, count = small_table(m.runs, blocks.tolist(), shards.tolist(), eng.pool_base)
             at = ctypes.addressof(table)

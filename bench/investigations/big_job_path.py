@@ -1,6 +1,7 @@
 """The daemon's own Python around a big job's copy, on CPU, without a GPU or a socket (issue 15).
 
-    python -m bench.investigations.big_job_path [--blocks 1024] [--jobs 200] [--keys] [--out DIR]
+    python -m bench.investigations.big_job_path [--blocks 1024] [--jobs 200] [--out DIR]
+        [--idle-ms 40 --flush-mib 256]
 
 A 1024-block store on an H100 copies for ~40 ms; what no copy hides is the daemon's work before
 the first chunk goes out and after the last one lands. This times that work in process: a
@@ -21,6 +22,11 @@ path since protocol 2, the vLLM connector's; on a full pool ``to_submit`` includ
 slot per block). The runs that led to chunking (issue 15) also timed stores into slots bound
 beforehand by protocol 1's ``prepare_store``, which is gone. Each figure is the median over
 ``--jobs`` jobs (the first 10% not counted), in microseconds.
+
+On a GPU host a job comes after the daemon slept through a copy whose DMA into host memory
+evicted the CPU's caches: the same Python then ran 4-6x slower there (a 64-block lead's 33 us
+here took 0.37-0.49 ms on an H200 host). ``--idle-ms`` and ``--flush-mib`` set that scene before
+each dispatch, so the cold path can be worked on without a GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import platform
 import secrets
 import statistics
 import time
+
+import numpy as np
 from concurrent.futures import Future
 
 from bench.soak.common import wait_for_async
@@ -90,7 +98,8 @@ class _Frame:
         self.buffer = memoryview(data)
 
 
-def run(blocks: int, jobs: int) -> dict[str, dict[str, float]]:
+def run(blocks: int, jobs: int, idle_s: float = 0.0, flush_mib: int = 0
+        ) -> dict[str, dict[str, float]]:
     from kvpool.daemon import copy_engine
     from kvpool.daemon.copy_engine import chunk_bounds
     cfg = DaemonConfig(pool_name=f"kvpool-bench-big-{os.getpid()}-{secrets.token_hex(3)}",
@@ -148,6 +157,17 @@ def run(blocks: int, jobs: int) -> dict[str, dict[str, float]]:
             add(f"{kind}_done_to_sent", sent[-1] - t0)
             assert replies[-1].code == 0, replies[-1]
 
+        flush = np.zeros(flush_mib << 20, np.uint8) if flush_mib else None
+
+        def cool() -> None:
+            """Before a dispatch: what a job meets on a GPU host, where the daemon sleeps
+            through the copy before it (``idle_s``) and the copy's DMA into host memory
+            evicts the CPU's caches (``flush_mib`` written)."""
+            if flush is not None:
+                flush.fill(len(times))
+            if idle_s:
+                time.sleep(idle_s)
+
         async def main() -> None:
             nonlocal kind
             call(p.Hello(next(req), p.PROTOCOL_VERSION, p.Role.WORKER, "bench", os.getpid()))
@@ -168,6 +188,7 @@ def run(blocks: int, jobs: int) -> dict[str, dict[str, float]]:
                 p.decode_request(frame)
                 add("store_decode", time.perf_counter_ns() - t0)
                 kind = "store"
+                cool()
                 t0 = time.perf_counter_ns()
                 srv._dispatch(ident, _Frame(frame))
                 add("store_to_submit", eng.t_submit - t0)
@@ -178,6 +199,7 @@ def run(blocks: int, jobs: int) -> dict[str, dict[str, float]]:
                 p.decode_request(frame)
                 add("load_decode", time.perf_counter_ns() - t0)
                 kind = "load"
+                cool()
                 t0 = time.perf_counter_ns()
                 srv._dispatch(ident, _Frame(frame))
                 add("load_to_submit", eng.t_submit - t0)
@@ -201,11 +223,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=1024)
     ap.add_argument("--jobs", type=int, default=200)
+    ap.add_argument("--idle-ms", type=float, default=0.0,
+                    help="sleep this long before each dispatch (gpu_transfer's jobs come after "
+                         "a 40 ms memcpy)")
+    ap.add_argument("--flush-mib", type=int, default=0,
+                    help="write this many MiB before each dispatch (a copy's DMA into host "
+                         "memory evicts the caches)")
     ap.add_argument("--out", default="", help="directory for the JSON (default: none)")
     args = ap.parse_args()
     res = {"device": f"cpu {platform.machine()}, {os.cpu_count()} cores",
            "date": datetime.date.today().isoformat(), "blocks": args.blocks, "jobs": args.jobs,
-           "us": run(args.blocks, args.jobs)}
+           "idle_ms": args.idle_ms, "flush_mib": args.flush_mib,
+           "us": run(args.blocks, args.jobs, args.idle_ms / 1000, args.flush_mib)}
     print(f"daemon Python around a {args.blocks}-block job ({res['device']}, tickets+keys), "
           f"median us")
     for k, v in res["us"].items():

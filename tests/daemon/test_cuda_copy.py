@@ -403,6 +403,40 @@ def test_a_small_job_whose_slot_spans_two_pool_pieces_is_cut_at_the_boundary(
         assert [n for _, n in fake.copies] == [1, 2, 2]
 
 
+def test_a_chunk_of_up_to_small_table_ops_copies_gets_its_table_in_python(
+        engine, fake, mapped, monkeypatch):
+    """Numpy's table costs ~4x the Python one when the daemon meets a job cold (its caches
+    evicted by the copy before): up to ``SMALL_TABLE_OPS`` copies a chunk's table is built in
+    Python, unless a slot spans two registered pieces of the pool (numpy cuts it there)."""
+    m, kv = mapped
+    built: list[int] = []
+    real = cuda_lane.chunk_table
+
+    def spy(*a):
+        built.append(len(a[4]))
+        return real(*a)
+
+    monkeypatch.setattr(cuda_lane, "chunk_table", spy)
+    engine.chunk_blocks = 128
+    assert copy_plan.SMALL_OPS < 20 <= copy_plan.SMALL_TABLE_OPS
+    blocks = np.arange(20)[::-1].copy()
+    offs = (np.arange(20) + 2) * BLOCK_BYTES
+    engine.submit_store(m, blocks, offs).result(10)           # one chunk of 20 copies
+    assert built == [] and [n for _, n in fake.copies] == [20]
+    assert np.array_equal(_pool_blocks(engine, offs), kv.reshape(BLOCKS, -1)[blocks])
+    pool = engine.test_pool
+    engine.registration = PiecesRegistration(pool.base_address, pool.nbytes,
+                                             5 * BLOCK_BYTES + BLOCK_BYTES // 2)
+    fake.spans.clear()
+    engine.submit_store(m, blocks, offs).result(10)           # slot 4 spans pieces 0 and 1
+    assert built == [20]
+    lo = pool.base_address
+    pieces = [(a, a + n) for a, n in engine.registration.registered]
+    assert all(any(a <= d and d + n <= b for a, b in pieces) for d, _, n in fake.spans
+               if lo <= d < lo + pool.nbytes), "a copy spans two registered pieces"
+    assert np.array_equal(_pool_blocks(engine, offs), kv.reshape(BLOCKS, -1)[blocks])
+
+
 class TwoGpus(FakeDriver):
     """Registrations on GPU-0 and GPU-1, and worker events that stay pending until let go."""
 
