@@ -2,9 +2,10 @@
 pool slots, built with numpy (tested on CPU).
 
 Tables are built over (items x segments) at once; nothing in Python runs per block or per layer,
-except for jobs of at most ``SMALL_OPS`` copies, whose tables are a few Python additions to
-per-registration templates (``block_runs``, ``PitchedOps``): numpy's fixed cost per call, ~25-40
-us a table, was most of a single block's launch.
+except for chunks of at most ``SMALL_TABLE_OPS`` copies, whose tables are a few Python additions
+to per-registration templates (``block_runs``, ``PitchedOps``): numpy's fixed cost per call,
+~25-40 us a table, was most of a single block's launch, and several times that when the daemon
+meets a job with its caches evicted by the copy before.
 
 Where a registration's segments form strided runs (per-layer layouts: every layer's K and V of a
 block sit one fixed pitch apart on the GPU and back to back in the shard), the ``dma`` path
