@@ -300,10 +300,13 @@ class Engine(SchedulerDriver):
 
     # ---- requests ------------------------------------------------------------------------
 
-    def release_stores(self, n: int | None = None) -> None:
-        """Let the ``n`` oldest held store jobs of every rank go to the daemon."""
+    def release_stores(self, n: int | None = None, *, from_now_on: bool = False) -> None:
+        """Let the ``n`` oldest held store jobs of every rank go to the daemon; with
+        ``from_now_on``, every later one goes out at once too."""
         for h in self.held:
             h.release(n)
+            if from_now_on:
+                h.steps = 0
 
     def fail_stores(self) -> None:
         """Make every held store job fail, as if this engine died before they were copied."""

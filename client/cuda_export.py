@@ -153,15 +153,14 @@ class StoreEvents:
         k = self._next % len(self._events)
         self._next += 1
         ev = self._events[k]
-        if k >= len(self._handles) or self._raw_stream is None:
-            ev.record(stream)
-            if k >= len(self._handles):
-                self._handles.append(bytes(ev.ipc_handle()))
-                self._raw.append(ev.cuda_event)
+        if k < len(self._handles) and self._raw_stream is not None:
+            raw = self._raw_stream(self._device()) if stream is None else stream.cuda_stream
+            rc = _cuda().cuEventRecord(self._raw[k], raw)
+            if rc != 0:
+                raise RuntimeError(f"cuEventRecord of a store event failed (driver error {rc})")
             return self._handles[k]
-        raw = (self._raw_stream(self._device()) if stream is None
-               else stream.cuda_stream)
-        rc = _cuda().cuEventRecord(self._raw[k], raw)
-        if rc != 0:
-            raise RuntimeError(f"cuEventRecord of a store event failed (driver error {rc})")
+        ev.record(stream)
+        if k == len(self._handles):
+            self._handles.append(bytes(ev.ipc_handle()))
+            self._raw.append(ev.cuda_event)
         return self._handles[k]

@@ -135,13 +135,13 @@ class Lane:
         whole = len(job.bounds) == 2 and job.late is None
         small = whole and (len(job.block_ids) * job.mapped.copies_per_block(eng)
                            <= eng.inline_max_ops)
-        # (a worker's lead request, LEAD_BLOCKS: the first chunk of a job sent in two; not
-        # where inline launches are off, ``inline_max_ops`` 0)
-        small = small or (whole and eng.inline_max_ops > 0 and eng.inline_first_chunk
-                          and len(job.block_ids) <= LEAD_BLOCKS)
+        # a worker's lead request (LEAD_BLOCKS), the first chunk of a job sent in two; not
+        # where inline launches are off (``inline_max_ops`` 0)
+        lead = (whole and eng.inline_max_ops > 0 and eng.inline_first_chunk
+                and len(job.block_ids) <= LEAD_BLOCKS)
         first = eng.inline_first_chunk and len(job.bounds) > 2 and (
             job.late is None or job.bounds[1] <= job.late.head)
-        if (small or first) and self.launch_lock.acquire(blocking=False):
+        if (small or lead or first) and self.launch_lock.acquire(blocking=False):
             try:
                 with self.qlock:
                     idle = self.queued == 0

@@ -296,9 +296,7 @@ def test_tp2_stores_commit_only_after_every_rank(make_engine, info, async_schedu
     role.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=WorkerAcks({batch: 1})))
     assert batch in role.batches.by_id and held.done == 1
     held.done = 0                                   # give the real acks their say
-    e.release_stores()
-    for h in e.held:
-        h.steps = 0                                 # from now on stores go out at once
+    e.release_stores(from_now_on=True)
     e.run()
     assert e.stats.finished == ["a"]
     e.sched.reset_prefix_cache()
@@ -348,9 +346,7 @@ def test_in_flight_stores_are_not_planned_twice(make_engine, info, async_schedul
     e.add("b", shared + [2] * 5, max_tokens=2)
     e.run(until=lambda: "b" in e.stats.finished)
     assert b_first_step == [True], "b was not scheduled while a's stores were in flight"
-    e.release_stores()
-    for h in e.held:
-        h.steps = 0                                 # from now on stores go out at once
+    e.release_stores(from_now_on=True)
     e.run()
     assert len(planned) == len(set(planned)), "a key was planned twice"
     assert info.info().stored_blocks == 4
@@ -370,9 +366,7 @@ def test_stores_planned_before_a_reset_never_show_up_after_it(make_engine, info,
     e.run(until=lambda: "a" in e.stats.finished and e.held[0].held)
     # vLLM's own reset waits for a's blocks (held for its stores): reset the pool's now.
     assert e.connector.reset_cache()
-    e.release_stores()                  # the copies reach the daemon after the reset
-    for h in e.held:
-        h.steps = 0                     # from now on stores go out at once
+    e.release_stores(from_now_on=True)  # the copies reach the daemon after the reset
     e.run()
     assert e.sched.reset_prefix_cache()
     # Nothing of a's is held or visible. (Its stores may still have committed *before* the
