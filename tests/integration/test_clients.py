@@ -414,3 +414,33 @@ def test_a_big_job_goes_as_a_lead_and_the_rest_with_one_completion(daemon_factor
         assert worker.poll() == []
     finally:
         sched.close(); worker.close(); kv.close()
+
+
+def test_a_big_job_whose_rest_cannot_be_sent_fails_once_after_its_lead(daemon):
+    """The lead went, the rest could not (the daemon's queue refused it): the call returns the
+    job's id rather than raising (the lead may be copying into the engine's blocks), and the
+    job fails once, when the lead is answered, saying the rest was not sent."""
+    from kvpool.shared.errors import DaemonUnavailable, ErrorCode
+    from kvpool.shared.protocol import SPLIT_MIN_BLOCKS
+    n = SPLIT_MIN_BLOCKS
+    kv = HostKv(blocks=n)
+    worker, reg = kv.register(daemon.client_config())
+    real, sends = worker._t.send_connected, []
+
+    def second_refused(make):
+        sends.append(make)
+        if len(sends) == 2:
+            raise DaemonUnavailable("kvpoold is not accepting requests (test)")
+        return real(make)
+
+    try:
+        worker._t.send_connected = second_refused
+        job = worker.submit_load(reg, [0] * n, list(range(n)))
+        worker._t.send_connected = real
+        assert len(sends) == 2
+        (done,) = worker.wait([job], 10)
+        assert not done.ok and done.code == ErrorCode.ABORTED, done
+        assert "not sent" in done.message and done.failed == ()
+        assert worker.poll() == []
+    finally:
+        worker.close(); kv.close()
