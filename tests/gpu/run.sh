@@ -23,7 +23,9 @@
 #  and with py-spy (PROFILE_REPS, default 20);
 #  ab: the daemon and client of this tree against those of the tree at $OLD (a path: e.g. a
 #  `git archive OLD_COMMIT | tar -x -C .old`), the same bench scripts: gpu_transfer --reps 3
-#  new, old, new, then big_job_profile new and old (AB_REPS, default 20))
+#  new, old, new (AB_KINDS; "qos": the new tree with the CPUs held out of deep idle states by
+#  bench/investigations/hold_cpu_latency.py), then big_job_profile new and old (AB_BJP, AB_REPS,
+#  default 20); AB_FLOOR=1 adds transport_floor after 40 ms idle without and with that hold)
 set -uo pipefail
 what=${1:-all}; shift || true
 ROOT=$PWD
@@ -141,13 +143,29 @@ if [ "$what" = ab ]; then
   (cd "$old" && python3 setup.py -q build_ext --inplace >/dev/null 2>&1 && rm -rf build) \
     || echo "run.sh ab: the old tree's C extensions not built"
   cp -r "$REPO/bench" "$REPO/tests" "$REPO/pyproject.toml" /tmp/ppo/
-  for k in new old new; do
+  for k in ${AB_KINDS:-new old new}; do
     pp=/tmp/pp; [ $k = old ] && pp=/tmp/ppo
+    holder=""
+    if [ $k = qos ]; then
+      python3 -m bench.investigations.hold_cpu_latency --us 0 | tee -a "$OUT/ab.log" &
+      holder=$!
+    fi
     (cd $pp && PYTHONPATH=$pp:/tmp/site timeout ${BENCH_TIMEOUT:-170} python3 -m bench.gpu_transfer \
       --out "$OUT/ab-$k-$SECONDS" --tmp /tmp/kvpool-ab-$k --reps 3 2>&1 | grep "^\[summary\]" \
-      | tee -a "$OUT/ab.log") || rc=1
+      | sed "s/^/$k /" | tee -a "$OUT/ab.log") || rc=1
+    [ -n "$holder" ] && { pkill -f hold_cpu_latency; wait $holder; }
   done
-  for k in new old; do
+  if [ -n "${AB_FLOOR:-}" ]; then
+    # the transport's round trip after 40 ms idle, without and with the CPUs kept out of deep
+    # idle states: how much of a job's fixed cost is waking threads
+    timeout 100 python3 -m bench.investigations.transport_floor --reps 100 --idle-ms 40 \
+      --out "$OUT/floor-plain" 2>&1 | grep round | sed "s/^/plain /" | tee -a "$OUT/ab.log"
+    python3 -m bench.investigations.hold_cpu_latency --us 0 | tee -a "$OUT/ab.log" &
+    timeout 100 python3 -m bench.investigations.transport_floor --reps 100 --idle-ms 40 \
+      --out "$OUT/floor-qos" 2>&1 | grep round | sed "s/^/qos /" | tee -a "$OUT/ab.log"
+    pkill -f hold_cpu_latency; wait
+  fi
+  for k in ${AB_BJP-new old}; do
     pp=/tmp/pp; [ $k = old ] && pp=/tmp/ppo
     (cd $pp && PYTHONPATH=$pp:/tmp/site timeout 200 python3 -m bench.investigations.big_job_profile \
       --out "$OUT/bjp-$k" --reps ${AB_REPS:-20} > "$OUT/bjp-$k.log" 2>&1) || rc=1
