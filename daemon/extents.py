@@ -18,9 +18,7 @@ hands the extent to the size that asked (``release`` → ``_finish_drain``). One
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 from kvpool.daemon.eviction import LruPolicy
 from kvpool.daemon.pool import FREE, Pool
@@ -123,7 +121,7 @@ class Extents:
                 taken.reverse()
                 got += taken
                 counts = self.free_count
-                for e, c in Counter(map(_EXTENT, taken)).items():
+                for e, c in _per_extent(taken).items():
                     counts[e] -= c
             if len(got) == n or not self.free_extents:
                 return got
@@ -149,7 +147,7 @@ class Extents:
         else:
             cls.free += reversed(slots)       # the oldest victim is popped first
             counts = self.free_count
-            for e, c in Counter(map(_EXTENT, slots)).items():
+            for e, c in _per_extent(slots).items():
                 counts[e] += c
 
     def stamp(self, s: Slot, tick: int) -> None:
@@ -159,7 +157,7 @@ class Extents:
     def put_free(self, cls: SizeClass, slots: list[Slot]) -> None:
         """Adopted free slots onto ``cls``'s free list, the first popped first."""
         cls.free += reversed(slots)
-        for e, c in Counter(map(_EXTENT, slots)).items():
+        for e, c in _per_extent(slots).items():
             self.free_count[e] += c
 
     def whole_free_extent(self, wanting: SizeClass) -> int | None:
@@ -241,4 +239,14 @@ class Extents:
             self.free_extents.append(extent)
 
 
-_EXTENT = attrgetter("extent")
+def _per_extent(slots: list[Slot]) -> dict[int, int]:
+    """How many of ``slots`` each extent holds. A plain loop, not ``Counter``: a big store
+    finds its room (free slots taken, victims released) right after a copy evicted the CPU's
+    caches, and there ``Counter``'s construction (its type checks, ``update``'s dispatch) took
+    ~70 us for 64 slots against ~28 for this (~4 and ~3 us warm; this VM, 256 MiB written and
+    40 ms idle before each)."""
+    out: dict[int, int] = {}
+    for s in slots:
+        e = s.extent
+        out[e] = out.get(e, 0) + 1
+    return out
