@@ -307,6 +307,24 @@ def test_templates_give_the_same_copies_as_the_full_tables(order, tp, rank):
         kv.close()
 
 
+def test_a_small_table_joins_copies_contiguous_on_both_sides_but_not_across_a_piece():
+    """Blocks into slots that follow on both sides go as one copy (the driver costs per copy);
+    a gap on either side, or two pool pieces meeting between them, keeps them apart."""
+    from kvpool.daemon.copy_plan import small_table
+    runs = [(1000, 100, 0, 100)]      # one 100-byte run per block, blocks 100 bytes apart
+    base = 1 << 20
+
+    def cols(blocks, slots, piece=0):
+        table, count = small_table(runs, blocks, slots, base, piece)
+        return np.frombuffer(table, np.uint64).reshape(3, count).tolist()
+    assert cols([3, 4, 5], [0, 100, 200]) == [[1300], [base], [300]]
+    assert cols([3, 4, 5], [0, 200, 300]) == [[1300, 1400], [base, base + 200], [100, 200]]
+    assert cols([3, 5, 6], [0, 100, 200]) == [[1300, 1500], [base, base + 100], [100, 200]]
+    assert cols([3, 4, 5], [0, 100, 200], piece=200) == [[1300, 1500], [base, base + 200],
+                                                        [200, 100]]
+    assert cols([5, 4], [100, 0]) == [[1500, 1400], [base + 100, base], [100, 100]]
+
+
 def test_block_runs_merge_only_what_stays_contiguous_for_every_block():
     from kvpool.daemon.copy_plan import block_runs
     a = lambda *x: np.array(x, dtype=np.int64)   # noqa: E731

@@ -39,6 +39,7 @@ class FakeDriver:
         self.fail_sync_call = 0                       # n: the n-th event wait raises
         self.syncs = 0
         self.spans: list[tuple[int, int, int]] = []   # every (dst, src, bytes) moved
+        self.single_copies = 0                        # calls of memcpy_async
 
     def __getattr__(self, name):
         if name in ("use_device", "stream_synchronize", "stream_wait_event", "event_destroy",
@@ -109,6 +110,10 @@ class FakeDriver:
         for d, s, n in zip(dst.tolist(), src.tolist(), size.tolist()):
             ctypes.memmove(d, s, n)
             self.spans.append((d, s, n))
+
+    def memcpy_async(self, dst: int, src: int, size: int, stream) -> None:
+        self.single_copies += 1
+        self.memcpy_batch_async(*(np.array([x], np.uint64) for x in (dst, src, size)), stream)
 
     def memcpy_batch_at(self, dst: int, src: int, size: int, count: int, stream) -> None:
         def col(addr: int) -> np.ndarray:
@@ -208,7 +213,7 @@ def test_a_store_that_reports_chunks_ends_with_a_small_one_and_a_load_does_not(
     nobody follows and a load keep near-equal chunks."""
     m, kv = mapped
     monkeypatch.setattr(cuda_lane, "TAIL_BLOCKS", 1)
-    offs = (np.arange(10) + 3) * BLOCK_BYTES
+    offs = (2 * np.arange(10) + 3) * BLOCK_BYTES     # apart: a copy per block (no joins)
     seen = []
     engine.submit_store(m, np.arange(10), offs, b"", seen.append).result(10)
     assert seen == [3, 6, 9]               # [0, 3, 6, 9] + the tail [9, 10)
@@ -287,7 +292,7 @@ def test_a_small_job_never_overtakes_one_queued_on_its_lane(engine, fake, mapped
     small one behind it is queued too rather than launched at once."""
     m, _ = mapped
     fake.events_done = False
-    first = engine.submit_store(m, np.arange(10), np.arange(10) * BLOCK_BYTES, b"e" * 64)
+    first = engine.submit_store(m, np.arange(10), 2 * np.arange(10) * BLOCK_BYTES, b"e" * 64)
     second = engine.submit_store(m, np.array([3]), np.array([20 * BLOCK_BYTES]))
     assert fake.copies == []
     fake.events_done = True
@@ -435,6 +440,40 @@ def test_a_chunk_of_up_to_small_table_ops_copies_gets_its_table_in_python(
     assert all(any(a <= d and d + n <= b for a, b in pieces) for d, _, n in fake.spans
                if lo <= d < lo + pool.nbytes), "a copy spans two registered pieces"
     assert np.array_equal(_pool_blocks(engine, offs), kv.reshape(BLOCKS, -1)[blocks])
+
+
+def test_blocks_into_slots_that_follow_go_as_one_copy_cut_where_two_pool_pieces_meet(
+        engine, fake, mapped):
+    """A chunk's consecutive blocks into consecutive slots join into one copy (the driver
+    costs per copy, most when the daemon meets the job cold); where two registered pieces of
+    the pool meet between two slots, the copy is cut there."""
+    m, kv = mapped
+    engine.chunk_blocks = 128
+    offs = (np.arange(12) + 2) * BLOCK_BYTES
+    engine.submit_store(m, np.arange(12), offs).result(10)
+    assert [n for _, n in fake.copies] == [1]
+    assert fake.single_copies == 0         # the pool is not page-locked: the batch call
+    assert np.array_equal(_pool_blocks(engine, offs), kv.reshape(BLOCKS, -1)[:12])
+    pool = engine.test_pool
+    engine.registration = PiecesRegistration(pool.base_address, pool.nbytes, 5 * BLOCK_BYTES)
+    fake.copies.clear()
+    fake.spans.clear()
+    kv[:] = 0
+    engine.submit_load(m, offs, np.arange(12)).result(10)   # pieces meet at slots 5 and 10
+    assert [n for _, n in fake.copies] == [3]
+    lo = pool.base_address
+    pieces = [(a, a + n) for a, n in engine.registration.registered]
+    assert all(any(a <= h and h + n <= b for a, b in pieces) for _, h, n in fake.spans), \
+        "a copy spans two registered pieces"
+    assert sorted(n for *_, n in fake.spans) == [3 * BLOCK_BYTES, 4 * BLOCK_BYTES,
+                                                  5 * BLOCK_BYTES]
+    assert np.array_equal(kv.reshape(BLOCKS, -1)[:12], _pool_blocks(engine, offs))
+    assert all(lo <= h < lo + pool.nbytes for _, h, _ in fake.spans)
+    assert fake.single_copies == 0
+    # inside one registered piece, one copy goes through cuMemcpyAsync (cheaper cold)
+    engine.submit_store(m, np.arange(4) + 7, offs[3:7]).result(10)
+    assert fake.single_copies == 1 and [n for _, n in fake.copies[-1:]] == [1]
+    assert np.array_equal(_pool_blocks(engine, offs[3:7]), kv.reshape(BLOCKS, -1)[7:11])
 
 
 class TwoGpus(FakeDriver):
