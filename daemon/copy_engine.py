@@ -47,12 +47,13 @@ if TYPE_CHECKING:
 
 # A CUDA store that reports its chunks ends with one of at most this many items: what is left
 # after its last copy is that chunk's commit, not a whole chunk's (~75 -> ~30 us on a 2-core host,
-# bench/investigations/big_job_path.py), while its copy (64 MiB of 2 MiB blocks: ~1.3 ms on PCIe 5) still
-# hides the commit of the chunk before it, and the extra chunk's launch runs on the lane's
+# bench/investigations/big_job_path.py; on an H200 host, cold after the copy, a 32-item tail's
+# commit still took 0.14-0.16 ms), while its copy (32 MiB of 2 MiB blocks: ~0.6 ms on PCIe 5)
+# still hides the commit of the chunk before it, and the extra chunk's launch runs on the lane's
 # thread under earlier chunks' copies. Not for the host engine, which pays each chunk's fixed
 # cost in line with its copy (1024 4 KiB blocks: +0.3-0.7 ms of copy for -60 us after it), nor
 # for loads, which commit nothing at their end.
-TAIL_BLOCKS = 32
+TAIL_BLOCKS = 16
 
 # A big CUDA job's first chunk has at most this many items: it is launched on the event loop's
 # thread (``cuda_lane``), so its table and driver call are what a job waits for before its
