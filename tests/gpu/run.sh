@@ -18,6 +18,8 @@
 #  bench/host_scale.py on every GPU (SCALE_ARGS), then the GPU tests in what is left of
 #  CONFIRM_BUDGET_S (default 560 s); the daemons' event-loop gap lines are collected in gaps.log;
 #  SCALE_PYSPY=1 samples host_scale's daemon with py-spy;
+#  firsttouch: bench/investigations/first_touch.py (FT_ARGS): the first DMA into registered
+#  pages against the next;
 #  profile: where a big job's fixed cost goes: bench/investigations/launch_cost.py,
 #  transport_floor.py back to back and after 40 ms idle, big_job_profile.py per layout without
 #  and with py-spy (PROFILE_REPS, default 20);
@@ -170,6 +172,9 @@ if [ "$what" = ab ]; then
     (cd $pp && PYTHONPATH=$pp:/tmp/site timeout 200 python3 -m bench.investigations.big_job_profile \
       --out "$OUT/bjp-$k" --reps ${AB_REPS:-20} > "$OUT/bjp-$k.log" 2>&1) || rc=1
   done
+fi
+if [ "$what" = firsttouch ]; then
+  timeout ${FT_TIMEOUT:-200} python3 -m bench.investigations.first_touch --out "$OUT" ${FT_ARGS:-} 2>&1 | tee "$OUT/first-touch.log" || rc=1
 fi
 if [ "$what" = profile ]; then
   timeout 120 python3 -m bench.investigations.launch_cost --out "$OUT" 2>&1 | tee "$OUT/launch.log" || rc=1
