@@ -33,6 +33,10 @@ class ReqState:
     producer: bool = False     # P/D prefill: stores every block (also those it loaded)
     finished: bool = False     # vLLM called request_finished
     finishing: bool = False    # ... and was told to keep its blocks until free_now names it
+    # Tokens vLLM's prefix cache gave it when it was last admitted (``get_num_new_matched_tokens``)
+    local_hit_tokens: int = 0
+    # Its leading blocks it did not compute itself (its prefix cache and pool hits at admission)
+    computed_from: int = 0
 
     @property
     def rid(self) -> str:

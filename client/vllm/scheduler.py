@@ -143,6 +143,7 @@ class SchedulerRole:
         if not self.enabled:
             return 0, False
         st = self._state(request)
+        st.local_hit_tokens = num_computed_tokens
         if not st.keys.cacheable or request.skip_reading_prefix_cache:
             return 0, False
         end = self.lookups.offer(st, num_computed_tokens, self._steps)
@@ -161,6 +162,7 @@ class SchedulerRole:
         st = self.requests.get(rid)
         if st is None or self.loads.busy(rid):
             return
+        st.computed_from = (st.local_hit_tokens + num_external_tokens) // self.block_tokens
         hit = self.lookups.accept(st) if num_external_tokens else None
         if hit is None:
             # Blocks the pool already holds need no store (those a load brought in, when vLLM

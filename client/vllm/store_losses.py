@@ -22,7 +22,9 @@ STORE_WAIT = "store_wait"            # a finished request waited store_wait_s fo
 DAEMON_UNAVAILABLE = "daemon_unavailable"   # the daemon was down or backing off
 STORE_FAILED = "store_failed"        # a worker reported the store job failed
 PREEMPTED = "preempted"              # vLLM reused a preempted request's block before its store
-REASONS = (RESERVE_REFUSED, STORE_WAIT, DAEMON_UNAVAILABLE, STORE_FAILED, PREEMPTED)
+WINDOW_FREED = "window_freed"        # ... or a block that left a sliding window, before its store
+REASONS = (RESERVE_REFUSED, STORE_WAIT, DAEMON_UNAVAILABLE, STORE_FAILED, PREEMPTED,
+           WINDOW_FREED)
 
 _WHY = {RESERVE_REFUSED: "kvpoold refused the scheduler's reservations (the error is logged at "
                          "debug)",
@@ -30,7 +32,9 @@ _WHY = {RESERVE_REFUSED: "kvpoold refused the scheduler's reservations (the erro
         DAEMON_UNAVAILABLE: "kvpoold was unreachable",
         STORE_FAILED: "a worker's store job failed",
         PREEMPTED: "vLLM gave a preempted request's block to another request before its store "
-                   "was planned"}
+                   "was planned",
+        WINDOW_FREED: "vLLM gave a block that had left a sliding window to another request "
+                      "before its store was planned"}
 
 
 class StoreLosses:

@@ -69,7 +69,8 @@ from kvpool.client.vllm.lazy_store import LazyPolicy
 from kvpool.client.vllm.requests import ReqState
 from kvpool.client.vllm.specs import StoreSpec
 from kvpool.client.vllm.store_batches import Run, StoreBatches
-from kvpool.client.vllm.store_losses import PREEMPTED, RESERVE_REFUSED, StoreLosses
+from kvpool.client.vllm.store_losses import (PREEMPTED, RESERVE_REFUSED, WINDOW_FREED,
+                                              StoreLosses)
 
 if TYPE_CHECKING:
     from kvpool.client.vllm.loads import Loads
@@ -441,6 +442,8 @@ class StorePlanner:
                 bids = ids[lo:hi]
             if hi <= lo:
                 continue
+            if g.window_blocks is not None and 0 in bids:
+                bids = self._refind_window_blocks(st, step.manager, g.index, lo, bids)
             keys = st.keys.range(req, gi, lo, hi)
             inflight, taken = self._batches.keys_in_flight[gi], step.seen[gi]
             known = self._known(gi, st)
@@ -504,6 +507,39 @@ class StorePlanner:
             step.wanted[gi].append((st, [lo + j for j in keep], keys, [bids[j] for j in keep]))
         c.lo = min(c.cursor)
         self._losses.add(PREEMPTED, lost)
+
+    def _refind_window_blocks(self, st: ReqState, manager: Any, group: int, lo: int,
+                              bids: list[int]) -> list[int]:
+        """``bids`` (blocks ``lo``... of a sliding-window group) with the null ones the request
+        computed itself found again. Their store waited (tickets, the planning budget) and
+        vLLM freed them meanwhile, as they left the window; a freed block stays in vLLM's
+        prefix cache under its block hash until handed out again (a store still reading one
+        then is finished first: ``StoreBatches.reading``). Those handed out already are
+        counted lost (``window_freed``). Nulls before ``computed_from`` were never this
+        request's (its prefix hits keep only the window). Only here is there a loop per
+        block: null blocks past ``computed_from`` appear only when a store waited."""
+        req = st.request
+        hashes = req.block_hashes
+        first = max(lo, st.computed_from)
+        todo = [j for j in range(first - lo, len(bids)) if not bids[j]]
+        if not todo:
+            return bids
+        if len(hashes) != req.num_tokens // self.block_tokens:
+            # vLLM hashes at another block size (a model with a state group): no match by
+            # position here, so none is found
+            self._losses.add(WINDOW_FREED, len(todo))
+            return bids
+        out = list(bids)
+        get = manager.block_pool.get_cached_block
+        lost = 0
+        for j in todo:
+            cached = get(hashes[lo + j], [group])
+            if cached:
+                out[j] = cached[0].block_id
+            else:
+                lost += 1
+        self._losses.add(WINDOW_FREED, lost)
+        return out
 
     def _known(self, gi: int, st: ReqState) -> dict[bytes, None]:
         """Keys of group ``gi`` that ``st`` need not store again: those known to be in the

@@ -260,6 +260,78 @@ def test_a_fresh_engine_stores_its_first_chunk_in_its_first_step(make_engine, in
 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+@pytest.mark.parametrize("reused", [False, True], ids=["still_cached", "reused"])
+def test_window_blocks_freed_while_their_store_waited(make_engine, info, async_scheduling,
+                                                      reused):
+    # The stores get no ticket (as when the grant comes late on a loaded host) until vLLM has
+    # freed the window group's first blocks (they left its 32-token window). Still in vLLM's
+    # prefix cache, they are found there by their hashes and stored; handed to another
+    # request meanwhile (here every free block is taken and given back, as an allocation
+    # would), they are counted lost (window_freed), not dropped unseen.
+    e = make_engine(async_scheduling=async_scheduling, hybrid=True)
+    role = e.connector.scheduler
+    window = next(g.index for g in role.groups if g.window_blocks)
+    take, plan = role.client.take_slots, role.planner.plan
+    planned: list[int] = []
+    freed: list[int] = []       # null blocks in the window group's table when the wait ended
+
+    def plan_once_window_blocks_are_freed(so, started, preempted, manager):
+        table = manager.get_block_ids("a")[window] if not freed else []
+        if not freed and table and table[0] == 0:
+            freed.append(table.count(0))
+            if reused:
+                pool = manager.block_pool
+                pool.free_blocks(pool.get_new_blocks(pool.get_num_free_blocks()))
+        role.client.take_slots = take if freed else (lambda ns, n: ([], ""))
+        specs, finished = plan(so, started, preempted, manager)
+        planned.append(sum(len(sp.keys) for sp in specs))
+        return specs, finished
+
+    role.planner.plan = plan_once_window_blocks_are_freed
+    e.add("a", prompt(200), max_tokens=1)     # 64-token chunks: 12 full blocks per group
+    e.run()
+    assert freed and freed[0] >= 2, f"vLLM freed no window block while the stores waited"
+    lost = freed[0] if reused else 0
+    assert planned[0] == 0 and sum(planned) == 24 - lost, planned
+    assert role.losses.totals["window_freed"] == lost, role.losses.totals
+    assert info.info().stored_blocks == 24 - lost
+    e.assert_clean(info)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_window_blocks_a_prefix_hit_never_held_are_not_counted_lost(make_engine, info,
+                                                                    async_scheduling):
+    # b's hit in vLLM's own prefix cache keeps only the window group's last blocks: the others
+    # are null in b's table from the start. The pool emptied, b stores from block 0; those
+    # nulls were never b's, so they count as no loss even once vLLM has handed them out.
+    e = make_engine(async_scheduling=async_scheduling, hybrid=True)
+    role = e.connector.scheduler
+    window = next(g.index for g in role.groups if g.window_blocks)
+    p = prompt(200)
+    e.add("a", p, max_tokens=1)
+    e.run()
+    assert e.connector.reset_cache()        # the pool forgets a; vLLM's prefix cache keeps it
+    plan = role.planner.plan
+    nulls: list[int] = []
+
+    def plan_after_evicting(so, started, preempted, manager):
+        # once b holds its hit (not before: that would evict the hit itself)
+        if "b" in manager.coordinator.single_type_managers[0].req_to_blocks:
+            if not nulls:
+                nulls.append(manager.get_block_ids("b")[window].count(0))
+            pool = manager.block_pool
+            pool.free_blocks(pool.get_new_blocks(pool.get_num_free_blocks()))
+        return plan(so, started, preempted, manager)
+
+    role.planner.plan = plan_after_evicting
+    e.add("b", p + [3] * 20, max_tokens=1)
+    e.run()
+    assert nulls and nulls[0] >= 2, f"b's prefix hit left no null window block: {nulls}"
+    assert role.losses.totals["window_freed"] == 0, role.losses.totals
+    e.assert_clean(info)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_sliding_window_and_full_attention_groups(make_engine, info, async_scheduling):
     e = make_engine(async_scheduling=async_scheduling, hybrid=True)
     role = e.connector.scheduler
