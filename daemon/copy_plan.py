@@ -215,8 +215,8 @@ SMALL_OPS = 16
 # ``PitchedOps.small``) rather than with numpy, whatever launches it: at 64 both cost ~18 us
 # warm, but the daemon meets a job cold (it slept through the copy before, whose DMA into host
 # memory evicted the CPU's caches), and cold numpy's ~8 calls for a 64-copy chunk cost 264 us
-# against 75 for the Python table (this VM, 256 MiB written and 40 ms idle before each: the
-# 0.31-0.43 ms first-chunk enqueue of a big job on an H200 host).
+# against 75 for the Python table (this VM, 256 MiB written and 40 ms idle before each; on an
+# H200 host the batch call itself then took 180-210 us: see ``small_table``).
 SMALL_TABLE_OPS = 64
 
 
