@@ -233,9 +233,13 @@ def test_without_the_inline_first_chunk_every_chunk_goes_from_the_lane(engine, f
     assert len(fake.copies) == 3
 
 
+@pytest.mark.parametrize("pinned", [False, True], ids=["batch_call", "one_copy_call"])
 def test_a_launch_that_fails_halfway_reports_only_the_chunks_that_went_out(engine, fake,
-                                                                            mapped):
+                                                                            mapped, pinned):
     m, kv = mapped
+    if pinned:      # a registered pool: each chunk, one copy, goes through cuMemcpyAsync
+        pool = engine.test_pool
+        engine.registration = PiecesRegistration(pool.base_address, pool.nbytes, pool.nbytes)
     fake.fail_copy_call = 3
     seen = []
     offs = np.arange(10) * BLOCK_BYTES
@@ -243,6 +247,7 @@ def test_a_launch_that_fails_halfway_reports_only_the_chunks_that_went_out(engin
     with pytest.raises(Exception, match="refused"):
         fut.result(10)
     assert seen == [3, 6] and len(fake.copies) == 3
+    assert fake.single_copies == (3 if pinned else 0)
     assert np.array_equal(_pool_blocks(engine, offs[:6]), kv.reshape(BLOCKS, -1)[:6])
     # the lane goes on serving
     fake.fail_copy_call = 0
