@@ -31,7 +31,9 @@ A request vLLM preempts loses its GPU blocks inside ``schedule()``, before the c
 of it, and resumes from token 0: its full blocks not yet planned (the planning queue lags on a
 busy step) are planned in the step of the preemption (``plan``'s ``preempted``), whatever the
 budget, found by their vLLM block hashes in the prefix cache they stay in until reused; those
-vLLM already handed to another request in that step are counted lost (``preempted``).
+vLLM already handed to another request in that step are counted lost (``preempted``). The
+same goes for a sliding-window group's blocks that vLLM freed as they left the window while
+their store waited (``_refind_window_blocks``; lost ones count as ``window_freed``).
 
 The store policy (``store_policy``): ``eager`` stores a full block as soon as it is computed,
 as above. ``lazy`` runs steps 1-2 the same way but, for requests that are not P/D hand-offs,
