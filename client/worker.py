@@ -260,21 +260,20 @@ class WorkerClient:
         self._t.ensure_connected()
         job = next(self._job_ids)
         split = p.SPLIT_MIN_BLOCKS <= n <= p.MAX_BLOCKS_PER_REQUEST
-        bounds = [0, p.LEAD_BLOCKS, n] if split else [0, None]
+        lead = p.LEAD_BLOCKS if split else None
         # (connected just now: ``send`` would read the monitor socket a third time)
-        req_id = self._t.send_connected(lambda rid: make(rid, job, reg.daemon_id, 0, bounds[1]))
+        req_id = self._t.send_connected(lambda rid: make(rid, job, reg.daemon_id, 0, lead))
         self._in_flight.add(job)
         self._job_of_req[req_id] = (job, 0)
-        if len(bounds) > 2:
-            self._parts[job] = _Parts(len(bounds) - 1)
-            for lo, hi in zip(bounds[1:], bounds[2:]):
-                try:
-                    req_id = self._t.send_connected(
-                        lambda rid: make(rid, job, reg.daemon_id, lo, hi))  # noqa: B023
-                except DaemonUnavailable as e:
-                    self._answered(job, int(ErrorCode.ABORTED), f"part of the job not sent: {e}")
-                    break
-                self._job_of_req[req_id] = (job, lo)
+        if split:
+            self._parts[job] = _Parts(2)
+            try:
+                req_id = self._t.send_connected(
+                    lambda rid: make(rid, job, reg.daemon_id, p.LEAD_BLOCKS, n))
+            except DaemonUnavailable as e:
+                self._answered(job, int(ErrorCode.ABORTED), f"part of the job not sent: {e}")
+            else:
+                self._job_of_req[req_id] = (job, p.LEAD_BLOCKS)
         return job
 
     def _send_registration(self, reg: _Registration) -> int:

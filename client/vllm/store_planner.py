@@ -493,8 +493,7 @@ class StorePlanner:
             if n <= lo:
                 continue
             # 0 where the hash is no longer cached (as a null block: nothing to store)
-            bids = [b[0].block_id if b else 0
-                    for b in map(pool.get_cached_block, hashes[lo:n], repeat([g.index]))]
+            bids = cached_block_ids(pool, hashes[lo:n], g.index)
             if not g.state:     # (a state group keeps some boundaries only: nulls are not lost)
                 found_to = next((len(bids) - i for i, b in enumerate(reversed(bids)) if b), 0)
                 lost = max(lost, bids[:max(found_to, computed - lo)].count(0))
@@ -531,16 +530,11 @@ class StorePlanner:
             # position here, so none is found
             self._losses.add(WINDOW_FREED, len(todo))
             return bids
+        found = cached_block_ids(manager.block_pool, [hashes[lo + j] for j in todo], group)
         out = list(bids)
-        get = manager.block_pool.get_cached_block
-        lost = 0
-        for j in todo:
-            cached = get(hashes[lo + j], [group])
-            if cached:
-                out[j] = cached[0].block_id
-            else:
-                lost += 1
-        self._losses.add(WINDOW_FREED, lost)
+        for j, b in zip(todo, found):
+            out[j] = b
+        self._losses.add(WINDOW_FREED, found.count(0))
         return out
 
     def _known(self, gi: int, st: ReqState) -> dict[bytes, None]:
@@ -578,6 +572,14 @@ class StorePlanner:
                 out.append((st, index[:n], keys[:n], bids[:n]))
                 n = 0
         return out
+
+
+def cached_block_ids(block_pool: Any, hashes: Sequence[Any], group: int) -> list[int]:
+    """The GPU block vLLM's prefix cache holds for each of ``hashes`` in KV cache group
+    ``group``, 0 (the null block) where it holds none: a block freed but not handed out again
+    yet keeps its hash there."""
+    return [b[0].block_id if b else 0
+            for b in map(block_pool.get_cached_block, hashes, repeat([group]))]
 
 
 def new_blocks(keys: list[bytes], bids: list[int], inflight: dict[bytes, Any],
