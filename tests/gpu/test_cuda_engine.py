@@ -354,7 +354,7 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
     offsets say, its chunks reported in order. A store whose rest never comes ends with the
     caller's error after what went out. ``pending``: the worker's event is not done yet, so
     the lane's thread launches everything, head included, once the rest is written."""
-    from kvpool.daemon.copy_engine import LateOffsets
+    from kvpool.daemon.copy_engine import HEAD_BLOCKS, TAIL_BLOCKS, LateOffsets, chunk_bounds
     from kvpool.shared.errors import Aborted
     from tests.conftest import wait_for
 
@@ -367,7 +367,10 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
         m = engine.attach(reg)
         n = 80
         head = engine.store_head(n)
-        assert head == 32 and engine.store_head(40) == 0    # chunks [0, 32, 48, 80]
+        # chunks [0, HEAD_BLOCKS, second, 80]: the last at most TAIL_BLOCKS
+        bounds = chunk_bounds(n, 40, TAIL_BLOCKS, HEAD_BLOCKS)
+        assert len(bounds) == 4 and head == bounds[1] and engine.store_head(40) == 0, bounds
+        second = bounds[2]
         # (a launch on the caller's thread also waits for nothing: not for the pool's pinning)
         wait_for(lambda: engine.registration is None or engine.registration.is_finished, 120,
                  "the pool's registration")
@@ -400,11 +403,11 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
                     wait_for(lambda: np.array_equal(_pool_shards(pool, reg, offs[:head]),
                                                     want[:head]), 30,
                              "the head's bytes in the pool before the rest is written")
-                    assert late.step == 48, "the engine should ask for its next chunk first"
-                    late.offsets[head:48] = offs[head:48]
-                    late.advance(48)
-                    wait_for(lambda: np.array_equal(_pool_shards(pool, reg, offs[:48]),
-                                                    want[:48]), 30,
+                    assert late.step == second, "the engine should ask for its next chunk first"
+                    late.offsets[head:second] = offs[head:second]
+                    late.advance(second)
+                    wait_for(lambda: np.array_equal(_pool_shards(pool, reg, offs[:second]),
+                                                    want[:second]), 30,
                              "the advanced chunk's bytes in the pool before the rest is written")
                     assert not fut.done()
                 else:
@@ -422,11 +425,11 @@ def test_a_store_with_late_offsets_copies_its_head_then_waits_for_the_rest(engin
                 with pytest.raises(Aborted, match="no room for the rest"):
                     fut.result(60)
                 assert seen == ([head] if inline and pending else [] if pending
-                                else [head, 48])
+                                else [head, second])
             else:
                 fut.result(60)
                 want = w.call("blocks", src.tolist()) if want is None else want
-                assert seen == [head, 48]
+                assert seen == [head, second]
                 assert np.array_equal(_pool_shards(pool, reg, offs), want), \
                     f"{layout}: late offsets not copied exactly"
             assert (_pool_shards(pool, reg, decoys) == POISON ^ 0xFF).all(), \
