@@ -141,19 +141,24 @@ def start_daemon(tmp: Path, pool_size: str, env: dict | None = None, tag: str = 
         time.sleep(0.05)
     profile = os.environ.get("KVPOOL_BENCH_PYSPY")
     if profile:
-        # for the daemon's whole life, idle threads too
-        pyspy_record(proc.pid, f"{profile}{tag}.txt", 250, idle=True, log=log)
+        # For the daemon's whole life, idle threads too; KVPOOL_BENCH_PYSPY_GIL=1: only the
+        # thread holding the GIL, i.e. the Python each thread runs (what keeps the event loop
+        # busy, without the sleeps py-spy may count as running).
+        gil = bool(os.environ.get("KVPOOL_BENCH_PYSPY_GIL"))
+        pyspy_record(proc.pid, f"{profile}{tag}.txt", 250, idle=not gil, log=log,
+                     extra=["--gil"] if gil else [])
     return proc, sock
 
 
 def pyspy_record(pid: int, path: str | Path, rate: int, idle: bool = False,
-                 log=subprocess.DEVNULL) -> subprocess.Popen:
+                 log=subprocess.DEVNULL, extra: list[str] | None = None) -> subprocess.Popen:
     """py-spy sampling process ``pid`` at ``rate`` Hz, every thread, without pausing it, into
     folded stacks at ``path`` (one line per stack and its count) once it stops (SIGINT or the
-    process's end); ``idle``: sleeping threads' samples too."""
+    process's end); ``idle``: sleeping threads' samples too; ``extra``: more py-spy flags."""
     return subprocess.Popen(["py-spy", "record", "-p", str(pid), "-o", str(path), "--format",
                              "raw", "-r", str(rate), "--threads", "--nonblocking",
-                             *(["--idle"] if idle else [])], stdout=log, stderr=subprocess.STDOUT)
+                             *(["--idle"] if idle else []), *(extra or [])],
+                            stdout=log, stderr=subprocess.STDOUT)
 
 
 def stop_daemon(proc: subprocess.Popen) -> None:
