@@ -423,12 +423,12 @@ class Landing:
 
 
 def _block_ids(ids: list[int], num_blocks: int) -> np.ndarray:
-    """A job's block ids as int64, each in [0, ``num_blocks``), else ``OutOfRange``. Up to a
-    worker's lead request they are checked on the list (numpy's min and max cost ~5 us even
-    for one id, ~70 us with the array's making after a copy evicted the caches; Python's ~30
-    us for 1024), which also turns away ids too big for int64 before the array is made."""
+    """A job's block ids as int64, each in [0, ``num_blocks``), else ``OutOfRange``. Up to
+    ``_LIST_CHECKED`` they are checked on the list (numpy's min and max cost ~5 us even for
+    one id, ~70 us with the array's making after a copy evicted the caches; Python's ~30 us
+    for 1024), which also turns away ids too big for int64 before the array is made."""
     blocks = None
-    if len(ids) <= p.LEAD_BLOCKS:
+    if len(ids) <= _LIST_CHECKED:
         lo, hi = (min(ids), max(ids)) if ids else (0, -1)
     else:
         try:
@@ -440,6 +440,11 @@ def _block_ids(ids: list[int], num_blocks: int) -> np.ndarray:
     if lo < 0 or hi >= num_blocks:
         raise OutOfRange(f"block ids must be in [0, {num_blocks}); got [{lo}, {hi}]")
     return np.array(ids, dtype=np.int64) if blocks is None else blocks
+
+
+# (a worker's lead request and the jobs of a vLLM step, 128-block jobs in
+# bench/host_scale.py, where numpy's min and max were ~2% of the busy event loop's Python)
+_LIST_CHECKED = 256
 
 
 def check_count(n: int, what: str) -> None:

@@ -4,7 +4,8 @@ path through a real daemon is in tests/integration/test_server.py)."""
 import numpy as np
 import pytest
 
-from kvpool.daemon.copy_jobs import MAX_BLOCKS_PER_REQUEST, Landing, _block_ids, check_count
+from kvpool.daemon.copy_jobs import (_LIST_CHECKED, MAX_BLOCKS_PER_REQUEST, Landing, _block_ids,
+                                     check_count)
 from kvpool.shared.errors import OutOfRange, TooLarge
 
 
@@ -25,14 +26,19 @@ def test_a_landing_without_voids_ends_its_slots_in_order():
     assert landing.rest() == [2, 3]
 
 
-@pytest.mark.parametrize("ids", [[0, 5, 15], list(range(16)) * 4])
+# (ids up to _LIST_CHECKED are checked on the list, more on a numpy array: both ways)
+LONG = _LIST_CHECKED + 1
+
+
+@pytest.mark.parametrize("ids", [[0, 5, 15], list(range(16)) * 4, [5] * LONG])
 def test_block_ids_in_range_come_back_as_int64(ids):
     out = _block_ids(ids, 16)
     assert out.dtype == np.int64 and out.tolist() == ids
 
 
 @pytest.mark.parametrize("ids", [[-1], [16], [0] * 40 + [16], [0] * 40 + [-3], [2 ** 70],
-                                 [0] * 40 + [2 ** 70]])
+                                 [0] * 40 + [2 ** 70], [0] * LONG + [16], [0] * LONG + [-3],
+                                 [0] * LONG + [2 ** 70]])
 def test_block_ids_out_of_range_are_refused_by_name(ids):
     with pytest.raises(OutOfRange, match=r"block ids must be in \[0, 16\)"):
         _block_ids(ids, 16)
