@@ -68,7 +68,8 @@ SHUTDOWN_GRACE_S = 5.0
 # without end.
 MAX_REGISTRATIONS_PER_CLIENT = 64
 _SEND_MORE = zmq.NOBLOCK | zmq.SNDMORE
-_EVENTS, _POLLIN = zmq.EVENTS, zmq.POLLIN
+# (plain ints: zmq's enum members make each ``&`` an enum operation in Python)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 # How often abandoned engine KV segments are looked for besides start and client release.
 REAP_PERIOD_S = 10.0
 # A housekeeping pass that raises is logged with its traceback at most this often.

@@ -200,7 +200,7 @@ class StorePath:
         full = self.namespaces.layouts[slots[0].ns].full_mask if slots else 0
         # (one pass, the ticket's binding ended in it: a second loop over the ready slots was
         # ~6% of the event loop's Python in bench/host_scale.py's stores)
-        bound = self.bound
+        unbind = self.bound.pop
         for s in slots:
             s.writing &= ~bit
             s.pins -= 1
@@ -210,8 +210,10 @@ class StorePath:
                 s.landed |= bit
                 if s.landed == full:
                     ready.append(s)
-                    if bound.get(s.ticket) is s:
-                        del bound[s.ticket]
+                    # (one probe of the big dict, not a get and a del)
+                    other = unbind(s.ticket, s)
+                    if other is not s:
+                        self.bound[s.ticket] = other
                     continue
             if s.doomed:
                 self._drop(s)
