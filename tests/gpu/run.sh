@@ -23,6 +23,8 @@
 #  profile: where a big job's fixed cost goes: bench/investigations/launch_cost.py,
 #  transport_floor.py back to back and after 40 ms idle, big_job_profile.py per layout without
 #  and with py-spy (PROFILE_REPS, default 20);
+#  ab-scale: bench/host_scale.py with the daemon and client of this tree and of $OLD's,
+#  alternating (AB_KINDS, SCALE_ARGS; results in $OUT/ab-scale.log and ab-scale.tgz);
 #  ab: the daemon and client of this tree against those of the tree at $OLD (a path: e.g. a
 #  `git archive OLD_COMMIT | tar -x -C .old`), the same bench scripts: gpu_transfer --reps 3
 #  new, old, new (AB_KINDS; "qos": the new tree with the CPUs held out of deep idle states by
@@ -137,14 +139,30 @@ if [ "$what" = confirm ]; then
       -c "$REPO/pyproject.toml" --rootdir "$REPO" ${CONFIRM_TESTS:-"$REPO/tests/gpu"} 2>&1 | tail -40 > "$OUT/tests.log" || rc=1
   fi
 fi
-if [ "$what" = ab ]; then
+if [ "$what" = ab ] || [ "$what" = ab-scale ]; then
+  # the old tree's import tree at /tmp/ppo, with this tree's bench scripts and tests
   old=$(cd "$ROOT" && cd "${OLD:-/nonexistent}" 2>/dev/null && pwd) \
-    || { echo "run.sh ab: OLD must name an old tree"; exit 2; }
+    || { echo "run.sh $what: OLD must name an old tree"; exit 2; }
   rm -rf /tmp/ppo && mkdir -p /tmp/ppo/kvpool && cp "$old/kvpool/__init__.py" /tmp/ppo/kvpool/
   for d in shared daemon client; do ln -s "$old/$d" /tmp/ppo/kvpool/$d; done
   (cd "$old" && python3 setup.py -q build_ext --inplace >/dev/null 2>&1 && rm -rf build) \
-    || echo "run.sh ab: the old tree's C extensions not built"
+    || echo "run.sh $what: the old tree's C extensions not built"
   cp -r "$REPO/bench" "$REPO/tests" "$REPO/pyproject.toml" /tmp/ppo/
+fi
+if [ "$what" = ab-scale ]; then
+  # bench/host_scale.py with this tree's daemon and the old one's, alternating (AB_KINDS,
+  # default "new old new old"; SCALE_ARGS); every run's JSON in one $OUT/ab-scale.tgz (a
+  # device call brings back 8 files at most)
+  for k in ${AB_KINDS:-new old new old}; do
+    pp=/tmp/pp; [ $k = old ] && pp=/tmp/ppo
+    (cd $pp && PYTHONPATH=$pp:/tmp/site timeout ${SCALE_TIMEOUT:-150} python3 -m bench.host_scale \
+      --out /tmp/ab-scale/$k-$SECONDS --tmp /tmp/kvpool-ab-scale \
+      ${SCALE_ARGS:---engines 2 --gpus 1 --layouts block_outer} 2>&1 \
+      | grep "block_outer:\|per_layer:\|summary" | sed "s/^/$k /" | tee -a "$OUT/ab-scale.log") || rc=1
+  done
+  tar czf "$OUT/ab-scale.tgz" -C /tmp/ab-scale --exclude "*.png" . || rc=1
+fi
+if [ "$what" = ab ]; then
   for k in ${AB_KINDS:-new old new}; do
     pp=/tmp/pp; [ $k = old ] && pp=/tmp/ppo
     holder=""
