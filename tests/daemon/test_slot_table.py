@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from kvpool.daemon.index import Index
-from kvpool.daemon.pool import GENERATION_MASK, Pool
+from kvpool.daemon.pool import FREE, GENERATION_MASK, Pool
 from tests.daemon.indexkit import (BIG, NOT_STORED, NS_BIG, NS_SMALL, NS_TP2, OWNER, SMALL,
                                    TP2, keys, make_index, records_match_slots, store)
 
@@ -141,3 +141,32 @@ def test_the_same_stores_claimed_at_once_or_deferred_leave_the_same_state(pool_c
     batch, single = states
     for part, a, b in zip(("tables", "lru", "free", "bound", "counts", "records"), batch, single):
         assert a == b, f"the {part} differ between deferred and immediate claims"
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_every_slot_a_claim_takes_holds_nothing_the_claim_does_not_write(pool_config, seed):
+    """``SlotTable.claim`` writes only what a claim changes: it relies on a FREE slot holding
+    no pins, reads, landed or in-flight units, no doom or void flag and no ticket, however it
+    was freed (evicted, dropped while pinned, a failed store, an expired one). Stores that
+    succeed, fail, wait for a second rank and expire, with leases taken and given back, check
+    that of every slot handed to a claim."""
+    pool = Pool.open(msgspec.structs.replace(pool_config, pool_size="8MiB"))
+    try:
+        ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
+        for ns, layout in ((NS_SMALL, SMALL), (NS_BIG, BIG), (NS_TP2, TP2)):
+            ix.register_namespace(ns, layout)
+        claim, claimed = ix.table.claim, []
+
+        def checked(slots, *a, **kw):
+            for s in slots:
+                left = (s.state, s.pins, s.reads, s.landed, s.writing, s.doomed, s.void, s.ticket)
+                assert left == (FREE, 0, 0, 0, 0, False, False, 0), \
+                    f"slot {s.id} claimed holding (state, pins, reads, landed, writing, " \
+                    f"doomed, void, ticket) {left}"
+            claimed.append(len(slots))
+            return claim(slots, *a, **kw)
+        ix.table.claim = checked
+        _drive(ix, seed)
+        assert claimed and ix.table.stats.evictions > 0, "the drive should reuse evicted slots"
+    finally:
+        pool.close(unlink=True)
