@@ -158,8 +158,9 @@ class Server:
 
     async def _main_loop(self) -> None:
         # A plain socket drained from the loop's reader callback: no future per message.
-        # ZeroMQ's FD is edge-triggered, so every wake-up drains until EAGAIN, and sends made
-        # outside the callback schedule one more drain (a send can consume the edge).
+        # ZeroMQ's FD is edge-triggered, so every wake-up drains until ZMQ_EVENTS says nothing
+        # waits, and a send made outside the callback reads ZMQ_EVENTS too (a send can
+        # consume the edge): a drain is scheduled only where a message waits.
         assert self._sock is not None
         loop = asyncio.get_running_loop()
         loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
@@ -305,7 +306,9 @@ class Server:
             sock.send(p.encode(reply), zmq.NOBLOCK)
         except zmq.Again:   # the peer's queue is full: it is not reading; drop, it will time out
             log.warning("reply dropped: client queue full")
-        if not self._in_drain:
+        # (Reading ZMQ_EVENTS re-arms the FD when nothing waits; a drain scheduled after
+        # every reply was a third of the loop's callbacks in a store's round.)
+        if not self._in_drain and sock.get(_EVENTS) & _POLLIN:
             asyncio.get_running_loop().call_soon(self._drain)
 
     def _handle(self, identity: bytes, msg: p.Request, frame: zmq.Frame) -> p.Reply | None:

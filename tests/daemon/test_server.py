@@ -42,3 +42,49 @@ def test_housekeeping_keeps_ticking_after_a_pass_that_raises(pool, pool_config, 
     failed = [r for r in caplog.records if "housekeeping tick failed" in r.getMessage()]
     assert len(failed) == 1, f"two failures 0.1 s apart are logged once: {len(failed)}"
     assert failed[0].exc_info is not None
+
+
+def test_a_reply_sent_outside_a_drain_looks_for_requests_that_came_meanwhile(pool, pool_config,
+                                                                            tmp_path):
+    """ZeroMQ's FD is edge-triggered and a send can take the edge with it: a request that came
+    before a reply sent outside the socket's drain (a finished job's) may never wake the loop.
+    After such a send the server reads ZMQ_EVENTS: it drains where a request waits (with no
+    reader on the FD here, nothing else would read it) and schedules nothing where none does
+    (a drain after every reply was a third of a busy loop's callbacks)."""
+    import zmq
+
+    from kvpool.shared import protocol as p
+    from tests.conftest import wait_for
+
+    srv = Server(pool_config, pool, {})
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    router.bind(f"ipc://{tmp_path}/s")
+    dealer.setsockopt(zmq.ROUTING_ID, b"peer")
+    dealer.connect(f"ipc://{tmp_path}/s")
+    srv._sock, srv.is_serving = router, True
+    got, drains = [], []
+    srv._dispatch = lambda identity, body, frames=2: got.append(bytes(body.buffer))
+    drain = srv._drain
+    srv._drain = lambda: (drains.append(1), drain())
+
+    async def run() -> None:
+        dealer.send(b"request")
+        wait_for(lambda: router.get(zmq.EVENTS) & zmq.POLLIN, 10, "the request's arrival")
+        srv._send(b"peer", p.Pong(1, "d", 0.0))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert got == [b"request"], "the request that came before the reply was not read"
+        srv._send(b"peer", p.Pong(2, "d", 0.0))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(drains) == 1, "a drain was scheduled where no request waited"
+
+    try:
+        asyncio.run(run())
+        assert dealer.poll(5000) and p.decode_reply(dealer.recv()).req_id == 1
+    finally:
+        srv._sock = None
+        router.close(0)
+        dealer.close(0)
+        ctx.term()
