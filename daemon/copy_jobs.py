@@ -443,7 +443,8 @@ def _block_ids(ids: list[int], num_blocks: int) -> np.ndarray:
 
 
 # (a worker's lead request and the jobs of a vLLM step, 128-block jobs in
-# bench/host_scale.py, where numpy's min and max were ~2% of the busy event loop's Python)
+# bench/host_scale.py, where numpy's min and max were ~2% of the busy event loop's Python on
+# the host path, py-spy)
 _LIST_CHECKED = 256
 
 

@@ -177,9 +177,10 @@ class Server:
         self._in_drain = True
         # Receive while ZMQ_EVENTS says a message waits: reading it also takes in the socket's
         # pending commands, re-arming its FD. Not until EAGAIN: pyzmq builds an exception
-        # object for it (an import and a strerror call in Python), ~5% of the busy loop's
-        # Python in bench/host_scale.py's stores, once per drain. A request is [identity,
-        # body]; the body stays a Frame: it carries its connection's kernel credentials.
+        # object for it (an import and a strerror call in Python) once per drain, ~5% of the
+        # busy loop's Python in bench/host_scale.py's host-path stores (py-spy). A request is
+        # [identity, body]; the body stays a Frame: it carries its connection's kernel
+        # credentials.
         recv, events = sock.recv, sock.get
         try:
             while events(_EVENTS) & _POLLIN:
@@ -306,8 +307,8 @@ class Server:
             sock.send(p.encode(reply), zmq.NOBLOCK)
         except zmq.Again:   # the peer's queue is full: it is not reading; drop, it will time out
             log.warning("reply dropped: client queue full")
-        # (Reading ZMQ_EVENTS re-arms the FD when nothing waits; a drain scheduled after
-        # every reply was a third of the loop's callbacks in a store's round.)
+        # (Reading ZMQ_EVENTS re-arms the FD when nothing waits: no drain, one loop callback
+        # less per finished job.)
         if not self._in_drain and sock.get(_EVENTS) & _POLLIN:
             asyncio.get_running_loop().call_soon(self._drain)
 

@@ -199,7 +199,7 @@ class StorePath:
         ready: list[Slot] = []
         full = self.namespaces.layouts[slots[0].ns].full_mask if slots else 0
         # (one pass, the ticket's binding ended in it: a second loop over the ready slots was
-        # ~6% of the event loop's Python in bench/host_scale.py's stores)
+        # ~6% of the event loop's Python in bench/host_scale.py's host-path stores, py-spy)
         unbind = self.bound.pop
         for s in slots:
             s.writing &= ~bit

@@ -50,7 +50,7 @@ def test_a_reply_sent_outside_a_drain_looks_for_requests_that_came_meanwhile(poo
     before a reply sent outside the socket's drain (a finished job's) may never wake the loop.
     After such a send the server reads ZMQ_EVENTS: it drains where a request waits (with no
     reader on the FD here, nothing else would read it) and schedules nothing where none does
-    (a drain after every reply was a third of a busy loop's callbacks)."""
+    (one loop callback less per finished job)."""
     import zmq
 
     from kvpool.shared import protocol as p
