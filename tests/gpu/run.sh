@@ -158,7 +158,8 @@ if [ "$what" = ab-scale ]; then
     (cd $pp && PYTHONPATH=$pp:/tmp/site timeout ${SCALE_TIMEOUT:-150} python3 -m bench.host_scale \
       --out /tmp/ab-scale/$k-$SECONDS --tmp /tmp/kvpool-ab-scale \
       ${SCALE_ARGS:---engines 2 --gpus 1 --layouts block_outer} 2>&1 \
-      | grep "block_outer:\|per_layer:\|summary" | sed "s/^/$k /" | tee -a "$OUT/ab-scale.log") || rc=1
+      | grep "block_outer:\|per_layer:\|summary" | sed "s/^/$k /" \
+      | tee -a "$OUT/ab-scale.log") || rc=1
   done
   tar czf "$OUT/ab-scale.tgz" -C /tmp/ab-scale --exclude "*.png" . || rc=1
 fi
