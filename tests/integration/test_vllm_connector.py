@@ -50,6 +50,18 @@ def spy_planned_blocks(role) -> list[int]:
     return planned
 
 
+def window_group(role) -> int:
+    """The index of the hybrid model's sliding-window KV cache group."""
+    return next(g.index for g in role.groups if g.window_blocks)
+
+
+def reuse_every_free_block(manager) -> None:
+    """Take every free GPU block and give it back, as an allocation would: blocks freed but
+    still in vLLM's prefix cache lose their hashes."""
+    pool = manager.block_pool
+    pool.free_blocks(pool.get_new_blocks(pool.get_num_free_blocks()))
+
+
 def spy_finished_answers(role) -> list:
     """What the scheduler role's request_finished answers vLLM (appended as requests end)."""
     answers: list = []
@@ -270,7 +282,7 @@ def test_window_blocks_freed_while_their_store_waited(make_engine, info, async_s
     # would), they are counted lost (window_freed), not dropped unseen.
     e = make_engine(async_scheduling=async_scheduling, hybrid=True)
     role = e.connector.scheduler
-    window = next(g.index for g in role.groups if g.window_blocks)
+    window = window_group(role)
     take, plan = role.client.take_slots, role.planner.plan
     planned: list[int] = []
     freed: list[int] = []       # null blocks in the window group's table when the wait ended
@@ -280,8 +292,7 @@ def test_window_blocks_freed_while_their_store_waited(make_engine, info, async_s
         if not freed and table and table[0] == 0:
             freed.append(table.count(0))
             if reused:
-                pool = manager.block_pool
-                pool.free_blocks(pool.get_new_blocks(pool.get_num_free_blocks()))
+                reuse_every_free_block(manager)
         role.client.take_slots = take if freed else (lambda ns, n: ([], ""))
         specs, finished = plan(so, started, preempted, manager)
         planned.append(sum(len(sp.keys) for sp in specs))
@@ -306,7 +317,7 @@ def test_window_blocks_a_prefix_hit_never_held_are_not_counted_lost(make_engine,
     # nulls were never b's, so they count as no loss even once vLLM has handed them out.
     e = make_engine(async_scheduling=async_scheduling, hybrid=True)
     role = e.connector.scheduler
-    window = next(g.index for g in role.groups if g.window_blocks)
+    window = window_group(role)
     p = prompt(200)
     e.add("a", p, max_tokens=1)
     e.run()
@@ -319,8 +330,7 @@ def test_window_blocks_a_prefix_hit_never_held_are_not_counted_lost(make_engine,
         if "b" in manager.coordinator.single_type_managers[0].req_to_blocks:
             if not nulls:
                 nulls.append(manager.get_block_ids("b")[window].count(0))
-            pool = manager.block_pool
-            pool.free_blocks(pool.get_new_blocks(pool.get_num_free_blocks()))
+            reuse_every_free_block(manager)
         return plan(so, started, preempted, manager)
 
     role.planner.plan = plan_after_evicting
