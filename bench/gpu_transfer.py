@@ -144,9 +144,11 @@ def start_daemon(tmp: Path, pool_size: str, env: dict | None = None, tag: str = 
         # For the daemon's whole life, idle threads too; KVPOOL_BENCH_PYSPY_GIL=1: only the
         # thread holding the GIL, i.e. the Python each thread runs (what keeps the event loop
         # busy, without the sleeps py-spy may count as running).
+        # KVPOOL_BENCH_PYSPY_NATIVE=1: C frames too (uvloop's, libzmq's, numpy's).
         gil = bool(os.environ.get("KVPOOL_BENCH_PYSPY_GIL"))
+        native = bool(os.environ.get("KVPOOL_BENCH_PYSPY_NATIVE"))
         pyspy_record(proc.pid, f"{profile}{tag}.txt", 250, idle=not gil, log=log,
-                     extra=["--gil"] if gil else [])
+                     extra=["--gil"] * gil + ["--native"] * native)
     return proc, sock
 
 
@@ -154,10 +156,14 @@ def pyspy_record(pid: int, path: str | Path, rate: int, idle: bool = False,
                  log=subprocess.DEVNULL, extra: list[str] | None = None) -> subprocess.Popen:
     """py-spy sampling process ``pid`` at ``rate`` Hz, every thread, without pausing it, into
     folded stacks at ``path`` (one line per stack and its count) once it stops (SIGINT or the
-    process's end); ``idle``: sleeping threads' samples too; ``extra``: more py-spy flags."""
+    process's end); ``idle``: sleeping threads' samples too; ``extra``: more py-spy flags.
+    With ``--native`` in ``extra`` py-spy pauses the process for each sample (it cannot read
+    C stacks otherwise): shares hold, timings do not."""
+    extra = extra or []
+    pause = [] if "--native" in extra else ["--nonblocking"]
     return subprocess.Popen(["py-spy", "record", "-p", str(pid), "-o", str(path), "--format",
-                             "raw", "-r", str(rate), "--threads", "--nonblocking",
-                             *(["--idle"] if idle else []), *(extra or [])],
+                             "raw", "-r", str(rate), "--threads", *pause,
+                             *(["--idle"] if idle else []), *extra],
                             stdout=log, stderr=subprocess.STDOUT)
 
 
