@@ -70,7 +70,7 @@ class Placement:
         return {"mode": self.mode, "why": self.why,
                 "ranges": [[r.start, r.end, list(r.nodes)] for r in self.ranges],
                 "gpu_extents": {str(g): list(e) for g, e in self.gpu_extents.items()},
-                "thread_cpus": {str(g): _cpulist(c) for g, c in self.thread_cpus.items()}}
+                "thread_cpus": {str(g): format_cpulist(c) for g, c in self.thread_cpus.items()}}
 
 
 def parse_cpulist(text: str) -> frozenset[int]:
@@ -83,7 +83,8 @@ def parse_cpulist(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def _cpulist(cpus: frozenset[int]) -> str:
+def format_cpulist(cpus: frozenset[int] | set[int]) -> str:
+    """``cpus`` as a cpulist (``0-3,8``), as /sys and taskset write it."""
     out, run = [], []
     for c in sorted(cpus):
         if run and c == run[-1] + 1:
@@ -194,4 +195,4 @@ def pin_thread(cpus: frozenset[int] | None, what: str) -> None:
         os.sched_setaffinity(0, cpus)
     except OSError as e:
         log.warning("kvpool: could not run %s on CPUs %s (%s); it runs anywhere", what,
-                    _cpulist(cpus), e)
+                    format_cpulist(cpus), e)

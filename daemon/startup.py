@@ -24,6 +24,7 @@ from kvpool.daemon import log_queue, numa
 from kvpool.daemon.copy_engine import CopyEngine
 from kvpool.daemon.events import check_topic
 from kvpool.daemon.host_copy import HostCopyEngine
+from kvpool.daemon.loop_cpu import LoopCpu, check_loop_cpu
 from kvpool.daemon.peer import AllowList
 from kvpool.daemon.pool import Pool, check_room
 from kvpool.daemon.tier import LowerTier
@@ -53,6 +54,8 @@ def check_config(config: DaemonConfig) -> None:
             raise ConfigError(MOONCAKE_MISSING)
     if config.cuda == "on" and not cuda_available():
         raise ConfigError(_CUDA_MISSING)
+    if config.loop_cpu >= 0:
+        check_loop_cpu(config.loop_cpu)
 
 
 def cuda_available() -> bool:
@@ -170,14 +173,24 @@ def run_daemon(config: DaemonConfig) -> int:
     previous = {sig: signal.signal(sig, _stop_requested) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         pool = Pool.open(config, place)
+        loop_cpu: LoopCpu | None = None
         try:
+            if config.loop_cpu >= 0:
+                loop_cpu = LoopCpu(config.loop_cpu)
+                loop_cpu.start()        # this thread runs the server's loop
             engines = build_engines(config, pool, placed[0].thread_cpus if placed else None)
             lowers = open_lower_tiers(config, pool)
             server = Server(config, pool, engines, lowers)
         except BaseException:
+            if loop_cpu is not None:
+                loop_cpu.stop()
             pool.close(unlink=not (config.keep_pool and pool.adopted))
             raise
-        code = run(server)
+        try:
+            code = run(server)
+        finally:
+            if loop_cpu is not None:
+                loop_cpu.stop()
     except _StopRequested as e:
         log.info("stopped by %s before serving; nothing left behind", e)
         return 0

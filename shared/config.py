@@ -229,6 +229,10 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "on a host with several NUMA nodes: interleave the pool over the GPUs' nodes (auto), "
         "put each GPU's share on its node (local), or leave it (off); copy threads run on "
         "their GPU's node")] = "auto"
+    # Appended: the event loop's thread alone on one CPU (daemon/loop_cpu.py).
+    loop_cpu: Annotated[int, _doc(
+        "run the event loop's thread alone on this CPU, the daemon's other threads on the "
+        "rest (keep the engines off it too); -1: anywhere", ge=-1, le=65535)] = -1
 
     @property
     def socket_path(self) -> str:

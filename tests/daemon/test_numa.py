@@ -109,7 +109,7 @@ def test_the_plan_is_reported_as_json_ready_values(two_sockets):
 
 def test_the_cpulist_round_trips():
     assert numa.parse_cpulist("0-3,8,10-11\n") == frozenset({0, 1, 2, 3, 8, 10, 11})
-    assert numa._cpulist(frozenset({0, 1, 2, 3, 8, 10, 11})) == "0-3,8,10-11"
+    assert numa.format_cpulist(frozenset({0, 1, 2, 3, 8, 10, 11})) == "0-3,8,10-11"
 
 
 def test_applying_to_this_host_binds_a_mapping_or_warns_and_goes_on(caplog):

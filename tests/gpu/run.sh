@@ -24,7 +24,9 @@
 #  transport_floor.py back to back and after 40 ms idle, big_job_profile.py per layout without
 #  and with py-spy (PROFILE_REPS, default 20);
 #  ab-scale: bench/host_scale.py with the daemon and client of this tree and of $OLD's,
-#  alternating (AB_KINDS, SCALE_ARGS; results in $OUT/ab-scale.log and ab-scale.tgz);
+#  alternating (AB_KINDS, SCALE_ARGS; AB_NEW_ENV: VAR=value words for this tree's runs only,
+#  e.g. a setting against its default with OLD a copy of this tree; results in
+#  $OUT/ab-scale.log and ab-scale.tgz);
 #  ab: the daemon and client of this tree against those of the tree at $OLD (a path: e.g. a
 #  `git archive OLD_COMMIT | tar -x -C .old`), the same bench scripts: gpu_transfer --reps 3
 #  new, old, new (AB_KINDS; "qos": the new tree with the CPUs held out of deep idle states by
@@ -155,7 +157,9 @@ if [ "$what" = ab-scale ]; then
   # device call brings back 8 files at most)
   for k in ${AB_KINDS:-new old new old}; do
     pp=/tmp/pp; [ $k = old ] && pp=/tmp/ppo
-    (cd $pp && PYTHONPATH=$pp:/tmp/site timeout ${SCALE_TIMEOUT:-150} python3 -m bench.host_scale \
+    envs=""; [ $k = new ] && envs="${AB_NEW_ENV:-}"
+    (cd $pp && env $envs PYTHONPATH=$pp:/tmp/site timeout ${SCALE_TIMEOUT:-150} \
+      python3 -m bench.host_scale \
       --out /tmp/ab-scale/$k-$SECONDS --tmp /tmp/kvpool-ab-scale \
       ${SCALE_ARGS:---engines 2 --gpus 1 --layouts block_outer} 2>&1 \
       | grep "block_outer:\|per_layer:\|summary" | sed "s/^/$k /" \

@@ -53,6 +53,15 @@ def test_bad_config_fails_at_start_naming_the_key(tmp_path):
     assert r.returncode == 2 and "lease_ttl_s" in r.stderr
 
 
+def test_a_loop_cpu_the_daemon_may_not_run_on_is_refused_before_the_start_takes_anything():
+    outside = max(os.sched_getaffinity(0)) + 1
+    r = kvpoold("--loop-cpu", str(outside), "--check-config")
+    assert r.returncode == 2, r.stderr
+    assert f"loop_cpu={outside} is not a CPU kvpoold may run on" in r.stderr, r.stderr
+    r = kvpoold("--loop-cpu", str(min(os.sched_getaffinity(0))), "--check-config")
+    assert r.returncode == (0 if len(os.sched_getaffinity(0)) > 1 else 2), r.stderr
+
+
 def test_the_documented_config_variable_names_the_file(tmp_path):
     cfg = tmp_path / "kvpool.toml"
     cfg.write_text('lease_ttl_s = 3.0\n')

@@ -120,3 +120,34 @@ def test_a_registration_whose_memory_the_daemon_must_back_does_not_hold_the_loop
             worker.close()
         posix_ipc.unlink_shared_memory("/" + name)
         os.close(shm.fd)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to keep one apart")
+def test_a_daemon_given_loop_cpu_runs_its_loop_alone_there_and_serves(daemon_factory):
+    """``--loop-cpu``: the main thread (the loop's) on that CPU, every other thread of the
+    daemon, those its first registration makes too, on the others."""
+    cpu = max(os.sched_getaffinity(0))
+    d = daemon_factory(extra=["--loop-cpu", str(cpu)])
+    kv = HostKv()
+    worker, _ = kv.register(d.client_config(), name="loop-cpu worker")
+    pid = d.proc.pid
+
+    def masks() -> dict[int, set[int]]:
+        out = {}
+        for t in os.listdir(f"/proc/{pid}/task"):
+            try:
+                out[int(t)] = os.sched_getaffinity(int(t))
+            except OSError:
+                pass                    # ended meanwhile
+        return out
+
+    def placed() -> bool:
+        m = masks()
+        return m.get(pid) == {cpu} and all(cpu not in c for t, c in m.items() if t != pid)
+    try:
+        wait_for(placed, 10, lambda: f"threads' CPUs: {masks()}\n{d.log()[-2000:]}")
+        assert f"event loop on CPU {cpu}" in d.log()
+        worker.poll()                   # still serving
+    finally:
+        worker.close()
+        kv.close()
