@@ -1,10 +1,10 @@
 """The event loop alone on one CPU (``loop_cpu``): the loop's thread runs there, every other
 thread of the daemon elsewhere.
 
-On a GPU host the loop meets each job with cold caches. Its per-block Python cost ~10 µs a
-stored 2 MiB block on an H200 host, several times a warm run on a CPU. Threads of the daemon
-(lanes, copy and disk threads, executors) and the engines share the host's cores with it. The
-scheduler may wake the loop on any of them. On 2 × H200, with the loop on one CPU and the
+On a GPU host the loop meets each job with cold caches: its Python costs ~10 µs per stored
+2 MiB block on an H200 host, several times what a warm run costs on a CPU. The daemon's other
+threads (lanes, copy and disk threads, executors) and the engines share the host's cores with
+it, and the kernel may wake the loop on any of them. On 2 × H200, with the loop on one CPU and the
 lanes' threads on the others, its CPU per stored GB was 2-21% lower in two runs beside one
 without (bench/README.md, host_scale). Off by default until more runs say how much. An
 operator who pins it should keep the engines off that CPU too (their cgroup, ``taskset``).
@@ -53,6 +53,7 @@ class LoopCpu:
         self.others = frozenset(os.sched_getaffinity(0) - {cpu})
         self.loop_tid = 0
         self.moved = 0                  # threads taken off the loop's CPU so far
+        self._unlisted = False          # /proc/self/task could not be read (warned once)
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
 
@@ -78,7 +79,11 @@ class LoopCpu:
         # sweep saw it, as a lane does on its GPU's node; ~1 us a thread)
         try:
             tids = [int(t) for t in os.listdir(_TASKS)]
-        except OSError:
+        except OSError as e:
+            if not self._unlisted:
+                self._unlisted = True
+                log.warning("kvpool: cannot list the daemon's threads (%s): they may share the "
+                            "event loop's CPU %d", e, self.cpu)
             return 0
         moved = 0
         for tid in tids:

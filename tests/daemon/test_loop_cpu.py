@@ -138,3 +138,16 @@ def test_the_only_cpu_is_refused_it_would_leave_the_other_threads_none():
     t.start()
     t.join(30)
     assert errors and "would leave kvpoold's other threads no CPU" in str(errors[0])
+
+
+@needs_two
+def test_threads_that_cannot_be_listed_are_warned_of_once(monkeypatch, caplog):
+    """Without /proc (some sandboxes) the loop stays pinned but nothing keeps the other
+    threads off its CPU: the log says so once, not every sweep."""
+    import kvpool.daemon.loop_cpu as loop_cpu
+    monkeypatch.setattr(loop_cpu, "_TASKS", "/nonexistent/task")
+    lc = LoopCpu(ALLOWED[-1])
+    with caplog.at_level("WARNING", logger="kvpoold"):
+        assert lc.sweep() == 0 and lc.sweep() == 0
+    warned = [r for r in caplog.records if "cannot list the daemon's threads" in r.message]
+    assert len(warned) == 1, caplog.text
