@@ -24,9 +24,9 @@
 #  transport_floor.py back to back and after 40 ms idle, big_job_profile.py per layout without
 #  and with py-spy (PROFILE_REPS, default 20);
 #  ab-scale: bench/host_scale.py with the daemon and client of this tree and of $OLD's,
-#  alternating (AB_KINDS, SCALE_ARGS; AB_NEW_ENV: VAR=value words for this tree's runs only,
-#  e.g. a setting against its default with OLD a copy of this tree; results in
-#  $OUT/ab-scale.log and ab-scale.tgz);
+#  alternating (AB_KINDS, SCALE_ARGS; AB_NEW_ENV: VAR=value words for this tree's runs only;
+#  with AB_NEW_ENV and no OLD, "old" is this tree without them: a setting against its
+#  default; results in $OUT/ab-scale.log and ab-scale.tgz);
 #  ab: the daemon and client of this tree against those of the tree at $OLD (a path: e.g. a
 #  `git archive OLD_COMMIT | tar -x -C .old`), the same bench scripts: gpu_transfer --reps 3
 #  new, old, new (AB_KINDS; "qos": the new tree with the CPUs held out of deep idle states by
@@ -141,7 +141,11 @@ if [ "$what" = confirm ]; then
       -c "$REPO/pyproject.toml" --rootdir "$REPO" ${CONFIRM_TESTS:-"$REPO/tests/gpu"} 2>&1 | tail -40 > "$OUT/tests.log" || rc=1
   fi
 fi
-if [ "$what" = ab ] || [ "$what" = ab-scale ]; then
+if [ "$what" = ab-scale ] && [ -z "${OLD:-}" ]; then
+  # no old tree: this tree's runs with AB_NEW_ENV against its runs without
+  [ -n "${AB_NEW_ENV:-}" ] || { echo "run.sh ab-scale: OLD or AB_NEW_ENV must be set"; exit 2; }
+  rm -rf /tmp/ppo && ln -s /tmp/pp /tmp/ppo
+elif [ "$what" = ab ] || [ "$what" = ab-scale ]; then
   # the old tree's import tree at /tmp/ppo, with this tree's bench scripts and tests
   old=$(cd "$ROOT" && cd "${OLD:-/nonexistent}" 2>/dev/null && pwd) \
     || { echo "run.sh $what: OLD must name an old tree"; exit 2; }
