@@ -26,7 +26,8 @@
 #  ab-scale: bench/host_scale.py with the daemon and client of this tree and of $OLD's,
 #  alternating (AB_KINDS, SCALE_ARGS; AB_NEW_ENV: VAR=value words for this tree's runs only;
 #  with AB_NEW_ENV and no OLD, "old" is this tree without them: a setting against its
-#  default; results in $OUT/ab-scale.log and ab-scale.tgz);
+#  default; results in $OUT/ab-scale.log and ab-scale.tgz, which bench/ab_scale_json.py
+#  turns into one results JSON);
 #  ab: the daemon and client of this tree against those of the tree at $OLD (a path: e.g. a
 #  `git archive OLD_COMMIT | tar -x -C .old`), the same bench scripts: gpu_transfer --reps 3
 #  new, old, new (AB_KINDS; "qos": the new tree with the CPUs held out of deep idle states by

@@ -1,0 +1,93 @@
+"""One results JSON from a `tests/gpu/run.sh ab-scale` call: every run's figures in the order
+they ran, and per tree the median of each, the event loop's CPU per GB beside each phase's
+ratio (what an A/B of the daemon is for).
+
+    python -m bench.ab_scale_json ab-scale.tgz --new NEW --old OLD --device "2 x NVIDIA H200" \\
+        --command "..." --out bench/results/host-scale-...-ab-NEW-OLD.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import statistics
+import tarfile
+import tempfile
+from pathlib import Path
+
+PHASES = ("store", "load", "bidir")
+
+
+def runs_of(root: str | Path) -> list[dict]:
+    """Per run directory (``new-SECONDS`` or ``old-SECONDS``, in the order they ran), per
+    engine count and layout: the run's number, its tree and each phase's figures."""
+    dirs = sorted(glob.glob(f"{root}/*-*"), key=lambda d: int(d.rsplit("-", 1)[1]))
+    out = []
+    for k, d in enumerate(dirs, 1):
+        tree = os.path.basename(d).split("-")[0]
+        found = glob.glob(f"{d}/*.json")
+        if not found:
+            continue                    # a run that wrote nothing (its log says why)
+        result = json.loads(Path(found[0]).read_text())
+        for n, per_n in result["runs"].items():
+            for layout, figures in per_n["layouts"].items():
+                row: dict = {"run": k, "tree": tree, "engines": int(n), "layout": layout}
+                for p in PHASES:
+                    x = figures[p]
+                    row[p] = {"GBps": round(x["GBps"], 2),
+                              "ratio": round(figures[f"{p}_ratio"], 3),
+                              "loop_util": round(x["daemon_loop_util"], 3),
+                              "loop_ms_per_GB": round(x["daemon_loop_util"] / x["GBps"] * 1e3,
+                                                      2),
+                              "busiest_thread_util": round(x["daemon_busiest_thread_util"], 3)}
+                out.append(row)
+    return out
+
+
+def medians(runs: list[dict]) -> dict:
+    """tree -> "engines/layout" -> phase -> the median of each figure over that tree's runs."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["tree"], f"{r['engines']}/{r['layout']}"), []).append(r)
+    out: dict = {}
+    for (tree, key), rows in sorted(groups.items()):
+        out.setdefault(tree, {})[key] = {
+            p: {m: round(statistics.median(r[p][m] for r in rows), 3) for m in rows[0][p]}
+            for p in PHASES}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("source", help="ab-scale.tgz, or the directory it unpacks to")
+    ap.add_argument("--new", required=True, help="what the new runs were (a commit, a setting)")
+    ap.add_argument("--old", required=True)
+    ap.add_argument("--device", required=True)
+    ap.add_argument("--command", required=True, help="the run.sh call that made them")
+    ap.add_argument("--date", default=datetime.date.today().isoformat())
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.source
+        if os.path.isfile(root):
+            with tarfile.open(root) as t:
+                t.extractall(tmp, filter="data")
+            root = tmp
+        runs = runs_of(root)
+    if not runs:
+        raise SystemExit(f"no host_scale results under {args.source}")
+    doc = {"benchmark": "host_scale A/B", "device": args.device, "date": args.date,
+           "command": args.command, "new": args.new, "old": args.old,
+           "order": " ".join(dict((r["run"], r["tree"]) for r in runs).values()),
+           "medians": medians(runs), "runs": runs}
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    for r in runs:
+        print(r["run"], r["tree"], r["engines"], r["layout"],
+              {p: (r[p]["ratio"], r[p]["loop_util"], r[p]["loop_ms_per_GB"]) for p in PHASES})
+
+
+if __name__ == "__main__":
+    main()
