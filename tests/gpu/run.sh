@@ -28,6 +28,8 @@
 #  with AB_NEW_ENV and no OLD, "old" is this tree without them: a setting against its
 #  default; results in $OUT/ab-scale.log and ab-scale.tgz, which bench/ab_scale_json.py
 #  turns into one results JSON);
+#  ab-tp: bench/pd_handoff.py --mode cross, this tree's against $OLD's (each tree's own
+#  script), alternating (AB_KINDS, PD_ARGS; $OUT/ab-tp.log and ab-tp.tgz): two GPUs;
 #  ab: the daemon and client of this tree against those of the tree at $OLD (a path: e.g. a
 #  `git archive OLD_COMMIT | tar -x -C .old`), the same bench scripts: gpu_transfer --reps 3
 #  new, old, new (AB_KINDS; "qos": the new tree with the CPUs held out of deep idle states by
@@ -146,7 +148,7 @@ if [ "$what" = ab-scale ] && [ -z "${OLD:-}" ]; then
   # no old tree: this tree's runs with AB_NEW_ENV against its runs without
   [ -n "${AB_NEW_ENV:-}" ] || { echo "run.sh ab-scale: OLD or AB_NEW_ENV must be set"; exit 2; }
   rm -rf /tmp/ppo && ln -s /tmp/pp /tmp/ppo
-elif [ "$what" = ab ] || [ "$what" = ab-scale ]; then
+elif [ "$what" = ab ] || [ "$what" = ab-scale ] || [ "$what" = ab-tp ]; then
   # the old tree's import tree at /tmp/ppo, with this tree's bench scripts and tests
   old=$(cd "$ROOT" && cd "${OLD:-/nonexistent}" 2>/dev/null && pwd) \
     || { echo "run.sh $what: OLD must name an old tree"; exit 2; }
@@ -154,7 +156,9 @@ elif [ "$what" = ab ] || [ "$what" = ab-scale ]; then
   for d in shared daemon client; do ln -s "$old/$d" /tmp/ppo/kvpool/$d; done
   (cd "$old" && python3 setup.py -q build_ext --inplace >/dev/null 2>&1 && rm -rf build) \
     || echo "run.sh $what: the old tree's C extensions not built"
-  cp -r "$REPO/bench" "$REPO/tests" "$REPO/pyproject.toml" /tmp/ppo/
+  # (ab-tp: the old tree's own bench scripts, whose workers speak its client's API)
+  if [ "$what" = ab-tp ]; then cp -r "$old/bench" /tmp/ppo/; else cp -r "$REPO/bench" /tmp/ppo/; fi
+  cp -r "$REPO/tests" "$REPO/pyproject.toml" /tmp/ppo/
 fi
 if [ "$what" = ab-scale ]; then
   # bench/host_scale.py with this tree's daemon and the old one's, alternating (AB_KINDS,
@@ -171,6 +175,17 @@ if [ "$what" = ab-scale ]; then
       | tee -a "$OUT/ab-scale.log") || rc=1
   done
   tar czf "$OUT/ab-scale.tgz" -C /tmp/ab-scale --exclude "*.png" . || rc=1
+fi
+if [ "$what" = ab-tp ]; then
+  # bench/pd_handoff.py --mode cross (TP=2 -> TP=1 against TP=1 -> TP=1 and TP=2 -> TP=2,
+  # two GPUs) with this tree's daemon and the old one's, alternating (AB_KINDS, PD_ARGS)
+  for k in ${AB_KINDS:-new old new old}; do
+    pp=/tmp/pp; [ $k = old ] && pp=/tmp/ppo
+    (cd $pp && PYTHONPATH=$pp:/tmp/site timeout ${PD_TIMEOUT:-200} python3 -m bench.pd_handoff \
+      --mode cross --out /tmp/ab-tp/$k-$SECONDS --tmp /tmp/kvpool-ab-tp ${PD_ARGS:-} 2>&1 \
+      | grep "^\[tp\]\|summary" | sed "s/^/$k /" | tee -a "$OUT/ab-tp.log") || rc=1
+  done
+  tar czf "$OUT/ab-tp.tgz" -C /tmp/ab-tp . || rc=1
 fi
 if [ "$what" = ab ]; then
   for k in ${AB_KINDS:-new old new}; do
