@@ -23,7 +23,8 @@ PHASES = ("store", "load", "bidir")
 
 def runs_of(root: str | Path) -> list[dict]:
     """Per run directory (``new-SECONDS`` or ``old-SECONDS``, in the order they ran), per
-    engine count and layout: the run's number, its tree and each phase's figures."""
+    engine count and layout: the run's number, its tree, the CPU its daemon's loop ran alone
+    on (``loop_cpu``, where host_scale recorded it) and each phase's figures."""
     dirs = sorted(glob.glob(f"{root}/*-*"), key=lambda d: int(d.rsplit("-", 1)[1]))
     out = []
     for k, d in enumerate(dirs, 1):
@@ -34,7 +35,8 @@ def runs_of(root: str | Path) -> list[dict]:
         result = json.loads(Path(found[0]).read_text())
         for n, per_n in result["runs"].items():
             for layout, figures in per_n["layouts"].items():
-                row: dict = {"run": k, "tree": tree, "engines": int(n), "layout": layout}
+                row: dict = {"run": k, "tree": tree, "engines": int(n), "layout": layout,
+                             "loop_cpu": per_n.get("loop_cpu")}   # None: not recorded
                 for p in PHASES:
                     x = figures[p]
                     row[p] = {"GBps": round(x["GBps"], 2),

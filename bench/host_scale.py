@@ -320,12 +320,24 @@ def fill_pool(engines: list[Worker], sched: SchedulerClient, args) -> dict[str, 
 
 def daemon_placement(log_path: Path) -> dict[str, Any] | None:
     """The NUMA placement the daemon logged at its start (``daemon/numa.py``), the last one."""
+    return _logged_json(log_path, "numa placement: ")
+
+
+def daemon_loop_cpu(log_path: Path) -> int:
+    """The CPU the daemon ran its event loop alone on (``loop_cpu``; -1: anywhere), from the
+    effective configuration it logged at its start, the last one."""
+    config = _logged_json(log_path, "effective configuration: ") or {}
+    return int(config.get("loop_cpu", -1))
+
+
+def _logged_json(log_path: Path, marker: str) -> Any:
+    """The JSON the daemon's log carries after ``marker`` on its last line with it."""
     try:
         lines = [ln for ln in log_path.read_text(errors="replace").splitlines()
-                 if "numa placement: " in ln]
+                 if marker in ln]
     except OSError:
         return None
-    return json.loads(lines[-1].split("numa placement: ", 1)[1]) if lines else None
+    return json.loads(lines[-1].split(marker, 1)[1]) if lines else None
 
 
 def run_n(n: int, args, devices: list[int], res_n: dict[str, Any]) -> None:
@@ -392,6 +404,7 @@ def run_n(n: int, args, devices: list[int], res_n: dict[str, Any]) -> None:
                     w.close()
     finally:
         res_n["numa_placement"] = daemon_placement(tmp / "kvpoold.log")
+        res_n["loop_cpu"] = daemon_loop_cpu(tmp / "kvpoold.log")
         sched.close()
         proc.terminate()
         try:

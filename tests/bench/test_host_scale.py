@@ -57,5 +57,6 @@ def test_two_host_engines_through_one_daemon_report_every_key(tmp_path):
     assert set(res["daemon_busiest_thread_util_per_phase"]) == {"store", "load", "bidir"}
     assert all(0 < u for u in res["daemon_busiest_thread_util_per_phase"].values())
     assert run["numa_placement"]["mode"] in ("off", "interleave", "local"), run["numa_placement"]
+    assert run["loop_cpu"] == -1, "the daemon's loop pinned without loop_cpu set"
     assert _positive(run["pd"]["alone_GBps"])
     assert (out / f"{path.stem}.png").exists() or "png_note" in res
