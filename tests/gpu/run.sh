@@ -29,7 +29,7 @@
 #  default; results in $OUT/ab-scale.log and ab-scale.tgz, which bench/ab_scale_json.py
 #  turns into one results JSON);
 #  ab-tp: bench/pd_handoff.py --mode cross, this tree's against $OLD's (each tree's own
-#  script), alternating (AB_KINDS, PD_ARGS; $OUT/ab-tp.log and ab-tp.tgz): two GPUs;
+#  script), alternating as ab-scale's (PD_ARGS; $OUT/ab-tp.log and ab-tp.tgz): two GPUs;
 #  ab: the daemon and client of this tree against those of the tree at $OLD (a path: e.g. a
 #  `git archive OLD_COMMIT | tar -x -C .old`), the same bench scripts: gpu_transfer --reps 3
 #  new, old, new (AB_KINDS; "qos": the new tree with the CPUs held out of deep idle states by
@@ -149,7 +149,8 @@ if [ "$what" = ab-scale ] && [ -z "${OLD:-}" ]; then
   [ -n "${AB_NEW_ENV:-}" ] || { echo "run.sh ab-scale: OLD or AB_NEW_ENV must be set"; exit 2; }
   rm -rf /tmp/ppo && ln -s /tmp/pp /tmp/ppo
 elif [ "$what" = ab ] || [ "$what" = ab-scale ] || [ "$what" = ab-tp ]; then
-  # the old tree's import tree at /tmp/ppo, with this tree's bench scripts and tests
+  # the old tree's import tree at /tmp/ppo, with this tree's tests (and bench scripts but
+  # for ab-tp's)
   old=$(cd "$ROOT" && cd "${OLD:-/nonexistent}" 2>/dev/null && pwd) \
     || { echo "run.sh $what: OLD must name an old tree"; exit 2; }
   rm -rf /tmp/ppo && mkdir -p /tmp/ppo/kvpool && cp "$old/kvpool/__init__.py" /tmp/ppo/kvpool/
@@ -160,32 +161,31 @@ elif [ "$what" = ab ] || [ "$what" = ab-scale ] || [ "$what" = ab-tp ]; then
   if [ "$what" = ab-tp ]; then cp -r "$old/bench" /tmp/ppo/; else cp -r "$REPO/bench" /tmp/ppo/; fi
   cp -r "$REPO/tests" "$REPO/pyproject.toml" /tmp/ppo/
 fi
-if [ "$what" = ab-scale ]; then
-  # bench/host_scale.py with this tree's daemon and the old one's, alternating (AB_KINDS,
-  # default "new old new old"; SCALE_ARGS); every run's JSON in one $OUT/ab-scale.tgz (a
-  # device call brings back 8 files at most)
+# alternate NAME PATTERN SECONDS CMD...: CMD (a bench module's arguments, @RUN@ for its output
+# directory) with this tree's daemon and client and the old tree's, in AB_KINDS order (default
+# "new old new old"; AB_NEW_ENV's variables for this tree's runs), each for SECONDS at most;
+# the lines matching PATTERN in $OUT/NAME.log, every run's files in one $OUT/NAME.tgz (a device
+# call brings back 8 files at most)
+alternate() {
+  local name=$1 pattern=$2 limit=$3 k pp envs; shift 3
   for k in ${AB_KINDS:-new old new old}; do
     pp=/tmp/pp; [ $k = old ] && pp=/tmp/ppo
     envs=""; [ $k = new ] && envs="${AB_NEW_ENV:-}"
-    (cd $pp && env $envs PYTHONPATH=$pp:/tmp/site timeout ${SCALE_TIMEOUT:-150} \
-      python3 -m bench.host_scale \
-      --out /tmp/ab-scale/$k-$SECONDS --tmp /tmp/kvpool-ab-scale \
-      ${SCALE_ARGS:---engines 2 --gpus 1 --layouts block_outer} 2>&1 \
-      | grep "block_outer:\|per_layer:\|summary" | sed "s/^/$k /" \
-      | tee -a "$OUT/ab-scale.log") || rc=1
+    (cd $pp && env $envs PYTHONPATH=$pp:/tmp/site timeout $limit python3 -m \
+      "${@//@RUN@//tmp/$name/$k-$SECONDS}" 2>&1 \
+      | grep "$pattern" | sed "s/^/$k /" | tee -a "$OUT/$name.log") || rc=1
   done
-  tar czf "$OUT/ab-scale.tgz" -C /tmp/ab-scale --exclude "*.png" . || rc=1
+  tar czf "$OUT/$name.tgz" -C /tmp/$name --exclude "*.png" . || rc=1
+}
+if [ "$what" = ab-scale ]; then
+  alternate ab-scale "block_outer:\|per_layer:\|summary" ${SCALE_TIMEOUT:-150} \
+    bench.host_scale --out @RUN@ --tmp /tmp/kvpool-ab-scale \
+    ${SCALE_ARGS:---engines 2 --gpus 1 --layouts block_outer}
 fi
 if [ "$what" = ab-tp ]; then
-  # bench/pd_handoff.py --mode cross (TP=2 -> TP=1 against TP=1 -> TP=1 and TP=2 -> TP=2,
-  # two GPUs) with this tree's daemon and the old one's, alternating (AB_KINDS, PD_ARGS)
-  for k in ${AB_KINDS:-new old new old}; do
-    pp=/tmp/pp; [ $k = old ] && pp=/tmp/ppo
-    (cd $pp && PYTHONPATH=$pp:/tmp/site timeout ${PD_TIMEOUT:-200} python3 -m bench.pd_handoff \
-      --mode cross --out /tmp/ab-tp/$k-$SECONDS --tmp /tmp/kvpool-ab-tp ${PD_ARGS:-} 2>&1 \
-      | grep "^\[tp\]\|summary" | sed "s/^/$k /" | tee -a "$OUT/ab-tp.log") || rc=1
-  done
-  tar czf "$OUT/ab-tp.tgz" -C /tmp/ab-tp . || rc=1
+  # TP=2 -> TP=1 against TP=1 -> TP=1 and TP=2 -> TP=2, two GPUs
+  alternate ab-tp "^\[tp\]\|summary" ${PD_TIMEOUT:-200} \
+    bench.pd_handoff --mode cross --out @RUN@ --tmp /tmp/kvpool-ab-tp ${PD_ARGS:-}
 fi
 if [ "$what" = ab ]; then
   for k in ${AB_KINDS:-new old new}; do
