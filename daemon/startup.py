@@ -127,8 +127,11 @@ def open_lower_tiers(config: DaemonConfig, pool: Pool) -> list[LowerTier]:
     return lowers
 
 
-class _StopRequested(Exception):
-    """SIGTERM or SIGINT before the server's loop took over those signals."""
+class _StopRequested(BaseException):
+    """SIGTERM or SIGINT before the server's loop took over those signals. Not an
+    ``Exception``: raised wherever the main thread is, it must not be swallowed by an
+    ``except Exception`` there (logging's handlers catch those; a stop that came while the
+    start logged went unseen, and the daemon served on)."""
 
 
 def _stop_requested(signum: int, frame) -> None:

@@ -40,3 +40,29 @@ def test_cuda_auto_on_a_host_without_cuda_imports_no_torch(pool_config):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["1", "False"], r.stdout
+
+
+def test_a_stop_signal_raised_inside_a_log_write_is_not_swallowed():
+    """A stop signal raises where the main thread is: inside a log handler's write (the start
+    logs its NUMA placement while it reserves the pool), logging's ``except Exception`` took
+    it and the start served on, deaf to it (seen in test_cli's stop-during-the-start test)."""
+    import io
+    import logging
+    import signal
+
+    from kvpool.daemon.startup import _stop_requested, _StopRequested
+
+    class SignalledStream(io.StringIO):
+        def write(self, text: str) -> int:
+            _stop_requested(signal.SIGTERM, None)
+            return 0
+
+    log = logging.getLogger("kvpool-test-stop-in-log")
+    log.propagate = False
+    handler = logging.StreamHandler(SignalledStream())
+    log.addHandler(handler)
+    try:
+        with pytest.raises(_StopRequested, match="SIGTERM"):
+            log.warning("numa placement: ...")
+    finally:
+        log.removeHandler(handler)
