@@ -157,9 +157,10 @@ elif [ "$what" = ab ] || [ "$what" = ab-scale ] || [ "$what" = ab-tp ]; then
   for d in shared daemon client; do ln -s "$old/$d" /tmp/ppo/kvpool/$d; done
   (cd "$old" && python3 setup.py -q build_ext --inplace >/dev/null 2>&1 && rm -rf build) \
     || echo "run.sh $what: the old tree's C extensions not built"
-  # (ab-tp: the old tree's own bench scripts, whose workers speak its client's API)
-  if [ "$what" = ab-tp ]; then cp -r "$old/bench" /tmp/ppo/; else cp -r "$REPO/bench" /tmp/ppo/; fi
-  cp -r "$REPO/tests" "$REPO/pyproject.toml" /tmp/ppo/
+  # (ab-tp: the old tree's own bench scripts and the GPU workers they import from its tests,
+  # which speak its client's API)
+  if [ "$what" = ab-tp ]; then src=$old; else src=$REPO; fi
+  cp -r "$src/bench" "$src/tests" /tmp/ppo/; cp "$REPO/pyproject.toml" /tmp/ppo/
 fi
 # alternate NAME PATTERN SECONDS CMD...: CMD (a bench module's arguments, @RUN@ for its output
 # directory) with this tree's daemon and client and the old tree's, in AB_KINDS order (default
@@ -171,9 +172,11 @@ alternate() {
   for k in ${AB_KINDS:-new old new old}; do
     pp=/tmp/pp; [ $k = old ] && pp=/tmp/ppo
     envs=""; [ $k = new ] && envs="${AB_NEW_ENV:-}"
-    (cd $pp && env $envs PYTHONPATH=$pp:/tmp/site timeout $limit python3 -m \
-      "${@//@RUN@//tmp/$name/$k-$SECONDS}" 2>&1 \
-      | grep "$pattern" | sed "s/^/$k /" | tee -a "$OUT/$name.log") || rc=1
+    # every run's whole output in its directory: a run that fails says why in NAME.tgz
+    run=/tmp/$name/$k-$SECONDS; mkdir -p $run
+    (cd $pp && env $envs PYTHONPATH=$pp:/tmp/site timeout $limit python3 -m "${@//@RUN@/$run}" \
+      2>&1 | tee $run/output.log | grep "$pattern" | sed "s/^/$k /" | tee -a "$OUT/$name.log") \
+      || rc=1
   done
   tar czf "$OUT/$name.tgz" -C /tmp/$name --exclude "*.png" . || rc=1
 }
