@@ -30,6 +30,8 @@
 #  turns into one results JSON);
 #  ab-tp: bench/pd_handoff.py --mode cross, this tree's against $OLD's (each tree's own
 #  script), alternating as ab-scale's (PD_ARGS; $OUT/ab-tp.log and ab-tp.tgz): two GPUs;
+#  tp-trees: bench/pd_handoff.py --mode cross under each tree of TREES in turn (PD_ARGS): a
+#  bisection of a hand-off's change, one call;
 #  ab: the daemon and client of this tree against those of the tree at $OLD (a path: e.g. a
 #  `git archive OLD_COMMIT | tar -x -C .old`), the same bench scripts: gpu_transfer --reps 3
 #  new, old, new (AB_KINDS; "qos": the new tree with the CPUs held out of deep idle states by
@@ -144,23 +146,29 @@ if [ "$what" = confirm ]; then
       -c "$REPO/pyproject.toml" --rootdir "$REPO" ${CONFIRM_TESTS:-"$REPO/tests/gpu"} 2>&1 | tail -40 > "$OUT/tests.log" || rc=1
   fi
 fi
+# import_tree SRC DEST BENCH: an import tree for kvpool at DEST from the tree at SRC (its C
+# extensions built where it has them), with BENCH's bench scripts and tests (BENCH: SRC for a
+# tree's own, whose GPU workers speak its client's API)
+import_tree() {
+  local src=$1 dest=$2 bench=$3 d
+  rm -rf "$dest" && mkdir -p "$dest/kvpool" && cp "$src/kvpool/__init__.py" "$dest/kvpool/"
+  for d in shared daemon client; do ln -s "$src/$d" "$dest/kvpool/$d"; done
+  if [ -f "$src/setup.py" ]; then
+    (cd "$src" && python3 setup.py -q build_ext --inplace >/dev/null 2>&1 && rm -rf build) \
+      || echo "run.sh: $src's C extensions not built"
+  fi
+  cp -r "$bench/bench" "$bench/tests" "$dest/"; cp "$REPO/pyproject.toml" "$dest/"
+}
 if [ "$what" = ab-scale ] && [ -z "${OLD:-}" ]; then
   # no old tree: this tree's runs with AB_NEW_ENV against its runs without
   [ -n "${AB_NEW_ENV:-}" ] || { echo "run.sh ab-scale: OLD or AB_NEW_ENV must be set"; exit 2; }
   rm -rf /tmp/ppo && ln -s /tmp/pp /tmp/ppo
 elif [ "$what" = ab ] || [ "$what" = ab-scale ] || [ "$what" = ab-tp ]; then
-  # the old tree's import tree at /tmp/ppo, with this tree's tests (and bench scripts but
-  # for ab-tp's)
+  # the old tree's import tree at /tmp/ppo: this tree's bench scripts, but ab-tp's
   old=$(cd "$ROOT" && cd "${OLD:-/nonexistent}" 2>/dev/null && pwd) \
     || { echo "run.sh $what: OLD must name an old tree"; exit 2; }
-  rm -rf /tmp/ppo && mkdir -p /tmp/ppo/kvpool && cp "$old/kvpool/__init__.py" /tmp/ppo/kvpool/
-  for d in shared daemon client; do ln -s "$old/$d" /tmp/ppo/kvpool/$d; done
-  (cd "$old" && python3 setup.py -q build_ext --inplace >/dev/null 2>&1 && rm -rf build) \
-    || echo "run.sh $what: the old tree's C extensions not built"
-  # (ab-tp: the old tree's own bench scripts and the GPU workers they import from its tests,
-  # which speak its client's API)
-  if [ "$what" = ab-tp ]; then src=$old; else src=$REPO; fi
-  cp -r "$src/bench" "$src/tests" /tmp/ppo/; cp "$REPO/pyproject.toml" /tmp/ppo/
+  bench=$REPO; [ "$what" = ab-tp ] && bench=$old
+  import_tree "$old" /tmp/ppo "$bench"
 fi
 # alternate NAME PATTERN SECONDS CMD...: CMD (a bench module's arguments, @RUN@ for its output
 # directory) with this tree's daemon and client and the old tree's, in AB_KINDS order (default
@@ -189,6 +197,22 @@ if [ "$what" = ab-tp ]; then
   # TP=2 -> TP=1 against TP=1 -> TP=1 and TP=2 -> TP=2, two GPUs
   alternate ab-tp "^\[tp\]\|summary" ${PD_TIMEOUT:-200} \
     bench.pd_handoff --mode cross --out @RUN@ --tmp /tmp/kvpool-ab-tp ${PD_ARGS:-}
+fi
+if [ "$what" = tp-trees ]; then
+  # bench/pd_handoff.py --mode cross under each tree of TREES (paths, in order; each its own
+  # bench scripts), to find the commit that changed a hand-off: $OUT/tp-trees.log, one
+  # directory per run (its whole output, its JSON) in tp-trees.tgz
+  n=0
+  for t in ${TREES:?TREES must name trees}; do
+    n=$((n + 1)); src=$(cd "$ROOT" && cd "$t" && pwd) || { rc=1; continue; }
+    import_tree "$src" /tmp/ppt "$src"
+    run=/tmp/tp-trees/$n-$(basename "$src"); mkdir -p $run
+    (cd /tmp/ppt && PYTHONPATH=/tmp/ppt:/tmp/site timeout ${PD_TIMEOUT:-100} python3 -m \
+      bench.pd_handoff --mode cross --out $run --tmp /tmp/kvpool-tp-trees ${PD_ARGS:-} 2>&1 \
+      | tee $run/output.log | grep "^\[tp\]\|summary" | sed "s/^/$(basename "$src") /" \
+      | tee -a "$OUT/tp-trees.log") || rc=1
+  done
+  tar czf "$OUT/tp-trees.tgz" -C /tmp/tp-trees . || rc=1
 fi
 if [ "$what" = ab ]; then
   for k in ${AB_KINDS:-new old new}; do
