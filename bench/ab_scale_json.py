@@ -17,8 +17,19 @@ import statistics
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 PHASES = ("store", "load", "bidir")
+
+
+def read_runs(source: str, reader: Callable[[str], list[dict]]) -> list[dict]:
+    """``reader``'s rows from a call's archive (a ``.tgz``), or the directory it unpacks to."""
+    if not os.path.isfile(source):
+        return reader(source)
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(source) as t:
+            t.extractall(tmp, filter="data")
+        return reader(tmp)
 
 
 def runs_of(root: str | Path) -> list[dict]:
@@ -72,13 +83,7 @@ def main() -> None:
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        root = args.source
-        if os.path.isfile(root):
-            with tarfile.open(root) as t:
-                t.extractall(tmp, filter="data")
-            root = tmp
-        runs = runs_of(root)
+    runs = read_runs(args.source, runs_of)
     if not runs:
         raise SystemExit(f"no host_scale results under {args.source}")
     doc = {"benchmark": "host_scale A/B", "device": args.device, "date": args.date,

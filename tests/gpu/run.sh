@@ -177,6 +177,7 @@ fi
 # call brings back 8 files at most)
 alternate() {
   local name=$1 pattern=$2 limit=$3 k pp envs; shift 3
+  rm -rf /tmp/$name     # (a warm machine keeps the last call's runs)
   for k in ${AB_KINDS:-new old new old}; do
     pp=/tmp/pp; [ $k = old ] && pp=/tmp/ppo
     envs=""; [ $k = new ] && envs="${AB_NEW_ENV:-}"
@@ -202,7 +203,7 @@ if [ "$what" = tp-trees ]; then
   # bench/pd_handoff.py --mode cross under each tree of TREES (paths, in order; each its own
   # bench scripts), to find the commit that changed a hand-off: $OUT/tp-trees.log, one
   # directory per run (its whole output, its JSON) in tp-trees.tgz
-  n=0
+  n=0; rm -rf /tmp/tp-trees
   for t in ${TREES:?TREES must name trees}; do
     n=$((n + 1)); src=$(cd "$ROOT" && cd "$t" && pwd) || { rc=1; continue; }
     import_tree "$src" /tmp/ppt "$src"
