@@ -14,7 +14,9 @@ rather than one copy per chunk: the driver's CPU cost is per operation, and at 6
 block it was what bounded per-layer throughput.
 
 The pool may be registered in separate pieces (``cuda.HostRegistration``); no DMA copy may span
-two, so tables are cut at their boundaries (``split_at_boundaries``, ``split_items``).
+two, so tables are cut at their boundaries (``split_at_boundaries``, ``split_items``). A
+daemon's pool is registered in pieces that meet where its extents do
+(``registration_pieces``), so no slot spans two: only copies merged across slots are cut.
 
 Must never: call the CUDA driver (``cuda.pitched_ops`` only fills records): every table here is
 checked on CPU (tests/daemon/test_copy_plan.py).
@@ -195,6 +197,17 @@ def pitched_table(plan: np.ndarray, block_ids: np.ndarray, shard_offsets: np.nda
             rep(P_HPITCH), rep(P_HLAYER), rep(P_WIDTH), rep(P_HEIGHT), rep(P_DEPTH))
 
 
+def registration_pieces(data_offset: int, extent_bytes: int, piece_bytes: int
+                        ) -> tuple[int, int]:
+    """(piece size, phase) for registering a pool in pieces of about ``piece_bytes`` that meet
+    only where extents meet (``cuda.HostRegistration``): a slot lies inside one extent, so no
+    slot then spans two pieces and every slot's copy stays whole (pitched, not cut into a
+    rank's rows). Pieces counted from the pool's base met inside a slot every 128 MiB: a TP=2
+    rank's cut slot went as 1024 copies of 1 KiB."""
+    piece = max(1, piece_bytes // extent_bytes) * extent_bytes
+    return piece, data_offset % piece
+
+
 def split_items(shard_offsets: np.ndarray, shard_bytes: int, piece: int) -> np.ndarray:
     """Mask of the shards that span two separately registered pieces of the pool."""
     lo = np.asarray(shard_offsets, dtype=np.int64)
@@ -238,26 +251,27 @@ def block_runs(seg_dev: np.ndarray, seg_stride: np.ndarray, seg_bytes: np.ndarra
 
 
 def small_table(runs: list[tuple[int, int, int, int]], block_ids: list[int],
-                shard_offsets: list[int], pool_base: int, piece: int = 0
+                shard_offsets: list[int], pool_base: int, piece: int = 0, phase: int = 0
                 ) -> tuple[ctypes.Array, int]:
     """A small job's 1D copies as one ctypes uint64 array: every GPU address, then every pool
     address, then every size (``count`` each; ``cuda.memcpy_batch_at`` takes the three by
     address). A copy that starts where the one before it ended on both sides joins it (as
-    ``chunk_table``'s do), except at a multiple of ``piece`` from ``pool_base`` (0: the pool is
-    one piece), where separately registered pieces of the pool meet. Consecutive blocks into
-    consecutive slots are common (a job's blocks, victims stored together): the driver's cost
-    per copy goes (~0.5 us warm), and a chunk left with one copy is enqueued by
+    ``chunk_table``'s do), except at a multiple of ``piece`` from ``pool_base + phase`` (0: the
+    pool is one piece), where separately registered pieces of the pool meet. Consecutive
+    blocks into consecutive slots are common (a job's blocks, victims stored together): the
+    driver's cost per copy goes (~0.5 us warm), and a chunk left with one copy is enqueued by
     ``cuMemcpyAsync``, whose call costs half the batch call's when the daemon meets the job
     cold (``cuda_lane``)."""
     gpu: list[int] = []
     host: list[int] = []
     size: list[int] = []
     g_end = h_end = -1
+    origin = pool_base + phase
     for b, o in zip(block_ids, shard_offsets):
         o += pool_base
         for d, st, p, n in runs:
             g, h = d + b * st, o + p
-            if g == g_end and h == h_end and not (piece and (h - pool_base) % piece == 0):
+            if g == g_end and h == h_end and not (piece and (h - origin) % piece == 0):
                 size[-1] += n
             else:
                 gpu.append(g)

@@ -237,6 +237,8 @@ def host_free(addr: int) -> None:
 # Pool pieces registered per driver call. Pinning holds the process's mmap lock: with 1 GiB
 # pieces the event loop sat 180-253 ms in the kernel before its first registration whenever it
 # needed the lock (growing its heap) on an H200 host (a 12 GiB pool, gpu_transfer's daemons).
+# A daemon's pool rounds this down to whole extents, one at least (256 MiB for pools of 32 GiB
+# and more under the auto extent size): copy_plan.registration_pieces.
 PIECE_BYTES = 128 << 20
 
 
@@ -250,10 +252,15 @@ class HostRegistration:
     pageable memory at about a third of the speed (DESIGN.md: 17.4 / 13.9 GB/s).
     """
 
-    def __init__(self, addr: int, nbytes: int, piece_bytes: int = PIECE_BYTES) -> None:
+    def __init__(self, addr: int, nbytes: int, piece_bytes: int = PIECE_BYTES,
+                 phase: int = 0) -> None:
         self.addr = addr
         self.nbytes = nbytes
         self.piece_bytes = piece_bytes
+        # Pieces meet at ``addr + phase + k * piece_bytes`` (the first piece is ``phase`` bytes
+        # where that is not 0): the pool puts them where its slots meet (copy_plan's
+        # ``registration_pieces``), as no DMA copy may span two pieces.
+        self.phase = phase
         self.registered: list[tuple[int, int]] = []
         self.registered_end = addr       # [addr, registered_end) is pinned
         self.error = ""
@@ -277,7 +284,8 @@ class HostRegistration:
             end = self.addr + self.nbytes
             pos = self.addr
             while pos < end and not self._stop:
-                n = min(self.piece_bytes, end - pos)
+                n = min(self.piece_bytes - (pos - self.addr - self.phase) % self.piece_bytes,
+                        end - pos)
                 host_register(pos, n)
                 if pos == self.addr:
                     self.is_uva_identity = host_device_pointer(pos) == pos

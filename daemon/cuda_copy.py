@@ -37,7 +37,8 @@ from kvpool.daemon.copy_engine import (HEAD_BLOCKS, TAIL_BLOCKS, CopyEngine, Job
                                        LateOffsets, Mapped, Progress, chunk_bounds, part_span,
                                        segment_address_table)
 from kvpool.daemon.copy_plan import (SMALL_OPS, SMALL_TABLE_OPS, PitchedOps, block_runs,
-                                     chunk_table, flatten_plan, pitched_plan, strided_runs)
+                                     chunk_table, flatten_plan, pitched_plan,
+                                     registration_pieces, strided_runs)
 from kvpool.daemon.cuda_lane import Gpu, Job
 from kvpool.shared.config import CHUNK_BLOCKS
 from kvpool.shared.errors import (Aborted, InternalError, KvpoolError, LayoutMismatch,
@@ -104,12 +105,13 @@ class CudaMapped(Mapped):
             return len(self.plan) if engine.pitched_3d else len(self.plan_2d)
         return len(self.runs)
 
-    def inside_pieces(self, shard_offsets: np.ndarray, piece: int) -> bool:
+    def inside_pieces(self, shard_offsets: np.ndarray, piece: int, phase: int = 0) -> bool:
         """Whether no slot of a small job (a few items: in Python) spans two separately
-        registered pieces of the pool; a big job says False (``split_items`` then decides)."""
+        registered pieces of the pool (meeting at ``phase`` plus multiples of ``piece``); a big
+        job says False (``split_items`` then decides)."""
         if len(shard_offsets) > SMALL_TABLE_OPS:
             return False
-        lo, hi = self.part_lo, self.part_hi - 1
+        lo, hi = self.part_lo - phase, self.part_hi - 1 - phase
         return all((o + lo) // piece == (o + hi) // piece for o in shard_offsets.tolist())
 
     def job_started(self) -> None:
@@ -184,9 +186,19 @@ class CudaCopyEngine(CopyEngine):
         self._closed = False
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
+        geometry = getattr(pool, "geometry", None)
         if register_pool:
-            self.registration = cuda.HostRegistration(self.pool_base, self.pool_nbytes,
-                                                      register_piece_bytes)
+            # A daemon's pool (one with a geometry) is registered in pieces that meet where
+            # its extents do, so that no slot spans two; a bare buffer from its base.
+            piece, phase = (register_piece_bytes, 0) if geometry is None else \
+                registration_pieces(geometry.data_offset, geometry.extent_bytes,
+                                    register_piece_bytes)
+            self.registration = cuda.HostRegistration(self.pool_base, self.pool_nbytes, piece,
+                                                      phase)
+        # No slot spans two registered pieces (a daemon's pool): a chunk's slots need no
+        # look for one (each look costs a few numpy calls a chunk, on a lane's thread that
+        # shares the event loop's GIL).
+        self.slots_inside_pieces = register_pool and geometry is not None
         threading.Thread(target=self._init, name="kvpool-cuda-init", daemon=True).start()
 
     def _init(self) -> None:

@@ -398,12 +398,14 @@ class Lane:
         eng = self.engine
         reg = eng.registration
         split = reg is not None and len(reg.registered) > 1
+        # (a daemon's pool: its pieces meet where slots meet, none to look for)
+        slots_split = split and not eng.slots_inside_pieces
         if m.pitched_ok and eng.pitched:
-            # Shards that straddle two registered pieces of the pool (a few per GiB) go
-            # as 1D chunks, split at the boundary; every other one as pitched runs.
-            cross = (split_items(shards + m.part_lo, m.part_hi - m.part_lo,
-                                 reg.piece_bytes) if split and not m.inside_pieces(
-                shards, reg.piece_bytes) else None)
+            # Shards that straddle two registered pieces of the pool go as 1D chunks, split
+            # at the boundary; every other one as pitched runs.
+            cross = (split_items(shards + (m.part_lo - reg.phase), m.part_hi - m.part_lo,
+                                 reg.piece_bytes) if slots_split and not m.inside_pieces(
+                shards, reg.piece_bytes, reg.phase) else None)
             keep = slice(None) if cross is None else ~cross
             kind = (job.to_pool, bool(eng.pitched_3d))
             tmpl = m.pitched_ops.get(kind)
@@ -423,9 +425,9 @@ class Lane:
             else:
                 blocks, shards = blocks[cross], shards[cross]
         if len(blocks) and len(blocks) * len(m.runs) <= SMALL_TABLE_OPS and (
-                not split or m.inside_pieces(shards, reg.piece_bytes)):
+                not slots_split or m.inside_pieces(shards, reg.piece_bytes, reg.phase)):
             table, count = small_table(m.runs, blocks.tolist(), shards.tolist(), eng.pool_base,
-                                       reg.piece_bytes if split else 0)
+                                       *((reg.piece_bytes, reg.phase) if split else ()))
             if count == 1 and job.pinned:
                 # One copy (blocks into slots that follow): cuMemcpyAsync's call costs half
                 # the batch call's when the daemon meets the job cold (H200 host, 40 ms idle
@@ -441,7 +443,8 @@ class Lane:
             gpu, host, size = chunk_table(m.seg_dev, m.seg_stride, m.seg_bytes,
                                           m.seg_prefix, blocks, shards, eng.pool_base)
             if split:
-                gpu, host, size = split_at_boundaries(gpu, host, size, eng.pool_base,
+                gpu, host, size = split_at_boundaries(gpu, host, size,
+                                                      eng.pool_base + reg.phase,
                                                       reg.piece_bytes)
             dst, src = (host, gpu) if job.to_pool else (gpu, host)
             self._spread(len(size), eng.dma_batch_copies,

@@ -61,3 +61,14 @@ def test_the_pool_is_pinned_once_for_every_gpu(recorder):
     want = cuda.CU_MEMHOSTREGISTER_PORTABLE | cuda.CU_MEMHOSTREGISTER_DEVICEMAP
     assert all(flags & want == want for _, _, flags in recorder.registered)
     assert reg.is_uva_identity
+
+
+def test_pieces_with_a_phase_meet_at_the_phase_plus_whole_pieces(recorder):
+    """A daemon's pool is registered in pieces that meet where its extents do (its tables
+    come first): a first piece of ``phase`` bytes, then whole pieces, the last one short."""
+    base, piece, phase = 1 << 30, 64 << 20, 5 << 20
+    reg = cuda.HostRegistration(base, 3 * piece, piece, phase).start(0)
+    assert reg.wait(10) and reg.is_complete, reg.error
+    assert [(a - base, n) for a, n, _ in recorder.registered] == [
+        (0, phase), (phase, piece), (phase + piece, piece), (phase + 2 * piece, piece - phase)]
+    assert reg.registered_end == base + 3 * piece

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import torch
 from kvpool.client.kv_layout import plan_kv_memory
 from kvpool.daemon import cuda as real_cuda
 from kvpool.daemon import copy_plan, cuda_copy, cuda_lane
+from kvpool.daemon.pool import Geometry
 from kvpool.shared.layout import Layout
 from kvpool.shared.protocol import CudaRegion, RegisterRequest
 
@@ -320,10 +322,12 @@ class PiecesRegistration:
     is_finished = is_complete = True
     is_uva_identity = False
 
-    def __init__(self, base: int, nbytes: int, piece_bytes: int) -> None:
+    def __init__(self, base: int, nbytes: int, piece_bytes: int, phase: int = 0) -> None:
         self.piece_bytes = piece_bytes
-        self.registered = [(a, min(piece_bytes, base + nbytes - a))
-                           for a in range(base, base + nbytes, piece_bytes)]
+        self.phase = phase
+        cuts = [base] + list(range(base + (phase or piece_bytes), base + nbytes, piece_bytes))
+        self.registered = [(a, min(b, base + nbytes) - a)
+                           for a, b in zip(cuts, cuts[1:] + [base + nbytes])]
         self.registered_end = base + nbytes
 
     def wait_until(self, _end: int, _timeout_s=None) -> bool:
@@ -411,6 +415,85 @@ def test_a_small_job_whose_slot_spans_two_pool_pieces_is_cut_at_the_boundary(
         "a copy spans two registered pieces"
     if layout == "block_outer":
         assert [n for _, n in fake.copies] == [1, 2, 2]
+
+
+def test_a_daemon_pool_is_registered_in_pieces_that_meet_where_its_extents_meet(fake):
+    """The engine registers a pool that has a geometry (the daemon's) in whole extents from
+    its first extent on; a bare buffer from its base, in the pieces asked for."""
+    made = []
+
+    class Registration:
+        def __init__(self, addr, nbytes, piece_bytes, phase=0):
+            made.append((piece_bytes, phase))
+
+        def start(self, _ordinal):
+            return self
+
+        def unregister(self):
+            pass
+
+    fake.HostRegistration = Registration
+    g = Geometry.plan(6 << 30, 32 << 20)
+    daemon_pool = SimpleNamespace(base_address=1 << 40, nbytes=g.pool_bytes, geometry=g)
+    for pool in (daemon_pool, HostPool(1 << 20)):
+        cuda_copy.CudaCopyEngine(pool, backend="dma", register_piece_bytes=128 << 20).close()
+    (piece, phase), bare = made
+    assert piece == 128 << 20 and bare == (128 << 20, 0)
+    assert phase == g.data_offset % piece != 0     # the tables before the first extent
+    assert (g.data_offset - phase) % g.extent_bytes == 0
+
+
+def test_pool_pieces_that_meet_where_slots_meet_leave_every_slot_one_pitched_copy(
+        pitched_engine, fake, per_layer):
+    """Where registered pieces meet between slots (as a daemon's pool registers them), every
+    slot of a per-layer job goes as its one pitched copy; where they meet inside slots, those
+    slots fall apart into 1D copies cut at the boundary."""
+    m, kv = per_layer
+    pool = pitched_engine.test_pool
+    slot = LAYERS * LAYER_BYTES
+    blocks, offs = np.arange(8), (np.arange(8) + 1) * slot
+    calls = {}
+    for phase in (slot, slot // 2):
+        pitched_engine.registration = PiecesRegistration(pool.base_address, pool.nbytes,
+                                                         3 * slot, phase)
+        fake.copies.clear()
+        fake.spans.clear()
+        pitched_engine.submit_store(m, blocks, offs).result(10)
+        for b, o in zip(blocks, offs):
+            assert np.array_equal(_slot(pool, o), kv[:, b]), f"phase {phase}: block {b}"
+        pieces = [(a, a + n) for a, n in pitched_engine.registration.registered]
+        lo = pool.base_address
+        assert all(any(a <= d and d + n <= e for a, e in pieces) for d, _, n in fake.spans
+                   if lo <= d < lo + pool.nbytes), f"phase {phase}: a copy spans two pieces"
+        calls[phase] = [n for _, n in fake.copies]
+    assert calls[slot] == [4, 4], "a slot inside one piece was not one pitched copy"
+    assert len(calls[slot // 2]) > 2, "slots cut by a piece boundary went pitched"
+
+
+def test_an_engine_whose_slots_lie_inside_pieces_never_looks_for_cut_slots(
+        pitched_engine, fake, per_layer, monkeypatch):
+    """A daemon's pool is registered where its slots meet: the lanes then spend no numpy
+    calls per chunk on looking for slots that span two pieces (they run on the GIL the event
+    loop needs), small chunks or big, and every slot still goes as its one pitched copy."""
+    m, kv = per_layer
+    pool = pitched_engine.test_pool
+    slot = LAYERS * LAYER_BYTES
+    pitched_engine.registration = PiecesRegistration(pool.base_address, pool.nbytes,
+                                                     4 * slot, slot)
+    pitched_engine.slots_inside_pieces = True
+    looks = []
+    monkeypatch.setattr(cuda_lane, "split_items", lambda *a: looks.append(a))
+    monkeypatch.setattr(cuda_copy.CudaMapped, "inside_pieces", lambda *a: looks.append(a))
+    blocks = np.arange(20)
+    offs = (np.arange(20) + 1) * slot
+    for chunk in (4, 128):                     # 4 x 1 ops: the Python table; 20: numpy's
+        pitched_engine.chunk_blocks = chunk
+        fake.copies.clear()
+        pitched_engine.submit_store(m, blocks, offs).result(10)
+        assert sum(n for _, n in fake.copies) == 20, f"chunks of {chunk}: {fake.copies}"
+        for b, o in zip(blocks, offs):
+            assert np.array_equal(_slot(pool, o), kv[:, b]), f"chunks of {chunk}: block {b}"
+    assert looks == []
 
 
 def test_a_chunk_of_up_to_small_table_ops_copies_gets_its_table_in_python(
