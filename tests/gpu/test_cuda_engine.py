@@ -515,3 +515,50 @@ def test_small_jobs_move_exact_bytes_also_across_a_pool_piece(engine, pool, layo
     finally:
         engine.inline_max_ops = inline_before
         w.close()
+
+
+@pytest.mark.parametrize("layout", ["block_outer", "per_layer"])
+def test_a_daemon_pool_is_pinned_in_pieces_that_meet_where_its_extents_meet(layout):
+    """A daemon's pool (its tables, then its extents) is pinned in pieces that meet at extent
+    starts, the first one its tables and what precedes a whole piece: no slot spans two, so a
+    head range's copy stays pitched. The odd-sized first piece pins and serves as any other;
+    slots on both sides of a boundary move bit-exact both ways."""
+    import secrets
+
+    from kvpool.daemon.cuda_copy import CudaCopyEngine
+    from kvpool.daemon.pool import Pool
+    from kvpool.shared.config import DaemonConfig
+    cfg = DaemonConfig(pool_name=f"kvpool-gputest-pieces-{secrets.token_hex(4)}",
+                       pool_size="200MiB", extent_size="8MiB")
+    pool = Pool.open(cfg)
+    engine = CudaCopyEngine(pool, register_piece_bytes=64 << 20)
+    w = Worker(0, layout, NUM_BLOCKS)
+    try:
+        reg = engine.registration
+        assert reg.wait(60) and reg.is_complete, reg.error
+        g = pool.geometry
+        starts = [a - pool.base_address for a, _ in reg.registered]
+        assert len(starts) >= 3, starts
+        assert starts[0] == 0 and starts[1] == g.data_offset % (64 << 20), starts
+        assert all((s - g.data_offset) % g.extent_bytes == 0 for s in starts[1:]), starts
+        assert engine.slots_inside_pieces
+        r = w.register_request()
+        m = engine.attach(r)
+        n = r.layout.slot_bytes
+        boundary = starts[2]
+        offs = np.array([boundary - n, boundary, boundary + n], dtype=np.int64)
+        data = np.frombuffer(pool.buffer, np.uint8)
+        data[offs[0]:offs[-1] + n] = POISON ^ 0xFF
+        w.call("fill", 23)
+        src = np.array([11, 3, 40])
+        want = w.call("blocks", src.tolist())
+        engine.submit_store(m, src, offs, w.call("event")).result(60)
+        got = np.stack([data[o:o + r.layout.shard_bytes] for o in offs])
+        assert np.array_equal(got, want), f"{layout}: store across a piece boundary"
+        _load_back(engine, m, w, offs, np.array([60, 61, 62]), want,
+                   f"{layout}: load across a piece boundary")
+        engine.detach(m, wait_s=10)
+    finally:
+        w.close()
+        engine.close()
+        pool.close(unlink=True)      # (a view still held: the mapping goes with the process)
