@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -620,6 +621,21 @@ class _DaemonBench:
         return moved / (time.perf_counter() - t0)
 
 
+def start_workers(specs: list[tuple]) -> list["Worker"]:
+    """``Worker(*spec)`` for every spec, started together: each spends seconds importing torch
+    and making its CUDA context, six in a row were most of a TP comparison's ~40 s before its
+    first hand-off. Where one fails, the others are closed and its error raised."""
+    with ThreadPoolExecutor(max(1, len(specs))) as ex:
+        futures = [ex.submit(Worker, *spec) for spec in specs]
+    started = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for w in started:
+            w.close()
+        raise failed[0]
+    return started
+
+
 class Worker:
     """Parent-side handle: ``Worker(device, layout, num_blocks)`` starts the process."""
 
@@ -631,9 +647,17 @@ class Worker:
         self.proc = ctx.Process(target=_serve, args=(child, device, layout, num_blocks, tp_size),
                                 daemon=True)
         self.proc.start()
+        # (the child's end closed here too: a worker that dies starting is then an EOF at
+        # once, not a 120 s wait)
+        child.close()
         if not self.conn.poll(120):
             raise TimeoutError("GPU worker did not start within 120 s")
-        self.export: Exported = self.conn.recv()
+        try:
+            self.export: Exported = self.conn.recv()
+        except EOFError:
+            self.proc.join(30)
+            raise RuntimeError(f"GPU worker ({device}, {layout}) exited while starting, code "
+                               f"{self.proc.exitcode}") from None
 
     def call(self, *cmd: Any, timeout_s: float = 120) -> Any:
         self.conn.send(cmd)

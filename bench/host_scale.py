@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # here and only here, so that moving them elsewhere changes these lines alone.
 
 from bench.gpu_transfer import start_daemon  # noqa: E402
-from bench.gpu_worker import Worker, gpu_count  # noqa: E402
+from bench.gpu_worker import Worker, gpu_count, start_workers  # noqa: E402
 from bench.pd_handoff import handoff  # noqa: E402
 from bench.copy_limits import DIRECTIONS, GB, context, limits  # noqa: E402
 
@@ -183,8 +183,7 @@ def pool_pages_per_node(pid: int, pool_name: str) -> dict[str, int]:
 def start_engines(devices: list[int], layout: str, blocks: int, sock: str) -> list[Worker]:
     """One engine per entry of ``devices``, started together; engines 0 and 1 share a
     namespace (the P/D pair), every other engine has its own."""
-    with ThreadPoolExecutor(len(devices)) as ex:
-        engines = list(ex.map(lambda d: Worker(d, layout, blocks), devices))
+    engines = start_workers([(d, layout, blocks) for d in devices])
     for i, w in enumerate(engines):
         w.call("connect", sock, namespace(layout, "pd" if i < 2 else f"engine{i}"), 0, 1)
     all_at_once(engines, ("fill", 1), 120)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from bench.gpu_worker import LAYOUTS, ShmPool, Worker  # noqa: E402
+from bench.gpu_worker import LAYOUTS, ShmPool, Worker, start_workers  # noqa: E402
 
 from kvpool.daemon import cuda  # noqa: E402
 
@@ -192,9 +192,10 @@ def tp_cross(args, sock: str, sched, res: dict) -> None:
             raise SystemExit(f"{layout}: the TP comparison wants 2 MiB blocks")
         nb = 2 * args.blocks
         gpu = (lambda i: -1) if args.dry_run_cpu else (lambda i: i)
-        one = [Worker(gpu(0), layout, nb), Worker(gpu(1), layout, nb)]   # TP=1 prefill, decode
-        two_p = [Worker(gpu(r), layout, nb, tp_size=2) for r in range(2)]  # TP=2 prefill ranks
-        two_d = [Worker(gpu(r), layout, nb, tp_size=2) for r in range(2)]  # TP=2 decode ranks
+        # TP=1 prefill and decode, TP=2 prefill ranks, TP=2 decode ranks
+        ws = start_workers([(gpu(0), layout, nb), (gpu(1), layout, nb)]
+                           + [(gpu(r), layout, nb, 2) for r in (0, 1, 0, 1)])
+        one, two_p, two_d = ws[:2], ws[2:4], ws[4:]
         try:
             ns = hashlib.blake2b(f"pd-cross-{layout}".encode(), digest_size=16).digest()
             for w in one:
@@ -301,8 +302,8 @@ def main() -> None:
         if args.mode in ("cross", "all"):
             tp_cross(args, sock, sched, res)
         for layout in (args.layouts.split(",") if args.mode != "cross" else []):
-            prefill = Worker(0, layout, 2 * args.blocks)
-            decode = Worker(1, layout, 2 * args.blocks)
+            prefill, decode = start_workers([(0, layout, 2 * args.blocks),
+                                             (1, layout, 2 * args.blocks)])
             try:
                 ns = hashlib.blake2b(f"pd-{layout}".encode(), digest_size=16).digest()
                 prefill.call("connect", sock, ns, 0, 1)
