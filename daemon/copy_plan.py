@@ -15,8 +15,9 @@ block it was what bounded per-layer throughput.
 
 The pool may be registered in separate pieces (``cuda.HostRegistration``); no DMA copy may span
 two, so tables are cut at their boundaries (``split_at_boundaries``, ``split_items``). A
-daemon's pool is registered in pieces that meet where its extents do
-(``registration_pieces``), so no slot spans two: only copies merged across slots are cut.
+daemon's pool is registered in pieces that meet at its extents' starts
+(``registration_pieces``): for most slot sizes none spans two (``slots_inside_pieces``), and
+only copies merged across slots are cut.
 
 Must never: call the CUDA driver (``cuda.pitched_ops`` only fills records): every table here is
 checked on CPU (tests/daemon/test_copy_plan.py).
@@ -200,12 +201,25 @@ def pitched_table(plan: np.ndarray, block_ids: np.ndarray, shard_offsets: np.nda
 def registration_pieces(data_offset: int, extent_bytes: int, piece_bytes: int
                         ) -> tuple[int, int]:
     """(piece size, phase) for registering a pool in pieces of about ``piece_bytes`` that meet
-    only where extents meet (``cuda.HostRegistration``): a slot lies inside one extent, so no
-    slot then spans two pieces and every slot's copy stays whole (pitched, not cut into a
-    rank's rows). Pieces counted from the pool's base met inside a slot every 128 MiB: a TP=2
-    rank's cut slot went as 1024 copies of 1 KiB."""
-    piece = max(1, piece_bytes // extent_bytes) * extent_bytes
+    at every extent start (``cuda.HostRegistration``): whole extents where they are smaller
+    than ``piece_bytes``, else ``piece_bytes`` where it divides an extent (so no piece pins
+    more than that at once: the mmap lock, ``cuda.PIECE_BYTES``), else whole extents. Pieces
+    counted from the pool's base met inside slots (its tables before the first extent are no
+    whole number of slots): a TP=2 rank's cut 2 MiB slot went as 1024 copies of 1 KiB."""
+    if extent_bytes <= piece_bytes:
+        piece = piece_bytes // extent_bytes * extent_bytes
+    elif extent_bytes % piece_bytes == 0:
+        piece = piece_bytes
+    else:
+        piece = extent_bytes
     return piece, data_offset % piece
+
+
+def slots_inside_pieces(piece: int, extent_bytes: int, slot_bytes: int) -> bool:
+    """Whether no slot of ``slot_bytes`` spans two pieces planned by ``registration_pieces``:
+    slots lie inside extents from their starts, so pieces of whole extents cut none, and
+    pieces inside extents cut none of a size that divides them (every power-of-two block)."""
+    return piece % extent_bytes == 0 or piece % slot_bytes == 0
 
 
 def split_items(shard_offsets: np.ndarray, shard_bytes: int, piece: int) -> np.ndarray:

@@ -237,8 +237,8 @@ def host_free(addr: int) -> None:
 # Pool pieces registered per driver call. Pinning holds the process's mmap lock: with 1 GiB
 # pieces the event loop sat 180-253 ms in the kernel before its first registration whenever it
 # needed the lock (growing its heap) on an H200 host (a 12 GiB pool, gpu_transfer's daemons).
-# A daemon's pool rounds this down to whole extents, one at least (256 MiB for pools of 32 GiB
-# and more under the auto extent size): copy_plan.registration_pieces.
+# A daemon's pool's pieces meet at its extents' starts: whole extents up to this size, this
+# size inside bigger extents it divides (copy_plan.registration_pieces).
 PIECE_BYTES = 128 << 20
 
 

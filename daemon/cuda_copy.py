@@ -38,7 +38,7 @@ from kvpool.daemon.copy_engine import (HEAD_BLOCKS, TAIL_BLOCKS, CopyEngine, Job
                                        segment_address_table)
 from kvpool.daemon.copy_plan import (SMALL_OPS, SMALL_TABLE_OPS, PitchedOps, block_runs,
                                      chunk_table, flatten_plan, pitched_plan,
-                                     registration_pieces, strided_runs)
+                                     registration_pieces, slots_inside_pieces, strided_runs)
 from kvpool.daemon.cuda_lane import Gpu, Job
 from kvpool.shared.config import CHUNK_BLOCKS
 from kvpool.shared.errors import (Aborted, InternalError, KvpoolError, LayoutMismatch,
@@ -92,6 +92,7 @@ class CudaMapped(Mapped):
         # (to pool, 3D) -> PitchedOps, made on first use (whether 3D copies work is only
         # known once a lane has checked them)
         self.pitched_ops: dict[tuple[bool, bool], PitchedOps] = {}
+        self.slots_inside_pieces = False    # set by the engine (``attach``)
         self.seg_table_gpu: Any = None      # torch int64 [4, S] on the device, for the kernel
         self.opened_events: dict[bytes, int] = {}
         self.lock = threading.Lock()
@@ -186,19 +187,20 @@ class CudaCopyEngine(CopyEngine):
         self._closed = False
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
-        geometry = getattr(pool, "geometry", None)
+        # (piece, extent) bytes of a daemon's pool, whose pieces meet at its extents' starts
+        self.piece_grid: tuple[int, int] | None = None
         if register_pool:
-            # A daemon's pool (one with a geometry) is registered in pieces that meet where
-            # its extents do, so that no slot spans two; a bare buffer from its base.
-            piece, phase = (register_piece_bytes, 0) if geometry is None else \
-                registration_pieces(geometry.data_offset, geometry.extent_bytes,
-                                    register_piece_bytes)
+            # A daemon's pool (one with a geometry) is registered in pieces that meet at its
+            # extents' starts, so that no slot of most sizes spans two; a bare buffer from its
+            # base.
+            geometry = getattr(pool, "geometry", None)
+            piece, phase = register_piece_bytes, 0
+            if geometry is not None:
+                piece, phase = registration_pieces(geometry.data_offset, geometry.extent_bytes,
+                                                   register_piece_bytes)
+                self.piece_grid = (piece, geometry.extent_bytes)
             self.registration = cuda.HostRegistration(self.pool_base, self.pool_nbytes, piece,
                                                       phase)
-        # No slot spans two registered pieces (a daemon's pool): a chunk's slots need no
-        # look for one (each look costs a few numpy calls a chunk, on a lane's thread that
-        # shares the event loop's GIL).
-        self.slots_inside_pieces = register_pool and geometry is not None
         threading.Thread(target=self._init, name="kvpool-cuda-init", daemon=True).start()
 
     def _init(self) -> None:
@@ -291,7 +293,13 @@ class CudaCopyEngine(CopyEngine):
             self._close_ipc(opened)
             raise
         self._gpu(ordinal)
-        return CudaMapped(registration, ordinal, opened, bases)
+        m = CudaMapped(registration, ordinal, opened, bases)
+        # No slot of this registration spans two registered pieces: its chunks need no look
+        # for one (a few numpy calls a chunk, on a lane's thread that shares the event loop's
+        # GIL).
+        m.slots_inside_pieces = self.piece_grid is not None and slots_inside_pieces(
+            *self.piece_grid, registration.layout.slot_bytes)
+        return m
 
     def _open_ipc(self, handle: bytes) -> int:
         # The same allocation can back several regions or registrations (re-registration

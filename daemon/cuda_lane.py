@@ -398,8 +398,8 @@ class Lane:
         eng = self.engine
         reg = eng.registration
         split = reg is not None and len(reg.registered) > 1
-        # (a daemon's pool: its pieces meet where slots meet, none to look for)
-        slots_split = split and not eng.slots_inside_pieces
+        # (a daemon's pool, a slot size its pieces cut none of: none to look for)
+        slots_split = split and not m.slots_inside_pieces
         if m.pitched_ok and eng.pitched:
             # Shards that straddle two registered pieces of the pool go as 1D chunks, split
             # at the boundary; every other one as pitched runs.

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvpool.daemon.copy_plan import (chunk_table, merge_runs, registration_pieces,
-                                     split_at_boundaries)
+                                     slots_inside_pieces, split_at_boundaries)
 from kvpool.daemon.pool import Geometry
 
 
@@ -338,22 +338,35 @@ def test_block_runs_merge_only_what_stays_contiguous_for_every_block():
     assert len(block_runs(a(100, 110), a(64, 64), a(10, 10), a(0, 20))) == 2
 
 
-@pytest.mark.parametrize("pool_gib,extent_mib", [(6, 32), (1, 8), (64, 256), (12, 64), (2, 4)])
-def test_registered_pieces_meet_only_where_the_pools_extents_meet(pool_gib, extent_mib):
+@pytest.mark.parametrize("pool_gib,extent_mib", [(6, 32), (1, 8), (64, 256), (12, 64), (2, 4),
+                                                 (4, 192)])
+def test_registered_pieces_meet_at_extent_starts_and_cut_no_slot_they_say_they_do_not(
+        pool_gib, extent_mib):
     """No slot may span two registered pieces (a cut slot's copy falls apart: a TP=2 rank's
-    2 MiB slot went as 1024 copies of 1 KiB). Slots lie inside extents, so pieces that meet
-    where extents meet cut none, whatever the slot size; pieces from the pool's base did,
-    since its tables before the first extent are no whole number of slots."""
+    2 MiB slot went as 1024 copies of 1 KiB). Slots lie inside extents from their starts:
+    pieces meet at every extent start, and inside bigger extents only at multiples of the
+    piece, so they cut no slot whose size divides it. Pieces from the pool's base cut 2 MiB
+    slots of the 6 GiB pool, since its tables before the first extent are no whole number
+    of slots."""
     g = Geometry.plan(pool_gib << 30, extent_mib << 20)
-    piece, phase = registration_pieces(g.data_offset, g.extent_bytes, 128 << 20)
-    assert piece % g.extent_bytes == 0 and piece >= 128 << 20 or piece == g.extent_bytes
-    assert piece <= max(128 << 20, g.extent_bytes) and 0 <= phase < piece
+    want = 128 << 20
+    piece, phase = registration_pieces(g.data_offset, g.extent_bytes, want)
+    assert 0 <= phase < piece
+    assert piece % g.extent_bytes == 0 or g.extent_bytes % piece == 0
+    # no bigger than asked where the extents allow it (pinning holds the mmap lock)
+    assert piece <= want or piece == g.extent_bytes and g.extent_bytes % want != 0
     starts = g.data_offset + np.arange(g.num_extents, dtype=np.int64) * g.extent_bytes
-    for slot in (2 << 20, 3 << 19, 4096 * 3):
-        per = g.extent_bytes // slot
-        offs = (starts[:, None] + np.arange(per)[None, :] * slot).ravel()
-        assert not ((offs - phase) // piece != (offs + slot - 1 - phase) // piece).any()
-    # the old pieces, from the pool's base, cut 2 MiB slots of the default 6 GiB pool
+    # boundaries at the first extent's start plus whole pieces: so at extent starts, and
+    # inside extents only at whole pieces from their starts
+    assert (g.data_offset - phase) % piece == 0
+    for slot in (2 << 20, 3 << 19, 7 << 18, 4096 * 3):
+        offs = (starts[:, None] + np.arange(g.extent_bytes // slot)[None, :] * slot).ravel()
+        cut = ((offs - phase) // piece != (offs + slot - 1 - phase) // piece).any()
+        assert cut != slots_inside_pieces(piece, g.extent_bytes, slot), (piece, slot)
     if (pool_gib, extent_mib) == (6, 32):
+        assert slots_inside_pieces(piece, g.extent_bytes, 2 << 20)
         offs = (starts[:, None] + np.arange(16)[None, :] * (2 << 20)).ravel()
-        assert ((offs // (128 << 20)) != ((offs + (2 << 20) - 1) // (128 << 20))).any()
+        assert ((offs // want) != ((offs + (2 << 20) - 1) // want)).any()
+    if (pool_gib, extent_mib) == (64, 256):
+        assert piece == want and slots_inside_pieces(piece, g.extent_bytes, 2 << 20)
+        assert not slots_inside_pieces(piece, g.extent_bytes, 7 << 18)   # 1.75 MiB blocks

@@ -470,17 +470,18 @@ def test_pool_pieces_that_meet_where_slots_meet_leave_every_slot_one_pitched_cop
     assert len(calls[slot // 2]) > 2, "slots cut by a piece boundary went pitched"
 
 
-def test_an_engine_whose_slots_lie_inside_pieces_never_looks_for_cut_slots(
+def test_a_registration_whose_slots_lie_inside_pieces_never_looks_for_cut_slots(
         pitched_engine, fake, per_layer, monkeypatch):
-    """A daemon's pool is registered where its slots meet: the lanes then spend no numpy
-    calls per chunk on looking for slots that span two pieces (they run on the GIL the event
-    loop needs), small chunks or big, and every slot still goes as its one pitched copy."""
+    """A daemon's pool is registered where its slots meet (for most slot sizes: the engine
+    tells each registration, ``attach``): the lanes then spend no numpy calls per chunk on
+    looking for slots that span two pieces (they run on the GIL the event loop needs), small
+    chunks or big, and every slot still goes as its one pitched copy."""
     m, kv = per_layer
     pool = pitched_engine.test_pool
     slot = LAYERS * LAYER_BYTES
     pitched_engine.registration = PiecesRegistration(pool.base_address, pool.nbytes,
                                                      4 * slot, slot)
-    pitched_engine.slots_inside_pieces = True
+    m.slots_inside_pieces = True
     looks = []
     monkeypatch.setattr(cuda_lane, "split_items", lambda *a: looks.append(a))
     monkeypatch.setattr(cuda_copy.CudaMapped, "inside_pieces", lambda *a: looks.append(a))

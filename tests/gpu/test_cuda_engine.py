@@ -541,9 +541,9 @@ def test_a_daemon_pool_is_pinned_in_pieces_that_meet_where_its_extents_meet(layo
         assert len(starts) >= 3, starts
         assert starts[0] == 0 and starts[1] == g.data_offset % (64 << 20), starts
         assert all((s - g.data_offset) % g.extent_bytes == 0 for s in starts[1:]), starts
-        assert engine.slots_inside_pieces
         r = w.register_request()
         m = engine.attach(r)
+        assert m.slots_inside_pieces
         n = r.layout.slot_bytes
         boundary = starts[2]
         offs = np.array([boundary - n, boundary, boundary + n], dtype=np.int64)
