@@ -73,24 +73,38 @@ def medians(runs: list[dict]) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("source", help="ab-scale.tgz, or the directory it unpacks to")
-    ap.add_argument("--new", required=True, help="what the new runs were (a commit, a setting)")
-    ap.add_argument("--old", required=True)
+def results_args(description: str, source_help: str) -> argparse.ArgumentParser:
+    """The arguments of a tool that turns a device call's runs into one results JSON: the
+    call's archive, where it ran, the run.sh call that made it, the date and the output."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("source", help=source_help)
     ap.add_argument("--device", required=True)
     ap.add_argument("--command", required=True, help="the run.sh call that made them")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--out", required=True)
+    return ap
+
+
+def write_results(args: argparse.Namespace, benchmark: str, runs: list[dict], per_tree: dict,
+                  **what: str) -> None:
+    """One results JSON at ``args.out``: where and how the runs were made, ``what`` the trees
+    were, the trees in the order they ran, each tree's medians and every run."""
+    doc = {"benchmark": benchmark, "device": args.device, "date": args.date,
+           "command": args.command, **what,
+           "order": " ".join(dict((r["run"], r["tree"]) for r in runs).values()),
+           "medians": per_tree, "runs": runs}
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def main() -> None:
+    ap = results_args(__doc__.split("\n")[0], "ab-scale.tgz, or the directory it unpacks to")
+    ap.add_argument("--new", required=True, help="what the new runs were (a commit, a setting)")
+    ap.add_argument("--old", required=True)
     args = ap.parse_args()
     runs = read_runs(args.source, runs_of)
     if not runs:
         raise SystemExit(f"no host_scale results under {args.source}")
-    doc = {"benchmark": "host_scale A/B", "device": args.device, "date": args.date,
-           "command": args.command, "new": args.new, "old": args.old,
-           "order": " ".join(dict((r["run"], r["tree"]) for r in runs).values()),
-           "medians": medians(runs), "runs": runs}
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    write_results(args, "host_scale A/B", runs, medians(runs), new=args.new, old=args.old)
     for r in runs:
         print(r["run"], r["tree"], r["engines"], r["layout"],
               {p: (r[p]["ratio"], r[p]["loop_util"], r[p]["loop_ms_per_GB"]) for p in PHASES})

@@ -10,16 +10,13 @@ off by its time limit still gives what it printed.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import glob
-import json
 import os
 import re
 import statistics
 from pathlib import Path
 
-from bench.ab_scale_json import read_runs
+from bench.ab_scale_json import read_runs, results_args, write_results
 
 # "[tp] block_outer 8 chunk(s): TP=1->1 38.87 GB/s, TP=2->1 27.28 GB/s, TP=2->2 31.85 GB/s; ..."
 LINE = re.compile(r"^\[tp\] (\w+) (\d+) chunk\(s\): TP=1->1 ([\d.]+) GB/s, TP=2->1 ([\d.]+) "
@@ -64,22 +61,15 @@ def medians(runs: list[dict]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("source", help="ab-tp.tgz or tp-trees.tgz, or the directory it unpacks to")
-    ap.add_argument("--device", required=True)
-    ap.add_argument("--command", required=True, help="the run.sh call that made them")
+    ap = results_args(__doc__.split("\n")[0],
+                      "ab-tp.tgz or tp-trees.tgz, or the directory it unpacks to")
     ap.add_argument("--trees", default="", help="what each tree was (e.g. new=0e79986)")
-    ap.add_argument("--date", default=datetime.date.today().isoformat())
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
     runs = read_runs(args.source, runs_of)
     if not runs:
         raise SystemExit(f"no [tp] lines under {args.source}")
-    doc = {"benchmark": "pd_handoff --mode cross, by tree", "device": args.device,
-           "date": args.date, "command": args.command, "trees": args.trees,
-           "order": " ".join(dict((r["run"], r["tree"]) for r in runs).values()),
-           "medians": medians(runs), "runs": runs}
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    write_results(args, "pd_handoff --mode cross, by tree", runs, medians(runs),
+                  trees=args.trees)
     for r in runs:
         print(r["run"], r["tree"], r["layout"], r["chunks"], r["tp1_to_tp1_GBps"],
               r["tp2_to_tp1_GBps"], r["tp2_to_tp2_GBps"], r["tp2_to_tp2_vs_tp1_to_tp1"])

@@ -623,16 +623,16 @@ class _DaemonBench:
 
 def start_workers(specs: list[tuple]) -> list["Worker"]:
     """``Worker(*spec)`` for every spec, started together: each spends seconds importing torch
-    and making its CUDA context, six in a row were most of a TP comparison's ~40 s before its
-    first hand-off. Where one fails, the others are closed and its error raised."""
+    and making its CUDA context (a TP comparison starts six). Where one fails, the others are
+    closed and its error raised."""
     with ThreadPoolExecutor(max(1, len(specs))) as ex:
         futures = [ex.submit(Worker, *spec) for spec in specs]
-    started = [f.result() for f in futures if f.exception() is None]
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:
+    errors = [f.exception() for f in futures]
+    started = [f.result() for f, e in zip(futures, errors) if e is None]
+    if len(started) < len(specs):
         for w in started:
             w.close()
-        raise failed[0]
+        raise next(e for e in errors if e is not None)
     return started
 
 

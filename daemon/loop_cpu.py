@@ -6,8 +6,10 @@ On a GPU host the loop meets each job with cold caches: its Python costs ~10 µs
 threads (lanes, copy and disk threads, executors) and the engines share the host's cores with
 it, and the kernel may wake the loop on any of them. On 2 × H200, with the loop on one CPU and the
 lanes' threads on the others, its CPU per stored GB was 2-21% lower in two runs beside one
-without (bench/README.md, host_scale). Off by default until more runs say how much. An
-operator who pins it should keep the engines off that CPU too (their cgroup, ``taskset``).
+without; on 4 × H200 at 4 engines, three runs each way, the setting gained nothing: runs of
+one setting spread wider than the two differed (bench/README.md, host_scale). So it is off by
+default. An operator who pins it should keep the engines off that CPU too (their cgroup,
+``taskset``).
 
 A thread inherits its creator's CPUs, and the loop creates threads as it serves (a lane pair
 at a GPU's first registration, executor workers on first use). So a sweeper thread moves every

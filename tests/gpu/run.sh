@@ -170,22 +170,27 @@ elif [ "$what" = ab ] || [ "$what" = ab-scale ] || [ "$what" = ab-tp ]; then
   bench=$REPO; [ "$what" = ab-tp ] && bench=$old
   import_tree "$old" /tmp/ppo "$bench"
 fi
-# alternate NAME PATTERN SECONDS CMD...: CMD (a bench module's arguments, @RUN@ for its output
-# directory) with this tree's daemon and client and the old tree's, in AB_KINDS order (default
-# "new old new old"; AB_NEW_ENV's variables for this tree's runs), each for SECONDS at most;
-# the lines matching PATTERN in $OUT/NAME.log, every run's files in one $OUT/NAME.tgz (a device
-# call brings back 8 files at most)
+# run_in PP LABEL RUN NAME PATTERN SECONDS ENVS CMD...: CMD (a bench module's arguments, @RUN@
+# for RUN, its output directory) with the import tree at PP and the VAR=value words ENVS, for
+# SECONDS at most: its whole output in RUN/output.log (a run that fails says why), the lines
+# matching PATTERN, after LABEL, in $OUT/NAME.log
+run_in() {
+  local pp=$1 label=$2 run=$3 name=$4 pattern=$5 limit=$6 envs=$7; shift 7
+  mkdir -p $run
+  (cd $pp && env $envs PYTHONPATH=$pp:/tmp/site timeout $limit python3 -m "${@//@RUN@/$run}" \
+    2>&1 | tee $run/output.log | grep "$pattern" | sed "s/^/$label /" | tee -a "$OUT/$name.log") \
+    || rc=1
+}
+# alternate NAME PATTERN SECONDS CMD...: run_in with this tree's daemon and client and the old
+# tree's, in AB_KINDS order (default "new old new old"; AB_NEW_ENV's variables for this tree's
+# runs); every run's files in one $OUT/NAME.tgz (a device call brings back 8 files at most)
 alternate() {
   local name=$1 pattern=$2 limit=$3 k pp envs; shift 3
   rm -rf /tmp/$name     # (a warm machine keeps the last call's runs)
   for k in ${AB_KINDS:-new old new old}; do
     pp=/tmp/pp; [ $k = old ] && pp=/tmp/ppo
     envs=""; [ $k = new ] && envs="${AB_NEW_ENV:-}"
-    # every run's whole output in its directory: a run that fails says why in NAME.tgz
-    run=/tmp/$name/$k-$SECONDS; mkdir -p $run
-    (cd $pp && env $envs PYTHONPATH=$pp:/tmp/site timeout $limit python3 -m "${@//@RUN@/$run}" \
-      2>&1 | tee $run/output.log | grep "$pattern" | sed "s/^/$k /" | tee -a "$OUT/$name.log") \
-      || rc=1
+    run_in $pp $k /tmp/$name/$k-$SECONDS $name "$pattern" $limit "$envs" "$@"
   done
   tar czf "$OUT/$name.tgz" -C /tmp/$name --exclude "*.png" . || rc=1
 }
@@ -207,11 +212,9 @@ if [ "$what" = tp-trees ]; then
   for t in ${TREES:?TREES must name trees}; do
     n=$((n + 1)); src=$(cd "$ROOT" && cd "$t" && pwd) || { rc=1; continue; }
     import_tree "$src" /tmp/ppt "$src"
-    run=/tmp/tp-trees/$n-$(basename "$src"); mkdir -p $run
-    (cd /tmp/ppt && PYTHONPATH=/tmp/ppt:/tmp/site timeout ${PD_TIMEOUT:-100} python3 -m \
-      bench.pd_handoff --mode cross --out $run --tmp /tmp/kvpool-tp-trees ${PD_ARGS:-} 2>&1 \
-      | tee $run/output.log | grep "^\[tp\]\|summary" | sed "s/^/$(basename "$src") /" \
-      | tee -a "$OUT/tp-trees.log") || rc=1
+    run_in /tmp/ppt "$(basename "$src")" /tmp/tp-trees/$n-$(basename "$src") tp-trees \
+      "^\[tp\]\|summary" ${PD_TIMEOUT:-100} "" \
+      bench.pd_handoff --mode cross --out @RUN@ --tmp /tmp/kvpool-tp-trees ${PD_ARGS:-}
   done
   tar czf "$OUT/tp-trees.tgz" -C /tmp/tp-trees . || rc=1
 fi
