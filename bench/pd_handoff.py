@@ -20,7 +20,10 @@ same-TP hand-offs TP=1 (GPU 0) -> TP=1 (GPU 1) and TP=2 -> TP=2 (both GPUs). GB/
 bytes over the hand-off time; target: TP=2 -> TP=1 >= 0.9 x TP=1 -> TP=1.
 
 Run: ``python -m bench.pd_handoff --out bench/results`` (needs two GPUs;
-``--mode same`` the original hand-off only, ``--mode cross`` the TP comparison only).
+``--mode same`` the original hand-off only, ``--mode cross`` the TP comparison only). On one
+GPU ``--mode cross`` runs with every worker on it: the modes then share one link, so their
+ratios mean little, but a tree's hand-offs still compare with another tree's (an A/B of the
+copy path's operations where only one GPU is lent).
 Target: hand-off <= 2.2 x the one-way memcpy time.
 """
 
@@ -191,7 +194,7 @@ def tp_cross(args, sock: str, sched, res: dict) -> None:
         if LAYOUTS[layout][0] * LAYOUTS[layout][1] != BLOCK_BYTES:
             raise SystemExit(f"{layout}: the TP comparison wants 2 MiB blocks")
         nb = 2 * args.blocks
-        gpu = (lambda i: -1) if args.dry_run_cpu else (lambda i: i)
+        gpu = (lambda i: -1) if args.dry_run_cpu else (lambda i: i % args.gpus)
         # TP=1 prefill and decode, TP=2 prefill ranks, TP=2 decode ranks
         ws = start_workers([(gpu(0), layout, nb), (gpu(1), layout, nb)]
                            + [(gpu(r), layout, nb, 2) for r in (0, 1, 0, 1)])
@@ -277,8 +280,9 @@ def main() -> None:
     from bench.gpu_transfer import start_daemon
     if args.dry_run_cpu:
         args.mode = "cross"
-    elif torch.cuda.device_count() < 2:
-        raise SystemExit("pd_handoff needs two GPUs")
+    args.gpus = torch.cuda.device_count()
+    if not args.dry_run_cpu and args.gpus < (1 if args.mode == "cross" else 2):
+        raise SystemExit(f"pd_handoff --mode {args.mode} needs two GPUs (--mode cross one)")
     nbytes = args.blocks * BLOCK_BYTES
     res: dict = {"device": "cpu (dry run)" if args.dry_run_cpu else torch.cuda.get_device_name(0),
                  "gpus": torch.cuda.device_count(),
@@ -287,7 +291,7 @@ def main() -> None:
                  "bytes": nbytes, "layouts": {}}
     if not args.dry_run_cpu:
         res["memcpy_d2h_gpu0_s"] = one_way_s(0, nbytes, True, args.reps)
-        res["memcpy_h2d_gpu1_s"] = one_way_s(1, nbytes, False, args.reps)
+        res["memcpy_h2d_gpu1_s"] = one_way_s(1 % args.gpus, nbytes, False, args.reps)
         one_way = max(res["memcpy_d2h_gpu0_s"], res["memcpy_h2d_gpu1_s"])
         res["one_way_s"] = one_way
         print(f"[limit] one-way 1 GiB: d2h gpu0 {res['memcpy_d2h_gpu0_s'] * 1e3:.2f} ms, "
