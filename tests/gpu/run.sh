@@ -29,7 +29,8 @@
 #  default; results in $OUT/ab-scale.log and ab-scale.tgz, which bench/ab_scale_json.py
 #  turns into one results JSON);
 #  ab-tp: bench/pd_handoff.py --mode cross, this tree's against $OLD's (each tree's own
-#  script), alternating as ab-scale's (PD_ARGS; $OUT/ab-tp.log and ab-tp.tgz): two GPUs;
+#  script), alternating as ab-scale's (PD_ARGS; $OUT/ab-tp.log and ab-tp.tgz): two GPUs, or
+#  one with every worker on it (an old tree's script is given that mapping: one_gpu_cross);
 #  tp-trees: bench/pd_handoff.py --mode cross under each tree of TREES in turn (PD_ARGS): a
 #  bisection of a hand-off's change, one call;
 #  ab: the daemon and client of this tree against those of the tree at $OLD (a path: e.g. a
@@ -158,6 +159,30 @@ import_tree() {
       || echo "run.sh: $src's C extensions not built"
   fi
   cp -r "$bench/bench" "$bench/tests" "$dest/"; cp "$REPO/pyproject.toml" "$dest/"
+  one_gpu_cross "$dest/bench/pd_handoff.py"
+}
+# one_gpu_cross FILE: a pd_handoff.py from before b74cae0 exits on one GPU; its --mode cross
+# gets this tree's mapping (worker i on GPU i mod the GPUs), so an A/B or a bisection of the
+# TP hand-off runs where one GPU is lent (the copy in the import tree; the old tree unchanged)
+one_gpu_cross() {
+  [ -f "$1" ] && ! grep -q "args.gpus" "$1" || return 0
+  python3 - "$1" <<'EOF'
+import sys
+path = sys.argv[1]
+text = open(path).read()
+for old, new in [
+        ("(lambda i: i)\n", "(lambda i: i % args.gpus)\n"),
+        ('    elif torch.cuda.device_count() < 2:\n'
+         '        raise SystemExit("pd_handoff needs two GPUs")',
+         '    args.gpus = torch.cuda.device_count()\n'
+         '    if not args.dry_run_cpu and args.gpus < (1 if args.mode == "cross" else 2):\n'
+         '        raise SystemExit("pd_handoff needs two GPUs (--mode cross one)")'),
+        ("one_way_s(1, nbytes", "one_way_s(1 % args.gpus, nbytes")]:
+    if text.count(old) != 1:
+        sys.exit(f"run.sh: {path} is not as one_gpu_cross expects; left as it is")
+    text = text.replace(old, new)
+open(path, "w").write(text)
+EOF
 }
 if [ "$what" = ab-scale ] && [ -z "${OLD:-}" ]; then
   # no old tree: this tree's runs with AB_NEW_ENV against its runs without
