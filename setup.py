@@ -1,6 +1,7 @@
-"""The compiled pieces: the shared-memory index's probe (client/_index_probe.c) and its writer
-(daemon/_index_writer.c). Optional: where they do not build (no C compiler), the install goes
-on, the reader uses numpy and the daemon writes the index in Python."""
+"""The compiled pieces: the shared-memory index's probe (client/_index_probe.c), its writer
+(daemon/_index_writer.c) and the pool's slot records (daemon/_pool_records.c). Optional: where
+they do not build (no C compiler), the install goes on, the reader uses numpy, the daemon writes
+the index in Python and its records with numpy."""
 
 from setuptools import Extension, setup
 
@@ -8,5 +9,7 @@ setup(ext_modules=[
     Extension("kvpool.client._index_probe", ["client/_index_probe.c"],
               extra_compile_args=["-O2"], optional=True),
     Extension("kvpool.daemon._index_writer", ["daemon/_index_writer.c"],
+              extra_compile_args=["-O2"], optional=True),
+    Extension("kvpool.daemon._pool_records", ["daemon/_pool_records.c"],
               extra_compile_args=["-O2"], optional=True),
 ])

@@ -69,6 +69,16 @@ RECORD_DTYPE = np.dtype([("key", "V32"), ("generation", "<u4"), ("state", "u1"),
 assert RECORD_DTYPE.itemsize == 48
 
 
+try:    # built by the install where a C compiler is (setup.py); else numpy writes the records
+    from kvpool.daemon import _pool_records
+except ImportError:
+    _pool_records = None
+if _pool_records is not None:
+    assert (_pool_records.RECORD_BYTES, _pool_records.KEY_BYTES,
+            _pool_records.GENERATION_OFFSET, _pool_records.STATE_OFFSET) == (
+        RECORD_DTYPE.itemsize, RECORD_DTYPE["key"].itemsize,
+        RECORD_DTYPE.fields["generation"][1], RECORD_DTYPE.fields["state"][1])
+
 GENERATION_MASK = 0x7FFF_FFFF   # slot ref generations: 31 bits, so refs stay positive int64
 SHM_DIR = "/dev/shm"
 
@@ -219,6 +229,8 @@ class Pool:
                            g.record_table_offset)
         self._rec_key, self._rec_generation, self._rec_state = (
             table["key"], table["generation"], table["state"])
+        # the same table as bytes, for the compiled writes
+        self._rec_bytes = table.view(np.uint8)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -360,7 +372,7 @@ class Pool:
     def _unmap(self) -> None:
         self._records.clear()
         del self.header, self.extents, self._u8
-        del self._rec_key, self._rec_generation, self._rec_state
+        del self._rec_key, self._rec_generation, self._rec_state, self._rec_bytes
         try:
             self.buffer.close()
         except BufferError:
@@ -439,6 +451,9 @@ class Pool:
         lands before any state byte. Ids must be distinct."""
         if not slot_ids:
             return
+        if _pool_records is not None:
+            _pool_records.write_states(self._rec_bytes, slot_ids, state, generations)
+            return
         idx = np.fromiter(slot_ids, np.int64, len(slot_ids))
         if generations is not None:
             self._rec_generation[idx] = np.fromiter(generations, np.uint32, len(generations))
@@ -456,6 +471,9 @@ class Pool:
         between leaves those records uncommitted. Ids must be distinct."""
         n = len(slot_ids)
         if not n:
+            return
+        if _pool_records is not None:
+            _pool_records.commit(self._rec_bytes, slot_ids, keys, generations, COMMITTED)
             return
         if n <= 4:
             # Element by element: the arrays below cost ~2.5 us even for one slot.

@@ -94,6 +94,25 @@ def compiled_index_writer():
     return _compiled(index_segment._index_writer, "index writer", "daemon/_index_writer.c")
 
 
+@pytest.fixture
+def compiled_pool_records():
+    """daemon/_pool_records.c."""
+    import kvpool.daemon.pool as pool_module
+    return _compiled(pool_module._pool_records, "pool record writer", "daemon/_pool_records.c")
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def record_writer(request, monkeypatch):
+    """Runs a test of the pool's record writes once with each: the compiled ones and the
+    numpy ones they fall back to."""
+    import kvpool.daemon.pool as pool_module
+    if request.param == "numpy":
+        monkeypatch.setattr(pool_module, "_pool_records", None)
+    else:
+        request.getfixturevalue("compiled_pool_records")
+    return request.param
+
+
 @pytest.fixture(params=["compiled", "python"])
 def index_writer(request, monkeypatch):
     """Runs a test of the shared-memory index's writer once with each: the compiled one and

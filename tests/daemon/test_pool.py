@@ -165,9 +165,10 @@ def test_tp_cross_pool_of_an_unknown_format_is_replaced_with_a_clear_log_line(po
     q.close(unlink=True)
 
 
-def test_batched_record_writes_write_what_per_slot_writes_do(pool):
+def test_batched_record_writes_write_what_per_slot_writes_do(pool, record_writer):
     """``write_states`` and ``commit_records`` address records by slot id across extents and
-    leave every byte as the per-slot writes (and the per-extent commit) would."""
+    leave every byte as the per-slot writes (and the per-extent commit) would, compiled
+    (daemon/_pool_records.c) or with numpy."""
     import numpy as np
 
     from kvpool.daemon.pool import FREE, WRITING
@@ -197,7 +198,7 @@ def test_batched_record_writes_write_what_per_slot_writes_do(pool):
     pool.commit_records([], [], [])
 
 
-def test_committed_records_of_a_batch_are_adopted(pool_config):
+def test_committed_records_of_a_batch_are_adopted(pool_config, record_writer):
     """A batch commit across extents survives the daemon: a new pool adopts every record."""
     p = Pool.open(pool_config)
     p.assign_extent(0, 4096)
@@ -213,3 +214,72 @@ def test_committed_records_of_a_batch_are_adopted(pool_config):
         assert int(q.records(2)[9]["generation"]) == 12
     finally:
         q.close(unlink=True)
+
+
+def test_compiled_and_numpy_record_writes_leave_the_same_bytes(pool, compiled_pool_records,
+                                                               monkeypatch):
+    """The same batches (the sizes a store job writes, ids scattered over two extents) through
+    the compiled writes, then through numpy's on a copy of the table before them: byte-equal."""
+    import random
+
+    import kvpool.daemon.pool as pool_module
+    from kvpool.daemon.pool import FREE, WRITING
+    n = pool.assign_extent(0, 4096)
+    pool.assign_extent(3, 4096)
+    rng = random.Random(36)
+    every = list(range(n)) + [3 * pool.slot_id_stride + i for i in range(n)]
+    batches = []
+    for size in (1, 4, 5, 128, 1024, 1500):
+        ids = rng.sample(every, min(size, len(every)))
+        gens = [rng.randrange(1 << 31) for _ in ids]
+        keys = [rng.randbytes(32) for _ in ids]
+        batches.append((ids, gens, keys))
+    table = pool._rec_bytes
+    before = table.copy()
+
+    def write_all():
+        for ids, gens, keys in batches:
+            pool.write_states(ids, WRITING, gens)
+            pool.commit_records(ids[::2], keys[::2], gens[::2])
+            pool.write_states(ids[1::2], FREE)
+
+    write_all()
+    compiled = table.copy()
+    table[:] = before
+    monkeypatch.setattr(pool_module, "_pool_records", None)
+    write_all()
+    assert (table != before).any() and bytes(table) == bytes(compiled)
+
+
+@pytest.mark.parametrize("call, why", [
+    (lambda r, t, ids: r.write_states(t, ids + [-1], 1), "outside the record table"),
+    (lambda r, t, ids: r.write_states(t, ids + [10 ** 9], 1), "outside the record table"),
+    (lambda r, t, ids: r.write_states(t, ids + [2 ** 70], 1), "too large|int too big"),
+    (lambda r, t, ids: r.write_states(t, ids, 1, [1] * (len(ids) - 1)), "not as many"),
+    (lambda r, t, ids: r.write_states(t, ids, 1, [1] * (len(ids) - 1) + [2 ** 32]),
+     "does not fit 32 bits"),
+    (lambda r, t, ids: r.write_states(t, ids, 1, [1] * (len(ids) - 1) + [-1]), "negative"),
+    (lambda r, t, ids: r.write_states(t, ids, 256), "not a byte"),
+    (lambda r, t, ids: r.write_states(t, ids + ["7"], 1), "integer"),
+    (lambda r, t, ids: r.write_states(t, 7, 1), "must be a sequence"),
+    (lambda r, t, ids: r.write_states(t[:100], ids, 1), "no whole number"),
+    (lambda r, t, ids: r.write_states(bytes(48 * 100), ids, 1), "writable"),
+    (lambda r, t, ids: r.commit(t, ids, [b"k" * 32] * (len(ids) - 1) + [b"k" * 31],
+                                [1] * len(ids), 2), "is not 32 bytes"),
+    (lambda r, t, ids: r.commit(t, ids, [b"k" * 32] * (len(ids) - 1) + ["k" * 32],
+                                [1] * len(ids), 2), "is not 32 bytes"),
+    (lambda r, t, ids: r.commit(t, ids, [b"k" * 32] * len(ids), None, 2), "every key"),
+    (lambda r, t, ids: r.commit(t, ids, [b"k" * 32] * len(ids), [1] * (len(ids) + 1), 2),
+     "not as many"),
+])
+def test_bad_record_writes_are_refused_and_change_nothing(pool, compiled_pool_records, call,
+                                                          why):
+    """Ids, generations, keys and states are all checked before the first byte is written: a
+    refused batch leaves the table as it was (the good ids before the bad one included)."""
+    pool.assign_extent(0, 4096)
+    ids = list(range(0, 200, 3))
+    before = pool._rec_bytes.copy()
+    with pytest.raises((IndexError, ValueError, OverflowError, TypeError, BufferError),
+                       match=why):
+        call(compiled_pool_records, pool._rec_bytes, ids)
+    assert bytes(pool._rec_bytes) == bytes(before)

@@ -57,7 +57,7 @@ export PYTHONPATH=/tmp/pp:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bi
 if command -v cc >/dev/null && python3 setup.py -q build_ext --inplace >/dev/null 2>&1; then
   rm -rf build
 else
-  echo "run.sh: client/_index_probe.c and daemon/_index_writer.c not built: the index is read with numpy, written in Python"
+  echo "run.sh: the C extensions (setup.py) not built: the index is read with numpy, written in Python, the pool's records with numpy"
 fi
 # the benchmark's pools need room in /dev/shm (container defaults are often 64 MiB)
 shm_kb=$(df -k --output=size /dev/shm | tail -1)
