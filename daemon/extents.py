@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from kvpool.daemon.eviction import LruPolicy
 from kvpool.daemon.pool import FREE, Pool
 from kvpool.shared.errors import LayoutMismatch
+from kvpool.shared.protocol import make_slot_ref
 
 # An index-only state (the pool record says WRITING): a lower tier is filling the slot.
 FILLING = 3
@@ -36,11 +37,12 @@ class Slot:
     offset: int                 # pool byte offset of rank 0's shard
     size_class: "SizeClass"
     state: int = FREE
-    generation: int = 0
     ns: bytes = b""
     key: bytes = b""            # ns + block hash (32 bytes), as in the slot record
     block_hash: bytes = b""     # key[16:], kept: batch passes unmap it without slicing
-    ref: int = 0                # slot ref for the current generation
+    # The slot ref of the current generation, which is the ref's upper half (``generation``):
+    # one int a slot, made once a claim (see ``SlotTable.claim``).
+    ref: int = 0
     pins: int = 0
     reads: int = 0              # lower-tier reads in flight (no pin: see SlotTable.begin_read)
     landed: int = 0             # bit u: unit u (a head, or a rank's shard) is in
@@ -51,6 +53,10 @@ class Slot:
     doomed: bool = False        # unreachable; freed when its last pin goes
     void: bool = False          # a ticket bound to no slot (duplicate, no room): never written
     ticket: int = 0             # the ticket ref that bound it, while WRITING (0: none)
+
+    @property
+    def generation(self) -> int:
+        return self.ref >> 32
 
 
 @dataclass(slots=True, eq=False)
@@ -212,8 +218,8 @@ class Extents:
         # Generations continue from the records: a slot id that served another size, or the
         # previous daemon, never repeats a generation (and so a slot ref) it handed out.
         gens = self.pool.generations(extent, n).tolist()
-        slots = [Slot(base + i, extent, i, first + i * cls.slot_bytes, cls, generation=gens[i])
-                 for i in range(n)]
+        slots = [Slot(base + i, extent, i, first + i * cls.slot_bytes, cls,
+                      ref=make_slot_ref(base + i, gens[i])) for i in range(n)]
         for s in slots:
             self.slots[s.id] = s
         if fresh:

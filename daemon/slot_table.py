@@ -108,8 +108,7 @@ class SlotTable:
                         and layout.slot_bytes == cls.slot_bytes and key[16:] not in table):
                     slot.state, slot.key, slot.ns = COMMITTED, key, key[:16]
                     slot.block_hash = key[16:]
-                    slot.generation = int(rec["generation"])
-                    slot.ref = make_slot_ref(slot.id, slot.generation)
+                    slot.ref = make_slot_ref(slot.id, int(rec["generation"]))
                     slot.landed = layout.full_mask
                     table[key[16:]] = slot
                     adopted.append(slot)
@@ -140,7 +139,6 @@ class SlotTable:
         ``_pin_store`` in the same pass)."""
         if not slots:
             return
-        mask = GENERATION_MASK
         tick = self.now_tick()
         table = self.tables.setdefault(ns, {})
         pins = 1 if pin_units else 0
@@ -148,10 +146,12 @@ class SlotTable:
         # ``evict_many`` leave it so; it is freed when its last pin or read goes), and a
         # WRITING slot's ``last_use`` is read by nothing (its commit stamps it): one pass
         # writes what a claim changes, a store's pin and units in flight with it. (This pass
-        # was the largest piece of a busy event loop's Python on an H200 host.)
+        # was the largest piece of a busy event loop's Python on an H200 host. A generation
+        # of its own beside the ref was a second int made and a cold one freed per slot: a
+        # quarter of the pass after a copy, bench/investigations/claim_churn.py.)
         for s, h, t in zip(slots, hashes, itertools.repeat(0) if tickets is None else tickets):
-            gen = s.generation = (s.generation + 1) & mask
-            s.ref = (gen << 32) | s.id
+            ref = s.ref + _GENERATION_ONE         # the next generation (its upper half)
+            s.ref = ref if ref < _REF_LIMIT else s.id
             s.state = state
             s.ns = ns
             s.key = ns + h
@@ -426,6 +426,11 @@ def _by_class(slots: list[Slot]) -> list[tuple[SizeClass, list[Slot]]]:
         groups.setdefault(id(s.size_class), (s.size_class, []))[1].append(s)
     return list(groups.values())
 
+
+# A slot ref's generation is its upper half: a claim adds one, and past the last generation
+# it starts again at 0 (the ref is then the slot id).
+_GENERATION_ONE = 1 << 32
+_REF_LIMIT = (GENERATION_MASK + 1) << 32
 
 # C-level getters for batch passes over slots (a generator costs ~2x more).
 _ID = attrgetter("id")

@@ -3,12 +3,12 @@
 import pytest
 
 from kvpool.daemon.index import Index
-from kvpool.daemon.pool import Pool
+from kvpool.daemon.pool import GENERATION_MASK, Pool
 from kvpool.shared.errors import LayoutMismatch, LeaseExpired, OutOfRange, ProtocolError, UnknownId
-from kvpool.shared.protocol import slot_ref_generation
+from kvpool.shared.protocol import slot_ref_generation, slot_ref_index
 from tests.daemon.indexkit import (BIG, NOT_STORED, NS_BIG, NS_SMALL, NS_TP2, OTHER, OWNER,
                                    SMALL, TP2, bind, capacity, head_layout, keys, make_index,
-                                   pins_of, store)
+                                   pins_of, records_match_slots, store)
 
 
 @pytest.fixture
@@ -420,3 +420,25 @@ def test_a_load_refused_at_its_last_slot_leaves_every_pin_as_it_was(index):
     assert [s.pins for s in slots] == [2, 1, 1, 2]
     index.end_load(slots, True)
     assert pins_of(index, refs) == before
+
+
+@pytest.mark.parametrize("recorded, claimed", [(GENERATION_MASK - 1, GENERATION_MASK),
+                                               (GENERATION_MASK, 0)])
+def test_a_claim_takes_the_next_generation_after_the_recorded_one(pool_config, recorded,
+                                                                  claimed):
+    """A slot's generation is its ref's upper half, carried over from the pool's records and
+    bumped by each claim (31 bits): after the last comes 0, whose ref is the slot id alone.
+    The slots' records say the same."""
+    pool = Pool.open(pool_config)
+    try:
+        pool._rec_generation[:] = recorded             # as a pool used for long might hold
+        ix = Index(pool, 10, 60)
+        ix.register_namespace(NS_SMALL, SMALL)
+        refs = store(ix, NS_SMALL, keys(3))
+        assert [slot_ref_generation(r) for r in refs] == [claimed] * 3
+        assert all(ix.table.slots[slot_ref_index(r)].generation == claimed for r in refs)
+        if claimed == 0:
+            assert all(r == slot_ref_index(r) for r in refs)
+        records_match_slots(ix)
+    finally:
+        pool.close(unlink=True)
