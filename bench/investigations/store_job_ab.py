@@ -1,0 +1,168 @@
+"""One store job's event-loop work under two trees, job by job in turn (CPU, issue 36).
+
+    python -m bench.investigations.store_job_ab OLD_TREE NEW_TREE [--slots 128] [--jobs 300]
+        [--pool-slots 65536] [--flush-mib 64] [--out DIR]
+
+A change to the loop's per-block Python saves a few per cent of a job, and runs of one tree
+after the other on this VM move 10% (``tp_store_cost.py`` alone, three pairs). So each tree
+runs in a worker process of its own, both alive at once, and the parent asks them for one job
+at a time, in a shuffled order: they see the same machine minute by minute. A job is what the
+loop does for an engine's store on a full pool: ``open_store`` (room: its evictions, the
+shared-memory index's withdrawals, the claims and their records) and ``end_store`` (the
+commits, their records and index entries), on a real ``Index`` with the daemon's index
+segment watching it, 4 KiB slots, ``--flush-mib`` of memory written before each step (a copy's
+DMA leaves the slots cold). A tree is a checkout with its C extensions built in place
+(``python setup.py build_ext --inplace``); the worker says which record and index writers it
+got. Prints medians per tree (the first tenth of the jobs not counted) and new / old.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+NS = b"j" * 16
+OWNER = 7
+STEPS = ("open", "end")
+
+
+def worker(slots: int, pool_slots: int, flush_mib: int) -> None:
+    """Serve jobs on stdin ("job" lines), one line of step times (ns) each on stdout."""
+    import numpy as np
+
+    from kvpool.daemon import index_segment, pool as pool_mod
+    from kvpool.daemon.index import Index
+    from kvpool.daemon.index_segment import IndexSegment, KeyLocations
+    from kvpool.daemon.pool import Pool
+    from kvpool.shared.config import DaemonConfig
+    from kvpool.shared.layout import Layout
+
+    tag = f"{os.getpid()}-{secrets.token_hex(3)}"
+    cfg = DaemonConfig(pool_name=f"kvpool-job-ab-{tag}", extent_size="16MiB",
+                       pool_size=f"{-(-pool_slots * 4 // 1024) + 32}MiB")
+    pool = Pool.open(cfg)
+    capacity = 1 << (2 * pool_slots - 1).bit_length()
+    segment = IndexSegment(f"/kvpool-job-ab-ix-{tag}", capacity, tag)
+    flush = np.zeros(flush_mib << 20, np.uint8) if flush_mib else None
+    try:
+        ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
+        ix.register_namespace(NS, Layout(16, 1, "f16", (128,), "job-ab"))
+        ix.table.watch(KeyLocations(segment, ix.namespaces, []))
+
+        def job(timed: bool) -> list[int]:
+            keys = [secrets.token_bytes(16) for _ in range(slots)]
+            tickets = ix.reserve(NS, slots, OWNER, 0.0)
+            out = []
+            for step in STEPS:
+                if timed and flush is not None:
+                    flush.fill(len(out))
+                t0 = time.perf_counter_ns()
+                if step == "open":
+                    opened = ix.open_store(NS, tickets, keys, 0, now=0.0)
+                    if opened.finish is not None:
+                        opened.finish()
+                else:
+                    ix.end_store(opened.slots, 0, True)
+                out.append(time.perf_counter_ns() - t0)
+            return out
+
+        while not ix.table.stats.evictions:                # full before the first timed job
+            job(False)
+        job(False)
+        writers = {"records": "compiled" if pool_mod._pool_records is not None else "numpy",
+                   "index": "compiled" if getattr(index_segment, "_index_writer", None)
+                   is not None else "python",
+                   "evictions": ix.table.stats.evictions}
+        print(json.dumps(writers), flush=True)
+        for line in sys.stdin:
+            if line.strip() != "job":
+                break
+            print(" ".join(map(str, job(True))), flush=True)
+    finally:
+        segment.close()
+        pool.close(unlink=True)
+
+
+def import_tree(tree: Path, into: Path) -> Path:
+    """A folder where ``import kvpool`` finds ``tree`` (the package-dir mapping of
+    pyproject.toml, as tests/gpu/run.sh builds it)."""
+    pkg = into / "kvpool"
+    pkg.mkdir(parents=True)
+    shutil.copy(tree / "kvpool" / "__init__.py", pkg)
+    for d in ("shared", "daemon", "client"):
+        (pkg / d).symlink_to(tree.resolve() / d)
+    return into
+
+
+def answer(name: str, proc: subprocess.Popen) -> str:
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"the {name} tree's worker ended (exit {proc.wait(timeout=60)}): "
+                         "its error is above")
+    return line
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trees", nargs=2, type=Path, metavar="TREE", help="old, then new")
+    ap.add_argument("--slots", type=int, default=128, help="slots per store job")
+    ap.add_argument("--jobs", type=int, default=300)
+    ap.add_argument("--pool-slots", type=int, default=65536)
+    ap.add_argument("--flush-mib", type=int, default=64)
+    ap.add_argument("--out", type=Path, help="write the figures as JSON here")
+    args = ap.parse_args()
+    names = ("old", "new")
+    work = Path(tempfile.mkdtemp(prefix="kvpool-job-ab-"))
+    procs = {}
+    try:
+        for name, tree in zip(names, args.trees):
+            env = dict(os.environ, PYTHONPATH=str(import_tree(tree, work / name)))
+            procs[name] = subprocess.Popen(
+                [sys.executable, __file__, "--worker", str(args.slots), str(args.pool_slots),
+                 str(args.flush_mib)], env=env, cwd=work, text=True,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        setup = {n: json.loads(answer(n, p)) for n, p in procs.items()}
+        times: dict[str, list[list[int]]] = {n: [] for n in names}
+        order = list(names)
+        for _ in range(args.jobs):
+            random.shuffle(order)
+            for n in order:
+                procs[n].stdin.write("job\n")
+                procs[n].stdin.flush()
+                times[n].append([int(x) for x in answer(n, procs[n]).split()])
+    finally:
+        for p in procs.values():
+            p.stdin.close()
+            p.wait(timeout=60)
+        shutil.rmtree(work, ignore_errors=True)
+    skip = args.jobs // 10
+    med = {n: {step: statistics.median(t[i] for t in times[n][skip:]) / 1e3
+               for i, step in enumerate(STEPS)} for n in names}
+    for n in names:
+        med[n]["job"] = sum(med[n][s] for s in STEPS)
+    result = {"trees": {n: str(t) for n, t in zip(names, args.trees)}, "setup": setup,
+              "args": {k: v for k, v in vars(args).items() if k not in ("trees", "out")},
+              "median_us": {n: {k: round(v, 1) for k, v in m.items()} for n, m in med.items()},
+              "new_over_old": {k: round(med["new"][k] / med["old"][k], 3) for k in med["new"]}}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"store-job-ab-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
+            json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(*map(int, sys.argv[2:5]))
+    else:
+        main()
