@@ -50,8 +50,11 @@ class LruPolicy:
         self._order[slot] = None
 
     def insert_many(self, slots: Iterable[int]) -> None:
-        """``insert`` of each of ``slots``, in order, in one C-level update."""
-        self._order.update(dict.fromkeys(slots))
+        """``insert`` of each of ``slots``, in order. (A loop: an OrderedDict's ``update``
+        took ~2x as long for 128 slots, this VM.)"""
+        order = self._order
+        for s in slots:
+            order[s] = None
 
     def touch(self, slot: int) -> None:
         """A hit on ``slot``: most recently used (nothing if it is not evictable now)."""

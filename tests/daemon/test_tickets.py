@@ -31,3 +31,15 @@ def test_grants_are_bounded_per_owner_and_size_and_spent_once_per_grant():
     assert t.abort(mine[4], 1) is None                               # gone already
     assert t.expire(5.0) == 10 and t.held == {(2, 4096): 4}
     assert t.release_owner(2) == 4 and not t.held and not t.grants and len(t) == 0
+
+
+def test_a_job_spending_tickets_of_several_grants_takes_each_grants_share():
+    t = Tickets(FIRST)
+    a = t.grant(1, NS, 4096, 3, cap=12, deadline=5.0)
+    b = t.grant(1, NS, 4096, 3, cap=12, deadline=5.0)
+    c = t.grant(2, NS, 4096, 2, cap=12, deadline=5.0)
+    t.spend([a[0], b[0], a[1], c[0]])
+    assert t.held == {(1, 4096): 3, (2, 4096): 1} and len(t) == 4
+    t.spend([b[1], b[2]])                              # a grant spent to its end goes
+    assert t.held == {(1, 4096): 1, (2, 4096): 1} and len(t) == 2 and len(t.grants) == 2
+    assert t.expire(5.0) == 2 and not t.grants and not t.held
