@@ -1,7 +1,7 @@
 """One store job's event-loop work under two trees, job by job in turn (CPU, issue 36).
 
     python -m bench.investigations.store_job_ab OLD_TREE NEW_TREE [--slots 128] [--jobs 300]
-        [--pool-slots 65536] [--flush-mib 64] [--out DIR]
+        [--pool-slots 65536] [--flush-mib 64] [--new-env VAR=VALUE ...] [--out DIR]
 
 A change to the loop's per-block Python saves a few per cent of a job, and runs of one tree
 after the other on this VM move 10% (``tp_store_cost.py`` alone, three pairs). So each tree
@@ -14,6 +14,7 @@ segment watching it, 4 KiB slots, ``--flush-mib`` of memory written before each 
 DMA leaves the slots cold). A tree is a checkout with its C extensions built in place
 (``python setup.py build_ext --inplace``); the worker says which record and index writers it
 got. Prints medians per tree (the first tenth of the jobs not counted) and new / old.
+``--new-env`` sets variables in the new tree's worker alone: one tree twice weighs a setting.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def worker(slots: int, pool_slots: int, flush_mib: int) -> None:
         writers = {"records": "compiled" if pool_mod._pool_records is not None else "numpy",
                    "index": "compiled" if getattr(index_segment, "_index_writer", None)
                    is not None else "python",
-                   "evictions": ix.table.stats.evictions}
+                   "evictions": ix.table.stats.evictions,
+                   "allocator": os.environ.get("PYTHONMALLOC", "pymalloc")}
         print(json.dumps(writers), flush=True)
         for line in sys.stdin:
             if line.strip() != "job":
@@ -119,6 +121,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=300)
     ap.add_argument("--pool-slots", type=int, default=65536)
     ap.add_argument("--flush-mib", type=int, default=64)
+    ap.add_argument("--new-env", nargs="*", default=[], metavar="VAR=VALUE",
+                    help="set in the new tree's worker only (e.g. an allocator setting: give "
+                         "the same tree twice to weigh it)")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = ap.parse_args()
     names = ("old", "new")
@@ -127,6 +132,8 @@ def main() -> None:
     try:
         for name, tree in zip(names, args.trees):
             env = dict(os.environ, PYTHONPATH=str(import_tree(tree, work / name)))
+            if name == "new":
+                env.update(v.split("=", 1) for v in args.new_env)
             procs[name] = subprocess.Popen(
                 [sys.executable, __file__, "--worker", str(args.slots), str(args.pool_slots),
                  str(args.flush_mib)], env=env, cwd=work, text=True,
@@ -151,7 +158,9 @@ def main() -> None:
     for n in names:
         med[n]["job"] = sum(med[n][s] for s in STEPS)
     result = {"trees": {n: str(t) for n, t in zip(names, args.trees)}, "setup": setup,
-              "args": {k: v for k, v in vars(args).items() if k not in ("trees", "out")},
+              "new_env": args.new_env,
+              "args": {k: v for k, v in vars(args).items()
+                       if k not in ("trees", "out", "new_env")},
               "median_us": {n: {k: round(v, 1) for k, v in m.items()} for n, m in med.items()},
               "new_over_old": {k: round(med["new"][k] / med["old"][k], 3) for k in med["new"]}}
     print(json.dumps(result, indent=1))
