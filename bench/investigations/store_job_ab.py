@@ -80,7 +80,8 @@ def worker(slots: int, pool_slots: int, flush_mib: int) -> None:
         while not ix.table.stats.evictions:                # full before the first timed job
             job(False)
         job(False)
-        writers = {"records": "compiled" if pool_mod._pool_records is not None else "numpy",
+        writers = {"records": "compiled" if getattr(pool_mod, "_pool_records", None) is not None
+                   else "numpy",
                    "index": "compiled" if getattr(index_segment, "_index_writer", None)
                    is not None else "python",
                    "evictions": ix.table.stats.evictions,
