@@ -1,7 +1,8 @@
 """The compiled pieces: the shared-memory index's probe (client/_index_probe.c), its writer
-(daemon/_index_writer.c) and the pool's slot records (daemon/_pool_records.c). Optional: where
-they do not build (no C compiler), the install goes on, the reader uses numpy, the daemon writes
-the index in Python and its records with numpy."""
+(daemon/_index_writer.c), the pool's slot records (daemon/_pool_records.c) and the daemon's
+in-memory slot record with its passes (daemon/_slot_record.c). Optional: where they do not build
+(no C compiler), the install goes on, the reader uses numpy, the daemon writes the index in
+Python, its records with numpy, and keeps its slots as dataclasses."""
 
 from setuptools import Extension, setup
 
@@ -11,5 +12,7 @@ setup(ext_modules=[
     Extension("kvpool.daemon._index_writer", ["daemon/_index_writer.c"],
               extra_compile_args=["-O2"], optional=True),
     Extension("kvpool.daemon._pool_records", ["daemon/_pool_records.c"],
+              extra_compile_args=["-O2"], optional=True),
+    Extension("kvpool.daemon._slot_record", ["daemon/_slot_record.c"],
               extra_compile_args=["-O2"], optional=True),
 ])

@@ -1,7 +1,7 @@
 """The pool's space for slots: extents handed to one slot size at a time, free slots, drains.
 
-Owns the slot objects (``Slot``: where a block lives and, for the slot table, what state it is
-in), the size classes (a slot size's extents, free list and LRU queue) and the extent table's
+Owns the slot objects (``daemon/slot_record.py``'s ``Slot``: where a block lives and, for the
+slot table, what state it is in), the size classes (a slot size's extents, free list and LRU queue) and the extent table's
 in-memory side: which extent serves which size, which are free, which are being drained for
 another size, and when each extent was last used. It never changes a slot's state, key or pins
 and never decides what to evict: the slot table (``daemon/slot_table.py``) does, and hands
@@ -20,44 +20,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
+from types import SimpleNamespace
 
+from kvpool.daemon import slot_record
 from kvpool.daemon.eviction import LruPolicy
 from kvpool.daemon.pool import FREE, Pool
+from kvpool.daemon.slot_record import Slot
 from kvpool.shared.errors import LayoutMismatch
-from kvpool.shared.protocol import make_slot_ref
 
 # An index-only state (the pool record says WRITING): a lower tier is filling the slot.
 FILLING = 3
-
-
-@dataclass(slots=True, eq=False)
-class Slot:
-    id: int
-    extent: int
-    index: int
-    offset: int                 # pool byte offset of rank 0's shard
-    size_class: "SizeClass"
-    state: int = FREE
-    ns: bytes = b""
-    key: bytes = b""            # ns + block hash (32 bytes), as in the slot record
-    block_hash: bytes = b""     # key[16:], kept: batch passes unmap it without slicing
-    # The slot ref of the current generation, which is the ref's upper half (``generation``):
-    # one int a slot, made once a claim (see ``SlotTable.claim``).
-    ref: int = 0
-    pins: int = 0
-    reads: int = 0              # lower-tier reads in flight (no pin: see SlotTable.begin_read)
-    landed: int = 0             # bit u: unit u (a head, or a rank's shard) is in
-    writing: int = 0            # bit u: a store job of unit u is in flight
-    owner: int = 0              # who bound it (while WRITING)
-    deadline: float = 0.0       # WRITING: dropped if not landed by then
-    last_use: int = 0           # tick of its commit, its last hit or its last unpin
-    doomed: bool = False        # unreachable; freed when its last pin goes
-    void: bool = False          # a ticket bound to no slot (duplicate, no room): never written
-    ticket: int = 0             # the ticket ref that bound it, while WRITING (0: none)
-
-    @property
-    def generation(self) -> int:
-        return self.ref >> 32
 
 
 @dataclass(slots=True, eq=False)
@@ -72,8 +44,10 @@ class SizeClass:
 class Extents:
     """Extents, size classes and free lists of one pool. Callers: the slot table only."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, records: SimpleNamespace | None = None) -> None:
         self.pool = pool
+        # What this pool's slots are and the passes over them (``daemon/slot_record.py``).
+        self.records = records or slot_record.RECORDS
         self.slots: dict[int, Slot] = {}
         self.classes: dict[int, SizeClass] = {}
         self.extent_class: dict[int, SizeClass] = {}
@@ -218,9 +192,8 @@ class Extents:
         first = self.pool.slot_offset(extent, 0)
         # Generations continue from the records: a slot id that served another size, or the
         # previous daemon, never repeats a generation (and so a slot ref) it handed out.
-        gens = self.pool.generations(extent, n).tolist()
-        slots = [Slot(base + i, extent, i, first + i * cls.slot_bytes, cls,
-                      ref=make_slot_ref(base + i, gens[i])) for i in range(n)]
+        slots = self.records.make_slots(base, extent, first, cls.slot_bytes, cls,
+                                        self.pool.generations(extent, n).tolist())
         for s in slots:
             self.slots[s.id] = s
         if fresh:

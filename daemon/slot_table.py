@@ -71,6 +71,7 @@ class SlotTable:
         self.extents = extents
         self.namespaces = namespaces
         self.slots = extents.slots              # slot id -> slot, read on every hot path
+        self.records = extents.records          # the batch passes over slots
         # namespace -> block hash -> its WRITING, FILLING or COMMITTED slot. Per-namespace
         # tables keep a lookup to one dict probe per key with no key concatenation.
         self.tables: dict[bytes, dict[bytes, Slot]] = {}
@@ -145,22 +146,11 @@ class SlotTable:
         # A FREE slot holds no pins, reads, landed units or flags and no ticket (``free`` and
         # ``evict_many`` leave it so; it is freed when its last pin or read goes), and a
         # WRITING slot's ``last_use`` is read by nothing (its commit stamps it): one pass
-        # writes what a claim changes, a store's pin and units in flight with it. (This pass
-        # was the largest piece of a busy event loop's Python on an H200 host. A generation
-        # of its own beside the ref was a second int made and a cold one freed per slot: a
-        # quarter of the pass after a copy, bench/investigations/claim_churn.py.)
-        for s, h, t in zip(slots, hashes, itertools.repeat(0) if tickets is None else tickets):
-            ref = s.ref + _GENERATION_ONE         # the next generation (its upper half)
-            s.ref = ref if ref < _REF_LIMIT else s.id
-            s.state = state
-            s.ns = ns
-            s.key = ns + h
-            s.block_hash = h
-            s.owner = owner
-            s.deadline = deadline
-            s.writing = pin_units
-            s.pins = pins
-            s.ticket = t
+        # (``daemon/slot_record.py``'s ``claim``, in C where built) writes what a claim
+        # changes, a store's pin and units in flight with it. (This pass was the largest piece
+        # of a busy event loop's Python on an H200 host.)
+        generations = self.records.claim(slots, hashes, tickets, ns, state, owner, deadline,
+                                         pin_units, pins, _REF_LIMIT)
         newest = self.extents.newest_use
         for e in set(map(_EXTENT, slots)):
             newest[e] = tick
@@ -168,7 +158,7 @@ class SlotTable:
         ids = list(map(_ID, slots))
         (self.writing if state == WRITING else self.filling).update(zip(ids, slots))
         self._count_bytes(ns, len(slots) * slots[0].size_class.slot_bytes)
-        self.pool.write_states(ids, WRITING, list(map(_GENERATION, slots)))
+        self.pool.write_states(ids, WRITING, generations)
 
     # ---- commits, pins, hits ---------------------------------------------------------------
 
@@ -180,16 +170,7 @@ class SlotTable:
         self.pool.commit_records(list(map(_ID, slots)), list(map(_KEY, slots)),
                                  list(map(_GENERATION, slots)))
         tick = self.now_tick()
-        pop_w, pop_f = self.writing.pop, self.filling.pop
-        evictable = []
-        for s in slots:
-            if pop_w(s.id, None) is None:
-                pop_f(s.id, None)
-            s.state = COMMITTED
-            s.ticket = 0
-            s.last_use = tick
-            if not s.pins:
-                evictable.append(s)
+        evictable = self.records.commit(slots, tick, COMMITTED, self.writing, self.filling)
         # into the queues in one batch (two calls a slot were ~12% of a store job's loop work,
         # bench/investigations/store_job_ab.py)
         for cls, group in _by_class(evictable):
@@ -281,11 +262,7 @@ class SlotTable:
             victims = [s for s in victims if not s.reads]
             if not victims:
                 return
-        ids = [s.id for s in victims]
-        for s in victims:
-            s.state = FREE
-            s.landed = 0
-        self.pool.write_states(ids, FREE)
+        self.pool.write_states(self.records.evict(victims, FREE), FREE)
         self.stats.evictions += len(victims)
         for cls, group in _by_class(victims):
             self._count_bytes_many(group, -cls.slot_bytes)

@@ -196,27 +196,12 @@ class StorePath:
         committed. Called by the copy jobs once per slot per job: it takes back the pin
         ``open_store`` gave each slot."""
         bit = 1 << rank if mask is None else mask
-        ready: list[Slot] = []
         full = self.namespaces.layouts[slots[0].ns].full_mask if slots else 0
         # (one pass, the ticket's binding ended in it: a second loop over the ready slots was
         # ~6% of the event loop's Python in bench/host_scale.py's host-path stores, py-spy)
-        unbind = self.bound.pop
-        for s in slots:
-            s.writing &= ~bit
-            s.pins -= 1
-            if not ok:
-                s.doomed = True
-            elif not s.doomed:
-                s.landed |= bit
-                if s.landed == full:
-                    ready.append(s)
-                    # (one probe of the big dict, not a get and a del)
-                    other = unbind(s.ticket, s)
-                    if other is not s:
-                        self.bound[s.ticket] = other
-                    continue
-            if s.doomed:
-                self._drop(s)
+        ready, doomed = self.table.records.end(slots, bit, ok, full, self.bound)
+        for s in doomed:
+            self._drop(s)
         if any(map(_VOID, ready)):
             # Every rank has reported a void ticket: nothing to show, nothing to free.
             for s in ready:
@@ -385,8 +370,9 @@ class StorePath:
     def _void(self, ns: bytes, k: bytes, owner: int, ticket: int, deadline: float) -> Slot:
         """A void ticket's placeholder: a slot of no extent, which later ranks resolve to and
         which carries their landing bits until every one has reported it."""
-        return Slot(-1, -1, -1, 0, _VOID_CLASS, state=WRITING, ns=ns, key=ns + k, block_hash=k, owner=owner,
-                    deadline=deadline, void=True, ticket=ticket)
+        return self.table.records.Slot(-1, -1, -1, 0, _VOID_CLASS, state=WRITING, ns=ns,
+                                       key=ns + k, block_hash=k, owner=owner,
+                                       deadline=deadline, void=True, ticket=ticket)
 
     def _drop(self, s: Slot) -> None:
         if s.void:

@@ -101,6 +101,24 @@ def compiled_pool_records():
     return _compiled(pool_module._pool_records, "pool record writer", "daemon/_pool_records.c")
 
 
+@pytest.fixture
+def compiled_slot_record():
+    """daemon/_slot_record.c, as daemon/slot_record.py wraps it."""
+    from kvpool.daemon import slot_record
+    return _compiled(slot_record.COMPILED, "slot record", "daemon/_slot_record.c")
+
+
+@pytest.fixture(params=["compiled", "python"])
+def slot_records(request, monkeypatch):
+    """Runs a test once with each kind of slot record (daemon/slot_record.py): the compiled
+    one and the dataclass with Python passes it falls back to. Pools made in the test use it."""
+    from kvpool.daemon import slot_record
+    records = (request.getfixturevalue("compiled_slot_record") if request.param == "compiled"
+               else slot_record.PYTHON)
+    monkeypatch.setattr(slot_record, "RECORDS", records)
+    return records
+
+
 @pytest.fixture(params=["compiled", "numpy"])
 def record_writer(request, monkeypatch):
     """Runs a test of the pool's record writes once with each: the compiled ones and the

@@ -1,7 +1,10 @@
 """What the index's tests share: layouts, namespaces, keys and a few drivers (tests of
 daemon/index.py, daemon/stores.py and daemon/namespaces.py)."""
 
+import random
+
 from kvpool.daemon.index import Index
+from kvpool.daemon.pool import GENERATION_MASK
 from kvpool.shared.layout import Layout
 
 BIG = Layout(16, 1, "f16", (256 << 10,), "big")        # 4 slots per 1 MiB extent
@@ -104,3 +107,55 @@ def fill_pool(ix, ns, n, prefix=b"full"):
     for i in range(0, n, 256):
         store(ix, ns, ks[i:i + 256])
     return ks
+
+
+def store_state(ix, base: int):
+    """Everything a store changes, by key and by slot id: maps, states, generations (from the
+    pool's random first one, ``base``), landing, pins, owners, the LRU order, counts, tickets
+    and records."""
+    mask = GENERATION_MASK
+    tables = {ns: {h: (s.id, s.state, (s.generation - base) & mask, s.landed, s.writing, s.pins,
+                       s.owner)
+                   for h, s in t.items()} for ns, t in ix.table.tables.items() if t}
+    lru = {c.slot_bytes: list(c.lru._order) for c in ix.extents.classes.values()}
+    free = {c.slot_bytes: [s.id for s in c.free] for c in ix.extents.classes.values()}
+    bound = sorted((r, s.void, s.id, s.key) for r, s in ix.stores.bound.items())
+    counts = (dict(ix.namespaces.bytes_used), dict(ix.namespaces.blocks), ix.slot_counts(),
+              vars(ix.stores.stats), vars(ix.table.stats), ix.ticket_count)
+    pool = ix.pool
+    records = (pool._rec_key.tobytes(), pool._rec_state.tobytes(),
+               ((pool._rec_generation.astype("int64") - base) & mask).tobytes())
+    return tables, lru, free, bound, counts, records
+
+
+def drive_random_stores(ix, seed: int) -> None:
+    """A random mix of stores on a small pool: fresh keys and keys held already, TP2 blocks
+    whose second rank lands later or never, failed jobs, leases; evictions throughout."""
+    rng = random.Random(seed)
+    universe = keys(400, b"u")
+    open_tp2: list = []
+    now = 0.0
+    for step in range(300):
+        now += 0.01
+        ns, layout = rng.choice([(NS_SMALL, SMALL), (NS_BIG, BIG), (NS_TP2, TP2)])
+        n = rng.choice([1, 2, 5, 16, 40]) if ns != NS_BIG else rng.choice([1, 2, 5, 16])
+        fresh = rng.random() < 0.6
+        ks = keys(n, b"f%d-" % step) if fresh else rng.sample(universe, n)
+        tickets = ix.reserve(ns, n, OWNER, now)
+        slots = ix.begin_store(ns, tickets, ks, 0, now=now)
+        ix.end_store(slots, 0, ok=rng.random() > 0.05)
+        if ns == NS_TP2:
+            open_tp2.append((tickets, ks))
+        if open_tp2 and rng.random() < 0.5:
+            t, k = open_tp2.pop(rng.randrange(len(open_tp2)))
+            try:
+                ix.end_store(ix.begin_store(NS_TP2, t, k, 1, now=now), 1, True)
+            except Exception:
+                pass                            # dropped meanwhile (failed rank 0, timeout)
+        if rng.random() < 0.2:
+            hit_ns = rng.choice([NS_SMALL, NS_BIG])
+            _, leases, _ = ix.lookup(hit_ns, [rng.sample(universe, 3)], True, OWNER, now)
+            if rng.random() < 0.7:
+                ix.release_leases(leases, OWNER)
+        if step % 50 == 49:
+            ix.expire(now + 100)

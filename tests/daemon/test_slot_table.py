@@ -1,15 +1,14 @@
 """The slot table (daemon/slot_table.py) through the index on real (small) shm pools: the work
 victim choice does per slot allocated, and the batch and one-by-one binds ending in one state."""
 
-import random
-
 import msgspec
 import pytest
 
 from kvpool.daemon.index import Index
-from kvpool.daemon.pool import FREE, GENERATION_MASK, Pool
+from kvpool.daemon.pool import FREE, Pool
 from tests.daemon.indexkit import (BIG, NOT_STORED, NS_BIG, NS_SMALL, NS_TP2, OWNER, SMALL,
-                                   TP2, keys, make_index, records_match_slots, store)
+                                   TP2, drive_random_stores, keys, make_index,
+                                   records_match_slots, store, store_state)
 
 
 def _examined(ix) -> int:
@@ -66,58 +65,6 @@ def test_victim_choice_examines_a_few_slots_per_slot_allocated_with_half_the_poo
 
 # ---- deferred and immediate claims end in the same state -----------------------------------
 
-def _state(ix, base: int):
-    """Everything a store changes, by key and by slot id: maps, states, generations (from the
-    pool's random first one, ``base``), landing, pins, owners, the LRU order, counts, tickets
-    and records."""
-    mask = GENERATION_MASK
-    tables = {ns: {h: (s.id, s.state, (s.generation - base) & mask, s.landed, s.writing, s.pins,
-                       s.owner)
-                   for h, s in t.items()} for ns, t in ix.table.tables.items() if t}
-    lru = {c.slot_bytes: list(c.lru._order) for c in ix.extents.classes.values()}
-    free = {c.slot_bytes: [s.id for s in c.free] for c in ix.extents.classes.values()}
-    bound = sorted((r, s.void, s.id, s.key) for r, s in ix.stores.bound.items())
-    counts = (dict(ix.namespaces.bytes_used), dict(ix.namespaces.blocks), ix.slot_counts(),
-              vars(ix.stores.stats), vars(ix.table.stats), ix.ticket_count)
-    pool = ix.pool
-    records = (pool._rec_key.tobytes(), pool._rec_state.tobytes(),
-               ((pool._rec_generation.astype("int64") - base) & mask).tobytes())
-    return tables, lru, free, bound, counts, records
-
-
-def _drive(ix, seed: int) -> None:
-    """A random mix of stores on a small pool: fresh keys and keys held already, TP2 blocks
-    whose second rank lands later or never, failed jobs, leases; evictions throughout."""
-    rng = random.Random(seed)
-    universe = keys(400, b"u")
-    open_tp2: list = []
-    now = 0.0
-    for step in range(300):
-        now += 0.01
-        ns, layout = rng.choice([(NS_SMALL, SMALL), (NS_BIG, BIG), (NS_TP2, TP2)])
-        n = rng.choice([1, 2, 5, 16, 40]) if ns != NS_BIG else rng.choice([1, 2, 5, 16])
-        fresh = rng.random() < 0.6
-        ks = keys(n, b"f%d-" % step) if fresh else rng.sample(universe, n)
-        tickets = ix.reserve(ns, n, OWNER, now)
-        slots = ix.begin_store(ns, tickets, ks, 0, now=now)
-        ix.end_store(slots, 0, ok=rng.random() > 0.05)
-        if ns == NS_TP2:
-            open_tp2.append((tickets, ks))
-        if open_tp2 and rng.random() < 0.5:
-            t, k = open_tp2.pop(rng.randrange(len(open_tp2)))
-            try:
-                ix.end_store(ix.begin_store(NS_TP2, t, k, 1, now=now), 1, True)
-            except Exception:
-                pass                            # dropped meanwhile (failed rank 0, timeout)
-        if rng.random() < 0.2:
-            hit_ns = rng.choice([NS_SMALL, NS_BIG])
-            _, leases, _ = ix.lookup(hit_ns, [rng.sample(universe, 3)], True, OWNER, now)
-            if rng.random() < 0.7:
-                ix.release_leases(leases, OWNER)
-        if step % 50 == 49:
-            ix.expire(now + 100)
-
-
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_the_same_stores_claimed_at_once_or_deferred_leave_the_same_state(pool_config, seed):
     """The store path defers a first rank's claims until its copy has gone out where nothing
@@ -133,9 +80,9 @@ def test_the_same_stores_claimed_at_once_or_deferred_leave_the_same_state(pool_c
             ix = Index(pool, lease_ttl_s=10, write_timeout_s=60, defer_claims=batch)
             for ns, layout in ((NS_SMALL, SMALL), (NS_BIG, BIG), (NS_TP2, TP2)):
                 ix.register_namespace(ns, layout)
-            _drive(ix, seed)
+            drive_random_stores(ix, seed)
             records_match_slots(ix)
-            states.append(_state(ix, base))
+            states.append(store_state(ix, base))
         finally:
             pool.close(unlink=True)
     batch, single = states
@@ -166,7 +113,7 @@ def test_every_slot_a_claim_takes_holds_nothing_the_claim_does_not_write(pool_co
             claimed.append(len(slots))
             return claim(slots, *a, **kw)
         ix.table.claim = checked
-        _drive(ix, seed)
+        drive_random_stores(ix, seed)
         assert claimed and ix.table.stats.evictions > 0, "the drive should reuse evicted slots"
     finally:
         pool.close(unlink=True)

@@ -1,0 +1,158 @@
+"""A pool slot's in-memory record, and the store path's passes over a batch of them.
+
+``Slot`` says where a block lives and, for the slot table, what state it is in. Two
+implementations with the same fields and passes: ``daemon/_slot_record.c`` where the install
+built it (its ints inline in one object, each pass one C loop: a store job's claims, ends and
+commits touch every slot of the job while the slots are cold, issue 36), else the dataclass and
+the Python passes below, which stay the reference. ``RECORDS`` is the one in use; an
+``Extents`` takes it at construction, and every slot of a pool is of that one kind.
+
+The passes change only the slots given (and ``end``'s ``bound``, ``commit``'s maps): the slot
+table and the store path keep their rules, and call them where their loops were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+try:
+    from kvpool.daemon import _slot_record
+except ImportError:       # no C compiler at install: the dataclass and the Python passes
+    _slot_record = None
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    id: int
+    extent: int
+    index: int
+    offset: int                 # pool byte offset of rank 0's shard
+    size_class: object          # its extents.SizeClass
+    state: int = 0              # FREE
+    ns: bytes = b""
+    key: bytes = b""            # ns + block hash (32 bytes), as in the slot record
+    block_hash: bytes = b""     # key[16:], kept: batch passes unmap it without slicing
+    # The slot ref of the current generation, which is the ref's upper half (``generation``):
+    # one int a slot, made once a claim (see ``claim``).
+    ref: int = 0
+    pins: int = 0
+    reads: int = 0              # lower-tier reads in flight (no pin: see SlotTable.begin_read)
+    landed: int = 0             # bit u: unit u (a head, or a rank's shard) is in
+    writing: int = 0            # bit u: a store job of unit u is in flight
+    owner: int = 0              # who bound it (while WRITING)
+    deadline: float = 0.0       # WRITING: dropped if not landed by then
+    last_use: int = 0           # tick of its commit, its last hit or its last unpin
+    doomed: bool = False        # unreachable; freed when its last pin goes
+    void: bool = False          # a ticket bound to no slot (duplicate, no room): never written
+    ticket: int = 0             # the ticket ref that bound it, while WRITING (0: none)
+
+    @property
+    def generation(self) -> int:
+        return self.ref >> 32
+
+
+def make_slots(base: int, extent: int, first_offset: int, slot_bytes: int, size_class: object,
+               generations: list[int]) -> list[Slot]:
+    """A fresh extent's slots, ids from ``base``, refs at the recorded ``generations``."""
+    return [Slot(base + i, extent, i, first_offset + i * slot_bytes, size_class,
+                 ref=(g << 32) | (base + i)) for i, g in enumerate(generations)]
+
+
+def claim(slots: list[Slot], hashes: list[bytes], tickets: list[int] | None, ns: bytes,
+          state: int, owner: int, deadline: float, pin_units: int, pins: int,
+          ref_limit: int) -> list[int]:
+    """``SlotTable.claim``'s pass: each slot's next generation (past ``ref_limit``, its id
+    again), state, key, owner, deadline, units in flight, pins and ticket. Returns the new
+    generations."""
+    _same_length(slots, hashes, "hashes")
+    if tickets is not None:
+        _same_length(slots, tickets, "tickets")
+    # checked whole before any slot changes, as the compiled pass does (C-level passes)
+    if not set(map(type, slots)) <= {Slot}:
+        raise TypeError("a claim's slots must all be slots")
+    if not set(map(type, hashes)) <= {bytes}:
+        raise TypeError("a claim's hashes must all be bytes")
+    generations = []
+    for i, (s, h) in enumerate(zip(slots, hashes)):
+        ref = s.ref + _GENERATION_ONE
+        s.ref = ref if ref < ref_limit else s.id
+        s.state = state
+        s.ns = ns
+        s.key = ns + h
+        s.block_hash = h
+        s.owner = owner
+        s.deadline = deadline
+        s.writing = pin_units
+        s.pins = pins
+        s.ticket = 0 if tickets is None else tickets[i]
+        generations.append(s.ref >> 32)
+    return generations
+
+
+def end(slots: list[Slot], bit: int, ok: bool, full: int, bound: dict[int, Slot]
+        ) -> tuple[list[Slot], list[Slot]]:
+    """``StorePath.end_store``'s pass: units ``bit`` no longer in flight and one pin less on
+    each slot; with ``ok`` they landed, and the slots now full are ready (their ticket's binding
+    leaves ``bound`` where it is still theirs); without, each is doomed. Returns (ready,
+    doomed)."""
+    ready: list[Slot] = []
+    doomed: list[Slot] = []
+    for s in slots:
+        s.writing &= ~bit
+        s.pins -= 1
+        if not ok:
+            s.doomed = True
+        elif not s.doomed:
+            s.landed |= bit
+            if s.landed == full:
+                ready.append(s)
+                if bound.get(s.ticket) is s:
+                    del bound[s.ticket]
+                continue
+        if s.doomed:
+            doomed.append(s)
+    return ready, doomed
+
+
+def commit(slots: list[Slot], tick: int, committed: int, writing: dict[int, Slot],
+           filling: dict[int, Slot]) -> list[Slot]:
+    """``SlotTable.commit``'s pass: out of ``writing`` (else ``filling``), ``committed``, no
+    ticket, last used at ``tick``. Returns the unpinned ones (evictable)."""
+    evictable = []
+    pop_w, pop_f = writing.pop, filling.pop
+    for s in slots:
+        if pop_w(s.id, None) is None:
+            pop_f(s.id, None)
+        s.state = committed
+        s.ticket = 0
+        s.last_use = tick
+        if not s.pins:
+            evictable.append(s)
+    return evictable
+
+
+def evict(victims: list[Slot], free: int) -> list[int]:
+    """``SlotTable.evict_many``'s pass over victims freed now: ``free``, nothing landed.
+    Returns their ids."""
+    for s in victims:
+        s.state = free
+        s.landed = 0
+    return [s.id for s in victims]
+
+
+def _same_length(slots: list, other: list, what: str) -> None:
+    if len(other) != len(slots):
+        raise ValueError(f"{len(other)} {what} for {len(slots)} slots")
+
+
+_GENERATION_ONE = 1 << 32
+
+PYTHON = SimpleNamespace(name="python", Slot=Slot, make_slots=make_slots, claim=claim, end=end,
+                         commit=commit, evict=evict)
+COMPILED = None if _slot_record is None else SimpleNamespace(
+    name="compiled", Slot=_slot_record.Slot, make_slots=_slot_record.make_slots,
+    claim=_slot_record.claim, end=_slot_record.end, commit=_slot_record.commit,
+    evict=_slot_record.evict)
+# What a new pool's slots are made of (tests switch it to run one path or the other).
+RECORDS = COMPILED or PYTHON

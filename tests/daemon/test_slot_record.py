@@ -1,0 +1,173 @@
+"""A pool slot's record and its batch passes (daemon/slot_record.py, daemon/_slot_record.c):
+the compiled record and the Python one do the same to the same slots, and the whole store path
+ends in one state on either."""
+
+import gc
+
+import msgspec
+import pytest
+
+from kvpool.daemon import slot_record
+from kvpool.daemon.index import Index
+from kvpool.daemon.pool import COMMITTED, FREE, WRITING, Pool
+from tests.daemon.indexkit import (BIG, NS_BIG, NS_SMALL, NS_TP2, SMALL, TP2,
+                                   drive_random_stores, records_match_slots, store_state)
+
+FIELDS = ("id", "extent", "index", "offset", "size_class", "state", "ns", "key", "block_hash",
+          "ref", "pins", "reads", "landed", "writing", "owner", "deadline", "last_use", "doomed",
+          "void", "ticket", "generation")
+NS = b"n" * 16
+REF_LIMIT = 1 << 63
+
+
+def _fields(s) -> tuple:
+    return tuple(getattr(s, f) for f in FIELDS)
+
+
+def _both():
+    """(python, compiled) records, skipping where the compiled one could not be built."""
+    return slot_record.PYTHON, slot_record.COMPILED
+
+
+def _slots(records, n=4, gens=(0, 5, 0x7FFF_FFFF, 9)):
+    return records.make_slots(64, 1, 4096, 512, "cls", list(gens[:n]))
+
+
+def test_a_record_has_the_dataclass_fields_and_defaults(slot_records):
+    s = slot_records.Slot(3, 1, 2, 4096, "cls")
+    want = slot_record.Slot(3, 1, 2, 4096, "cls")
+    assert _fields(s) == _fields(want)
+    s.doomed, s.void = 1, []             # any truth value, as the dataclass takes it
+    assert bool(s.doomed) and not s.void
+    s.landed = 1 << 100                  # a unit per KV head: past 64 bits for some models
+    s.landed |= 1
+    assert s.landed == (1 << 100) | 1
+    s.ref = (7 << 32) | 3
+    assert s.generation == 7
+    kw = slot_records.Slot(-1, -1, -1, 0, "v", state=WRITING, ns=NS, key=NS + b"h" * 16,
+                           block_hash=b"h" * 16, owner=5, deadline=2.5, void=True, ticket=99)
+    assert (kw.state, kw.key, kw.owner, kw.deadline, kw.void, kw.ticket) == (
+        WRITING, NS + b"h" * 16, 5, 2.5, True, 99)
+
+
+def test_made_slots_have_their_ids_offsets_and_recorded_generations(slot_records):
+    slots = _slots(slot_records)
+    assert [(s.id, s.extent, s.index, s.offset, s.generation, s.ref & 0xFFFF_FFFF)
+            for s in slots] == [(64 + i, 1, i, 4096 + 512 * i, g, 64 + i)
+                                for i, g in enumerate((0, 5, 0x7FFF_FFFF, 9))]
+
+
+def test_every_pass_does_the_same_to_the_same_slots(compiled_slot_record):
+    """claim, end (partial, full, failed, already doomed, bindings theirs or another's),
+    commit and evict, on both kinds: every field equal after each pass, the same answers."""
+    out = []
+    for records in _both():
+        slots = _slots(records)
+        seen = []
+        gens = records.claim(slots, [b"%016d" % i for i in range(4)], [11, 12, 13, 14], NS,
+                             WRITING, 7, 9.5, 0b11, 1, REF_LIMIT)
+        seen.append((gens, [_fields(s)[5:] for s in slots]))
+        slots[3].doomed = True
+        other = records.Slot(0, 0, 0, 0, "x")
+        bound = {11: slots[0], 12: other, 14: slots[3]}
+        ready, doomed = records.end(slots, 0b01, True, 0b01, bound)
+        seen.append(([s.id for s in ready], [s.id for s in doomed], sorted(bound),
+                     [_fields(s)[5:] for s in slots]))
+        ready2, doomed2 = records.end(slots[:1], 0b10, False, 0b11, {})
+        seen.append(([s.id for s in ready2], [s.id for s in doomed2], _fields(slots[0])[5:]))
+        slots[2].pins = 2
+        writing = {s.id: s for s in slots[1:3]}
+        filling = {slots[3].id: slots[3]}
+        evictable = records.commit(slots[1:], 40, COMMITTED, writing, filling)
+        seen.append(([s.id for s in evictable], sorted(writing), sorted(filling),
+                     [_fields(s)[5:] for s in slots]))
+        seen.append((records.evict(slots[1:2], FREE), _fields(slots[1])[5:]))
+        out.append(seen)
+    python, compiled = out
+    for step, (p, c) in enumerate(zip(python, compiled)):
+        assert p == c, f"pass {step} differs: python {p} / compiled {c}"
+
+
+def test_a_claim_past_the_last_generation_starts_again_at_the_slot_id(slot_records):
+    slots = _slots(slot_records)
+    gens = slot_records.claim(slots, [b"k" * 16] * 4, None, NS, WRITING, 1, 0.0, 0, 0,
+                              REF_LIMIT)
+    assert gens == [1, 6, 0, 10]
+    assert slots[2].ref == slots[2].id
+    assert all(s.ticket == 0 and s.pins == 0 for s in slots)
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(hashes=[b"k" * 16] * 3), ValueError),
+    (dict(tickets=[1, 2]), ValueError),
+    (dict(hashes=[b"k" * 16, b"k" * 16, "text", b"k" * 16]), TypeError),
+    (dict(slots="swap"), TypeError),
+])
+def test_a_bad_claim_raises_and_changes_no_slot(slot_records, bad, error):
+    slots = _slots(slot_records)
+    args = dict(slots=slots, hashes=[b"k" * 16] * 4, tickets=[1, 2, 3, 4])
+    if bad.get("slots") == "swap":
+        args["slots"] = slots[:3] + [object()]
+    else:
+        args.update(bad)
+    before = [_fields(s) for s in slots]
+    with pytest.raises(error):
+        slot_records.claim(args["slots"], args["hashes"], args["tickets"], NS, WRITING, 1, 0.0,
+                           1, 1, REF_LIMIT)
+    assert [_fields(s) for s in slots] == before
+
+
+def test_the_compiled_passes_name_what_is_not_a_slot(compiled_slot_record):
+    for call in (lambda: compiled_slot_record.end([1], 1, True, 1, {}),
+                 lambda: compiled_slot_record.commit([None], 1, COMMITTED, {}, {}),
+                 lambda: compiled_slot_record.evict([slot_record.Slot(1, 1, 1, 1, "c")], FREE)):
+        with pytest.raises(TypeError, match=r"\[0\] is a .*not a slot"):
+            call()
+
+
+def test_a_cycle_through_a_compiled_slot_is_collected(compiled_slot_record):
+    """Slots and their size class refer to each other (its free list holds them): the
+    compiled record takes part in the cycle collector."""
+
+    class SizeOfThisTest:
+        pass
+
+    size = SizeOfThisTest()
+    size.free = compiled_slot_record.make_slots(0, 0, 0, 64, size, [0] * 8)
+    del size
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is SizeOfThisTest], \
+        "a size class and its compiled slots outlived their last outside reference"
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_store_path_ends_in_one_state_on_either_record(pool_config, compiled_slot_record,
+                                                          monkeypatch, seed):
+    """The same random stores (fresh and held keys, second ranks late or never, failed jobs,
+    leases, expiries, evictions throughout) through an index on compiled slots and on the
+    dataclass: every slot's fields, key, queue, count and record equal."""
+    states = []
+    for records in _both():
+        monkeypatch.setattr(slot_record, "RECORDS", records)
+        cfg = msgspec.structs.replace(pool_config,
+                                      pool_name=f"{pool_config.pool_name}-{records.name}")
+        pool = Pool.open(cfg)
+        try:
+            base = int(pool._rec_generation[0])
+            ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
+            assert all(type(s) is records.Slot for s in ix.table.slots.values())
+            for ns, layout in ((NS_SMALL, SMALL), (NS_BIG, BIG), (NS_TP2, TP2)):
+                ix.register_namespace(ns, layout)
+            drive_random_stores(ix, seed)
+            records_match_slots(ix)
+            slots = {i: tuple(getattr(s, f) for f in FIELDS if f not in ("size_class", "ref",
+                                                                          "generation"))
+                     + ((s.generation - base) & 0x7FFF_FFFF, s.size_class.slot_bytes)
+                     for i, s in ix.table.slots.items()}
+            states.append((slots,) + store_state(ix, base))
+        finally:
+            pool.close(unlink=True)
+    python, compiled = states
+    for part, a, b in zip(("slots", "tables", "lru", "free", "bound", "counts", "records"),
+                          python, compiled):
+        assert a == b, f"the {part} differ between the Python and the compiled slot records"
