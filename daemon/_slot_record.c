@@ -553,12 +553,57 @@ static PyObject *evict(PyObject *self, PyObject *args)
     return ids;
 }
 
+PyDoc_STRVAR(batch_of_doc,
+"batch_of(slots) -> (ns, size_class, extent, read)\n\n"
+"What a batch shares, in one pass: its namespace and its size class where every slot has the\n"
+"same (else None), its extent where every slot sits in one (else -1), and how many of its\n"
+"slots a lower tier is reading. A store's batch nearly always shares all three.");
+
+static PyObject *batch_of(PyObject *self, PyObject *arg)
+{
+    PyObject *slots = slot_items(arg, "slots");
+    if (slots == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(slots);
+    PyObject **slot = PySequence_Fast_ITEMS(slots);
+    PyObject *ns = NULL, *cls = NULL;
+    long long extent = -1, read = 0;
+    if (n) {
+        SlotObject *first = AS_SLOT(slot[0]);
+        ns = first->ns;
+        cls = first->size_class;
+        extent = first->extent;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        SlotObject *s = AS_SLOT(slot[i]);
+        if (ns != NULL && s->ns != ns) {
+            int same = PyObject_RichCompareBool(s->ns, ns, Py_EQ);
+            if (same < 0) {
+                Py_DECREF(slots);
+                return NULL;
+            }
+            if (!same)
+                ns = NULL;
+        }
+        if (s->size_class != cls)
+            cls = NULL;
+        if (s->extent != extent)
+            extent = -1;
+        read += s->reads > 0;
+    }
+    PyObject *out = Py_BuildValue("(OOLL)", ns ? ns : Py_None, cls ? cls : Py_None, extent,
+                                  read);
+    Py_DECREF(slots);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"make_slots", make_slots, METH_VARARGS, make_slots_doc},
     {"claim", claim, METH_VARARGS, claim_doc},
     {"end", end, METH_VARARGS, end_doc},
     {"commit", commit, METH_VARARGS, commit_doc},
     {"evict", evict, METH_VARARGS, evict_doc},
+    {"batch_of", batch_of, METH_O, batch_of_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -119,17 +119,21 @@ class Extents:
             s.size_class.free.append(s)
             self.free_count[s.extent] += 1
 
-    def release_many(self, cls: SizeClass, slots: list[Slot]) -> None:
+    def release_many(self, cls: SizeClass, slots: list[Slot], extent: int = -1) -> None:
         """``release`` of ``slots`` (FREE, all of ``cls``, oldest victim first): one list
-        extend while no extent drains."""
+        extend while no extent drains. ``extent``: the one they all sit in, where the caller
+        knows it (else -1)."""
         if self.draining:
             for s in slots:
                 self.release(s)
         else:
             cls.free += reversed(slots)       # the oldest victim is popped first
             counts = self.free_count
-            for e, c in _per_extent(slots).items():
-                counts[e] += c
+            if extent >= 0:
+                counts[extent] += len(slots)
+            else:
+                for e, c in _per_extent(slots).items():
+                    counts[e] += c
 
     def stamp(self, s: Slot, tick: int) -> None:
         s.last_use = tick

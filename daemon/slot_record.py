@@ -14,6 +14,7 @@ table and the store path keep their rules, and call them where their loops were.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from types import SimpleNamespace
 
 try:
@@ -141,18 +142,33 @@ def evict(victims: list[Slot], free: int) -> list[int]:
     return [s.id for s in victims]
 
 
+def batch_of(slots: list[Slot]) -> tuple[bytes | None, object | None, int, int]:
+    """What a batch shares: its namespace and size class where every slot has the same (else
+    None), its extent where all sit in one (else -1), and how many slots a lower tier reads."""
+    if not slots:
+        return None, None, -1, 0
+    names = set(map(_NS, slots))
+    classes = set(map(id, map(_CLASS, slots)))
+    extents = set(map(_EXTENT, slots))
+    return (names.pop() if len(names) == 1 else None,
+            slots[0].size_class if len(classes) == 1 else None,
+            extents.pop() if len(extents) == 1 else -1,
+            sum(1 for s in slots if s.reads > 0))
+
+
 def _same_length(slots: list, other: list, what: str) -> None:
     if len(other) != len(slots):
         raise ValueError(f"{len(other)} {what} for {len(slots)} slots")
 
 
 _GENERATION_ONE = 1 << 32
+_NS, _CLASS, _EXTENT = attrgetter("ns"), attrgetter("size_class"), attrgetter("extent")
 
 PYTHON = SimpleNamespace(name="python", Slot=Slot, make_slots=make_slots, claim=claim, end=end,
-                         commit=commit, evict=evict)
+                         commit=commit, evict=evict, batch_of=batch_of)
 COMPILED = None if _slot_record is None else SimpleNamespace(
     name="compiled", Slot=_slot_record.Slot, make_slots=_slot_record.make_slots,
     claim=_slot_record.claim, end=_slot_record.end, commit=_slot_record.commit,
-    evict=_slot_record.evict)
+    evict=_slot_record.evict, batch_of=_slot_record.batch_of)
 # What a new pool's slots are made of (tests switch it to run one path or the other).
 RECORDS = COMPILED or PYTHON

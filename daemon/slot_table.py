@@ -171,22 +171,31 @@ class SlotTable:
                                  list(map(_GENERATION, slots)))
         tick = self.now_tick()
         evictable = self.records.commit(slots, tick, COMMITTED, self.writing, self.filling)
-        # into the queues in one batch (two calls a slot were ~12% of a store job's loop work,
-        # bench/investigations/store_job_ab.py)
-        for cls, group in _by_class(evictable):
-            cls.lru.insert_many(map(_ID, group))
-        quota_lrus = self.namespaces.lru
-        if quota_lrus and evictable:
-            for ns, _ in _per_ns(evictable):
-                own = quota_lrus.get(ns)
+        ns, cls, extent, _ = self.records.batch_of(slots)
+        blocks, quota_lrus = self.namespaces.blocks, self.namespaces.lru
+        if ns is not None and cls is not None:
+            # the usual batch, one namespace and one size: what it shares read in one pass, and
+            # its evictable slots queued in one batch (two calls a slot were ~12% of a store
+            # job's loop work, bench/investigations/store_job_ab.py)
+            if evictable:
+                cls.lru.insert_many(map(_ID, evictable))
+                own = quota_lrus.get(ns) if quota_lrus else None
                 if own is not None:
-                    own.insert_many(s.id for s in evictable if s.ns == ns)
+                    own.insert_many(map(_ID, evictable))
+            blocks[ns] = blocks.get(ns, 0) + len(slots)
+        else:
+            for c, group in _by_class(evictable):
+                c.lru.insert_many(map(_ID, group))
+            if quota_lrus and evictable:
+                for n, _ in _per_ns(evictable):
+                    own = quota_lrus.get(n)
+                    if own is not None:
+                        own.insert_many(s.id for s in evictable if s.ns == n)
+            for n, k in _per_ns(slots):
+                blocks[n] = blocks.get(n, 0) + k
         newest = self.extents.newest_use
-        for e in set(map(_EXTENT, slots)):
+        for e in ((extent,) if extent >= 0 else set(map(_EXTENT, slots))):
             newest[e] = tick
-        blocks = self.namespaces.blocks
-        for ns, k in _per_ns(slots):
-            blocks[ns] = blocks.get(ns, 0) + k
         self.stats.stored_blocks += len(slots)
         for w in self.watchers:
             w.committed(slots)
@@ -251,6 +260,29 @@ class SlotTable:
         bookkeeping in batches: queues, counts, records in one pass each."""
         if not victims:
             return
+        ns, cls, extent, read = self.records.batch_of(victims)
+        if ns is None or cls is None or read:
+            self._evict_mixed(victims)
+            return
+        # The usual batch: one namespace, one size, none being read by a lower tier (what
+        # ``batch_of`` found in one pass: no grouping pass of its own here).
+        n = len(victims)
+        deque(map(self.tables[ns].__delitem__, map(_BLOCK_HASH, victims)), 0)
+        cls.lru.remove_many(map(_ID, victims))
+        self.namespaces.blocks[ns] -= n
+        own = self.namespaces.lru.get(ns)
+        if own is not None:
+            own.remove_many(map(_ID, victims))
+        for w in self.watchers:
+            w.removed(victims)
+        self.pool.write_states(self.records.evict(victims, FREE), FREE)
+        self.stats.evictions += n
+        self._count_bytes(ns, -n * cls.slot_bytes)
+        self.extents.release_many(cls, victims, extent)
+
+    def _evict_mixed(self, victims: list[Slot]) -> None:
+        """``evict_many`` of a batch of several namespaces or sizes, or with slots a lower tier
+        is reading."""
         self._forget_many(victims)
         if any(map(_READS, victims)):
             # Being written down by a lower tier: gone from the pool now, their space once the

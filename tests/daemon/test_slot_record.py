@@ -88,6 +88,25 @@ def test_every_pass_does_the_same_to_the_same_slots(compiled_slot_record):
         assert p == c, f"pass {step} differs: python {p} / compiled {c}"
 
 
+def test_what_a_batch_shares_is_read_alike_on_both_records(compiled_slot_record):
+    """``batch_of``: one namespace (equal bytes, not only the same object), one size class (the
+    same object), one extent, and the slots being read; mixed batches say None and -1."""
+    out = []
+    for records in _both():
+        a, b = records.make_slots(0, 3, 0, 64, "cls", [0] * 3), \
+            records.make_slots(64, 4, 0, 64, "other", [0])
+        for s in a:
+            s.ns = bytes(NS)                  # equal, separate objects (as adopted slots are)
+        b[0].ns = b"m" * 16
+        a[1].reads = 2
+        out.append([records.batch_of(x) for x in (a, a[:1], a + b, [], a[:2] + [
+            records.Slot(9, 3, 0, 0, "cls", ns=NS)])])
+    python, compiled = out
+    assert python == compiled
+    assert python[0] == (NS, "cls", 3, 1) and python[2] == (None, None, -1, 1)
+    assert python[3] == (None, None, -1, 0)
+
+
 def test_a_claim_past_the_last_generation_starts_again_at_the_slot_id(slot_records):
     slots = _slots(slot_records)
     gens = slot_records.claim(slots, [b"k" * 16] * 4, None, NS, WRITING, 1, 0.0, 0, 0,
