@@ -17,20 +17,30 @@ the read ends (the slot table's ``end_read``).
 
 ``examined`` counts the queue entries every query has looked at, so tests can bound the work
 per victim with an operation count rather than a time.
+
+Two implementations of one behaviour: ``daemon/_lru.c`` where the install built it (a list
+linked through two arrays indexed by slot id: slot ids are dense, so no hash table), else
+``OrderedLru`` below, which stays the reference. ``LruPolicy`` is the one in use.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from itertools import islice
-from typing import Iterable
+from typing import Iterable, Iterator
+
+try:
+    from kvpool.daemon import _lru
+except ImportError:       # no C compiler at install: the OrderedDict queue
+    _lru = None
 
 
-class LruPolicy:
-    """Evictable slot ids, least recently used first.
+class OrderedLru:
+    """Evictable slot ids, least recently used first: the reference queue, and the one used
+    where ``daemon/_lru.c`` was not built.
 
     An ``OrderedDict`` gives O(1) insertion, removal by id and move to the back (``touch``), in
-    C; a linked list of our own would redo that in Python. Values are unused (None).
+    C; a linked list of our own in Python would be slower. Values are unused (None).
     """
 
     __slots__ = ("_order", "examined")
@@ -44,6 +54,10 @@ class LruPolicy:
 
     def __contains__(self, slot: int) -> bool:
         return slot in self._order
+
+    def __iter__(self) -> Iterator[int]:
+        """Least recently used first."""
+        return iter(list(self._order))
 
     def insert(self, slot: int) -> None:
         """``slot`` became evictable: most recently used."""
@@ -88,3 +102,7 @@ class LruPolicy:
             self.examined += 1
             return s
         return None
+
+
+# The queue in use: the compiled one where it was built.
+LruPolicy = OrderedLru if _lru is None else _lru.LruPolicy

@@ -102,6 +102,13 @@ def compiled_pool_records():
 
 
 @pytest.fixture
+def compiled_lru():
+    """daemon/_lru.c."""
+    from kvpool.daemon import eviction
+    return _compiled(eviction._lru, "LRU queue", "daemon/_lru.c")
+
+
+@pytest.fixture
 def compiled_slot_record():
     """daemon/_slot_record.c, as daemon/slot_record.py wraps it."""
     from kvpool.daemon import slot_record

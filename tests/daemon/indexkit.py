@@ -117,7 +117,7 @@ def store_state(ix, base: int):
     tables = {ns: {h: (s.id, s.state, (s.generation - base) & mask, s.landed, s.writing, s.pins,
                        s.owner)
                    for h, s in t.items()} for ns, t in ix.table.tables.items() if t}
-    lru = {c.slot_bytes: list(c.lru._order) for c in ix.extents.classes.values()}
+    lru = {c.slot_bytes: list(c.lru) for c in ix.extents.classes.values()}
     free = {c.slot_bytes: [s.id for s in c.free] for c in ix.extents.classes.values()}
     bound = sorted((r, s.void, s.id, s.key) for r, s in ix.stores.bound.items())
     counts = (dict(ix.namespaces.bytes_used), dict(ix.namespaces.blocks), ix.slot_counts(),
