@@ -553,6 +553,42 @@ static PyObject *evict(PyObject *self, PyObject *args)
     return ids;
 }
 
+PyDoc_STRVAR(record_lists_doc,
+"record_lists(slots) -> (ids, keys, generations)\n\n"
+"What the pool's records of a commit need, in one pass over the slots.");
+
+static PyObject *record_lists(PyObject *self, PyObject *arg)
+{
+    PyObject *slots = slot_items(arg, "slots");
+    if (slots == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(slots);
+    PyObject **slot = PySequence_Fast_ITEMS(slots);
+    PyObject *ids = PyList_New(n), *keys = PyList_New(n), *gens = PyList_New(n);
+    if (ids == NULL || keys == NULL || gens == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        SlotObject *s = AS_SLOT(slot[i]);
+        PyObject *id = PyLong_FromLongLong(s->id);
+        if (id == NULL)
+            goto fail;
+        PyList_SET_ITEM(ids, i, id);
+        PyList_SET_ITEM(keys, i, Py_NewRef(s->key));
+        PyObject *g = PyLong_FromLongLong(s->ref >> 32);
+        if (g == NULL)
+            goto fail;
+        PyList_SET_ITEM(gens, i, g);
+    }
+    Py_DECREF(slots);
+    return Py_BuildValue("(NNN)", ids, keys, gens);
+fail:
+    Py_XDECREF(ids);
+    Py_XDECREF(keys);
+    Py_XDECREF(gens);
+    Py_DECREF(slots);
+    return NULL;
+}
+
 PyDoc_STRVAR(batch_of_doc,
 "batch_of(slots) -> (ns, size_class, extent, read)\n\n"
 "What a batch shares, in one pass: its namespace and its size class where every slot has the\n"
@@ -604,6 +640,7 @@ static PyMethodDef methods[] = {
     {"commit", commit, METH_VARARGS, commit_doc},
     {"evict", evict, METH_VARARGS, evict_doc},
     {"batch_of", batch_of, METH_O, batch_of_doc},
+    {"record_lists", record_lists, METH_O, record_lists_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -156,6 +156,12 @@ def batch_of(slots: list[Slot]) -> tuple[bytes | None, object | None, int, int]:
             sum(1 for s in slots if s.reads > 0))
 
 
+def record_lists(slots: list[Slot]) -> tuple[list[int], list[bytes], list[int]]:
+    """What the pool's records of a commit need: (ids, keys, generations)."""
+    return (list(map(_ID, slots)), list(map(_KEY, slots)),
+            [s.ref >> 32 for s in slots])
+
+
 def _same_length(slots: list, other: list, what: str) -> None:
     if len(other) != len(slots):
         raise ValueError(f"{len(other)} {what} for {len(slots)} slots")
@@ -163,12 +169,15 @@ def _same_length(slots: list, other: list, what: str) -> None:
 
 _GENERATION_ONE = 1 << 32
 _NS, _CLASS, _EXTENT = attrgetter("ns"), attrgetter("size_class"), attrgetter("extent")
+_ID, _KEY = attrgetter("id"), attrgetter("key")
 
 PYTHON = SimpleNamespace(name="python", Slot=Slot, make_slots=make_slots, claim=claim, end=end,
-                         commit=commit, evict=evict, batch_of=batch_of)
+                         commit=commit, evict=evict, batch_of=batch_of,
+                         record_lists=record_lists)
 COMPILED = None if _slot_record is None else SimpleNamespace(
     name="compiled", Slot=_slot_record.Slot, make_slots=_slot_record.make_slots,
     claim=_slot_record.claim, end=_slot_record.end, commit=_slot_record.commit,
-    evict=_slot_record.evict, batch_of=_slot_record.batch_of)
+    evict=_slot_record.evict, batch_of=_slot_record.batch_of,
+    record_lists=_slot_record.record_lists)
 # What a new pool's slots are made of (tests switch it to run one path or the other).
 RECORDS = COMPILED or PYTHON

@@ -167,8 +167,7 @@ class SlotTable:
         extent), then the state lookups read, the queues, the counts and the watchers."""
         if not slots:
             return
-        self.pool.commit_records(list(map(_ID, slots)), list(map(_KEY, slots)),
-                                 list(map(_GENERATION, slots)))
+        self.pool.commit_records(*self.records.record_lists(slots))
         tick = self.now_tick()
         evictable = self.records.commit(slots, tick, COMMITTED, self.writing, self.filling)
         ns, cls, extent, _ = self.records.batch_of(slots)
@@ -454,9 +453,7 @@ _REF_LIMIT = (GENERATION_MASK + 1) << 32
 # C-level getters for batch passes over slots (a generator costs ~2x more).
 _ID = attrgetter("id")
 _NS = attrgetter("ns")
-_KEY = attrgetter("key")
 _BLOCK_HASH = attrgetter("block_hash")
-_GENERATION = attrgetter("generation")
 _EXTENT = attrgetter("extent")
 _CLASS = attrgetter("size_class")
 _LAST_USE = attrgetter("last_use")

@@ -164,22 +164,22 @@ class StorePath:
         if not refs:
             return OpenedStore([], None, False)     # nothing to bind: the job ends at once
         unbound = self.tickets.unbound
-        # (a job's tickets nearly always come from one reserve: one Grant to check; the list
-        # of each ticket's grant waits for the claims, after a head's copy has gone out)
-        given = set(map(unbound.get, refs))
+        # (a job's tickets nearly always come from one reserve: one Grant to check. Each
+        # ticket's grant is looked up once, here: the claims reuse the list)
+        grants = list(map(unbound.get, refs))
+        given = set(grants)
         if None not in given and all(g.ns == ns for g in given):
             if self.defer_claims and 0 < head < len(refs):
-                opened = self._open_head(ns, refs, next(iter(given)), keys, head, bit, now)
+                opened = self._open_head(ns, refs, grants, keys, head, bit, now)
                 if opened is not None:
                     return opened
-            grants = list(map(unbound.get, refs))
             job = self._find_room(ns, refs, grants, keys)     # type: ignore[arg-type]
             if self.defer_claims and None not in job.slots:
                 return OpenedStore(job.slots, partial(self._claim, job, bit, now),  # type: ignore
                                    False)
             slots = self._claim(job, bit, now)
             return OpenedStore(slots, None, any(map(_VOID, slots)))
-        items = self._check(ns, refs, keys, bit, list(map(unbound.get, refs)))
+        items = self._check(ns, refs, keys, bit, grants)
         todo = [i for i, x in enumerate(items) if type(x) is Grant]
         if todo:
             job = self._find_room(ns, [refs[i] for i in todo], [items[i] for i in todo],
@@ -308,16 +308,16 @@ class StorePath:
         return len(set(keys)) == len(keys) and \
             self.table.tables.get(ns, _EMPTY).keys().isdisjoint(keys)
 
-    def _open_head(self, ns: bytes, refs: list[int], grant: Grant, keys: list[bytes],
+    def _open_head(self, ns: bytes, refs: list[int], grants: list[Grant], keys: list[bytes],
                    head: int, bit: int, now: float) -> OpenedStore | None:
-        """A first rank's fresh job (its tickets unbound, of ``ns``, ``grant`` one of theirs)
+        """A first rank's fresh job (its tickets unbound, of ``ns``, ``grants`` theirs)
         with room for its first ``head`` tickets and the rest left to ``finish``
         (``open_store``), or None where it may not all be bound to slots (duplicates, a quota
         that lets fewer in, a pool that may not make room for all)."""
         if not self._all_fresh(ns, keys):
             return None
         n = len(keys)
-        slot_bytes = grant.slot_bytes               # a namespace's tickets are of one size
+        slot_bytes = grants[0].slot_bytes           # a namespace's tickets are of one size
         cls = self.table.extents.size_class(slot_bytes)
         if self.room.fit_quota(ns, slot_bytes, n) < n or not self.room.assured(cls, n):
             return None
@@ -335,7 +335,7 @@ class StorePath:
             place()
             slots = opened.slots
             room: list[Slot | None] = slots + [None] * (n - len(slots))  # voids where short
-            grants = list(map(self.tickets.unbound.get, refs))    # (unchanged since the check)
+            # (the tickets are as checked: nothing ran on the loop since)
             slots[:] = self._claim(_Binding(ns, refs, grants, keys, room, [False] * n), bit, now)
         opened.place, opened.finish = place, finish
         return opened

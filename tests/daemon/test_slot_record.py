@@ -59,7 +59,8 @@ def test_made_slots_have_their_ids_offsets_and_recorded_generations(slot_records
 
 def test_every_pass_does_the_same_to_the_same_slots(compiled_slot_record):
     """claim, end (partial, full, failed, already doomed, bindings theirs or another's),
-    commit and evict, on both kinds: every field equal after each pass, the same answers."""
+    commit, evict and the record lists, on both kinds: every field equal after each pass, the
+    same answers."""
     out = []
     for records in _both():
         slots = _slots(records)
@@ -82,6 +83,7 @@ def test_every_pass_does_the_same_to_the_same_slots(compiled_slot_record):
         seen.append(([s.id for s in evictable], sorted(writing), sorted(filling),
                      [_fields(s)[5:] for s in slots]))
         seen.append((records.evict(slots[1:2], FREE), _fields(slots[1])[5:]))
+        seen.append(records.record_lists(slots))
         out.append(seen)
     python, compiled = out
     for step, (p, c) in enumerate(zip(python, compiled)):
