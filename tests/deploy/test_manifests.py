@@ -169,6 +169,9 @@ def test_dockerfile():
                  if "/src/kvpool[mooncake]" in r)
     assert build.index("gcc") < build.index("pip install") < build.index("_index_writer") \
         < build.index("purge"), build
+    for compiled in ("_pool_records", "_slot_record", "_lru"):   # the store path's C pieces
+        assert build.index("pip install") < build.index(compiled) < build.index("purge"), \
+            f"the daemon image does not check that {compiled} compiled"
 
 
 # ---- compose ---------------------------------------------------------------------------------
