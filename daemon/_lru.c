@@ -222,15 +222,9 @@ static PyObject *lru_remove_many(LruObject *q, PyObject *items)
     return for_each(q, items, remove_strict);
 }
 
-static PyObject *lru_victims(LruObject *q, PyObject *arg)
+/* the first n ids from the head, oldest first */
+static PyObject *head_ids(LruObject *q, Py_ssize_t n)
 {
-    Py_ssize_t n = PyLong_AsSsize_t(arg);
-    if (n == -1 && PyErr_Occurred())
-        return NULL;
-    if (n < 0)
-        n = 0;
-    if (n > q->length)
-        n = q->length;
     PyObject *out = PyList_New(n);
     if (out == NULL)
         return NULL;
@@ -243,7 +237,18 @@ static PyObject *lru_victims(LruObject *q, PyObject *arg)
         }
         PyList_SET_ITEM(out, i, v);
     }
-    q->examined += n;
+    return out;
+}
+
+static PyObject *lru_victims(LruObject *q, PyObject *arg)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    n = n < 0 ? 0 : (n > q->length ? q->length : n);
+    PyObject *out = head_ids(q, n);
+    if (out != NULL)
+        q->examined += n;
     return out;
 }
 
@@ -255,26 +260,9 @@ static PyObject *lru_oldest(LruObject *q, PyObject *unused)
     return PyLong_FromLongLong(q->head);
 }
 
-static PyObject *lru_ids(LruObject *q, PyObject *unused)
-{
-    PyObject *out = PyList_New(q->length);
-    if (out == NULL)
-        return NULL;
-    int64_t id = q->head;
-    for (Py_ssize_t i = 0; i < q->length; i++, id = q->next[id]) {
-        PyObject *v = PyLong_FromLongLong(id);
-        if (v == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, i, v);
-    }
-    return out;
-}
-
 static PyObject *lru_iter(LruObject *q)
 {
-    PyObject *ids = lru_ids(q, NULL);
+    PyObject *ids = head_ids(q, q->length);
     if (ids == NULL)
         return NULL;
     PyObject *it = PyObject_GetIter(ids);

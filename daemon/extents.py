@@ -1,11 +1,11 @@
 """The pool's space for slots: extents handed to one slot size at a time, free slots, drains.
 
 Owns the slot objects (``daemon/slot_record.py``'s ``Slot``: where a block lives and, for the
-slot table, what state it is in), the size classes (a slot size's extents, free list and LRU queue) and the extent table's
-in-memory side: which extent serves which size, which are free, which are being drained for
-another size, and when each extent was last used. It never changes a slot's state, key or pins
-and never decides what to evict: the slot table (``daemon/slot_table.py``) does, and hands
-freed slots back here (``release``). Runs on the daemon's event loop thread, never blocks.
+slot table, what state it is in), the size classes (a slot size's extents, free list and LRU
+queue) and the extent table's in-memory side: which extent serves which size, which are free,
+which are being drained for another size, and when each extent was last used. It never changes
+a slot's state, key or pins and never decides what to evict: the slot table
+(``daemon/slot_table.py``) does, and hands freed slots back here (``release``). Runs on the daemon's event loop thread, never blocks.
 
 Draining an extent for another size: an extent goes to another slot size only when all of it is
 free. A busy model nearly always has some block being written or read in every one of its

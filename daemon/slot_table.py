@@ -170,28 +170,22 @@ class SlotTable:
         self.pool.commit_records(*self.records.record_lists(slots))
         tick = self.now_tick()
         evictable = self.records.commit(slots, tick, COMMITTED, self.writing, self.filling)
+        # what the batch shares, read in one pass (nearly always one namespace and one size);
+        # its evictable slots queued in one batch (two calls a slot were ~12% of a store job's
+        # loop work, bench/investigations/store_job_ab.py)
         ns, cls, extent, _ = self.records.batch_of(slots)
-        blocks, quota_lrus = self.namespaces.blocks, self.namespaces.lru
-        if ns is not None and cls is not None:
-            # the usual batch, one namespace and one size: what it shares read in one pass, and
-            # its evictable slots queued in one batch (two calls a slot were ~12% of a store
-            # job's loop work, bench/investigations/store_job_ab.py)
-            if evictable:
-                cls.lru.insert_many(map(_ID, evictable))
-                own = quota_lrus.get(ns) if quota_lrus else None
+        for c, group in _by_class(evictable, cls):
+            c.lru.insert_many(map(_ID, group))
+        quota_lrus = self.namespaces.lru
+        if quota_lrus and evictable:
+            per_ns = _per_ns(evictable, ns)
+            for n, _ in per_ns:
+                own = quota_lrus.get(n)
                 if own is not None:
-                    own.insert_many(map(_ID, evictable))
-            blocks[ns] = blocks.get(ns, 0) + len(slots)
-        else:
-            for c, group in _by_class(evictable):
-                c.lru.insert_many(map(_ID, group))
-            if quota_lrus and evictable:
-                for n, _ in _per_ns(evictable):
-                    own = quota_lrus.get(n)
-                    if own is not None:
-                        own.insert_many(s.id for s in evictable if s.ns == n)
-            for n, k in _per_ns(slots):
-                blocks[n] = blocks.get(n, 0) + k
+                    own.insert_many(map(_ID, _in_ns(evictable, n, per_ns)))
+        blocks = self.namespaces.blocks
+        for n, k in _per_ns(slots, ns):
+            blocks[n] = blocks.get(n, 0) + k
         newest = self.extents.newest_use
         for e in ((extent,) if extent >= 0 else set(map(_EXTENT, slots))):
             newest[e] = tick
@@ -259,45 +253,25 @@ class SlotTable:
         bookkeeping in batches: queues, counts, records in one pass each."""
         if not victims:
             return
+        # What the batch shares, read in one pass (nearly always one namespace, one size, one
+        # extent): the groupings below are then given, not walked for. A subset shares them too.
         ns, cls, extent, read = self.records.batch_of(victims)
-        if ns is None or cls is None or read:
-            self._evict_mixed(victims)
-            return
-        # The usual batch: one namespace, one size, none being read by a lower tier (what
-        # ``batch_of`` found in one pass: no grouping pass of its own here).
-        n = len(victims)
-        deque(map(self.tables[ns].__delitem__, map(_BLOCK_HASH, victims)), 0)
-        cls.lru.remove_many(map(_ID, victims))
-        self.namespaces.blocks[ns] -= n
-        own = self.namespaces.lru.get(ns)
-        if own is not None:
-            own.remove_many(map(_ID, victims))
-        for w in self.watchers:
-            w.removed(victims)
-        self.pool.write_states(self.records.evict(victims, FREE), FREE)
-        self.stats.evictions += n
-        self._count_bytes(ns, -n * cls.slot_bytes)
-        self.extents.release_many(cls, victims, extent)
-
-    def _evict_mixed(self, victims: list[Slot]) -> None:
-        """``evict_many`` of a batch of several namespaces or sizes, or with slots a lower tier
-        is reading."""
-        self._forget_many(victims)
-        if any(map(_READS, victims)):
+        self._forget_many(victims, ns, cls)
+        if read:
             # Being written down by a lower tier: gone from the pool now, their space once the
             # read ends (end_read frees them).
             for s in victims:
                 if s.reads:
                     s.doomed = True
-            self.stats.evictions += sum(1 for s in victims if s.reads)
+            self.stats.evictions += read
             victims = [s for s in victims if not s.reads]
             if not victims:
                 return
         self.pool.write_states(self.records.evict(victims, FREE), FREE)
         self.stats.evictions += len(victims)
-        for cls, group in _by_class(victims):
-            self._count_bytes_many(group, -cls.slot_bytes)
-            self.extents.release_many(cls, group)
+        for c, group in _by_class(victims, cls):
+            self._count_bytes_many(group, -c.slot_bytes, ns)
+            self.extents.release_many(c, group, extent)
 
     def drop(self, s: Slot) -> None:
         """Make ``s`` unreachable now (a store refused or timed out, a reset, a failed fill)
@@ -395,22 +369,22 @@ class SlotTable:
             for w in self.watchers:
                 w.removed([s])
 
-    def _forget_many(self, victims: list[Slot]) -> None:
-        """``_forget`` of committed, mapped, unpinned slots, in batches."""
+    def _forget_many(self, victims: list[Slot], ns: bytes | None = None,
+                     cls: SizeClass | None = None) -> None:
+        """``_forget`` of committed, mapped, unpinned slots, in batches (``ns``, ``cls``: the
+        namespace and size all of them share, where known)."""
         blocks, quota_lrus = self.namespaces.blocks, self.namespaces.lru
-        per_ns = _per_ns(victims)
-        for ns, _ in per_ns:
+        per_ns = _per_ns(victims, ns)
+        for n, k in per_ns:
+            of_ns = _in_ns(victims, n, per_ns)
             # a committed block is its key's slot
-            unmap = self.tables[ns].__delitem__
-            of_ns = victims if len(per_ns) == 1 else [s for s in victims if s.ns == ns]
-            deque(map(unmap, map(_BLOCK_HASH, of_ns)), 0)
-        for cls, group in _by_class(victims):
-            cls.lru.remove_many(map(_ID, group))
-        for ns, k in per_ns:
-            blocks[ns] -= k
-            own = quota_lrus.get(ns)
+            deque(map(self.tables[n].__delitem__, map(_BLOCK_HASH, of_ns)), 0)
+            blocks[n] -= k
+            own = quota_lrus.get(n)
             if own is not None:
-                own.remove_many(s.id for s in victims if s.ns == ns)
+                own.remove_many(map(_ID, of_ns))
+        for c, group in _by_class(victims, cls):
+            c.lru.remove_many(map(_ID, group))
         for w in self.watchers:
             w.removed(victims)
 
@@ -418,24 +392,37 @@ class SlotTable:
         used = self.namespaces.bytes_used
         used[ns] = used.get(ns, 0) + delta
 
-    def _count_bytes_many(self, slots: list[Slot], per_slot: int) -> None:
-        for ns, k in _per_ns(slots):
-            self._count_bytes(ns, k * per_slot)
+    def _count_bytes_many(self, slots: list[Slot], per_slot: int,
+                          ns: bytes | None = None) -> None:
+        for n, k in _per_ns(slots, ns):
+            self._count_bytes(n, k * per_slot)
 
 
-def _per_ns(slots: list[Slot]) -> list[tuple[bytes, int]]:
-    """(namespace, slots of it) for ``slots``: nearly always one namespace, found in one
-    C-level pass (a Counter, or a generator per slot, cost a tenth of a store's eviction)."""
+def _per_ns(slots: list[Slot], ns: bytes | None = None) -> list[tuple[bytes, int]]:
+    """(namespace, slots of it) for ``slots`` (``ns``: the one they all share, where known):
+    nearly always one namespace, found in one C-level pass (a Counter, or a generator per
+    slot, cost a tenth of a store's eviction)."""
     if not slots:
         return []
+    if ns is not None:
+        return [(ns, len(slots))]
     names = set(map(_NS, slots))
     if len(names) == 1:
         return [(names.pop(), len(slots))]
     return list(Counter(map(_NS, slots)).items())
 
 
-def _by_class(slots: list[Slot]) -> list[tuple[SizeClass, list[Slot]]]:
-    """``slots`` grouped by size class, in order (nearly always one class: one call)."""
+def _in_ns(slots: list[Slot], ns: bytes, per_ns: list[tuple[bytes, int]]) -> list[Slot]:
+    """Those of ``slots`` in ``ns`` (all of them where ``per_ns`` names one namespace)."""
+    return slots if len(per_ns) == 1 else [s for s in slots if s.ns == ns]
+
+
+def _by_class(slots: list[Slot], cls: SizeClass | None = None
+              ) -> list[tuple[SizeClass, list[Slot]]]:
+    """``slots`` grouped by size class, in order (``cls``: the one they all share, where
+    known; nearly always one class: one call)."""
+    if cls is not None:
+        return [(cls, slots)] if slots else []
     classes = set(map(_CLASS, slots))
     if len(classes) == 1:
         return [(classes.pop(), slots)]
@@ -446,8 +433,7 @@ def _by_class(slots: list[Slot]) -> list[tuple[SizeClass, list[Slot]]]:
 
 
 # A slot ref's generation is its upper half: a claim adds one, and past the last generation
-# it starts again at 0 (the ref is then the slot id).
-_GENERATION_ONE = 1 << 32
+# (at this limit) it starts again at 0 (the ref is then the slot id).
 _REF_LIMIT = (GENERATION_MASK + 1) << 32
 
 # C-level getters for batch passes over slots (a generator costs ~2x more).
@@ -457,4 +443,3 @@ _BLOCK_HASH = attrgetter("block_hash")
 _EXTENT = attrgetter("extent")
 _CLASS = attrgetter("size_class")
 _LAST_USE = attrgetter("last_use")
-_READS = attrgetter("reads")
