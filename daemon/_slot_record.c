@@ -1,5 +1,6 @@
-/* A pool slot's in-memory record as one C object, and the store path's passes over a batch of
- * them: what daemon/slot_record.py's dataclass and Python passes do, where this was built.
+/* A pool slot's in-memory record as one C object, and the store and load paths' passes over a
+ * batch of them: what daemon/slot_record.py's dataclass and Python passes do, where this was
+ * built.
  *
  * Why: a store job on a full pool spends ~9 us of the event loop a slot when its slots are
  * cold (a copy just went through the caches), against ~1.6 warm (issue 36). A dataclass slot
@@ -633,6 +634,322 @@ static PyObject *batch_of(PyObject *self, PyObject *arg)
     return out;
 }
 
+/* ---- the load path's passes (a load job and the hits and leases before it) --------------- */
+
+/* ``newest_use`` as a list with room for every slot's extent (checked before any change). */
+static int check_extents(PyObject **slot, Py_ssize_t n, PyObject *newest_use)
+{
+    Py_ssize_t extents = PyList_GET_SIZE(newest_use);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long e = AS_SLOT(slot[i])->extent;
+        if (e < 0 || e >= extents) {
+            PyErr_Format(PyExc_IndexError, "slot %lld's extent %lld is not one of the %zd",
+                         AS_SLOT(slot[i])->id, e, extents);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* A batch that a pass stamps with a use: its slots (checked, their extents too) and the
+ * tick as an int, for each extent's newest_use. */
+typedef struct {
+    PyObject *slots;
+    PyObject **slot;
+    Py_ssize_t n;
+    PyObject *tick;
+} Stamping;
+
+static int stamping_open(Stamping *st, PyObject *slots_arg, long long tick,
+                         PyObject *newest_use)
+{
+    st->tick = NULL;
+    st->slots = slot_items(slots_arg, "slots");
+    if (st->slots == NULL)
+        return -1;
+    st->n = PySequence_Fast_GET_SIZE(st->slots);
+    st->slot = PySequence_Fast_ITEMS(st->slots);
+    if (check_extents(st->slot, st->n, newest_use) < 0
+            || (st->tick = PyLong_FromLongLong(tick)) == NULL) {
+        Py_CLEAR(st->slots);
+        return -1;
+    }
+    return 0;
+}
+
+static void stamping_close(Stamping *st)
+{
+    Py_CLEAR(st->tick);
+    Py_CLEAR(st->slots);
+}
+
+/* A use at ``tick`` (a new reference to its int): the slot's and its extent's newest. */
+static void stamp(SlotObject *s, long long tick, PyObject *tick_obj, PyObject *newest_use)
+{
+    s->last_use = tick;
+    PyList_SetItem(newest_use, (Py_ssize_t)s->extent, Py_NewRef(tick_obj));
+}
+
+PyDoc_STRVAR(resolve_doc,
+"resolve(refs, slots, ns, committed, filling) -> (found, redo)\n\n"
+"Index.resolve_load's first pass: per ref, the slot it names (slots: slot id -> slot) while\n"
+"that slot still holds it (the same ref, committed or filling, not doomed, of ns), else None;\n"
+"redo lists the indices of the Nones (0 refs too), for the caller's look by key. Changes\n"
+"nothing.");
+
+static PyObject *resolve(PyObject *self, PyObject *args)
+{
+    PyObject *refs_arg, *by_id, *ns;
+    int committed, filling;
+    if (!PyArg_ParseTuple(args, "OO!Oii", &refs_arg, &PyDict_Type, &by_id, &ns, &committed,
+                          &filling))
+        return NULL;
+    PyObject *refs = PySequence_Fast(refs_arg, "the refs must be a sequence");
+    if (refs == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(refs);
+    PyObject **ref = PySequence_Fast_ITEMS(refs);
+    PyObject *found = PyList_New(n), *redo = PyList_New(0);
+    if (found == NULL || redo == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyList_SET_ITEM(found, i, Py_NewRef(Py_None));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyLong_Check(ref[i])) {
+            PyErr_Format(PyExc_TypeError, "refs[%zd] is a %.100s, not an int", i,
+                         Py_TYPE(ref[i])->tp_name);
+            goto fail;
+        }
+        /* the id is the ref's low 32 bits whatever its size (as ``ref & 0xFFFF_FFFF``); a
+         * ref outside 0..2**63 names no slot's current generation */
+        int overflow;
+        long long value = PyLong_AsLongLongAndOverflow(ref[i], &overflow);
+        if (value == -1 && PyErr_Occurred())
+            goto fail;
+        unsigned long long low = PyLong_AsUnsignedLongLongMask(ref[i]);
+        if (low == (unsigned long long)-1 && PyErr_Occurred())
+            goto fail;
+        PyObject *s = NULL;
+        if (value != 0 || overflow) {
+            PyObject *id = PyLong_FromUnsignedLongLong(low & 0xFFFFFFFFULL);
+            if (id == NULL)
+                goto fail;
+            s = PyDict_GetItemWithError(by_id, id);
+            Py_DECREF(id);
+            if (s == NULL && PyErr_Occurred())
+                goto fail;
+        }
+        int held = 0;
+        if (s != NULL && !overflow && Py_IS_TYPE(s, &SlotType)) {
+            SlotObject *slot = AS_SLOT(s);
+            held = slot->ref == value && (slot->state == committed || slot->state == filling)
+                   && !slot->doomed;
+            if (held && slot->ns != ns) {
+                held = PyObject_RichCompareBool(slot->ns, ns, Py_EQ);
+                if (held < 0)
+                    goto fail;
+            }
+        }
+        if (held) {
+            if (PyList_SetItem(found, i, Py_NewRef(s)) < 0)
+                goto fail;
+        } else {
+            PyObject *at = PyLong_FromSsize_t(i);
+            if (at == NULL || PyList_Append(redo, at) < 0) {
+                Py_XDECREF(at);
+                goto fail;
+            }
+            Py_DECREF(at);
+        }
+    }
+    Py_DECREF(refs);
+    return Py_BuildValue("(NN)", found, redo);
+fail:
+    Py_XDECREF(found);
+    Py_XDECREF(redo);
+    Py_DECREF(refs);
+    return NULL;
+}
+
+PyDoc_STRVAR(leading_doc,
+"leading(table, keys, committed, filling) -> (run, refs)\n\n"
+"Index.lookup's walk of one key list: the slots (table: block hash -> slot) of its keys from\n"
+"the first on while each is held (committed or filling, not doomed), and their refs.\n"
+"Changes nothing.");
+
+static PyObject *leading(PyObject *self, PyObject *args)
+{
+    PyObject *table, *keys_arg;
+    int committed, filling;
+    if (!PyArg_ParseTuple(args, "O!Oii", &PyDict_Type, &table, &keys_arg, &committed,
+                          &filling))
+        return NULL;
+    PyObject *keys = PySequence_Fast(keys_arg, "the keys must be a sequence");
+    if (keys == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **key = PySequence_Fast_ITEMS(keys);
+    PyObject *run = PyList_New(0), *refs = PyList_New(0);
+    if (run == NULL || refs == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *s = PyDict_GetItemWithError(table, key[i]);
+        if (s == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            break;
+        }
+        if (!Py_IS_TYPE(s, &SlotType)) {
+            PyErr_Format(PyExc_TypeError, "the table holds a %.100s, not a slot",
+                         Py_TYPE(s)->tp_name);
+            goto fail;
+        }
+        SlotObject *slot = AS_SLOT(s);
+        if ((slot->state != committed && slot->state != filling) || slot->doomed)
+            break;
+        PyObject *ref = PyLong_FromLongLong(slot->ref);
+        if (ref == NULL || PyList_Append(run, s) < 0 || PyList_Append(refs, ref) < 0) {
+            Py_XDECREF(ref);
+            goto fail;
+        }
+        Py_DECREF(ref);
+    }
+    Py_DECREF(keys);
+    return Py_BuildValue("(NN)", run, refs);
+fail:
+    Py_XDECREF(run);
+    Py_XDECREF(refs);
+    Py_DECREF(keys);
+    return NULL;
+}
+
+PyDoc_STRVAR(pin_doc,
+"pin(slots, tick, newest_use, committed) -> list\n\n"
+"SlotTable.pin's pass: one pin more on each slot, each used at tick (its last_use and its\n"
+"extent's newest_use). Returns those that left the queues (committed, not doomed, unpinned\n"
+"until now), in order.");
+
+static PyObject *pin(PyObject *self, PyObject *args)
+{
+    PyObject *slots_arg, *newest_use;
+    long long tick;
+    int committed;
+    Stamping st;
+    if (!PyArg_ParseTuple(args, "OLO!i", &slots_arg, &tick, &PyList_Type, &newest_use,
+                          &committed) || stamping_open(&st, slots_arg, tick, newest_use) < 0)
+        return NULL;
+    PyObject *left = PyList_New(0);
+    for (Py_ssize_t i = 0; left != NULL && i < st.n; i++) {
+        SlotObject *s = AS_SLOT(st.slot[i]);
+        if (!s->pins && s->state == committed && !s->doomed
+                && PyList_Append(left, st.slot[i]) < 0)
+            Py_CLEAR(left);
+        s->pins += 1;
+        stamp(s, tick, st.tick, newest_use);
+    }
+    stamping_close(&st);
+    return left;
+}
+
+PyDoc_STRVAR(unpin_doc,
+"unpin(slots, tick, newest_use, committed, free, draining) -> (evictable, to_free)\n\n"
+"SlotTable.unpin's pass: one pin less on each slot. Of those whose last pin went and that are\n"
+"not free: the doomed ones and the committed ones of a draining extent (draining: extent ->\n"
+"its new size) are to be freed; the other committed ones are used at tick and evictable\n"
+"again. Both in order.");
+
+static PyObject *unpin(PyObject *self, PyObject *args)
+{
+    PyObject *slots_arg, *newest_use, *draining;
+    long long tick;
+    int committed, free_state;
+    Stamping st;
+    if (!PyArg_ParseTuple(args, "OLO!iiO!", &slots_arg, &tick, &PyList_Type, &newest_use,
+                          &committed, &free_state, &PyDict_Type, &draining)
+            || stamping_open(&st, slots_arg, tick, newest_use) < 0)
+        return NULL;
+    PyObject *evictable = PyList_New(0), *to_free = PyList_New(0);
+    if (evictable == NULL || to_free == NULL)
+        goto fail;
+    int any_draining = PyDict_GET_SIZE(draining) > 0;
+    for (Py_ssize_t i = 0; i < st.n; i++) {
+        SlotObject *s = AS_SLOT(st.slot[i]);
+        s->pins -= 1;
+        if (s->pins || s->state == free_state)
+            continue;
+        int drains = 0;
+        if (s->state == committed && any_draining) {
+            PyObject *extent = PyLong_FromLongLong(s->extent);
+            if (extent == NULL)
+                goto fail;
+            drains = PyDict_Contains(draining, extent);
+            Py_DECREF(extent);
+            if (drains < 0)
+                goto fail;
+        }
+        if (s->doomed || drains) {
+            if (PyList_Append(to_free, st.slot[i]) < 0)
+                goto fail;
+        } else if (s->state == committed) {
+            stamp(s, tick, st.tick, newest_use);
+            if (PyList_Append(evictable, st.slot[i]) < 0)
+                goto fail;
+        }
+    }
+    stamping_close(&st);
+    return Py_BuildValue("(NN)", evictable, to_free);
+fail:
+    Py_XDECREF(evictable);
+    Py_XDECREF(to_free);
+    stamping_close(&st);
+    return NULL;
+}
+
+PyDoc_STRVAR(touch_doc,
+"touch(slots, tick, newest_use) -> list\n\n"
+"SlotTable.touch's pass: each slot used at tick. Returns the unpinned ones (queued: to be\n"
+"made most recently used there), in order.");
+
+static PyObject *touch(PyObject *self, PyObject *args)
+{
+    PyObject *slots_arg, *newest_use;
+    long long tick;
+    Stamping st;
+    if (!PyArg_ParseTuple(args, "OLO!", &slots_arg, &tick, &PyList_Type, &newest_use)
+            || stamping_open(&st, slots_arg, tick, newest_use) < 0)
+        return NULL;
+    PyObject *queued = PyList_New(0);
+    for (Py_ssize_t i = 0; queued != NULL && i < st.n; i++) {
+        SlotObject *s = AS_SLOT(st.slot[i]);
+        stamp(s, tick, st.tick, newest_use);
+        if (!s->pins && PyList_Append(queued, st.slot[i]) < 0)
+            Py_CLEAR(queued);
+    }
+    stamping_close(&st);
+    return queued;
+}
+
+PyDoc_STRVAR(offsets_doc,
+"offsets(slots) -> bytearray\n\n"
+"Each slot's pool offset as native int64s, in order (numpy.frombuffer reads them).");
+
+static PyObject *offsets(PyObject *self, PyObject *arg)
+{
+    PyObject *slots = slot_items(arg, "slots");
+    if (slots == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(slots);
+    PyObject **slot = PySequence_Fast_ITEMS(slots);
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(long long));
+    if (out != NULL) {
+        long long *at = (long long *)PyByteArray_AS_STRING(out);
+        for (Py_ssize_t i = 0; i < n; i++)
+            at[i] = AS_SLOT(slot[i])->offset;
+    }
+    Py_DECREF(slots);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"make_slots", make_slots, METH_VARARGS, make_slots_doc},
     {"claim", claim, METH_VARARGS, claim_doc},
@@ -641,12 +958,18 @@ static PyMethodDef methods[] = {
     {"evict", evict, METH_VARARGS, evict_doc},
     {"batch_of", batch_of, METH_O, batch_of_doc},
     {"record_lists", record_lists, METH_O, record_lists_doc},
+    {"resolve", resolve, METH_VARARGS, resolve_doc},
+    {"leading", leading, METH_VARARGS, leading_doc},
+    {"pin", pin, METH_VARARGS, pin_doc},
+    {"unpin", unpin, METH_VARARGS, unpin_doc},
+    {"touch", touch, METH_VARARGS, touch_doc},
+    {"offsets", offsets, METH_O, offsets_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_slot_record",
-    "A pool slot's record and the store path's passes over them, in C (see "
+    "A pool slot's record and the store and load paths' passes over them, in C (see "
     "daemon/slot_record.py).", -1, methods,
 };
 

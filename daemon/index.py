@@ -131,24 +131,19 @@ class Index:
         hit run under a new lease. Hits become most recently used. ``beyond(ns, keys, n)``
         (the lower tiers' ``held_past``) extends a list's run past its first ``n`` with refs
         that are neither pinned nor touched (0: a lower tier holds the block)."""
-        get = self.table.tables.get(ns, _EMPTY).get
+        table = self.table.tables.get(ns, _EMPTY)
+        walk = self.table.records.leading
         hits, leases, refs = [], [], []
         found: list[Slot] = []
         n_keys = n_beyond = 0
         committed, filling = COMMITTED, FILLING
         for keys in key_lists:
-            run: list[Slot] = []
-            add = run.append
-            for k in keys:
-                s = get(k)
-                if s is None or (s.state != committed and s.state != filling) or s.doomed:
-                    break
-                add(s)
+            run, run_refs = walk(table, keys, committed, filling)
             more = beyond(ns, keys, len(run)) if beyond is not None else []
             hits.append(len(run) + len(more))
             n_keys += len(keys)
             n_beyond += len(more)
-            refs.append([s.ref for s in run] + more)
+            refs.append(run_refs + more if more else run_refs)
             found += run
             if pin and run:
                 self.table.pin(run)
@@ -225,20 +220,12 @@ class Index:
         pool holds its key in now, else None (evicted since the lookup: counted stale).
         ``OutOfRange`` (nothing changed) for a ref that names no slot of this pool; 0 names
         none. Pins nothing: the caller pins what it copies before the loop turns."""
-        get = self.table.slots.get
         committed, filling = COMMITTED, FILLING
-        out: list[Slot | None] = []
-        redo: list[int] = []
-        for i, ref in enumerate(refs):
-            s = get(ref & 0xFFFF_FFFF) if ref else None
-            if (s is None or s.ref != ref or (s.state != committed and s.state != filling)
-                    or s.doomed or s.ns != ns):
-                if ref and s is None and (ref & 0xFFFF_FFFF) >= self._slot_ids:
-                    raise OutOfRange(f"slot ref {ref:#x} names no slot of this pool")
-                s = None
-                redo.append(i)
-            out.append(s)
+        out, redo = self.table.records.resolve(refs, self.table.slots, ns, committed, filling)
         if redo:
+            for i in redo:
+                if (refs[i] & 0xFFFF_FFFF) >= self._slot_ids:
+                    raise OutOfRange(f"slot ref {refs[i]:#x} names no slot of this pool")
             table = self.table.tables.get(ns, _EMPTY)
             for i in redo:
                 s = table.get(keys[i]) if keys else None

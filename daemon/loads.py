@@ -69,7 +69,7 @@ class Loads:
         slots = self.index.resolve_load(ns, refs, keys)
         if _all_committed(slots):
             found: list[Slot] = slots      # type: ignore[assignment]
-            fut = reg.engine.submit_load(reg.mapped, _offsets(found), blocks)
+            fut = reg.engine.submit_load(reg.mapped, self.index.table.offsets(found), blocks)
             self.index.pin(found)     # before the loop turns: nothing can evict them meanwhile
             return fut, found
         if self.tiering is None:
@@ -95,7 +95,7 @@ class Loads:
             return None
         held: list[Slot] = first        # type: ignore[assignment]
         late = LateOffsets(np.empty(len(refs), np.int64), head)
-        late.offsets[:head] = _offsets(held)
+        late.offsets[:head] = self.index.table.offsets(held)
         fut = reg.engine.submit_load(reg.mapped, late.offsets, blocks, late)
         self.index.pin(held)            # before the loop turns, as ``start``'s
         try:
@@ -107,7 +107,7 @@ class Loads:
             late.fail(Aborted("the load was interrupted"))    # no engine thread waits forever
             raise
         if _all_committed(rest):
-            late.offsets[head:] = _offsets(rest)        # type: ignore[arg-type]
+            late.offsets[head:] = self.index.table.offsets(rest)    # type: ignore[arg-type]
             late.ready()
             self.index.pin(rest)                        # type: ignore[arg-type]
             return fut, held + rest                     # type: ignore[operator]
@@ -162,7 +162,7 @@ class Loads:
             out.set_result(JobResult(0, failed))
             return out
         held = [slots[i] for i in take]   # type: ignore[misc]
-        copy = reg.engine.submit_load(reg.mapped, _offsets(held), blocks[take])
+        copy = reg.engine.submit_load(reg.mapped, self.index.table.offsets(held), blocks[take])
         self.index.pin(held)
         loop = asyncio.get_running_loop()
 
@@ -235,8 +235,8 @@ class Loads:
             take = [j for j, s in enumerate(part)
                     if s is not None and s.state == COMMITTED and not s.doomed]
             if take and not reg.closing:
-                copy = reg.engine.submit_load(reg.mapped, _offsets([part[j] for j in take]),
-                                              blocks[take])
+                offsets = self.index.table.offsets([part[j] for j in take])
+                copy = reg.engine.submit_load(reg.mapped, offsets, blocks[take])
                 nbytes = (await asyncio.wrap_future(copy)).nbytes
             else:
                 take = []
@@ -261,6 +261,3 @@ def _all_committed(slots: list[Slot | None]) -> bool:
     """Whether every block resolved to a committed slot (a load that is one copy)."""
     return all(s is not None and s.state == COMMITTED for s in slots)
 
-
-def _offsets(slots: list[Slot]) -> np.ndarray:
-    return np.fromiter((s.offset for s in slots), np.int64, len(slots))

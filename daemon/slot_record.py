@@ -1,9 +1,10 @@
-"""A pool slot's in-memory record, and the store path's passes over a batch of them.
+"""A pool slot's in-memory record, and the store and load paths' passes over a batch of them.
 
 ``Slot`` says where a block lives and, for the slot table, what state it is in. Two
 implementations with the same fields and passes: ``daemon/_slot_record.c`` where the install
 built it (its ints inline in one object, each pass one C loop: a store job's claims, ends and
-commits touch every slot of the job while the slots are cold, issue 36), else the dataclass and
+commits, and a load's resolve, pins and unpins, touch every slot of the job while the slots
+are cold, issue 36), else the dataclass and
 the Python passes below, which stay the reference. ``RECORDS`` is the one in use; an
 ``Extents`` takes it at construction, and every slot of a pool is of that one kind.
 
@@ -13,6 +14,7 @@ table and the store path keep their rules, and call them where their loops were.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from operator import attrgetter
 from types import SimpleNamespace
@@ -162,6 +164,101 @@ def record_lists(slots: list[Slot]) -> tuple[list[int], list[bytes], list[int]]:
             [s.ref >> 32 for s in slots])
 
 
+def resolve(refs: list[int], by_id: dict[int, Slot], ns: bytes, committed: int, filling: int
+            ) -> tuple[list[Slot | None], list[int]]:
+    """``Index.resolve_load``'s first pass: per ref, the slot it names (``by_id``: slot id ->
+    slot) while that slot still holds it (the same ref, ``committed`` or ``filling``, not
+    doomed, of ``ns``), else None; and the indices of the Nones (0 refs too), for the caller's
+    look by key. Changes nothing."""
+    found: list[Slot | None] = []
+    redo: list[int] = []
+    get = by_id.get
+    for i, ref in enumerate(refs):
+        if not isinstance(ref, int):
+            raise TypeError(f"refs[{i}] is a {type(ref).__name__}, not an int")
+        s = get(ref & 0xFFFF_FFFF) if ref else None
+        if (s is None or s.ref != ref or (s.state != committed and s.state != filling)
+                or s.doomed or s.ns != ns):
+            s = None
+            redo.append(i)
+        found.append(s)
+    return found, redo
+
+
+def leading(table: dict[bytes, Slot], keys: list[bytes], committed: int, filling: int
+            ) -> tuple[list[Slot], list[int]]:
+    """``Index.lookup``'s walk of one key list: the slots (``table``: block hash -> slot) of
+    its keys from the first on while each is held (``committed`` or ``filling``, not doomed),
+    and their refs. Changes nothing."""
+    run = []
+    get = table.get
+    for k in keys:
+        s = get(k)
+        if s is None or (s.state != committed and s.state != filling) or s.doomed:
+            break
+        run.append(s)
+    return run, [s.ref for s in run]
+
+
+def pin(slots: list[Slot], tick: int, newest_use: list[int], committed: int) -> list[Slot]:
+    """``SlotTable.pin``'s pass: one pin more on each slot, each used at ``tick`` (its
+    ``last_use`` and its extent's ``newest_use``). Returns those that left the queues
+    (committed, not doomed, unpinned until now), in order."""
+    _check_extents(slots, newest_use)
+    left = []
+    for s in slots:
+        if not s.pins and s.state == committed and not s.doomed:
+            left.append(s)
+        s.pins += 1
+        s.last_use = newest_use[s.extent] = tick
+    return left
+
+
+def unpin(slots: list[Slot], tick: int, newest_use: list[int], committed: int, free: int,
+          draining: dict[int, object]) -> tuple[list[Slot], list[Slot]]:
+    """``SlotTable.unpin``'s pass: one pin less on each slot. Of those whose last pin went and
+    that are not ``free``: the doomed ones and the committed ones of a ``draining`` extent are
+    to be freed; the other committed ones are used at ``tick`` and evictable again. Returns
+    (evictable, to_free), both in order."""
+    _check_extents(slots, newest_use)
+    evictable: list[Slot] = []
+    to_free: list[Slot] = []
+    for s in slots:
+        s.pins -= 1
+        if s.pins or s.state == free:
+            continue
+        if s.doomed or (s.state == committed and s.extent in draining):
+            to_free.append(s)
+        elif s.state == committed:
+            s.last_use = newest_use[s.extent] = tick
+            evictable.append(s)
+    return evictable, to_free
+
+
+def touch(slots: list[Slot], tick: int, newest_use: list[int]) -> list[Slot]:
+    """``SlotTable.touch``'s pass: each slot used at ``tick``. Returns the unpinned ones
+    (queued: to be made most recently used there), in order."""
+    _check_extents(slots, newest_use)
+    for s in slots:
+        s.last_use = newest_use[s.extent] = tick
+    return [s for s in slots if not s.pins]
+
+
+def offsets(slots: list[Slot]) -> bytearray:
+    """Each slot's pool offset as native int64s, in order."""
+    return bytearray(array("q", map(_OFFSET, slots)))
+
+
+def _check_extents(slots: list[Slot], newest_use: list[int]) -> None:
+    # checked whole before any slot changes, as the compiled passes do
+    if not set(map(type, slots)) <= {Slot}:
+        raise TypeError("a pass's slots must all be slots")
+    for s in slots:
+        if not 0 <= s.extent < len(newest_use):
+            raise IndexError(f"slot {s.id}'s extent {s.extent} is not one of the "
+                             f"{len(newest_use)}")
+
+
 def _same_length(slots: list, other: list, what: str) -> None:
     if len(other) != len(slots):
         raise ValueError(f"{len(other)} {what} for {len(slots)} slots")
@@ -169,15 +266,12 @@ def _same_length(slots: list, other: list, what: str) -> None:
 
 _GENERATION_ONE = 1 << 32
 _NS, _CLASS, _EXTENT = attrgetter("ns"), attrgetter("size_class"), attrgetter("extent")
-_ID, _KEY = attrgetter("id"), attrgetter("key")
+_ID, _KEY, _OFFSET = attrgetter("id"), attrgetter("key"), attrgetter("offset")
 
-PYTHON = SimpleNamespace(name="python", Slot=Slot, make_slots=make_slots, claim=claim, end=end,
-                         commit=commit, evict=evict, batch_of=batch_of,
-                         record_lists=record_lists)
+_PASSES = ("make_slots", "claim", "end", "commit", "evict", "batch_of", "record_lists",
+           "resolve", "leading", "pin", "unpin", "touch", "offsets")
+PYTHON = SimpleNamespace(name="python", Slot=Slot, **{p: globals()[p] for p in _PASSES})
 COMPILED = None if _slot_record is None else SimpleNamespace(
-    name="compiled", Slot=_slot_record.Slot, make_slots=_slot_record.make_slots,
-    claim=_slot_record.claim, end=_slot_record.end, commit=_slot_record.commit,
-    evict=_slot_record.evict, batch_of=_slot_record.batch_of,
-    record_lists=_slot_record.record_lists)
+    name="compiled", Slot=_slot_record.Slot, **{p: getattr(_slot_record, p) for p in _PASSES})
 # What a new pool's slots are made of (tests switch it to run one path or the other).
 RECORDS = COMPILED or PYTHON

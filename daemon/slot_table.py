@@ -14,8 +14,9 @@ Slot lifecycle (Plasma's CREATED → SEALED, with TP)::
   ones, fills on FILLING ones, lower-tier writes. A slot dropped while pinned is *doomed*:
   unreachable at once, freed when the last pin goes.
 - Evictable = COMMITTED, unpinned, not doomed. Exactly those slots sit in their size's LRU queue
-  (and in their namespace's, under a quota): ``_became_evictable`` and ``_left_lru`` are the
-  only places that change the queues, so choosing victims never walks a pinned slot.
+  (and in their namespace's, under a quota): ``_became_evictable``, ``_left_lru`` and their
+  batch form ``_queues`` are the only places that change the queues, so choosing victims never
+  walks a pinned slot.
 - A committed slot leaves visibility in one place, ``_forget``: unmapped from its key, off the
   queues, off its namespace's count, and announced to the watchers (KV events, the lower tiers,
   the shared-memory index).
@@ -24,7 +25,8 @@ Slot lifecycle (Plasma's CREATED → SEALED, with TP)::
 
 Room for new slots is ``daemon/room.py``'s to find; it evicts through ``evict_many``, whose
 records, counts, queues and events of a batch are written together, so a store of 1024 blocks
-on a full pool pays a few C-level passes, not 1024 scans (issue 36).
+on a full pool pays a few C-level passes, not 1024 scans (issue 36). A load's pins and unpins
+and a scheduler's hits are one pass and one call per queue each, likewise.
 
 Runs on the daemon's event loop thread, never blocks: no I/O besides writing slot records into
 the mapped pool.
@@ -37,6 +39,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
+
+import numpy as np
 
 from kvpool.daemon.extents import FILLING, Extents, SizeClass, Slot
 from kvpool.daemon.namespaces import Namespaces
@@ -174,15 +178,8 @@ class SlotTable:
         # its evictable slots queued in one batch (two calls a slot were ~12% of a store job's
         # loop work, bench/investigations/store_job_ab.py)
         ns, cls, extent, _ = self.records.batch_of(slots)
-        for c, group in _by_class(evictable, cls):
-            c.lru.insert_many(map(_ID, group))
-        quota_lrus = self.namespaces.lru
-        if quota_lrus and evictable:
-            per_ns = _per_ns(evictable, ns)
-            for n, _ in per_ns:
-                own = quota_lrus.get(n)
-                if own is not None:
-                    own.insert_many(map(_ID, _in_ns(evictable, n, per_ns)))
+        if evictable:
+            self._queues(evictable, "insert_many", ns, cls)
         blocks = self.namespaces.blocks
         for n, k in _per_ns(slots, ns):
             blocks[n] = blocks.get(n, 0) + k
@@ -196,28 +193,20 @@ class SlotTable:
     def pin(self, slots: list[Slot]) -> None:
         """Hold slots against eviction and reuse (a load copies out of them, a lease was
         given): a use of each block."""
-        tick = self.now_tick()
-        stamp = self.extents.stamp
-        for s in slots:
-            if not s.pins and s.state == COMMITTED and not s.doomed:
-                self._left_lru(s)
-            s.pins += 1
-            stamp(s, tick)
+        left = self.records.pin(slots, self.now_tick(), self.extents.newest_use, COMMITTED)
+        if left:
+            self._queues(left, "remove_many")
 
     def unpin(self, slots: list[Slot]) -> None:
         """Take back one pin of each slot; a slot whose last pin goes is freed if it was
         dropped or hidden meanwhile, else evictable again, most recently used."""
-        tick = self.now_tick()
-        stamp = self.extents.stamp
-        for s in slots:
-            s.pins -= 1
-            if s.pins or s.state == FREE:
-                continue
-            if s.doomed or (s.state == COMMITTED and s.extent in self.extents.draining):
-                self._free_unless_read(s)
-            elif s.state == COMMITTED:
-                stamp(s, tick)
-                self._became_evictable(s)
+        evictable, to_free = self.records.unpin(slots, self.now_tick(), self.extents.newest_use,
+                                                COMMITTED, FREE, self.extents.draining)
+        # (apart: freeing a slot touches no queued one, nor does queueing a freed one)
+        for s in to_free:
+            self._free_unless_read(s)
+        if evictable:
+            self._queues(evictable, "insert_many")
 
     def begin_read(self, slots: list[Slot]) -> None:
         """A lower tier reads committed slots to write them down: their bytes stay until
@@ -234,17 +223,31 @@ class SlotTable:
 
     def touch(self, slots: list[Slot]) -> None:
         """Hits on committed slots: most recently used."""
-        tick = self.now_tick()
-        stamp = self.extents.stamp
+        queued = self.records.touch(slots, self.now_tick(), self.extents.newest_use)
+        if queued:
+            self._queues(queued, "touch_many")
+
+    def offsets(self, slots: list[Slot]) -> np.ndarray:
+        """The slots' pool offsets, as an int64 array a copy engine takes (one pass)."""
+        return np.frombuffer(self.records.offsets(slots), np.int64)
+
+    def _queues(self, slots: list[Slot], op: str, ns: bytes | None = None,
+                cls: SizeClass | None = None) -> None:
+        """``op`` (``insert_many``, ``touch_many``, ``remove_many``) on the eviction queues of
+        ``slots``: their size's, and their namespace's where it has a quota; one call per
+        queue, in the slots' order (a load's per-slot calls were most of its pins' cost).
+        ``ns``, ``cls``: the namespace and size all of them share, where known."""
+        if ns is None or cls is None:
+            ns, cls, _, _ = self.records.batch_of(slots)
+        for c, group in _by_class(slots, cls):
+            getattr(c.lru, op)(map(_ID, group))
         quota_lrus = self.namespaces.lru
-        for s in slots:
-            stamp(s, tick)
-            if not s.pins:
-                s.size_class.lru.touch(s.id)
-                if quota_lrus:
-                    own = quota_lrus.get(s.ns)
-                    if own is not None:
-                        own.touch(s.id)
+        if quota_lrus:
+            per_ns = _per_ns(slots, ns)
+            for n, _ in per_ns:
+                own = quota_lrus.get(n)
+                if own is not None:
+                    getattr(own, op)(map(_ID, _in_ns(slots, n, per_ns)))
 
     # ---- leaving ---------------------------------------------------------------------------
 
@@ -373,18 +376,14 @@ class SlotTable:
                      cls: SizeClass | None = None) -> None:
         """``_forget`` of committed, mapped, unpinned slots, in batches (``ns``, ``cls``: the
         namespace and size all of them share, where known)."""
-        blocks, quota_lrus = self.namespaces.blocks, self.namespaces.lru
+        blocks = self.namespaces.blocks
         per_ns = _per_ns(victims, ns)
         for n, k in per_ns:
-            of_ns = _in_ns(victims, n, per_ns)
             # a committed block is its key's slot
-            deque(map(self.tables[n].__delitem__, map(_BLOCK_HASH, of_ns)), 0)
+            deque(map(self.tables[n].__delitem__, map(_BLOCK_HASH, _in_ns(victims, n, per_ns))),
+                  0)
             blocks[n] -= k
-            own = quota_lrus.get(n)
-            if own is not None:
-                own.remove_many(map(_ID, of_ns))
-        for c, group in _by_class(victims, cls):
-            c.lru.remove_many(map(_ID, group))
+        self._queues(victims, "remove_many", ns, cls)
         for w in self.watchers:
             w.removed(victims)
 

@@ -1,7 +1,9 @@
-"""One store job's event-loop work under two trees, job by job in turn (CPU, issue 36).
+"""One store (or load) job's event-loop work under two trees, job by job in turn (CPU, issue
+36).
 
     python -m bench.investigations.store_job_ab OLD_TREE NEW_TREE [--slots 128] [--jobs 300]
-        [--pool-slots 65536] [--flush-mib 64] [--new-env VAR=VALUE ...] [--out DIR]
+        [--pool-slots 65536] [--flush-mib 64] [--new-env VAR=VALUE ...] [--kind store|load]
+        [--out DIR]
 
 A change to the loop's per-block Python saves a few per cent of a job, and runs of one tree
 after the other on this VM move 10% (``tp_store_cost.py`` alone, three pairs). So each tree
@@ -15,6 +17,14 @@ DMA leaves the slots cold). A tree is a checkout with its C extensions built in 
 (``python setup.py build_ext --inplace``); the worker says which record and index writers it
 got. Prints medians per tree (the first tenth of the jobs not counted) and new / old.
 ``--new-env`` sets variables in the new tree's worker alone: one tree twice weighs a setting.
+
+``--kind load``: a job is what the loop does for a connector's load of ``--slots`` blocks
+stored earlier (one of the last ten batches, on the same full pool): ``touch`` (the hits its
+scheduler read in the shared-memory index, made recent), ``start`` (``resolve_load``, the
+offsets for the engine, the pins) and ``end`` (``end_load``: the unpins), the memory written
+before ``touch`` and before ``end``. ``--kind lease``: what the loop does for the loads of
+``bench/host_scale.py``'s engines instead of the touch: a ``lookup`` with pins (a lease) of
+such a batch, and its ``release``.
 """
 
 from __future__ import annotations
@@ -34,14 +44,15 @@ from pathlib import Path
 
 NS = b"j" * 16
 OWNER = 7
-STEPS = ("open", "end")
+STEPS = {"store": ("open", "end"), "load": ("touch", "start", "end"),
+         "lease": ("lookup", "release")}
 
 
-def worker(slots: int, pool_slots: int, flush_mib: int) -> None:
+def worker(slots: int, pool_slots: int, flush_mib: int, kind: str = "store") -> None:
     """Serve jobs on stdin ("job" lines), one line of step times (ns) each on stdout."""
     import numpy as np
 
-    from kvpool.daemon import index_segment, pool as pool_mod
+    from kvpool.daemon import index_segment, loads as loads_mod, pool as pool_mod
     from kvpool.daemon.index import Index
     from kvpool.daemon.index_segment import IndexSegment, KeyLocations
     from kvpool.daemon.pool import Pool
@@ -60,11 +71,52 @@ def worker(slots: int, pool_slots: int, flush_mib: int) -> None:
         ix.register_namespace(NS, Layout(16, 1, "f16", (128,), "job-ab"))
         ix.table.watch(KeyLocations(segment, ix.namespaces, []))
 
+        stored: list[list[bytes]] = []
+        # (a tree from before the offsets' pass gave its loads numpy's fromiter)
+        offsets = getattr(ix.table, "offsets", None) or getattr(loads_mod, "_offsets")
+
+        def load(timed: bool) -> list[int]:
+            keys = stored[-1 - random.randrange(10)]
+            refs = ix.lookup(NS, [keys], False, OWNER, 0.0)[2][0]
+            out = []
+            found: list = []
+            for step in STEPS["load"]:
+                if timed and flush is not None and step != "start":
+                    flush.fill(len(out))
+                t0 = time.perf_counter_ns()
+                if step == "touch":
+                    ix.touch(NS, keys)
+                elif step == "start":
+                    found = ix.resolve_load(NS, refs, keys)
+                    offsets(found)
+                    ix.pin(found)
+                else:
+                    ix.end_load(found, True)
+                out.append(time.perf_counter_ns() - t0)
+            return out
+
+        def lease(timed: bool) -> list[int]:
+            keys = stored[-1 - random.randrange(10)]
+            out = []
+            leases: list[int] = []
+            for step in STEPS["lease"]:
+                if timed and flush is not None:
+                    flush.fill(len(out))
+                t0 = time.perf_counter_ns()
+                if step == "lookup":
+                    leases = ix.lookup(NS, [keys], True, OWNER, 0.0)[1]
+                else:
+                    ix.release_leases(leases, OWNER)
+                out.append(time.perf_counter_ns() - t0)
+            return out
+
         def job(timed: bool) -> list[int]:
             keys = [secrets.token_bytes(16) for _ in range(slots)]
+            stored.append(keys)
+            del stored[:-10]
             tickets = ix.reserve(NS, slots, OWNER, 0.0)
             out = []
-            for step in STEPS:
+            for step in STEPS["store"]:
                 if timed and flush is not None:
                     flush.fill(len(out))
                 t0 = time.perf_counter_ns()
@@ -79,7 +131,9 @@ def worker(slots: int, pool_slots: int, flush_mib: int) -> None:
 
         while not ix.table.stats.evictions:                # full before the first timed job
             job(False)
-        job(False)
+        for _ in range(10):
+            job(False)
+        job = {"load": load, "lease": lease}.get(kind, job)   # noqa: F811
         writers = {"records": "compiled" if getattr(pool_mod, "_pool_records", None) is not None
                    else "numpy",
                    "index": "compiled" if getattr(index_segment, "_index_writer", None)
@@ -125,8 +179,10 @@ def main() -> None:
     ap.add_argument("--new-env", nargs="*", default=[], metavar="VAR=VALUE",
                     help="set in the new tree's worker only (e.g. an allocator setting: give "
                          "the same tree twice to weigh it)")
+    ap.add_argument("--kind", choices=sorted(STEPS), default="store")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = ap.parse_args()
+    steps = STEPS[args.kind]
     names = ("old", "new")
     work = Path(tempfile.mkdtemp(prefix="kvpool-job-ab-"))
     procs = {}
@@ -137,7 +193,7 @@ def main() -> None:
                 env.update(v.split("=", 1) for v in args.new_env)
             procs[name] = subprocess.Popen(
                 [sys.executable, __file__, "--worker", str(args.slots), str(args.pool_slots),
-                 str(args.flush_mib)], env=env, cwd=work, text=True,
+                 str(args.flush_mib), args.kind], env=env, cwd=work, text=True,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         setup = {n: json.loads(answer(n, p)) for n, p in procs.items()}
         times: dict[str, list[list[int]]] = {n: [] for n in names}
@@ -155,9 +211,9 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     skip = args.jobs // 10
     med = {n: {step: statistics.median(t[i] for t in times[n][skip:]) / 1e3
-               for i, step in enumerate(STEPS)} for n in names}
+               for i, step in enumerate(steps)} for n in names}
     for n in names:
-        med[n]["job"] = sum(med[n][s] for s in STEPS)
+        med[n]["job"] = sum(med[n][s] for s in steps)
     result = {"trees": {n: str(t) for n, t in zip(names, args.trees)}, "setup": setup,
               "new_env": args.new_env,
               "args": {k: v for k, v in vars(args).items()
@@ -167,12 +223,12 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"store-job-ab-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
+        (args.out / f"{args.kind}-job-ab-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
             json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(*map(int, sys.argv[2:5]))
+        worker(*map(int, sys.argv[2:5]), *sys.argv[5:6])
     else:
         main()

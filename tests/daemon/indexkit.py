@@ -130,12 +130,16 @@ def store_state(ix, base: int):
 
 def drive_random_stores(ix, seed: int) -> None:
     """A random mix of stores on a small pool: fresh keys and keys held already, TP2 blocks
-    whose second rank lands later or never, failed jobs, leases; evictions throughout."""
+    whose second rank lands later or never, failed jobs, leases, loads (their refs found,
+    stale or 0, pinned for a while) and hits read from the shared index; evictions
+    throughout."""
     rng = random.Random(seed)
     universe = keys(400, b"u")
     open_tp2: list = []
+    loading: list = []
     now = 0.0
     for step in range(300):
+        _random_loads(ix, rng, universe, loading, now)
         now += 0.01
         ns, layout = rng.choice([(NS_SMALL, SMALL), (NS_BIG, BIG), (NS_TP2, TP2)])
         n = rng.choice([1, 2, 5, 16, 40]) if ns != NS_BIG else rng.choice([1, 2, 5, 16])
@@ -159,3 +163,25 @@ def drive_random_stores(ix, seed: int) -> None:
                 ix.release_leases(leases, OWNER)
         if step % 50 == 49:
             ix.expire(now + 100)
+    for slots in loading:
+        ix.end_load(slots, True)
+
+
+def _random_loads(ix, rng, universe, loading, now):
+    """``drive_random_stores``'s loads and hits: a load of four keys by the refs a lookup gave
+    (one made stale at times: found again by key; past the hits, 0), its slots pinned until a
+    later step ends it; hits of a scheduler's index read made recent."""
+    ns = rng.choice([NS_SMALL, NS_BIG, NS_TP2])
+    if rng.random() < 0.3:
+        ks = rng.sample(universe, 4)
+        refs = ix.lookup(ns, [ks], False, OWNER, now)[2][0]
+        refs = refs + [0] * (len(ks) - len(refs))
+        if refs[0] and rng.random() < 0.3:
+            refs[0] += 1 << 32
+        found = [s for s in ix.resolve_load(ns, refs, ks) if s is not None]
+        ix.pin(found)
+        loading.append(found)
+    if loading and rng.random() < 0.3:
+        ix.end_load(loading.pop(rng.randrange(len(loading))), rng.random() < 0.9)
+    if rng.random() < 0.2:
+        ix.touch(ns, rng.sample(universe, 5))

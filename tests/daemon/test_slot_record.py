@@ -1,6 +1,6 @@
 """A pool slot's record and its batch passes (daemon/slot_record.py, daemon/_slot_record.c):
-the compiled record and the Python one do the same to the same slots, and the whole store path
-ends in one state on either."""
+the compiled record and the Python one do the same to the same slots, and the whole store and
+load path ends in one state on either."""
 
 import gc
 
@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from kvpool.daemon import slot_record
-from kvpool.daemon.index import Index
+from kvpool.daemon.index import FILLING, Index
 from kvpool.daemon.pool import COMMITTED, FREE, WRITING, Pool
 from tests.daemon.indexkit import (BIG, NS_BIG, NS_SMALL, NS_TP2, SMALL, TP2,
                                    drive_random_stores, records_match_slots, store_state)
@@ -107,6 +107,97 @@ def test_what_a_batch_shares_is_read_alike_on_both_records(compiled_slot_record)
     assert python == compiled
     assert python[0] == (NS, "cls", 3, 1) and python[2] == (None, None, -1, 1)
     assert python[3] == (None, None, -1, 0)
+
+
+def test_the_load_passes_do_the_same_to_the_same_slots(compiled_slot_record):
+    """resolve (held, stale generation, filling, free, doomed, another namespace, 0, an id no
+    slot has, refs past 64 bits and negative), pin, touch and unpin (last pins, doomed, a
+    draining extent, free, pinned twice in one batch) and the offsets, on both kinds: the same
+    answers and every field and extent stamp equal after each pass."""
+    out = []
+    for records in _both():
+        slots = _slots(records) + records.make_slots(68, 2, 8192, 512, "cls", [0, 0])
+        for i, s in enumerate(slots):
+            s.state, s.ns = COMMITTED, NS
+        slots[1].state = FILLING
+        slots[2].state = FREE
+        slots[3].doomed = True
+        slots[5].ns = b"m" * 16
+        by_id = {s.id: s for s in slots}
+        refs = [s.ref for s in slots] + [slots[0].ref + (1 << 32), 0, 999, 1 << 70, -5,
+                                         (1 << 64) + slots[0].id]
+        found, redo = records.resolve(refs, by_id, NS, COMMITTED, FILLING)
+        seen = [([None if s is None else s.id for s in found], redo)]
+        newest = [0] * 3
+        seen.append(([s.id for s in records.pin(slots + slots[:1], 7, newest, COMMITTED)],
+                     newest[:], [_fields(s)[5:] for s in slots]))
+        seen.append(([s.id for s in records.touch(slots[4:] + slots[:1], 8, newest)],
+                     newest[:], [_fields(s)[5:] for s in slots]))
+        slots[4].pins += 1
+        evictable, to_free = records.unpin(slots, 9, newest, COMMITTED, FREE, {2: "new size"})
+        seen.append(([s.id for s in evictable], [s.id for s in to_free], newest[:],
+                     [_fields(s)[5:] for s in slots]))
+        evictable, to_free = records.unpin(slots[:1] + slots[4:5], 10, newest, COMMITTED, FREE,
+                                           {})
+        seen.append(([s.id for s in evictable], [s.id for s in to_free], newest[:],
+                     [_fields(s)[5:] for s in slots]))
+        seen.append([s.id for s in records.touch(slots, 11, newest)])
+        seen.append(bytes(records.offsets(slots)))
+        out.append(seen)
+    python, compiled = out
+    for step, (p, c) in enumerate(zip(python, compiled)):
+        assert p == c, f"pass {step} differs: python {p} / compiled {c}"
+    held, redo = python[0]
+    assert held[:6] == [64, 65, None, None, 68, None] and redo == [2, 3, 5, 6, 7, 8, 9, 10, 11]
+    assert python[1][0] == [64, 68, 69] and python[2][0] == []      # (pinned: not queued)
+    assert python[3][:2] == ([], [67, 69]) and python[4][:2] == ([64, 68], [])
+
+
+def test_a_lookups_walk_is_alike_on_both_records(compiled_slot_record):
+    """``leading``: held slots from the first key on (committed and filling), up to the first
+    key missing, free, doomed or writing; the same slots and refs on both kinds."""
+    out = []
+    for records in _both():
+        slots = records.make_slots(0, 0, 0, 64, "cls", [3, 4, 5, 6, 7])
+        table = {b"h%d" % i: s for i, s in enumerate(slots)}
+        for s, state in zip(slots, (COMMITTED, FILLING, COMMITTED, WRITING, COMMITTED)):
+            s.state = state
+        walks = [records.leading(table, [b"h0", b"h1", b"h2", b"h3", b"h4"], COMMITTED,
+                                 FILLING),
+                 records.leading(table, [b"h4", b"nope", b"h0"], COMMITTED, FILLING),
+                 records.leading(table, [], COMMITTED, FILLING)]
+        slots[0].doomed = True
+        walks.append(records.leading(table, [b"h0", b"h1"], COMMITTED, FILLING))
+        out.append([([s.id for s in run], refs) for run, refs in walks])
+    python, compiled = out
+    assert python == compiled
+    assert python[0] == ([0, 1, 2], [(3 << 32) | 0, (4 << 32) | 1, (5 << 32) | 2])
+    assert python[1] == ([4], [(7 << 32) | 4]) and python[2] == python[3] == ([], [])
+
+
+@pytest.mark.parametrize("bad, error", [
+    ("not a slot", TypeError),
+    ("extent", IndexError),
+])
+@pytest.mark.parametrize("pass_name", ["pin", "unpin", "touch"])
+def test_a_bad_load_pass_raises_and_changes_no_slot(slot_records, pass_name, bad, error):
+    slots = _slots(slot_records)
+    newest = [0] * 2
+    if bad == "extent":
+        batch = slots + slot_records.make_slots(80, 2, 0, 512, "cls", [0])
+    else:
+        batch = slots[:2] + [object()] + slots[2:]
+    before = [_fields(s) for s in slots]
+    args = {"pin": (batch, 3, newest, COMMITTED), "touch": (batch, 3, newest),
+            "unpin": (batch, 3, newest, COMMITTED, FREE, {})}[pass_name]
+    with pytest.raises(error):
+        getattr(slot_records, pass_name)(*args)
+    assert [_fields(s) for s in slots] == before and newest == [0, 0]
+
+
+def test_resolve_names_a_ref_that_is_not_an_int(slot_records):
+    with pytest.raises(TypeError, match=r"refs\[1\] is a str"):
+        slot_records.resolve([0, "7"], {}, NS, COMMITTED, FILLING)
 
 
 def test_a_claim_past_the_last_generation_starts_again_at_the_slot_id(slot_records):
