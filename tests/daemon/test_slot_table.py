@@ -1,13 +1,14 @@
 """The slot table (daemon/slot_table.py) through the index on real (small) shm pools: the work
-victim choice does per slot allocated, and the batch and one-by-one binds ending in one state."""
+victim choice does per slot allocated, the batch and one-by-one binds ending in one state, and
+the queues' order through loads and hits."""
 
 import msgspec
 import pytest
 
 from kvpool.daemon.index import Index
 from kvpool.daemon.pool import FREE, Pool
-from tests.daemon.indexkit import (BIG, NOT_STORED, NS_BIG, NS_SMALL, NS_TP2, OWNER, SMALL,
-                                   TP2, drive_random_stores, keys, make_index,
+from tests.daemon.indexkit import (BIG, NOT_STORED, NS_A, NS_BIG, NS_SMALL, NS_TP2, OWNER,
+                                   SMALL, TP2, drive_random_stores, keys, make_index,
                                    records_match_slots, store, store_state)
 
 
@@ -117,3 +118,34 @@ def test_every_slot_a_claim_takes_holds_nothing_the_claim_does_not_write(pool_co
         assert claimed and ix.table.stats.evictions > 0, "the drive should reuse evicted slots"
     finally:
         pool.close(unlink=True)
+
+
+def test_loads_and_hits_keep_both_queues_in_use_order(pool, slot_records):
+    """A load's pins take its slots out of their size's queue and their namespace's (under a
+    quota); its unpins put them back as most recently used, in the order unpinned; hits move
+    unpinned slots to the back and leave pinned ones out; slots pinned twice come back with
+    their last pin only. Both queues agree with the order of use throughout."""
+    ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
+    ix.register_namespace(NS_A, SMALL, quota_bytes=8 * SMALL.slot_bytes)
+    ks = keys(6, b"q")
+    refs = [store(ix, NS_A, [k])[0] for k in ks]
+    by_key = dict(zip(ks, (ix.table.slots[r & 0xFFFF_FFFF].id for r in refs)))
+
+    def queues():
+        size = list(ix.table.slots[by_key[ks[0]]].size_class.lru)
+        own = list(ix.namespaces.lru[NS_A])
+        assert size == own, "the namespace's queue left its size's order"
+        return [k for i in size for k in ks if by_key[k] == i]
+
+    assert queues() == ks
+    loading = ix.resolve_load(NS_A, refs[1:4], ks[1:4])
+    ix.pin(loading)
+    ix.pin(loading[:1])                                   # q1 twice (a lease and a load)
+    assert queues() == [ks[0], ks[4], ks[5]]
+    ix.touch(NS_A, [ks[5], ks[2], ks[0]])                 # q2 is pinned: not queued
+    assert queues() == [ks[4], ks[5], ks[0]]
+    ix.end_load(loading[::-1], True)                      # q3, q2 back; q1 still pinned once
+    assert queues() == [ks[4], ks[5], ks[0], ks[3], ks[2]]
+    ix.unpin(loading[:1])
+    assert queues() == [ks[4], ks[5], ks[0], ks[3], ks[2], ks[1]]
+    assert [s.pins for s in loading] == [0, 0, 0]
