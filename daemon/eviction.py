@@ -45,7 +45,8 @@ class OrderedLru:
 
     __slots__ = ("_order", "examined")
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0) -> None:
+        # (``capacity``: the ids the compiled queue sizes its arrays for; nothing to size here)
         self._order: OrderedDict[int, None] = OrderedDict()
         self.examined = 0
 

@@ -64,7 +64,10 @@ class Extents:
     def size_class(self, slot_bytes: int) -> SizeClass:
         cls = self.classes.get(slot_bytes)
         if cls is None:
-            cls = self.classes[slot_bytes] = SizeClass(slot_bytes)
+            # (its queue sized for every slot id once: growing it inside a store's commits
+            # held the loop for milliseconds, daemon/_lru.c)
+            ids = self.pool.geometry.num_extents * self.pool.slot_id_stride
+            cls = self.classes[slot_bytes] = SizeClass(slot_bytes, lru=LruPolicy(ids))
         return cls
 
     def adopt(self) -> list[tuple[SizeClass, list[Slot]]]:

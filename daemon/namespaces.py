@@ -62,7 +62,8 @@ class Namespaces:
         if caps:
             self.quota[ns] = min(caps)
             if ns not in self.lru:
-                lru = self.lru[ns] = LruPolicy()
+                lru = self.lru[ns] = LruPolicy(self.pool.geometry.num_extents
+                                               * self.pool.slot_id_stride)
                 lru.insert_many(evictable or ())
         else:
             self.quota.pop(ns, None)

@@ -67,12 +67,13 @@ def test_choosing_n_victims_examines_n_entries_whatever_else_the_queue_holds(Lru
     assert lru.examined == 5
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_both_queues_agree_through_random_operations(compiled_lru, seed):
+@pytest.mark.parametrize("seed, capacity", [(1, 0), (2, 0), (3, 0), (4, 50_000), (5, 200_000)])
+def test_both_queues_agree_through_random_operations(compiled_lru, seed, capacity):
     """Inserts (new and queued), touches, removals, batches and queries at random, ids spread
-    far apart (the compiled queue's arrays grow): the same order, length and answers."""
+    far apart (the compiled queue's arrays grow, from nothing or from the capacity it was made
+    with, or are sized for every id at once): the same order, length and answers."""
     rng = random.Random(seed)
-    ours, ref = compiled_lru.LruPolicy(), eviction.OrderedLru()
+    ours, ref = compiled_lru.LruPolicy(capacity), eviction.OrderedLru(capacity)
     ids = [rng.randrange(200_000) for _ in range(400)]
     for step in range(3000):
         op = rng.choice(["insert", "insert_many", "touch", "touch_many", "remove",
@@ -99,3 +100,20 @@ def test_the_compiled_queue_refuses_what_is_no_slot_id(compiled_lru):
         with pytest.raises(error):
             lru.insert(bad)
     assert len(lru) == 0 and -1 not in lru and "7" not in lru
+
+
+def test_the_pools_queues_are_sized_for_every_slot_id_at_once(pool, compiled_lru, monkeypatch):
+    """A size's queue and a quota namespace's are made with room for every slot id of the pool:
+    no growth (milliseconds with the GIL held at a million ids) inside a store's commits."""
+    from kvpool.daemon.index import Index
+    from tests.daemon.indexkit import NS_A, SMALL
+    monkeypatch.setattr(eviction, "LruPolicy", compiled_lru.LruPolicy)
+    monkeypatch.setattr("kvpool.daemon.extents.LruPolicy", compiled_lru.LruPolicy)
+    monkeypatch.setattr("kvpool.daemon.namespaces.LruPolicy", compiled_lru.LruPolicy)
+    ids = pool.geometry.num_extents * pool.slot_id_stride
+    ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
+    ix.register_namespace(NS_A, SMALL, quota_bytes=4 * SMALL.slot_bytes)
+    assert ix.extents.size_class(SMALL.slot_bytes).lru.capacity == ids
+    assert ix.namespaces.lru[NS_A].capacity == ids
+    with pytest.raises(ValueError):
+        compiled_lru.LruPolicy(-1)
