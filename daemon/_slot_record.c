@@ -636,6 +636,12 @@ static PyObject *batch_of(PyObject *self, PyObject *arg)
 
 /* ---- the load path's passes (a load job and the hits and leases before it) --------------- */
 
+/* whether a mapped slot still holds its block for a reader: committed or filling, not doomed */
+static inline int holds(SlotObject *s, int committed, int filling)
+{
+    return (s->state == committed || s->state == filling) && !s->doomed;
+}
+
 /* ``newest_use`` as a list with room for every slot's extent (checked before any change). */
 static int check_extents(PyObject **slot, Py_ssize_t n, PyObject *newest_use)
 {
@@ -742,8 +748,7 @@ static PyObject *resolve(PyObject *self, PyObject *args)
         int held = 0;
         if (s != NULL && !overflow && Py_IS_TYPE(s, &SlotType)) {
             SlotObject *slot = AS_SLOT(s);
-            held = slot->ref == value && (slot->state == committed || slot->state == filling)
-                   && !slot->doomed;
+            held = slot->ref == value && holds(slot, committed, filling);
             if (held && slot->ns != ns) {
                 held = PyObject_RichCompareBool(slot->ns, ns, Py_EQ);
                 if (held < 0)
@@ -805,7 +810,7 @@ static PyObject *leading(PyObject *self, PyObject *args)
             goto fail;
         }
         SlotObject *slot = AS_SLOT(s);
-        if ((slot->state != committed && slot->state != filling) || slot->doomed)
+        if (!holds(slot, committed, filling))
             break;
         PyObject *ref = PyLong_FromLongLong(slot->ref);
         if (ref == NULL || PyList_Append(run, s) < 0 || PyList_Append(refs, ref) < 0) {

@@ -5,7 +5,8 @@ slot table, what state it is in), the size classes (a slot size's extents, free 
 queue) and the extent table's in-memory side: which extent serves which size, which are free,
 which are being drained for another size, and when each extent was last used. It never changes
 a slot's state, key or pins and never decides what to evict: the slot table
-(``daemon/slot_table.py``) does, and hands freed slots back here (``release``). Runs on the daemon's event loop thread, never blocks.
+(``daemon/slot_table.py``) does, and hands freed slots back here (``release``). Runs on the
+daemon's event loop thread, never blocks.
 
 Draining an extent for another size: an extent goes to another slot size only when all of it is
 free. A busy model nearly always has some block being written or read in every one of its
@@ -66,8 +67,8 @@ class Extents:
         if cls is None:
             # (its queue sized for every slot id once: growing it inside a store's commits
             # held the loop for milliseconds, daemon/_lru.c)
-            ids = self.pool.geometry.num_extents * self.pool.slot_id_stride
-            cls = self.classes[slot_bytes] = SizeClass(slot_bytes, lru=LruPolicy(ids))
+            cls = self.classes[slot_bytes] = SizeClass(slot_bytes,
+                                                       lru=LruPolicy(self.pool.slot_ids))
         return cls
 
     def adopt(self) -> list[tuple[SizeClass, list[Slot]]]:
@@ -137,10 +138,6 @@ class Extents:
             else:
                 for e, c in _per_extent(slots).items():
                     counts[e] += c
-
-    def stamp(self, s: Slot, tick: int) -> None:
-        s.last_use = tick
-        self.newest_use[s.extent] = tick
 
     def put_free(self, cls: SizeClass, slots: list[Slot]) -> None:
         """Adopted free slots onto ``cls``'s free list, the first popped first."""

@@ -73,7 +73,6 @@ class Index:
         self.stats = LookupStats()
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
-        self._slot_ids = pool.geometry.num_extents * pool.slot_id_stride
 
     # ---- namespaces and stores (the parts' own calls, for the server) ----------------------
 
@@ -224,7 +223,7 @@ class Index:
         out, redo = self.table.records.resolve(refs, self.table.slots, ns, committed, filling)
         if redo:
             for i in redo:
-                if (refs[i] & 0xFFFF_FFFF) >= self._slot_ids:
+                if (refs[i] & 0xFFFF_FFFF) >= self.pool.slot_ids:
                     raise OutOfRange(f"slot ref {refs[i]:#x} names no slot of this pool")
             table = self.table.tables.get(ns, _EMPTY)
             for i in redo:
@@ -261,8 +260,7 @@ class Index:
         out = []
         for ref in refs:
             s = self.table.slots.get(ref & 0xFFFF_FFFF)
-            if s is None and not (ref & 0xFFFF_FFFF) < self.pool.geometry.num_extents * \
-                    self.pool.slot_id_stride:
+            if s is None and (ref & 0xFFFF_FFFF) >= self.pool.slot_ids:
                 raise OutOfRange(f"slot ref {ref:#x} names no slot of this pool")
             if (s is None or s.ref != ref or (s.state != COMMITTED and s.state != FILLING)
                     or s.doomed or s.ns != ns):

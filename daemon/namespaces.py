@@ -62,8 +62,7 @@ class Namespaces:
         if caps:
             self.quota[ns] = min(caps)
             if ns not in self.lru:
-                lru = self.lru[ns] = LruPolicy(self.pool.geometry.num_extents
-                                               * self.pool.slot_id_stride)
+                lru = self.lru[ns] = LruPolicy(self.pool.slot_ids)
                 lru.insert_many(evictable or ())
         else:
             self.quota.pop(ns, None)

@@ -222,6 +222,7 @@ class Pool:
         # Slot ids are extent * records_per_extent + index: dense, so they fit the 32 bits of
         # a slot ref for any pool of fewer than 2**32 records (1 PiB of 256 MiB extents).
         self.slot_id_stride = g.records_per_extent
+        self.slot_ids = g.num_extents * g.records_per_extent     # ids are below this
         # A slot id is also its record's position in the record table, so the index's writes
         # address one array by id: no per-extent lookup, and a batch is one fancy-index write
         # per field. Field views made once (making one costs about a microsecond).

@@ -4,9 +4,9 @@
 implementations with the same fields and passes: ``daemon/_slot_record.c`` where the install
 built it (its ints inline in one object, each pass one C loop: a store job's claims, ends and
 commits, and a load's resolve, pins and unpins, touch every slot of the job while the slots
-are cold, issue 36), else the dataclass and
-the Python passes below, which stay the reference. ``RECORDS`` is the one in use; an
-``Extents`` takes it at construction, and every slot of a pool is of that one kind.
+are cold, issue 36), else the dataclass and the Python passes below, which stay the
+reference. ``RECORDS`` is the one in use; an ``Extents`` takes it at construction, and every
+slot of a pool is of that one kind.
 
 The passes change only the slots given (and ``end``'s ``bound``, ``commit``'s maps): the slot
 table and the store path keep their rules, and call them where their loops were.

@@ -14,9 +14,9 @@ Slot lifecycle (Plasma's CREATED → SEALED, with TP)::
   ones, fills on FILLING ones, lower-tier writes. A slot dropped while pinned is *doomed*:
   unreachable at once, freed when the last pin goes.
 - Evictable = COMMITTED, unpinned, not doomed. Exactly those slots sit in their size's LRU queue
-  (and in their namespace's, under a quota): ``_became_evictable``, ``_left_lru`` and their
-  batch form ``_queues`` are the only places that change the queues, so choosing victims never
-  walks a pinned slot.
+  (and in their namespace's, under a quota): ``_queues`` (a batch) and ``_left_lru`` (one slot,
+  queued or not) are the only places that change the queues, so choosing victims never walks a
+  pinned slot.
 - A committed slot leaves visibility in one place, ``_forget``: unmapped from its key, off the
   queues, off its namespace's count, and announced to the watchers (KV events, the lower tiers,
   the shared-memory index).
@@ -122,11 +122,11 @@ class SlotTable:
                         rec["state"] = FREE
                     free.append(slot)
             self.extents.put_free(cls, free)
-            tick = self.now_tick()
-            for s in adopted:
-                self.extents.stamp(s, tick)
-                self._count_bytes(s.ns, cls.slot_bytes)
-                self._became_evictable(s)
+            if adopted:
+                # each used now, and evictable (nothing pins an adopted block)
+                self.records.touch(adopted, self.now_tick(), self.extents.newest_use)
+                self._count_bytes_many(adopted, cls.slot_bytes)
+                self._queues(adopted, "insert_many", cls=cls)
             for ns, k in _per_ns(adopted):
                 self.namespaces.blocks[ns] = self.namespaces.blocks.get(ns, 0) + k
             kept += len(adopted)
@@ -333,14 +333,6 @@ class SlotTable:
         return len(self.writing) + len(self.filling), committed, used
 
     # ---- the rules -------------------------------------------------------------------------
-
-    def _became_evictable(self, s: Slot) -> None:
-        s.size_class.lru.insert(s.id)
-        quota_lrus = self.namespaces.lru
-        if quota_lrus:
-            own = quota_lrus.get(s.ns)
-            if own is not None:
-                own.insert(s.id)
 
     def _free_unless_read(self, s: Slot) -> None:
         """Free ``s`` now, or (doomed) when the lower tier reading it is done."""

@@ -92,7 +92,7 @@ class StorePath:
         self.write_timeout_s = write_timeout_s
         self.reserve_ttl_s = reserve_ttl_s
         self.defer_claims = defer_claims      # False: claims at once (tests compare the two)
-        self.tickets = Tickets(pool.geometry.num_extents * pool.slot_id_stride)
+        self.tickets = Tickets(pool.slot_ids)
         # Ticket refs a first rank bound -> the slot or void later ranks must get, until the
         # slot commits, or is freed (then its ``ticket`` no longer names the ref).
         self.bound: dict[int, Slot] = {}
