@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Callable
 
 import msgspec
 
-from kvpool.daemon.index import COMMITTED, Index, Slot
+from kvpool.daemon.index import COMMITTED, FILLING, Index, Slot
 from kvpool.daemon.tier import LowerTier, TierEvents
 from kvpool.shared.protocol import TierInfo
 

@@ -91,6 +91,30 @@ def test_a_lookup_past_the_pool_counts_a_tier_run_larger_than_the_pool(pool):
     asyncio.run(run())
 
 
+def test_a_lookup_past_the_pool_stops_at_a_block_being_written_and_counts_a_filling_one(pool):
+    """Past the pool's run, a block the pool is still writing is not a hit (and a lower tier
+    that lacks it ends the run there), while one the pool is filling from a tier counts with
+    its slot's ref. (The walk once named FILLING without importing it, and a block being
+    written past the run raised NameError.)"""
+    ks = keys(6)
+    disk = FakeTier("disk", {NS + k for k in ks[3:5]})
+    ix, t = setup(pool, disk, FakeTier("remote"))
+
+    async def run():
+        store(ix, ks[:1])
+        ix.begin_store(NS, ix.reserve(NS, 1, 1, 0), ks[1:2], 0)        # WRITING, not ended
+        assert ix.lookup(NS, [ks], False, 1, 0.0, t.held_past)[0] == [1]
+        assert t.held_past(NS, ks, 1) == []
+        store(ix, ks[2:3])
+        filling, out_of_room = t.fetch(NS, ks[3:4], 0.0)
+        assert not out_of_room and filling[0] is not None
+        # from ks[2] on: the pool's ks[2], the FILLING ks[3] by its ref, the disk's ks[4]
+        refs = t.held_past(NS, ks, 2)
+        assert refs[:2] == [ix.table.tables[NS][ks[2]].ref, filling[0].ref] and refs[2:] == [0]
+        await asyncio.sleep(0)
+    asyncio.run(run())
+
+
 def test_no_probe_when_the_pool_and_disk_hold_everything(pool):
     ks = keys(4)
     disk = FakeTier("disk", {NS + k for k in ks[1:]})
