@@ -19,6 +19,8 @@
 #include <structmember.h>
 #include <stddef.h>
 
+#include "_key_shard.h"
+
 typedef struct {
     PyObject_HEAD
     long long id;
@@ -777,17 +779,19 @@ fail:
 }
 
 PyDoc_STRVAR(leading_doc,
-"leading(table, keys, committed, filling) -> (run, refs)\n\n"
-"Index.lookup's walk of one key list: the slots (table: block hash -> slot) of its keys from\n"
-"the first on while each is held (committed or filling, not doomed), and their refs.\n"
-"Changes nothing.");
+"leading(shards, keys, committed, filling) -> (run, refs)\n\n"
+"Index.lookup's walk of one key list: the slots (shards: a key table's dicts, block hash ->\n"
+"slot, daemon/key_table.py) of its keys from the first on while each is held (committed or\n"
+"filling, not doomed), and their refs. Changes nothing.");
 
 static PyObject *leading(PyObject *self, PyObject *args)
 {
-    PyObject *table, *keys_arg;
+    PyObject *shards, *keys_arg;
     int committed, filling;
-    if (!PyArg_ParseTuple(args, "O!Oii", &PyDict_Type, &table, &keys_arg, &committed,
+    if (!PyArg_ParseTuple(args, "O!Oii", &PyTuple_Type, &shards, &keys_arg, &committed,
                           &filling))
+        return NULL;
+    if (key_shards_check(shards) < 0)
         return NULL;
     PyObject *keys = PySequence_Fast(keys_arg, "the keys must be a sequence");
     if (keys == NULL)
@@ -798,7 +802,12 @@ static PyObject *leading(PyObject *self, PyObject *args)
     if (run == NULL || refs == NULL)
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *s = PyDict_GetItemWithError(table, key[i]);
+        if (i % 64 == 0)
+            key_shards_prefetch(shards, key + i, n - i);
+        PyObject *shard = key_shard(shards, key[i]);
+        if (shard == NULL)
+            goto fail;
+        PyObject *s = PyDict_GetItemWithError(shard, key[i]);
         if (s == NULL) {
             if (PyErr_Occurred())
                 goto fail;

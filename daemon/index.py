@@ -23,10 +23,12 @@ so tests control it.
 from __future__ import annotations
 
 import itertools
+from operator import attrgetter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.daemon.extents import FILLING, Extents, SizeClass, Slot
+from kvpool.daemon.key_table import EMPTY
 from kvpool.daemon.namespaces import Namespaces
 from kvpool.daemon.pool import COMMITTED, Pool
 from kvpool.daemon.room import Room
@@ -80,8 +82,8 @@ class Index:
         """See ``Namespaces.register``: the namespace's evictable blocks seed a new quota's
         queue."""
         evictable = [s.id for s in sorted(
-            (s for s in self.table.tables.get(ns, {}).values()
-             if s.state == COMMITTED and not s.pins), key=lambda s: s.last_use)]
+            (s for s in self.table.tables.get(ns, EMPTY).values()
+             if s.state == COMMITTED and not s.pins), key=_USE_ORDER)]
         self.namespaces.register(ns, layout, quota_bytes, evictable)
 
     def reserve(self, ns: bytes, count: int, owner: int, now: float) -> list[int]:
@@ -130,14 +132,14 @@ class Index:
         hit run under a new lease. Hits become most recently used. ``beyond(ns, keys, n)``
         (the lower tiers' ``held_past``) extends a list's run past its first ``n`` with refs
         that are neither pinned nor touched (0: a lower tier holds the block)."""
-        table = self.table.tables.get(ns, _EMPTY)
+        shards = self.table.tables.get(ns, EMPTY).shards
         walk = self.table.records.leading
         hits, leases, refs = [], [], []
         found: list[Slot] = []
         n_keys = n_beyond = 0
         committed, filling = COMMITTED, FILLING
         for keys in key_lists:
-            run, run_refs = walk(table, keys, committed, filling)
+            run, run_refs = walk(shards, keys, committed, filling)
             more = beyond(ns, keys, len(run)) if beyond is not None else []
             hits.append(len(run) + len(more))
             n_keys += len(keys)
@@ -159,8 +161,8 @@ class Index:
     def touch(self, ns: bytes, hashes: list[bytes]) -> int:
         """Hits a scheduler read in the shared-memory index: those the pool still holds
         become most recently used, as a round-trip lookup's would. Returns how many."""
-        get = self.table.tables.get(ns, _EMPTY).get
-        held = [s for s in map(get, hashes) if s is not None and s.state == COMMITTED]
+        found = self.table.tables.get(ns, EMPTY).find(hashes)
+        held = [s for s in found if s is not None and s.state == COMMITTED]
         self.table.touch(held)
         return len(held)
 
@@ -189,7 +191,7 @@ class Index:
     def leading(self, ns: bytes, keys: list[bytes]) -> int:
         """How many of ``keys``, from the first on, a lookup would count as hits now
         (COMMITTED or FILLING). Changes nothing."""
-        get = self.table.tables.get(ns, _EMPTY).get
+        get = self.table.tables.get(ns, EMPTY).get
         n = 0
         for k in keys:
             s = get(k)
@@ -200,8 +202,12 @@ class Index:
 
     def committed_hashes(self, ns: bytes) -> list[bytes]:
         """Block hashes of the committed blocks of ``ns`` (for the KV event feed of an engine
-        that starts or stops being able to load them). O(blocks of ns)."""
-        return [h for h, s in self.table.tables.get(ns, _EMPTY).items() if s.state == COMMITTED]
+        that starts or stops being able to load them), least recently used first; a job's
+        blocks share their last use and, from a fresh extent, come in its order by slot id.
+        O(blocks of ns)."""
+        held = [s for s in self.table.tables.get(ns, EMPTY).values() if s.state == COMMITTED]
+        held.sort(key=_USE_ORDER)
+        return [s.block_hash for s in held]
 
     @property
     def lease_count(self) -> int:
@@ -225,7 +231,7 @@ class Index:
             for i in redo:
                 if (refs[i] & 0xFFFF_FFFF) >= self.pool.slot_ids:
                     raise OutOfRange(f"slot ref {refs[i]:#x} names no slot of this pool")
-            table = self.table.tables.get(ns, _EMPTY)
+            table = self.table.tables.get(ns, EMPTY)
             for i in redo:
                 s = table.get(keys[i]) if keys else None
                 if s is not None and (s.state == committed or s.state == filling) \
@@ -299,7 +305,7 @@ class Index:
         """FILLING slots for the leading ``keys`` of ``ns`` (none of them mapped), pinned until
         ``end_fill``; fewer (possibly none) where the pool or the quota has no room left."""
         layout = self.namespaces.layout_of(ns)
-        table = self.table.tables.setdefault(ns, {})
+        table = self.table.table_of(ns)
         n = 0
         for k in keys:
             if k in table:
@@ -373,5 +379,5 @@ class Index:
     def tickets(self):
         return self.stores.tickets
 
-
-_EMPTY: dict[bytes, Slot] = {}
+# (the key table keeps no order: where an order is handed out, it is use, then slot id)
+_USE_ORDER = attrgetter("last_use", "id")

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 from types import SimpleNamespace
 
+from kvpool.daemon.key_table import SHARDS, shard_index
+
 try:
     from kvpool.daemon import _slot_record
 except ImportError:       # no C compiler at install: the dataclass and the Python passes
@@ -185,15 +187,16 @@ def resolve(refs: list[int], by_id: dict[int, Slot], ns: bytes, committed: int, 
     return found, redo
 
 
-def leading(table: dict[bytes, Slot], keys: list[bytes], committed: int, filling: int
-            ) -> tuple[list[Slot], list[int]]:
-    """``Index.lookup``'s walk of one key list: the slots (``table``: block hash -> slot) of
-    its keys from the first on while each is held (``committed`` or ``filling``, not doomed),
-    and their refs. Changes nothing."""
+def leading(shards: tuple[dict[bytes, Slot], ...], keys: list[bytes], committed: int,
+            filling: int) -> tuple[list[Slot], list[int]]:
+    """``Index.lookup``'s walk of one key list: the slots (``shards``: a key table's dicts,
+    block hash -> slot, ``daemon/key_table.py``) of its keys from the first on while each is
+    held (``committed`` or ``filling``, not doomed), and their refs. Changes nothing."""
+    if not isinstance(shards, tuple) or len(shards) != SHARDS:
+        raise TypeError("the shards must be a key table's 256 dicts")
     run = []
-    get = table.get
     for k in keys:
-        s = get(k)
+        s = shards[shard_index(k)].get(k)
         if s is None or (s.state != committed and s.state != filling) or s.doomed:
             break
         run.append(s)

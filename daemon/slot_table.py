@@ -35,7 +35,7 @@ the mapped pool.
 from __future__ import annotations
 
 import itertools
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
@@ -43,6 +43,7 @@ from typing import Protocol
 import numpy as np
 
 from kvpool.daemon.extents import FILLING, Extents, SizeClass, Slot
+from kvpool.daemon.key_table import EMPTY, KeyTable
 from kvpool.daemon.namespaces import Namespaces
 from kvpool.daemon.pool import COMMITTED, FREE, GENERATION_MASK, WRITING, Pool
 from kvpool.shared.protocol import make_slot_ref
@@ -78,7 +79,7 @@ class SlotTable:
         self.records = extents.records          # the batch passes over slots
         # namespace -> block hash -> its WRITING, FILLING or COMMITTED slot. Per-namespace
         # tables keep a lookup to one dict probe per key with no key concatenation.
-        self.tables: dict[bytes, dict[bytes, Slot]] = {}
+        self.tables: dict[bytes, KeyTable] = {}
         self.writing: dict[int, Slot] = {}
         self.filling: dict[int, Slot] = {}
         self.stats = TableStats()
@@ -88,6 +89,13 @@ class SlotTable:
     def watch(self, watcher: SlotWatcher) -> None:
         """Subscribe ``watcher`` to commits and removals (at its construction)."""
         self.watchers.append(watcher)
+
+    def table_of(self, ns: bytes) -> KeyTable:
+        """The key table of ``ns``, made empty where it has none."""
+        table = self.tables.get(ns)
+        if table is None:
+            table = self.tables[ns] = KeyTable()
+        return table
 
     def now_tick(self) -> int:
         return next(self._tick)
@@ -108,7 +116,7 @@ class SlotTable:
             for slot, rec in zip(slots, recs):
                 key = bytes(rec["key"])
                 layout = layouts.get(key[:16])
-                table = self.tables.setdefault(key[:16], {})
+                table = self.table_of(key[:16])
                 if (int(rec["state"]) == COMMITTED and layout is not None
                         and layout.slot_bytes == cls.slot_bytes and key[16:] not in table):
                     slot.state, slot.key, slot.ns = COMMITTED, key, key[:16]
@@ -145,7 +153,7 @@ class SlotTable:
         if not slots:
             return
         tick = self.now_tick()
-        table = self.tables.setdefault(ns, {})
+        table = self.table_of(ns)
         pins = 1 if pin_units else 0
         # A FREE slot holds no pins, reads, landed units or flags and no ticket (``free`` and
         # ``evict_many`` leave it so; it is freed when its last pin or read goes), and a
@@ -158,7 +166,7 @@ class SlotTable:
         newest = self.extents.newest_use
         for e in set(map(_EXTENT, slots)):
             newest[e] = tick
-        table.update(zip(hashes, slots))
+        table.put_many(hashes, slots)
         ids = list(map(_ID, slots))
         (self.writing if state == WRITING else self.filling).update(zip(ids, slots))
         self._count_bytes(ns, len(slots) * slots[0].size_class.slot_bytes)
@@ -308,7 +316,7 @@ class SlotTable:
     def reset(self, ns: bytes) -> int:
         """Forget every block of ``ns`` (lookups miss at once; pinned ones are freed when their
         last pin goes). Returns how many blocks were forgotten."""
-        victims = list(self.tables.get(ns, {}).values())
+        victims = list(self.tables.get(ns, EMPTY).values())
         for s in victims:
             self.drop(s)
         return len(victims)
@@ -372,8 +380,7 @@ class SlotTable:
         per_ns = _per_ns(victims, ns)
         for n, k in per_ns:
             # a committed block is its key's slot
-            deque(map(self.tables[n].__delitem__, map(_BLOCK_HASH, _in_ns(victims, n, per_ns))),
-                  0)
+            self.tables[n].delete_many(list(map(_BLOCK_HASH, _in_ns(victims, n, per_ns))))
             blocks[n] -= k
         self._queues(victims, "remove_many", ns, cls)
         for w in self.watchers:

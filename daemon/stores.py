@@ -35,6 +35,7 @@ from operator import attrgetter
 from typing import Callable
 
 from kvpool.daemon.extents import SizeClass, Slot
+from kvpool.daemon.key_table import EMPTY
 from kvpool.daemon.namespaces import Namespaces
 from kvpool.daemon.pool import WRITING, Pool
 from kvpool.daemon.room import Room
@@ -282,7 +283,7 @@ class StorePath:
         the job, is a duplicate; the others get room (the quota applied, then free slots and
         evictions in one batch) in order, and those past the room found get none. Changes the
         pool's room (evictions) but claims nothing."""
-        table = self.table.tables.get(ns, _EMPTY)
+        table = self.table.tables.get(ns, EMPTY)
         if self._all_fresh(ns, keys):
             duplicate = [False] * len(keys)     # the usual job: a C-level check, not a loop
         else:
@@ -306,7 +307,7 @@ class StorePath:
         """Whether ``keys`` are distinct and none is held or in flight in ``ns`` (C-level
         checks, not a loop)."""
         return len(set(keys)) == len(keys) and \
-            self.table.tables.get(ns, _EMPTY).keys().isdisjoint(keys)
+            not self.table.tables.get(ns, EMPTY).holds_any(keys)
 
     def _open_head(self, ns: bytes, refs: list[int], grants: list[Grant], keys: list[bytes],
                    head: int, bit: int, now: float) -> OpenedStore | None:
@@ -395,6 +396,5 @@ def _pin_store(slots: list[Slot], bit: int) -> None:
 
 _VOID = attrgetter("void")
 _OWNER = attrgetter("owner")
-_EMPTY: dict[bytes, Slot] = {}
 # The size class of void placeholders: they hold no pool space, so no real class counts them.
 _VOID_CLASS = SizeClass(0)

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Callable
 import msgspec
 
 from kvpool.daemon.index import COMMITTED, FILLING, Index, Slot
+from kvpool.daemon.key_table import EMPTY
 from kvpool.daemon.tier import LowerTier, TierEvents
 from kvpool.shared.protocol import TierInfo
 
@@ -294,7 +295,7 @@ class Tiering:
         if not lowers or start >= len(keys) or not index.has_layout(ns):
             return []
         slot_bytes = index.layout_of(ns).slot_bytes
-        get = index.table.tables.get(ns, {}).get
+        get = index.table.tables.get(ns, EMPTY).get
         refs: list[int] = []
         i = start
         while i < len(keys):
@@ -323,7 +324,7 @@ class Tiering:
         if not lowers or not index.has_layout(ns):
             return out, False
         slot_bytes = index.layout_of(ns).slot_bytes
-        in_pool = index.table.tables.get(ns, {})
+        in_pool = index.table.tables.get(ns, EMPTY)
         i = 0
         while i < len(hashes):
             lower = None if hashes[i] in in_pool else next(

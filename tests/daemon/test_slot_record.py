@@ -9,6 +9,7 @@ import pytest
 
 from kvpool.daemon import slot_record
 from kvpool.daemon.index import FILLING, Index
+from kvpool.daemon.key_table import KeyTable
 from kvpool.daemon.pool import COMMITTED, FREE, WRITING, Pool
 from tests.daemon.indexkit import (BIG, NS_BIG, NS_SMALL, NS_TP2, SMALL, TP2,
                                    drive_random_stores, records_match_slots, store_state)
@@ -159,15 +160,21 @@ def test_a_lookups_walk_is_alike_on_both_records(compiled_slot_record):
     out = []
     for records in _both():
         slots = records.make_slots(0, 0, 0, 64, "cls", [3, 4, 5, 6, 7])
-        table = {b"h%d" % i: s for i, s in enumerate(slots)}
+        table = KeyTable()
+        table.put_many([b"h%d" % i for i in range(5)], slots)
+        shards = table.shards
         for s, state in zip(slots, (COMMITTED, FILLING, COMMITTED, WRITING, COMMITTED)):
             s.state = state
-        walks = [records.leading(table, [b"h0", b"h1", b"h2", b"h3", b"h4"], COMMITTED,
+        walks = [records.leading(shards, [b"h0", b"h1", b"h2", b"h3", b"h4"], COMMITTED,
                                  FILLING),
-                 records.leading(table, [b"h4", b"nope", b"h0"], COMMITTED, FILLING),
-                 records.leading(table, [], COMMITTED, FILLING)]
+                 records.leading(shards, [b"h4", b"nope", b"h0"], COMMITTED, FILLING),
+                 records.leading(shards, [], COMMITTED, FILLING)]
         slots[0].doomed = True
-        walks.append(records.leading(table, [b"h0", b"h1"], COMMITTED, FILLING))
+        walks.append(records.leading(shards, [b"h0", b"h1"], COMMITTED, FILLING))
+        # what is not a key table's 256 dicts is refused
+        for not_shards in ({b"h0": slots[0]}, table.shards[:255]):
+            with pytest.raises(TypeError):
+                records.leading(not_shards, [b"h0"], COMMITTED, FILLING)
         out.append([([s.id for s in run], refs) for run, refs in walks])
     python, compiled = out
     assert python == compiled
