@@ -698,19 +698,100 @@ static void stamp(SlotObject *s, long long tick, PyObject *tick_obj, PyObject *n
     PyList_SetItem(newest_use, (Py_ssize_t)s->extent, Py_NewRef(tick_obj));
 }
 
+/* The slot of ``id`` in ``rows`` (a list of each extent's slot list or None; an id is its
+ * extent times ``stride`` plus its index), borrowed; NULL where it names none. -1 in *bad
+ * (with an exception set) where the rows are not such lists. */
+static PyObject *slot_at(PyObject *rows, unsigned long long stride, unsigned long long id,
+                         int *bad)
+{
+    unsigned long long e = id / stride, i = id % stride;
+    if (e >= (unsigned long long)PyList_GET_SIZE(rows))
+        return NULL;
+    PyObject *row = PyList_GET_ITEM(rows, e);
+    if (row == Py_None)
+        return NULL;
+    if (!PyList_Check(row)) {
+        PyErr_Format(PyExc_TypeError, "an extent's row is a %.100s, not a list",
+                     Py_TYPE(row)->tp_name);
+        *bad = -1;
+        return NULL;
+    }
+    if (i >= (unsigned long long)PyList_GET_SIZE(row))
+        return NULL;
+    PyObject *s = PyList_GET_ITEM(row, i);
+    return s == Py_None ? NULL : s;
+}
+
+static int check_stride(long long stride)
+{
+    if (stride <= 0) {
+        PyErr_SetString(PyExc_ValueError, "the stride must be positive");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(slots_of_doc,
+"slots_of(rows, stride, ids) -> list\n\n"
+"The slots of ids (rows: each extent's slots by index, an id being its extent times stride\n"
+"plus its index); KeyError for an id that names none.");
+
+static PyObject *slots_of(PyObject *self, PyObject *args)
+{
+    PyObject *rows, *ids_arg;
+    long long stride;
+    if (!PyArg_ParseTuple(args, "O!LO", &PyList_Type, &rows, &stride, &ids_arg)
+            || check_stride(stride) < 0)
+        return NULL;
+    PyObject *ids = PySequence_Fast(ids_arg, "the ids must be a sequence");
+    if (ids == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ids);
+    PyObject **id = PySequence_Fast_ITEMS(ids);
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int bad = 0;
+        PyObject *s = NULL;
+        if (PyLong_Check(id[i])) {
+            int overflow;
+            long long v = PyLong_AsLongLongAndOverflow(id[i], &overflow);
+            if (v == -1 && PyErr_Occurred())
+                goto fail;
+            if (!overflow && v >= 0)
+                s = slot_at(rows, (unsigned long long)stride, (unsigned long long)v, &bad);
+            if (bad)
+                goto fail;
+        }
+        if (s == NULL) {
+            PyErr_SetObject(PyExc_KeyError, id[i]);
+            goto fail;
+        }
+        PyList_SET_ITEM(out, i, Py_NewRef(s));
+    }
+    Py_DECREF(ids);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(ids);
+    return NULL;
+}
+
 PyDoc_STRVAR(resolve_doc,
-"resolve(refs, slots, ns, committed, filling) -> (found, redo)\n\n"
-"Index.resolve_load's first pass: per ref, the slot it names (slots: slot id -> slot) while\n"
-"that slot still holds it (the same ref, committed or filling, not doomed, of ns), else None;\n"
-"redo lists the indices of the Nones (0 refs too), for the caller's look by key. Changes\n"
-"nothing.");
+"resolve(refs, rows, stride, ns, committed, filling) -> (found, redo)\n\n"
+"Index.resolve_load's first pass: per ref, the slot it names (rows, stride: as slots_of's)\n"
+"while that slot still holds it (the same ref, committed or filling, not doomed, of ns), else\n"
+"None; redo lists the indices of the Nones (0 refs too), for the caller's look by key.\n"
+"Changes nothing.");
 
 static PyObject *resolve(PyObject *self, PyObject *args)
 {
-    PyObject *refs_arg, *by_id, *ns;
+    PyObject *refs_arg, *rows, *ns;
+    long long stride;
     int committed, filling;
-    if (!PyArg_ParseTuple(args, "OO!Oii", &refs_arg, &PyDict_Type, &by_id, &ns, &committed,
-                          &filling))
+    if (!PyArg_ParseTuple(args, "OO!LOii", &refs_arg, &PyList_Type, &rows, &stride, &ns,
+                          &committed, &filling) || check_stride(stride) < 0)
         return NULL;
     PyObject *refs = PySequence_Fast(refs_arg, "the refs must be a sequence");
     if (refs == NULL)
@@ -739,12 +820,9 @@ static PyObject *resolve(PyObject *self, PyObject *args)
             goto fail;
         PyObject *s = NULL;
         if (value != 0 || overflow) {
-            PyObject *id = PyLong_FromUnsignedLongLong(low & 0xFFFFFFFFULL);
-            if (id == NULL)
-                goto fail;
-            s = PyDict_GetItemWithError(by_id, id);
-            Py_DECREF(id);
-            if (s == NULL && PyErr_Occurred())
+            int bad = 0;
+            s = slot_at(rows, (unsigned long long)stride, low & 0xFFFFFFFFULL, &bad);
+            if (bad)
                 goto fail;
         }
         int held = 0;
@@ -973,6 +1051,7 @@ static PyMethodDef methods[] = {
     {"batch_of", batch_of, METH_O, batch_of_doc},
     {"record_lists", record_lists, METH_O, record_lists_doc},
     {"resolve", resolve, METH_VARARGS, resolve_doc},
+    {"slots_of", slots_of, METH_VARARGS, slots_of_doc},
     {"leading", leading, METH_VARARGS, leading_doc},
     {"pin", pin, METH_VARARGS, pin_doc},
     {"unpin", unpin, METH_VARARGS, unpin_doc},

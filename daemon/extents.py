@@ -20,8 +20,10 @@ hands the extent to the size that asked (``release`` → ``_finish_drain``). One
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from operator import attrgetter
 from types import SimpleNamespace
+from typing import Iterable, Iterator
 
 from kvpool.daemon import slot_record
 from kvpool.daemon.eviction import LruPolicy
@@ -31,6 +33,48 @@ from kvpool.shared.errors import LayoutMismatch
 
 # An index-only state (the pool record says WRITING): a lower tier is filling the slot.
 FILLING = 3
+
+
+class SlotsById:
+    """Slot id -> slot, kept as one row per extent: an id is its extent times the pool's
+    ``stride`` plus its index, so a slot is two list items away, and an extent's slots come and
+    go as one row. (A dict of every slot rebuilt itself whole as a fresh daemon's pool filled,
+    with the GIL held: 46 ms at 700K slots and 120 ms at 1.4M on this VM.) Reads as a dict
+    of the slots there are; ``many`` is the batch read (a C pass where built)."""
+
+    __slots__ = ("rows", "stride", "_slots_of")
+
+    def __init__(self, num_extents: int, stride: int, records: SimpleNamespace) -> None:
+        self.rows: list[list[Slot] | None] = [None] * num_extents
+        self.stride = stride
+        self._slots_of = records.slots_of
+
+    def get(self, sid: int, default: Slot | None = None) -> Slot | None:
+        e, i = divmod(sid, self.stride)
+        row = self.rows[e] if 0 <= e < len(self.rows) else None
+        return row[i] if row is not None and i < len(row) else default
+
+    def __getitem__(self, sid: int) -> Slot:
+        s = self.get(sid)
+        if s is None:
+            raise KeyError(sid)
+        return s
+
+    def __contains__(self, sid: object) -> bool:
+        return isinstance(sid, int) and self.get(sid) is not None
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.rows if r is not None)
+
+    def values(self) -> Iterator[Slot]:
+        return chain.from_iterable(r for r in self.rows if r is not None)
+
+    def items(self) -> Iterator[tuple[int, Slot]]:
+        return ((s.id, s) for s in self.values())
+
+    def many(self, ids: Iterable[int]) -> list[Slot]:
+        """The slots of ``ids`` (KeyError for an id with none), in order."""
+        return self._slots_of(self.rows, self.stride, ids)
 
 
 @dataclass(slots=True, eq=False)
@@ -49,7 +93,7 @@ class Extents:
         self.pool = pool
         # What this pool's slots are and the passes over them (``daemon/slot_record.py``).
         self.records = records or slot_record.RECORDS
-        self.slots: dict[int, Slot] = {}
+        self.slots = SlotsById(pool.geometry.num_extents, pool.slot_id_stride, self.records)
         self.classes: dict[int, SizeClass] = {}
         self.extent_class: dict[int, SizeClass] = {}
         # Extent being emptied for another size -> that size (see the module docstring).
@@ -177,9 +221,7 @@ class Extents:
             self._finish_drain(extent)
 
     def extent_slots(self, extent: int) -> list[Slot]:
-        base = extent * self.pool.slot_id_stride
-        n = int(self.pool.extents[extent]["num_slots"])
-        return [self.slots[base + i] for i in range(n)]
+        return self.slots.rows[extent] or []
 
     def _assign_fresh(self, cls: SizeClass, extent: int) -> None:
         n = self.pool.assign_extent(extent, cls.slot_bytes)
@@ -198,8 +240,7 @@ class Extents:
         # previous daemon, never repeats a generation (and so a slot ref) it handed out.
         slots = self.records.make_slots(base, extent, first, cls.slot_bytes, cls,
                                         self.pool.generations(extent, n).tolist())
-        for s in slots:
-            self.slots[s.id] = s
+        self.slots.rows[extent] = slots
         if fresh:
             cls.free.extend(reversed(slots))
             self.free_count[extent] = n
@@ -213,8 +254,7 @@ class Extents:
         wanting = self.draining.pop(extent)
         owner = self.extent_class.pop(extent)
         owner.extents.remove(extent)
-        for s in self.extent_slots(extent):
-            del self.slots[s.id]
+        self.slots.rows[extent] = None
         self.pool.release_extent(extent)
         n = self.pool.assign_extent(extent, wanting.slot_bytes)
         if n:

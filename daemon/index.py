@@ -226,7 +226,9 @@ class Index:
         ``OutOfRange`` (nothing changed) for a ref that names no slot of this pool; 0 names
         none. Pins nothing: the caller pins what it copies before the loop turns."""
         committed, filling = COMMITTED, FILLING
-        out, redo = self.table.records.resolve(refs, self.table.slots, ns, committed, filling)
+        by_id = self.table.slots
+        out, redo = self.table.records.resolve(refs, by_id.rows, by_id.stride, ns, committed,
+                                               filling)
         if redo:
             for i in redo:
                 if (refs[i] & 0xFFFF_FFFF) >= self.pool.slot_ids:

@@ -63,7 +63,7 @@ class Room:
         over = -(-(used + n * slot_bytes - quota) // slot_bytes)
         if over > 0:
             victims = self.namespaces.lru[ns].victims(over)
-            self.table.evict_many([self.table.slots[i] for i in victims])
+            self.table.evict_many(self.table.slots.many(victims))
             used = self.namespaces.bytes_used.get(ns, 0)
         return max(0, min(n, (quota - used) // slot_bytes))
 
@@ -82,7 +82,7 @@ class Room:
             if len(cls.free) > before:
                 return True
         if own is not None:
-            self.table.evict_many(list(map(self.table.slots.__getitem__, cls.lru.victims(n))))
+            self.table.evict_many(self.table.slots.many(cls.lru.victims(n)))
             return True
         return False
 

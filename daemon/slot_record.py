@@ -166,19 +166,44 @@ def record_lists(slots: list[Slot]) -> tuple[list[int], list[bytes], list[int]]:
             [s.ref >> 32 for s in slots])
 
 
-def resolve(refs: list[int], by_id: dict[int, Slot], ns: bytes, committed: int, filling: int
-            ) -> tuple[list[Slot | None], list[int]]:
-    """``Index.resolve_load``'s first pass: per ref, the slot it names (``by_id``: slot id ->
-    slot) while that slot still holds it (the same ref, ``committed`` or ``filling``, not
-    doomed, of ``ns``), else None; and the indices of the Nones (0 refs too), for the caller's
-    look by key. Changes nothing."""
+def _slot_at(rows: list[list[Slot] | None], stride: int, sid: int) -> Slot | None:
+    e, i = divmod(sid, stride)
+    row = rows[e] if e < len(rows) else None
+    if row is None:
+        return None
+    if type(row) is not list:
+        raise TypeError(f"an extent's row is a {type(row).__name__}, not a list")
+    return row[i] if i < len(row) else None
+
+
+def slots_of(rows: list[list[Slot] | None], stride: int, ids: list[int]) -> list[Slot]:
+    """The slots of ``ids`` (``rows``: each extent's slots by index, an id being its extent
+    times ``stride`` plus its index); KeyError for an id that names none."""
+    if stride <= 0:
+        raise ValueError("the stride must be positive")
+    out = []
+    for sid in ids:
+        s = _slot_at(rows, stride, sid) if isinstance(sid, int) and sid >= 0 else None
+        if s is None:
+            raise KeyError(sid)
+        out.append(s)
+    return out
+
+
+def resolve(refs: list[int], rows: list[list[Slot] | None], stride: int, ns: bytes,
+            committed: int, filling: int) -> tuple[list[Slot | None], list[int]]:
+    """``Index.resolve_load``'s first pass: per ref, the slot it names (``rows``, ``stride``:
+    as ``slots_of``'s) while that slot still holds it (the same ref, ``committed`` or
+    ``filling``, not doomed, of ``ns``), else None; and the indices of the Nones (0 refs too),
+    for the caller's look by key. Changes nothing."""
+    if stride <= 0:
+        raise ValueError("the stride must be positive")
     found: list[Slot | None] = []
     redo: list[int] = []
-    get = by_id.get
     for i, ref in enumerate(refs):
         if not isinstance(ref, int):
             raise TypeError(f"refs[{i}] is a {type(ref).__name__}, not an int")
-        s = get(ref & 0xFFFF_FFFF) if ref else None
+        s = _slot_at(rows, stride, ref & 0xFFFF_FFFF) if ref else None
         if (s is None or s.ref != ref or (s.state != committed and s.state != filling)
                 or s.doomed or s.ns != ns):
             s = None
@@ -272,7 +297,7 @@ _NS, _CLASS, _EXTENT = attrgetter("ns"), attrgetter("size_class"), attrgetter("e
 _ID, _KEY, _OFFSET = attrgetter("id"), attrgetter("key"), attrgetter("offset")
 
 _PASSES = ("make_slots", "claim", "end", "commit", "evict", "batch_of", "record_lists",
-           "resolve", "leading", "pin", "unpin", "touch", "offsets")
+           "resolve", "slots_of", "leading", "pin", "unpin", "touch", "offsets")
 PYTHON = SimpleNamespace(name="python", Slot=Slot, **{p: globals()[p] for p in _PASSES})
 COMPILED = None if _slot_record is None else SimpleNamespace(
     name="compiled", Slot=_slot_record.Slot, **{p: getattr(_slot_record, p) for p in _PASSES})

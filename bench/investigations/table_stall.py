@@ -9,7 +9,9 @@ fills each table to ``--blocks`` (a fresh daemon's first fill), then churns it `
 times over (a full pool's steady stores). Both tables take the same batches, in turn. A dict
 rebuilds itself whole as it grows and as it sheds its deletions' holes, so its slowest batch
 is one rebuild of every block; the key table rebuilds a 256th at a time. Prints per table and
-phase the median, p99.9 and slowest batch, and the slowest's ratio (key table / dict).
+phase the median, p99.9 and slowest batch, and the slowest's ratio (key table / dict). Then
+the pool's slots by id as a fresh pool's extents are assigned (``by_id_fill``): one dict of
+every slot, which rebuilds itself as it grows, against ``Extents.slots``'s row per extent.
 """
 
 from __future__ import annotations
@@ -44,6 +46,28 @@ def _stats(us: list[float]) -> dict:
             "p999_us": round(s[int(len(s) * 0.999)], 1), "max_us": round(s[-1], 1)}
 
 
+def _by_id_fill(blocks: int, rng: random.Random, per_extent: int = 32, stride: int = 4096
+                ) -> dict:
+    """The slots by id as a fresh pool's extents are assigned one by one (``per_extent``
+    slots each), in a random order: a dict of every slot against ``Extents.slots``'s rows
+    (an extent's slots one list item). Each assignment timed; the slowest of each."""
+    extents = rng.sample(range(blocks // per_extent), blocks // per_extent)
+    rows: list = [None] * len(extents)
+    by_id: dict[int, object] = {}
+    slowest = {"dict": 0.0, "rows": 0.0}
+    for e in extents:
+        slots = [object() for _ in range(per_extent)]
+        ids = range(e * stride, e * stride + per_extent)
+        t0 = time.perf_counter()
+        by_id.update(zip(ids, slots))
+        t1 = time.perf_counter()
+        rows[e] = slots
+        t2 = time.perf_counter()
+        slowest["dict"] = max(slowest["dict"], (t1 - t0) * 1e6)
+        slowest["rows"] = max(slowest["rows"], (t2 - t1) * 1e6)
+    return {"slots": blocks, "slowest_assignment_us": {k: round(v, 1) for k, v in slowest.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=1_000_000)
@@ -72,7 +96,8 @@ def main() -> None:
             times[name][phase].append((time.perf_counter() - t0) * 1e6)
             q.extend(keys)
         made += args.batch
-    result = {"args": vars(args), "cpus": os.cpu_count(),
+    by_id = _by_id_fill(args.blocks, rng)
+    result = {"args": vars(args), "cpus": os.cpu_count(), "by_id_fill": by_id,
               "tables": {n: {p: _stats(v) for p, v in ph.items() if v} for n, ph in times.items()}}
     result["slowest_ratio"] = {
         p: round(result["tables"]["key_table"][p]["max_us"] / result["tables"]["dict"][p]["max_us"], 4)

@@ -3,6 +3,7 @@ whole free extents and drains (the slot table decides what to evict; see test_sl
 
 import pytest
 
+from kvpool.daemon import slot_record
 from kvpool.daemon.extents import Extents
 from kvpool.daemon.pool import COMMITTED, FREE
 from kvpool.shared.errors import LayoutMismatch
@@ -71,3 +72,43 @@ def test_a_drained_extent_goes_over_when_its_last_busy_slot_is_released(pool):
     mine[1].state = FREE
     ext.release(mine[1])
     assert e not in ext.draining and ext.extent_class[e] is big
+
+
+@pytest.mark.parametrize("kind", ["python", "compiled"])
+def test_the_slots_by_id_read_as_a_dict_of_the_assigned_extents_slots(pool, kind):
+    """Slots by id across assignments and a drain to another size: the same answers as a dict
+    of the slots there are, single and in batches; an id of an unassigned extent, past an
+    extent's slots or past the pool names none."""
+    records = getattr(slot_record, kind.upper())
+    if records is None:
+        pytest.skip("daemon/_slot_record.c is not built")
+    ext = Extents(pool, records)
+    small, big = ext.size_class(SLOT), ext.size_class(8 * SLOT)
+    assert len(ext.slots) == 0 and ext.slots.get(0) is None
+    taken = ext.take_free(small, 3 * pool.slots_per_extent(SLOT))
+    want = {s.id: s for s in taken}
+    e = taken[0].extent
+    for s in ext.extent_slots(e):
+        ext.release(s)
+    ext.start_drain(e, big)
+    ext.finish_drain(e)                       # e's small slots go, its big ones come
+    want = {i: s for i, s in want.items() if s.extent != e}
+    want |= {s.id: s for s in ext.extent_slots(e)}
+    assert {s.id for s in ext.extent_slots(e)} and all(s.size_class is big
+                                                       for s in ext.extent_slots(e))
+    slots = ext.slots
+    assert dict(slots.items()) == want and len(slots) == len(want)
+    assert sorted(s.id for s in slots.values()) == sorted(want)
+    assert all(slots[i] is s and slots.get(i) is s and i in slots for i, s in want.items())
+    ids = list(want)[::-1]
+    assert slots.many(ids) == [want[i] for i in ids]
+    stride = pool.slot_id_stride
+    unassigned = ext.free_extents[0] * stride
+    past_extent = e * stride + len(ext.extent_slots(e))
+    assert past_extent < (e + 1) * stride, "big slots fill every id of their extent"
+    for none in (unassigned, past_extent, pool.slot_ids, -1):
+        assert slots.get(none) is None and none not in slots
+        with pytest.raises(KeyError):
+            slots[none]
+        with pytest.raises(KeyError):
+            slots.many([ids[0], none])

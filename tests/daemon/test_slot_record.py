@@ -34,6 +34,17 @@ def _slots(records, n=4, gens=(0, 5, 0x7FFF_FFFF, 9)):
     return records.make_slots(64, 1, 4096, 512, "cls", list(gens[:n]))
 
 
+def _rows(slots, stride=64):
+    """``slots`` as the rows of ``Extents.slots`` (extent -> its slots by index)."""
+    rows: list = [None] * (max(s.id for s in slots) // stride + 1)
+    for s in slots:
+        e, i = divmod(s.id, stride)
+        row = rows[e] = rows[e] or []
+        row.extend([None] * (i + 1 - len(row)))
+        row[i] = s
+    return rows
+
+
 def test_a_record_has_the_dataclass_fields_and_defaults(slot_records):
     s = slot_records.Slot(3, 1, 2, 4096, "cls")
     want = slot_record.Slot(3, 1, 2, 4096, "cls")
@@ -124,11 +135,12 @@ def test_the_load_passes_do_the_same_to_the_same_slots(compiled_slot_record):
         slots[2].state = FREE
         slots[3].doomed = True
         slots[5].ns = b"m" * 16
-        by_id = {s.id: s for s in slots}
+        rows = _rows(slots)
         refs = [s.ref for s in slots] + [slots[0].ref + (1 << 32), 0, 999, 1 << 70, -5,
-                                         (1 << 64) + slots[0].id]
-        found, redo = records.resolve(refs, by_id, NS, COMMITTED, FILLING)
+                                         (1 << 64) + slots[0].id, (7 << 32) | 70]
+        found, redo = records.resolve(refs, rows, 64, NS, COMMITTED, FILLING)
         seen = [([None if s is None else s.id for s in found], redo)]
+        seen.append([s.id for s in records.slots_of(rows, 64, [69, 64, 68, 64])])
         newest = [0] * 3
         seen.append(([s.id for s in records.pin(slots + slots[:1], 7, newest, COMMITTED)],
                      newest[:], [_fields(s)[5:] for s in slots]))
@@ -149,9 +161,10 @@ def test_the_load_passes_do_the_same_to_the_same_slots(compiled_slot_record):
     for step, (p, c) in enumerate(zip(python, compiled)):
         assert p == c, f"pass {step} differs: python {p} / compiled {c}"
     held, redo = python[0]
-    assert held[:6] == [64, 65, None, None, 68, None] and redo == [2, 3, 5, 6, 7, 8, 9, 10, 11]
-    assert python[1][0] == [64, 68, 69] and python[2][0] == []      # (pinned: not queued)
-    assert python[3][:2] == ([], [67, 69]) and python[4][:2] == ([64, 68], [])
+    assert held[:6] == [64, 65, None, None, 68, None]
+    assert redo == [2, 3, 5, 6, 7, 8, 9, 10, 11, 12] and python[1] == [69, 64, 68, 64]
+    assert python[2][0] == [64, 68, 69] and python[3][0] == []      # (pinned: not queued)
+    assert python[4][:2] == ([], [67, 69]) and python[5][:2] == ([64, 68], [])
 
 
 def test_a_lookups_walk_is_alike_on_both_records(compiled_slot_record):
@@ -204,7 +217,30 @@ def test_a_bad_load_pass_raises_and_changes_no_slot(slot_records, pass_name, bad
 
 def test_resolve_names_a_ref_that_is_not_an_int(slot_records):
     with pytest.raises(TypeError, match=r"refs\[1\] is a str"):
-        slot_records.resolve([0, "7"], {}, NS, COMMITTED, FILLING)
+        slot_records.resolve([0, "7"], [], 64, NS, COMMITTED, FILLING)
+
+
+@pytest.mark.parametrize("ids", [[64, 999_999], [64, 71], [64, 69], [64, -1], [64, 1 << 70],
+                                 [64, "64"], [64, 3]])
+def test_slots_of_an_id_that_names_no_slot_is_a_key_error(slot_records, ids):
+    """Past the rows, past a row, a gap in one, negative, too big, not an int, an extent with
+    no row: each a KeyError naming the id."""
+    rows = _rows(_slots(slot_records) + slot_records.make_slots(70, 1, 0, 8, "c", [0]))
+    assert slot_records.slots_of(rows, 64, [70])[0].id == 70
+    with pytest.raises(KeyError) as e:
+        slot_records.slots_of(rows, 64, ids)
+    assert e.value.args == (ids[1],)
+
+
+def test_slots_of_and_resolve_refuse_bad_rows_and_strides(slot_records):
+    rows = _rows(_slots(slot_records))
+    for call in (lambda: slot_records.slots_of(rows, 0, [64]),
+                 lambda: slot_records.resolve([65], rows, -64, NS, COMMITTED, FILLING)):
+        with pytest.raises(ValueError):
+            call()
+    rows[1] = "not a row"
+    with pytest.raises(TypeError):
+        slot_records.slots_of(rows, 64, [64])
 
 
 def test_a_claim_past_the_last_generation_starts_again_at_the_slot_id(slot_records):
