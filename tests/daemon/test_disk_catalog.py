@@ -109,6 +109,25 @@ def test_blocks_being_read_are_never_evicted():
     assert free_all(cat) == {S: [2]} and cat.used_bytes == 0 and cat.blocks == 0
 
 
+def test_the_lru_goes_past_many_blocks_being_read_keeps_use_order_and_reuses_its_ids():
+    """The victim search asks the queue's head for more only past blocks being read (twelve
+    here, more than its first look); a read makes a block most recently used; a full tier's
+    churn reuses the queue's ids, so its arrays stay the size of what the tier holds."""
+    cat, heard = catalog(20)
+    store(cat, [key(i) for i in range(20)])
+    pinned = [cat.pin(key(i), S) for i in range(12)]
+    blocks, replaced = cat.claim([key(30)], cat.size(S))
+    assert heard.dropped_keys == [key(12)] and replaced == [12]
+    assert cat.landed(blocks[0], 1)
+    want = [key(i) for i in range(13, 20)] + [key(i) for i in range(12)] + [key(30)]
+    assert cat.held_keys() == want
+    cat.unpin(pinned, bad=[])
+    for i in range(100, 300):
+        store(cat, [key(i)])
+    assert cat.held_keys() == [key(i) for i in range(280, 300)] and cat.blocks == 20
+    assert len(cat._by_id) == 20, "the queue's ids grew past what the tier holds"
+
+
 def test_a_block_that_fails_verification_is_dropped_and_freed_by_its_last_reader():
     cat, heard = catalog(4)
     store(cat, [key(0), key(1)])
