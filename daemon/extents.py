@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter
 from types import SimpleNamespace
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from kvpool.daemon import slot_record
 from kvpool.daemon.eviction import LruPolicy
@@ -89,10 +89,13 @@ class SizeClass:
 class Extents:
     """Extents, size classes and free lists of one pool. Callers: the slot table only."""
 
-    def __init__(self, pool: Pool, records: SimpleNamespace | None = None) -> None:
+    def __init__(self, pool: Pool, records: SimpleNamespace | None = None,
+                 on_new_slots: Callable[[], None] | None = None) -> None:
         self.pool = pool
         # What this pool's slots are and the passes over them (``daemon/slot_record.py``).
         self.records = records or slot_record.RECORDS
+        # Told after an extent's slots are made: they last (the daemon's ``Heap.keep_new``).
+        self.on_new_slots = on_new_slots
         self.slots = SlotsById(pool.geometry.num_extents, pool.slot_id_stride, self.records)
         self.classes: dict[int, SizeClass] = {}
         self.extent_class: dict[int, SizeClass] = {}
@@ -241,6 +244,8 @@ class Extents:
         slots = self.records.make_slots(base, extent, first, cls.slot_bytes, cls,
                                         self.pool.generations(extent, n).tolist())
         self.slots.rows[extent] = slots
+        if self.on_new_slots is not None:
+            self.on_new_slots()
         if fresh:
             cls.free.extend(reversed(slots))
             self.free_count[extent] = n

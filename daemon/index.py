@@ -62,12 +62,13 @@ class Index:
 
     def __init__(self, pool: Pool, lease_ttl_s: float, write_timeout_s: float,
                  namespace_quota: int = 0, reserve_ttl_s: float = 10.0,
-                 defer_claims: bool = True) -> None:
+                 defer_claims: bool = True, on_new_slots: Callable[[], None] | None = None
+                 ) -> None:
         self.pool = pool
         self.lease_ttl_s = lease_ttl_s
         self.write_timeout_s = write_timeout_s
         self.namespaces = Namespaces(pool, namespace_quota)
-        self.extents = Extents(pool)
+        self.extents = Extents(pool, on_new_slots=on_new_slots)
         self.table = SlotTable(pool, self.extents, self.namespaces)
         self.room = Room(self.table, self.extents, self.namespaces)
         self.stores = StorePath(self.table, self.room, self.namespaces, pool, write_timeout_s,

@@ -39,6 +39,7 @@ from kvpool.daemon.attaches import Attaches, Attaching
 from kvpool.daemon.copy_engine import CopyEngine, Mapped
 from kvpool.daemon.copy_jobs import CopyJobs, check_count
 from kvpool.daemon.exit_watch import ExitWatch
+from kvpool.daemon.heap import Heap
 from kvpool.daemon.index import Index
 from kvpool.daemon.index_segment import IndexSegment, KeyLocations, capacity_for
 from kvpool.daemon.listen_socket import bind_router
@@ -84,8 +85,11 @@ class Server:
         self.config = config
         self.pool = pool
         self.engines = engines
+        # Keeps the collector's full collections off what lasts (settled once serving).
+        self.heap = Heap()
         self.index = Index(pool, config.lease_ttl_s, config.write_timeout_s,
-                           parse_size(config.namespace_quota), config.reservation_ttl_s)
+                           parse_size(config.namespace_quota), config.reservation_ttl_s,
+                           on_new_slots=self.heap.keep_new)
         self.registry = Registry()
         self.daemon_id = uuid.uuid4().hex[:16]
         self.started = time.monotonic()
@@ -152,6 +156,7 @@ class Server:
         for engine in self.engines.values():
             engine.start()
         self.telemetry.serving(self.info())
+        self.heap.settle()
         log.info("kvpoold %s serving ipc://%s, pool %s: %d bytes in %d extents%s", self.daemon_id,
                  path, self.pool.name, self.pool.nbytes, self.pool.geometry.num_extents,
                  " (adopted)" if self.pool.adopted else "")

@@ -3,6 +3,7 @@ Mooncake master, and a pool opened in the test's own process."""
 
 from __future__ import annotations
 
+import gc
 import os
 import secrets
 
@@ -14,6 +15,15 @@ from bench.soak.common import stop_process, wait_for  # noqa: F401  (tests impor
 from bench.soak.common import wait_for_async  # noqa: F401  (likewise)
 from kvpool.daemon.pool import Pool
 from kvpool.shared.config import DaemonConfig
+
+
+@pytest.fixture(autouse=True)
+def _thawed_heap():
+    """A server made in the test's process freezes the heap as it starts serving
+    (daemon/heap.py): thawed after each test, so one test's objects are collectable in the
+    next."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ and on the daemon's tables as ``info`` reports them.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -329,3 +330,13 @@ def test_an_attach_that_raises_answers_the_error_and_leaves_nothing(rig, bad):
 
     rig.run(scenario)
     assert len(rig.server.attaches) == 0
+
+
+def test_a_serving_daemon_has_frozen_its_startup_heap(rig):
+    """Once it serves, the startup's heap is out of the collector's generations
+    (daemon/heap.py), and the extents' slots made from then on follow it."""
+    def scenario(rig: Rig) -> None:
+        assert rig.server.heap.settled and gc.get_freeze_count() > 0
+        assert rig.server.index.extents.on_new_slots == rig.server.heap.keep_new
+
+    rig.run(scenario)
