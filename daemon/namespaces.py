@@ -12,6 +12,8 @@ pool-wide LRU. Runs on the daemon's event loop thread, never blocks.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from kvpool.daemon.eviction import LruPolicy
 from kvpool.daemon.pool import Pool
 from kvpool.shared.errors import LayoutMismatch, OutOfRange, UnknownId
@@ -38,14 +40,15 @@ class Namespaces:
         self.layouts = self.pool.load_layouts()
 
     def register(self, ns: bytes, layout: Layout, quota_bytes: int = 0,
-                 evictable: list[int] | None = None) -> None:
+                 evictable: Callable[[], list[int]] | None = None) -> None:
         """Bind a namespace to its layout's canonical form; ``LayoutMismatch`` if it is bound
         to another one.
 
         ``quota_bytes`` (0: none) is the engine's cap for the namespace. The latest registration
         decides (engines of one namespace serve one model with one config), bounded by the
-        daemon's ``namespace_quota``. ``evictable``: the namespace's evictable slot ids, least
-        recently used first, for a quota set now (the slot table passes them).
+        daemon's ``namespace_quota``. ``evictable()``: the namespace's evictable slot ids, least
+        recently used first, asked for only when a quota's queue is made now (the index passes
+        it).
         """
         layout.check()
         layout = layout.canonical()   # engines of every TP size of a head-split layout agree
@@ -63,7 +66,7 @@ class Namespaces:
             self.quota[ns] = min(caps)
             if ns not in self.lru:
                 lru = self.lru[ns] = LruPolicy(self.pool.slot_ids)
-                lru.insert_many(evictable or ())
+                lru.insert_many(evictable() if evictable is not None else ())
         else:
             self.quota.pop(ns, None)
             self.lru.pop(ns, None)

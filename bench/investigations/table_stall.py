@@ -99,9 +99,10 @@ def main() -> None:
     by_id = _by_id_fill(args.blocks, rng)
     result = {"args": vars(args), "cpus": os.cpu_count(), "by_id_fill": by_id,
               "tables": {n: {p: _stats(v) for p, v in ph.items() if v} for n, ph in times.items()}}
+    tables = result["tables"]
     result["slowest_ratio"] = {
-        p: round(result["tables"]["key_table"][p]["max_us"] / result["tables"]["dict"][p]["max_us"], 4)
-        for p in ("fill", "churn") if p in result["tables"]["dict"]}
+        p: round(tables["key_table"][p]["max_us"] / tables["dict"][p]["max_us"], 4)
+        for p in ("fill", "churn") if p in tables["dict"]}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

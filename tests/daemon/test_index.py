@@ -6,7 +6,7 @@ from kvpool.daemon.index import Index
 from kvpool.daemon.pool import GENERATION_MASK, Pool
 from kvpool.shared.errors import LayoutMismatch, LeaseExpired, OutOfRange, ProtocolError, UnknownId
 from kvpool.shared.protocol import slot_ref_generation, slot_ref_index
-from tests.daemon.indexkit import (BIG, NOT_STORED, NS_BIG, NS_SMALL, NS_TP2, OTHER, OWNER,
+from tests.daemon.indexkit import (BIG, NOT_STORED, NS_A, NS_BIG, NS_SMALL, NS_TP2, OTHER, OWNER,
                                    SMALL, TP2, bind, capacity, head_layout, keys, make_index,
                                    pins_of, records_match_slots, store)
 
@@ -442,3 +442,20 @@ def test_a_claim_takes_the_next_generation_after_the_recorded_one(pool_config, r
         records_match_slots(ix)
     finally:
         pool.close(unlink=True)
+
+
+def test_committed_hashes_are_the_evictable_in_use_order_then_the_pinned(pool):
+    """What an engine that joins a namespace is told it can load: every committed block,
+    the evictable ones least recently used first (their size's queue order, no sort), then
+    those pinned now; none of another namespace's, and nothing for a namespace with none."""
+    ix = make_index(pool)
+    ix.register_namespace(NS_A, SMALL)                      # the same size: the same queue
+    ks = keys(4, b"c")
+    store(ix, NS_SMALL, ks)
+    store(ix, NS_A, keys(2, b"o"))
+    ix.lookup(NS_SMALL, [ks[1:2]], False, OWNER, 0)          # c1 used last
+    lease = ix.lookup(NS_SMALL, [ks[2:3]], True, OWNER, 0)[1][0]
+    assert ix.committed_hashes(NS_SMALL) == [ks[0], ks[3], ks[1], ks[2]]
+    ix.release_leases([lease], OWNER)
+    assert ix.committed_hashes(NS_SMALL) == [ks[0], ks[3], ks[1], ks[2]]   # unpinned: used
+    assert ix.committed_hashes(b"z" * 16) == []

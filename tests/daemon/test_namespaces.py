@@ -32,6 +32,34 @@ def test_a_namespace_over_its_quota_evicts_only_its_own_blocks(pool):
     assert ix.table.stats.evictions == 6
 
 
+def test_a_quota_set_later_seeds_its_queue_in_use_order_and_no_quota_walks_nothing(pool):
+    """A quota set when the namespace already holds blocks starts from its evictable ones,
+    least recently used first (pinned ones and other namespaces' left out); a registration
+    with no quota to seed does not look at the namespace's blocks at all (one with 512K of
+    them sorted them all, 300 ms of the loop)."""
+    ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
+    ix.register_namespace(NS_A, SMALL)
+    ix.register_namespace(NS_B, SMALL)
+    a = keys(6, b"a")
+    store(ix, NS_A, a)
+    store(ix, NS_B, keys(3, b"b"))
+    ix.lookup(NS_A, [a[:2]], False, OWNER, 0)                     # a0, a1 used last
+    lease = ix.lookup(NS_A, [a[2:3]], True, OWNER, 0)[1][0]       # a2 pinned
+    asked: list[bytes] = []
+    walk = ix._evictable_of
+    ix._evictable_of = lambda ns: asked.append(ns) or walk(ns)
+    ix.register_namespace(NS_A, SMALL)
+    assert asked == [], "no quota, yet the namespace's blocks were walked"
+    ix.register_namespace(NS_A, SMALL, quota_bytes=3 * SMALL.slot_bytes)
+    ix.register_namespace(NS_A, SMALL, quota_bytes=3 * SMALL.slot_bytes)   # made once
+    assert asked == [NS_A]
+    order = [ix.table.slots[i].block_hash for i in ix.namespaces.lru[NS_A]]
+    assert order == [a[3], a[4], a[5], a[0], a[1]]
+    store(ix, NS_A, keys(1, b"n"))          # 6 held + 1 over a quota of 3: the 4 oldest go
+    assert [ix.lookup(NS_A, [[k]], False, OWNER, 0)[0][0] for k in a] == [0, 1, 1, 0, 0, 0]
+    ix.release_leases([lease], OWNER)
+
+
 def test_quota_counts_blocks_being_written_and_skips_pinned_ones(pool):
     ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
     ix.register_namespace(NS_A, SMALL, quota_bytes=3 * SMALL.slot_bytes)
