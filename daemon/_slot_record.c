@@ -1021,6 +1021,38 @@ static PyObject *touch(PyObject *self, PyObject *args)
     return queued;
 }
 
+PyDoc_STRVAR(held_count_doc,
+"held_count(rows, committed) -> int\n\n"
+"SlotTable.pinned_count's pass: how many slots of rows (each extent's slot list, or None)\n"
+"are committed and pinned or read.");
+
+static PyObject *held_count(PyObject *self, PyObject *args)
+{
+    PyObject *rows;
+    int committed;
+    if (!PyArg_ParseTuple(args, "O!i", &PyList_Type, &rows, &committed))
+        return NULL;
+    long long n = 0;
+    for (Py_ssize_t e = 0; e < PyList_GET_SIZE(rows); e++) {
+        PyObject *row = PyList_GET_ITEM(rows, e);
+        if (row == Py_None)
+            continue;
+        if (!PyList_Check(row)) {
+            PyErr_Format(PyExc_TypeError, "an extent's row is a %.100s, not a list",
+                         Py_TYPE(row)->tp_name);
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(row); i++) {
+            PyObject *o = PyList_GET_ITEM(row, i);
+            if (!Py_IS_TYPE(o, &SlotType))
+                continue;           /* a gap */
+            SlotObject *slot = AS_SLOT(o);
+            n += slot->state == committed && (slot->pins > 0 || slot->reads > 0);
+        }
+    }
+    return PyLong_FromLongLong(n);
+}
+
 PyDoc_STRVAR(offsets_doc,
 "offsets(slots) -> bytearray\n\n"
 "Each slot's pool offset as native int64s, in order (numpy.frombuffer reads them).");
@@ -1057,6 +1089,7 @@ static PyMethodDef methods[] = {
     {"unpin", unpin, METH_VARARGS, unpin_doc},
     {"touch", touch, METH_VARARGS, touch_doc},
     {"offsets", offsets, METH_O, offsets_doc},
+    {"held_count", held_count, METH_VARARGS, held_count_doc},
     {NULL, NULL, 0, NULL},
 };
 

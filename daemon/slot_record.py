@@ -212,6 +212,20 @@ def resolve(refs: list[int], rows: list[list[Slot] | None], stride: int, ns: byt
     return found, redo
 
 
+def held_count(rows: list[list[Slot] | None], committed: int) -> int:
+    """``SlotTable.pinned_count``'s pass: how many slots of ``rows`` (each extent's slot list,
+    or None) are ``committed`` and pinned or read."""
+    n = 0
+    for row in rows:
+        if row is None:
+            continue
+        if type(row) is not list:
+            raise TypeError(f"an extent's row is a {type(row).__name__}, not a list")
+        n += sum(1 for s in row if s is not None and s.state == committed
+                 and (s.pins > 0 or s.reads > 0))
+    return n
+
+
 def leading(shards: tuple[dict[bytes, Slot], ...], keys: list[bytes], committed: int,
             filling: int) -> tuple[list[Slot], list[int]]:
     """``Index.lookup``'s walk of one key list: the slots (``shards``: a key table's dicts,
@@ -297,7 +311,7 @@ _NS, _CLASS, _EXTENT = attrgetter("ns"), attrgetter("size_class"), attrgetter("e
 _ID, _KEY, _OFFSET = attrgetter("id"), attrgetter("key"), attrgetter("offset")
 
 _PASSES = ("make_slots", "claim", "end", "commit", "evict", "batch_of", "record_lists",
-           "resolve", "slots_of", "leading", "pin", "unpin", "touch", "offsets")
+           "resolve", "slots_of", "held_count", "leading", "pin", "unpin", "touch", "offsets")
 PYTHON = SimpleNamespace(name="python", Slot=Slot, **{p: globals()[p] for p in _PASSES})
 COMPILED = None if _slot_record is None else SimpleNamespace(
     name="compiled", Slot=_slot_record.Slot, **{p: getattr(_slot_record, p) for p in _PASSES})

@@ -330,9 +330,9 @@ class SlotTable:
 
     def pinned_count(self) -> int:
         """Committed blocks held by a lease, a load or a lower tier's read (their space is not
-        free to reuse now)."""
-        return sum(1 for s in self.slots.values()
-                   if s.state == COMMITTED and (s.pins > 0 or s.reads > 0))
+        free to reuse now). One pass over every slot, in C where built: the gauges' refresh
+        asks every few seconds, and its Python loop held the loop ~100 ms at 2M slots."""
+        return self.records.held_count(self.slots.rows, COMMITTED)
 
     def counts(self) -> tuple[int, int, int]:
         """(writing, committed, used bytes): FILLING slots count as writing."""

@@ -326,3 +326,22 @@ def test_the_store_path_ends_in_one_state_on_either_record(pool_config, compiled
     for part, a, b in zip(("slots", "tables", "lru", "free", "bound", "counts", "records"),
                           python, compiled):
         assert a == b, f"the {part} differ between the Python and the compiled slot records"
+
+
+def test_held_count_is_alike_on_both_records(compiled_slot_record):
+    """``held_count``: committed slots pinned or read, over rows with gaps and extents with
+    none; what is not a row is refused."""
+    out = []
+    for records in _both():
+        slots = _slots(records) + records.make_slots(70, 1, 0, 8, "c", [0, 0])
+        for s in slots:
+            s.state = COMMITTED
+        slots[0].pins = 1                                   # leased
+        slots[1].reads = 2                                  # a lower tier reads it
+        slots[2].pins, slots[2].state = 1, WRITING          # a store's pin: not committed
+        slots[4].reads, slots[4].state = 1, FREE
+        rows = _rows(slots)                                 # ids 68, 69 a gap; extent 0 none
+        out.append(records.held_count(rows, COMMITTED))
+        with pytest.raises(TypeError):
+            records.held_count([None, "not a row"], COMMITTED)
+    assert out == [2, 2]
