@@ -5,11 +5,13 @@ and then churns, under two trees in turn (CPU, issue 36: nothing may hold the lo
         [--per-job 128] [--runs 1] [--events] [--out DIR]
 
 Each run starts a daemon of one tree (its own import tree, as ``store_job_ab.py`` makes them)
-on the host path with a pool of ``--pool`` in 4 KiB slots, and one worker (this checkout's
-client) stores jobs of ``--per-job`` new blocks, four in flight, until the pool has taken
-``1 + --churn`` times its slots. Then a second registration makes the daemon log its loop
-watch's summary (``daemon/loop_watch.py``: the longest gap since start, run-queue waits
-taken out), which is read back with every gap it warned of. The stalls this measures grow
+on the host path with a pool of ``--pool``, and one worker (this checkout's client) stores
+jobs of ``--per-job`` new blocks, four in flight, until the pool has taken ``1 + --churn``
+times its slots (full at its first eviction). Its blocks are 4 KiB, but an extent has
+records for 16 KiB slots (``MIN_PACKED_SLOT_BYTES``), so a pool of 8 GiB holds 522K slots.
+Then a second registration makes the daemon log its loop watch's summary
+(``daemon/loop_watch.py``: the longest gap since start, run-queue waits taken out), which is
+read back with every gap it warned of. The stalls this measures grow
 with the pool's slot count: a dict of every block rebuilding itself, the collector walking
 every slot; the benches' 12 GiB pools of 2 MiB slots are too small to meet them.
 """
@@ -55,16 +57,15 @@ def _one(tree: Path, name: str, work: Path, pool: str, churn: float, per_job: in
             os.environ.pop("PYTHONPATH")
         else:
             os.environ["PYTHONPATH"] = old
-    kv = HostKv(layers=2, blocks=4 * per_job)           # 4 KiB slots, four jobs' blocks
+    kv = HostKv(layers=2, blocks=4 * per_job)           # 4 KiB blocks, four jobs' worth
     try:
         from kvpool.client.scheduler import SchedulerClient
         cfg = daemon.client_config(timeout_ms=30000)
         worker, reg = kv.register(cfg)
         sched = SchedulerClient(cfg)
-        slots = sched.info().pool_bytes // 4096
-        target = int(slots * (1 + churn))
         stored, jobs, began = 0, [], time.monotonic()
-        while stored < target:
+        target = held = 0           # until the pool is full: its first eviction says so
+        while not target or stored < target:
             n = len(jobs) % 4
             keys = [secrets.token_bytes(16) for _ in range(per_job)]
             jobs.append(keyed_store(sched, worker, reg, kv.namespace,
@@ -74,6 +75,11 @@ def _one(tree: Path, name: str, work: Path, pool: str, churn: float, per_job: in
                 done = worker.wait(jobs, 60)
                 assert all(c.ok for c in done), done
                 jobs = []
+                if not target:
+                    now = sched.info()
+                    if now.evictions:
+                        held = now.slots_committed
+                        target = stored + int(held * churn)
         if jobs:
             worker.wait(jobs, 60)
         seconds = time.monotonic() - began
@@ -90,7 +96,8 @@ def _one(tree: Path, name: str, work: Path, pool: str, churn: float, per_job: in
     log = daemon.log_path.read_text(errors="replace")
     longest = [float(m) for m in _LONGEST.findall(log)]
     warned = [line for line in log.splitlines() if "event loop did not run" in line]
-    return {"tree": name, "pool_slots": slots, "stored_blocks": stored,
+    return {"tree": name, "pool_slots": held, "slots_held_at_end": info.slots_committed,
+            "stored_blocks": stored,
             "seconds": round(seconds, 1),
             "evictions": info.evictions, "longest_gap_ms": max(longest, default=-1.0),
             "gap_warnings": warned[:20]}
