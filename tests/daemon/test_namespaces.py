@@ -35,7 +35,7 @@ def test_a_namespace_over_its_quota_evicts_only_its_own_blocks(pool):
 def test_a_quota_set_later_seeds_its_queue_in_use_order_and_no_quota_walks_nothing(pool):
     """A quota set when the namespace already holds blocks starts from its evictable ones,
     least recently used first (pinned ones and other namespaces' left out); a registration
-    with no quota to seed does not look at the namespace's blocks at all (one with 512K of
+    with no quota to seed does not look at the namespace's blocks at all (one with 130K of
     them sorted them all, 300 ms of the loop)."""
     ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
     ix.register_namespace(NS_A, SMALL)
