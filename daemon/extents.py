@@ -50,9 +50,8 @@ class SlotsById:
         self._slots_of = records.slots_of
 
     def get(self, sid: int, default: Slot | None = None) -> Slot | None:
-        e, i = divmod(sid, self.stride)
-        row = self.rows[e] if 0 <= e < len(self.rows) else None
-        return row[i] if row is not None and i < len(row) else default
+        s = slot_record.slot_at(self.rows, self.stride, sid) if sid >= 0 else None
+        return default if s is None else s
 
     def __getitem__(self, sid: int) -> Slot:
         s = self.get(sid)

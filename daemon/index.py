@@ -82,15 +82,16 @@ class Index:
         """See ``Namespaces.register``: the namespace's evictable blocks seed a new quota's
         queue (found only then: a registration of a namespace of 130K blocks sorted them all,
         300 ms of the loop, with no quota to seed)."""
-        self.namespaces.register(ns, layout, quota_bytes, lambda: self._evictable_of(ns))
+        self.namespaces.register(ns, layout, quota_bytes,
+                                 lambda: [s.id for s in self._evictable_of(ns)])
 
-    def _evictable_of(self, ns: bytes) -> list[int]:
-        """The evictable slot ids of ``ns``, least recently used first: its size's queue holds
+    def _evictable_of(self, ns: bytes) -> list[Slot]:
+        """The evictable slots of ``ns``, least recently used first: its size's queue holds
         every evictable slot in that order, so a filter of it, not a sort."""
         cls = self.extents.classes.get(self.namespaces.layout_of(ns).slot_bytes)
         if cls is None or not len(cls.lru):
             return []
-        return [s.id for s in self.table.slots.many(list(cls.lru)) if s.ns == ns]
+        return [s for s in self.table.slots.many(list(cls.lru)) if s.ns == ns]
 
     def reserve(self, ns: bytes, count: int, owner: int, now: float) -> list[int]:
         return self.stores.reserve(ns, count, owner, now)
@@ -212,7 +213,7 @@ class Index:
         first, as their size's queue holds them, then those pinned now. O(blocks of ns), and no
         sort (the key table keeps no order: one sort of 130K blocks took 300 ms of the loop)."""
         table = self.table.tables.get(ns, EMPTY)
-        queued = self.table.slots.many(self._evictable_of(ns)) if table else []
+        queued = self._evictable_of(ns) if table else []
         return [s.block_hash for s in queued] + [
             h for h, s in table.items() if s.state == COMMITTED and s.pins]
 

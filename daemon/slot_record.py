@@ -166,7 +166,8 @@ def record_lists(slots: list[Slot]) -> tuple[list[int], list[bytes], list[int]]:
             [s.ref >> 32 for s in slots])
 
 
-def _slot_at(rows: list[list[Slot] | None], stride: int, sid: int) -> Slot | None:
+def slot_at(rows: list[list[Slot] | None], stride: int, sid: int) -> Slot | None:
+    """The slot of id ``sid`` (>= 0) in ``rows`` (as ``slots_of``'s), or None."""
     e, i = divmod(sid, stride)
     row = rows[e] if e < len(rows) else None
     if row is None:
@@ -183,7 +184,7 @@ def slots_of(rows: list[list[Slot] | None], stride: int, ids: list[int]) -> list
         raise ValueError("the stride must be positive")
     out = []
     for sid in ids:
-        s = _slot_at(rows, stride, sid) if isinstance(sid, int) and sid >= 0 else None
+        s = slot_at(rows, stride, sid) if isinstance(sid, int) and sid >= 0 else None
         if s is None:
             raise KeyError(sid)
         out.append(s)
@@ -203,7 +204,7 @@ def resolve(refs: list[int], rows: list[list[Slot] | None], stride: int, ns: byt
     for i, ref in enumerate(refs):
         if not isinstance(ref, int):
             raise TypeError(f"refs[{i}] is a {type(ref).__name__}, not an int")
-        s = _slot_at(rows, stride, ref & 0xFFFF_FFFF) if ref else None
+        s = slot_at(rows, stride, ref & 0xFFFF_FFFF) if ref else None
         if (s is None or s.ref != ref or (s.state != committed and s.state != filling)
                 or s.doomed or s.ns != ns):
             s = None

@@ -78,7 +78,8 @@ class SlotTable:
         self.slots = extents.slots              # slot id -> slot, read on every hot path
         self.records = extents.records          # the batch passes over slots
         # namespace -> block hash -> its WRITING, FILLING or COMMITTED slot. Per-namespace
-        # tables keep a lookup to one dict probe per key with no key concatenation.
+        # key tables (daemon/key_table.py) keep a lookup to one probe per key with no key
+        # concatenation.
         self.tables: dict[bytes, KeyTable] = {}
         self.writing: dict[int, Slot] = {}
         self.filling: dict[int, Slot] = {}
@@ -380,7 +381,7 @@ class SlotTable:
         per_ns = _per_ns(victims, ns)
         for n, k in per_ns:
             # a committed block is its key's slot
-            self.tables[n].delete_many(list(map(_BLOCK_HASH, _in_ns(victims, n, per_ns))))
+            self.tables[n].delete_many(map(_BLOCK_HASH, _in_ns(victims, n, per_ns)))
             blocks[n] -= k
         self._queues(victims, "remove_many", ns, cls)
         for w in self.watchers:
