@@ -267,6 +267,20 @@ static PyObject *head_ids(LruObject *q, Py_ssize_t n)
     return out;
 }
 
+/* every queued id, oldest first, as native int64s in a bytes: no int object per id (the KV
+ * event feed's announcement reads a whole size's queue, hundreds of thousands of ids) */
+static PyObject *lru_order(LruObject *q, PyObject *unused)
+{
+    PyObject *out = PyBytes_FromStringAndSize(NULL, q->length * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL)
+        return NULL;
+    int64_t *at = (int64_t *)PyBytes_AS_STRING(out);
+    int64_t id = q->head;
+    for (Py_ssize_t i = 0; i < q->length; i++, id = NEXT(q, id))
+        at[i] = id;
+    return out;
+}
+
 static PyObject *lru_victims(LruObject *q, PyObject *arg)
 {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
@@ -325,6 +339,8 @@ static PyMethodDef lru_methods[] = {
     {"victims", (PyCFunction)lru_victims, METH_O,
      "up to n least recently used ids, oldest first; removes nothing"},
     {"oldest", (PyCFunction)lru_oldest, METH_NOARGS, "the least recently used id, or None"},
+    {"order", (PyCFunction)lru_order, METH_NOARGS,
+     "every queued id, oldest first, as native int64s (a bytes)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -698,15 +698,11 @@ static void stamp(SlotObject *s, long long tick, PyObject *tick_obj, PyObject *n
     PyList_SetItem(newest_use, (Py_ssize_t)s->extent, Py_NewRef(tick_obj));
 }
 
-/* The slot of ``id`` in ``rows`` (a list of each extent's slot list or None; an id is its
- * extent times ``stride`` plus its index), borrowed; NULL where it names none. -1 in *bad
- * (with an exception set) where the rows are not such lists. */
-static PyObject *slot_at(PyObject *rows, unsigned long long stride, unsigned long long id,
-                         int *bad)
+/* Extent e's row of ``rows`` (a list of each extent's slot list or None), borrowed; NULL
+ * for an extent with none, and also -1 in *bad (with an exception set) where the row is
+ * not a list. */
+static PyObject *row_at(PyObject *rows, Py_ssize_t e, int *bad)
 {
-    unsigned long long e = id / stride, i = id % stride;
-    if (e >= (unsigned long long)PyList_GET_SIZE(rows))
-        return NULL;
     PyObject *row = PyList_GET_ITEM(rows, e);
     if (row == Py_None)
         return NULL;
@@ -716,7 +712,20 @@ static PyObject *slot_at(PyObject *rows, unsigned long long stride, unsigned lon
         *bad = -1;
         return NULL;
     }
-    if (i >= (unsigned long long)PyList_GET_SIZE(row))
+    return row;
+}
+
+/* The slot of ``id`` in ``rows`` (a list of each extent's slot list or None; an id is its
+ * extent times ``stride`` plus its index), borrowed; NULL where it names none. -1 in *bad
+ * (with an exception set) where the rows are not such lists. */
+static PyObject *slot_at(PyObject *rows, unsigned long long stride, unsigned long long id,
+                         int *bad)
+{
+    unsigned long long e = id / stride, i = id % stride;
+    if (e >= (unsigned long long)PyList_GET_SIZE(rows))
+        return NULL;
+    PyObject *row = row_at(rows, (Py_ssize_t)e, bad);
+    if (row == NULL || i >= (unsigned long long)PyList_GET_SIZE(row))
         return NULL;
     PyObject *s = PyList_GET_ITEM(row, i);
     return s == Py_None ? NULL : s;
@@ -1034,14 +1043,12 @@ static PyObject *held_count(PyObject *self, PyObject *args)
         return NULL;
     long long n = 0;
     for (Py_ssize_t e = 0; e < PyList_GET_SIZE(rows); e++) {
-        PyObject *row = PyList_GET_ITEM(rows, e);
-        if (row == Py_None)
-            continue;
-        if (!PyList_Check(row)) {
-            PyErr_Format(PyExc_TypeError, "an extent's row is a %.100s, not a list",
-                         Py_TYPE(row)->tp_name);
+        int bad = 0;
+        PyObject *row = row_at(rows, e, &bad);
+        if (bad)
             return NULL;
-        }
+        if (row == NULL)
+            continue;
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(row); i++) {
             PyObject *o = PyList_GET_ITEM(row, i);
             if (!Py_IS_TYPE(o, &SlotType))
@@ -1051,6 +1058,106 @@ static PyObject *held_count(PyObject *self, PyObject *args)
         }
     }
     return PyLong_FromLongLong(n);
+}
+
+/* whether a slot's namespace is ns (a bytes): the same object in the common case */
+static inline int of_ns(SlotObject *s, PyObject *ns)
+{
+    PyObject *mine = s->ns;
+    return mine == ns || (PyBytes_Check(mine) && PyBytes_GET_SIZE(mine) == PyBytes_GET_SIZE(ns)
+                          && memcmp(PyBytes_AS_STRING(mine), PyBytes_AS_STRING(ns),
+                                    (size_t)PyBytes_GET_SIZE(ns)) == 0);
+}
+
+PyDoc_STRVAR(of_namespace_doc,
+"of_namespace(rows, stride, order, ns, hashes) -> list\n\n"
+"The slots named by order (a buffer of native int64 ids, as an LRU queue's order()) whose\n"
+"namespace is ns, in that order; with hashes true, their block hashes instead. rows, stride:\n"
+"as slots_of's; KeyError for an id that names no slot.");
+
+static PyObject *of_namespace(PyObject *self, PyObject *args)
+{
+    PyObject *rows, *ns;
+    long long stride;
+    Py_buffer order;
+    int hashes;
+    if (!PyArg_ParseTuple(args, "O!Ly*O!p", &PyList_Type, &rows, &stride, &order,
+                          &PyBytes_Type, &ns, &hashes))
+        return NULL;
+    PyObject *out = NULL;
+    if (check_stride(stride) < 0)
+        goto done;
+    if (order.len % (Py_ssize_t)sizeof(long long) != 0) {
+        PyErr_SetString(PyExc_ValueError, "the order is not a whole number of int64 ids");
+        goto done;
+    }
+    out = PyList_New(0);
+    if (out == NULL)
+        goto done;
+    const long long *id = (const long long *)order.buf;
+    Py_ssize_t n = order.len / (Py_ssize_t)sizeof(long long);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int bad = 0;
+        PyObject *o = id[i] < 0 ? NULL
+            : slot_at(rows, (unsigned long long)stride, (unsigned long long)id[i], &bad);
+        if (bad)
+            goto fail;
+        if (o == NULL || !Py_IS_TYPE(o, &SlotType)) {
+            PyObject *v = PyLong_FromLongLong(id[i]);
+            if (v != NULL) {
+                PyErr_SetObject(PyExc_KeyError, v);
+                Py_DECREF(v);
+            }
+            goto fail;
+        }
+        SlotObject *slot = AS_SLOT(o);
+        if (of_ns(slot, ns) && PyList_Append(out, hashes ? slot->block_hash : o) < 0)
+            goto fail;
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    PyBuffer_Release(&order);
+    return out;
+}
+
+PyDoc_STRVAR(pinned_hashes_doc,
+"pinned_hashes(rows, ns, committed) -> list\n\n"
+"The block hashes of the slots of rows (each extent's slot list, or None) of namespace ns\n"
+"that are committed, pinned and not doomed, in slot order.");
+
+static PyObject *pinned_hashes(PyObject *self, PyObject *args)
+{
+    PyObject *rows, *ns;
+    int committed;
+    if (!PyArg_ParseTuple(args, "O!O!i", &PyList_Type, &rows, &PyBytes_Type, &ns, &committed))
+        return NULL;
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t e = 0; e < PyList_GET_SIZE(rows); e++) {
+        int bad = 0;
+        PyObject *row = row_at(rows, e, &bad);
+        if (bad) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        if (row == NULL)
+            continue;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(row); i++) {
+            PyObject *o = PyList_GET_ITEM(row, i);
+            if (!Py_IS_TYPE(o, &SlotType))
+                continue;           /* a gap */
+            SlotObject *slot = AS_SLOT(o);
+            if (slot->state == committed && slot->pins > 0 && !slot->doomed && of_ns(slot, ns)
+                    && PyList_Append(out, slot->block_hash) < 0) {
+                Py_DECREF(out);
+                return NULL;
+            }
+        }
+    }
+    return out;
 }
 
 PyDoc_STRVAR(offsets_doc,
@@ -1090,6 +1197,8 @@ static PyMethodDef methods[] = {
     {"touch", touch, METH_VARARGS, touch_doc},
     {"offsets", offsets, METH_O, offsets_doc},
     {"held_count", held_count, METH_VARARGS, held_count_doc},
+    {"of_namespace", of_namespace, METH_VARARGS, of_namespace_doc},
+    {"pinned_hashes", pinned_hashes, METH_VARARGS, pinned_hashes_doc},
     {NULL, NULL, 0, NULL},
 };
 

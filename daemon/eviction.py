@@ -25,6 +25,7 @@ linked through two arrays indexed by slot id: slot ids are dense, so no hash tab
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict, deque
 from itertools import islice
 from typing import Iterable, Iterator
@@ -96,6 +97,11 @@ class OrderedLru:
         out = list(islice(self._order, n))
         self.examined += len(out)
         return out
+
+    def order(self) -> bytes:
+        """Every queued id, least recently used first, as native int64s (no int per id for a
+        caller that walks a whole queue in C)."""
+        return array("q", self._order).tobytes()
 
     def oldest(self) -> int | None:
         """The least recently used evictable slot, or None."""

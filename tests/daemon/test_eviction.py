@@ -1,6 +1,7 @@
 """The LRU queue of evictable slots (daemon/eviction.py): pure policy, no pool. Each test runs
 on both queues: the compiled one (daemon/_lru.c) and the OrderedDict one it falls back to."""
 
+from array import array
 import random
 
 import pytest
@@ -90,6 +91,7 @@ def test_both_queues_agree_through_random_operations(compiled_lru, seed, capacit
         got = [getattr(q, op)(*(() if op == "oldest" else (arg,))) for q in (ours, ref)]
         assert got[0] == got[1], f"step {step}: {op} answered {got[0]} against {got[1]}"
         assert list(ours) == list(ref) and len(ours) == len(ref), f"step {step}: after {op}"
+        assert array("q", ours.order()).tolist() == list(ref), f"step {step}: order after {op}"
     assert ours.examined == ref.examined
     assert all((i in ours) == (i in ref) for i in ids)
 

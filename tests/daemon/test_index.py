@@ -459,3 +459,9 @@ def test_committed_hashes_are_the_evictable_in_use_order_then_the_pinned(pool):
     ix.release_leases([lease], OWNER)
     assert ix.committed_hashes(NS_SMALL) == [ks[0], ks[3], ks[1], ks[2]]   # unpinned: used
     assert ix.committed_hashes(b"z" * 16) == []
+    ix.lookup(NS_A, [keys(1, b"o")], True, OWNER, 0)          # another namespace's lease
+    ix.lookup(NS_SMALL, [ks[:1]], True, OWNER, 0)
+    ix.reset(NS_SMALL)                                       # c0 leased: doomed, not freed
+    fresh = keys(2, b"f")
+    store(ix, NS_SMALL, fresh)
+    assert ix.committed_hashes(NS_SMALL) == fresh

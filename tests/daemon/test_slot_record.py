@@ -2,6 +2,7 @@
 the compiled record and the Python one do the same to the same slots, and the whole store and
 load path ends in one state on either."""
 
+from array import array
 import gc
 
 import msgspec
@@ -326,6 +327,44 @@ def test_the_store_path_ends_in_one_state_on_either_record(pool_config, compiled
     for part, a, b in zip(("slots", "tables", "lru", "free", "bound", "counts", "records"),
                           python, compiled):
         assert a == b, f"the {part} differ between the Python and the compiled slot records"
+
+
+def test_a_namespaces_slots_and_pinned_hashes_are_alike_on_both_records(compiled_slot_record):
+    """``of_namespace`` keeps a queue order's slots (or hashes) of one namespace, in that
+    order; ``pinned_hashes`` the committed, pinned, undoomed blocks of one namespace, in slot
+    order. An id that names no slot, a torn order and a namespace that is no bytes are
+    refused."""
+    out = []
+    for records in _both():
+        slots = _slots(records) + records.make_slots(70, 1, 0, 8, "c", [0, 0])
+        for i, s in enumerate(slots):
+            s.state, s.ns, s.block_hash = COMMITTED, b"A" * 16 if i % 3 else b"B" * 16, bytes([i])
+        slots[1].pins = 1                                   # leased
+        slots[2].pins, slots[2].doomed = 1, True            # reset while leased
+        slots[4].pins, slots[4].state = 1, WRITING          # a store's pin: not committed
+        slots[3].pins = 2                                   # of B
+        rows = _rows(slots)                                 # ids 68, 69 a gap; extent 0 none
+        order = array("q", [71, 64, 70, 66, 65, 67]).tobytes()
+        ns = bytes(b"A" * 16)                               # equal, not the same object
+        out.append((records.of_namespace(rows, 64, order, ns, True),
+                    [s.id for s in records.of_namespace(rows, 64, order, ns, False)],
+                    records.of_namespace(rows, 64, b"", ns, True),
+                    records.pinned_hashes(rows, ns, COMMITTED),
+                    records.pinned_hashes(rows, b"B" * 16, COMMITTED)))
+        for bad, error in ((array("q", [68]).tobytes(), KeyError),
+                           (array("q", [-1]).tobytes(), KeyError),
+                           (array("q", [64 * 9]).tobytes(), KeyError), (b"1234", ValueError)):
+            with pytest.raises(error):
+                records.of_namespace(rows, 64, bad, ns, True)
+        with pytest.raises(TypeError):
+            records.of_namespace(rows, 64, order, "A" * 16, True)
+        with pytest.raises(TypeError):
+            records.pinned_hashes(rows, "A" * 16, COMMITTED)
+        with pytest.raises(TypeError):
+            records.pinned_hashes([None, "not a row"], ns, COMMITTED)
+    assert out[0] == out[1]
+    assert out[0] == ([b"\x05", b"\x04", b"\x02", b"\x01"], [71, 70, 66, 65], [],
+                      [b"\x01"], [b"\x03"])
 
 
 def test_held_count_is_alike_on_both_records(compiled_slot_record):
