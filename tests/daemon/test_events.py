@@ -194,3 +194,50 @@ def test_large_announcement_is_split(pub, ctx):
     pub.flush()
     ev = decode(fa.next()[2]).events
     assert [len(e.block_hashes) for e in ev] == [MAX_HASHES_PER_EVENT, 5]
+
+
+def test_a_large_batch_goes_out_in_bounded_messages(pub, ctx, monkeypatch):
+    """The sender encodes one message with the GIL held: a topic's pending events go out
+    at most ``MAX_EVENTS_PER_MESSAGE`` a message, in order, with consecutive sequence
+    numbers."""
+    from kvpool.daemon import events
+    monkeypatch.setattr(events, "MAX_HASHES_PER_EVENT", 2)
+    monkeypatch.setattr(events, "MAX_EVENTS_PER_MESSAGE", 3)
+    keys = [i.to_bytes(16, "big") for i in range(7)]
+    fa = Feed(ctx, pub.endpoint, b"engA")
+    connected(pub, fa, "engA")
+    pub.registration_added("engA", NS_A, 16, lambda: keys)
+    pub.flush()
+    (_, seq1, first), (_, seq2, second) = fa.next(), fa.next()
+    assert seq2 == seq1 + 1
+    a, b = decode(first).events, decode(second).events
+    assert [len(e.block_hashes) for e in a] == [2, 2, 2] and [len(e.block_hashes) for e in b] == [1]
+    assert [h for e in a + b for h in e.block_hashes] == keys
+    assert fa.empty()
+
+
+def test_int64_hashes_are_folded_once_for_every_engine(tmp_path, ctx):
+    """Folding happens in the sender, per message: the events one announcement queues for two
+    engines reach both folded, and the keys the loop handed over are left as they were."""
+    p = KvEventPublisher(f"ipc://{tmp_path}/ev", hash_format="int64", interval_ms=5,
+                         context=ctx)
+    try:
+        feeds = {}
+        for engine in ("e1", "e2"):
+            p.registration_added(engine, NS_A, 16, lambda: [])
+            feeds[engine] = Feed(ctx, p.endpoint, engine.encode())
+            connected(p, feeds[engine], engine)
+        handed = list(K[:3])
+        p.blocks_stored(NS_A, handed)
+        p.blocks_removed(NS_A, handed[:1])
+        p.flush()
+        for feed in feeds.values():
+            got: list = []
+            while len(got) < 2:               # (the sender may wake between the two)
+                got += decode(feed.next()[2]).events
+            stored, removed = got
+            assert stored.block_hashes == [fold_hash(k) for k in K[:3]]
+            assert removed.block_hashes == [fold_hash(K[0])]
+        assert handed == K[:3]
+    finally:
+        p.close()
