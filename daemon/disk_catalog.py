@@ -24,6 +24,7 @@ landed, was read or failed; it answers from memory and hands back the indices to
   writes of a full disk, on the daemon's event loop. So the tables are key tables of 256 dicts
   (``daemon/key_table.py``) and the LRU is the pool's queue of ids (``daemon/eviction.py``):
   a VALID block takes a dense id while it is queued (``_by_id``), given back when it leaves.
+  Nor does the cyclic collector walk them: a ``DiskBlock`` is not tracked by it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from kvpool.daemon.disk_store import Found
@@ -50,8 +52,12 @@ class SizeFile:
     high: int = 0                                    # indices below this have been used
 
 
-@dataclass(slots=True, eq=False)
-class DiskBlock:
+class DiskBlock(msgspec.Struct, eq=False, gc=False):
+    """One block's record. Untracked by the cyclic collector (``gc=False``: it refers to
+    nothing that refers back): a disk holds millions, each written block survives into the
+    oldest generation, and their churn set off full collections that walked every one with
+    the GIL held (``bench/investigations/disk_gc.py``)."""
+
     key: bytes                 # namespace + block hash, as in the pool
     size: SizeFile
     index: int                 # block index in its size's file

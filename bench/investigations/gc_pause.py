@@ -23,14 +23,10 @@ import sys
 import time
 
 
-def _one(variant: str, slots: int, per_extent: int, torch: bool) -> dict:
+def full_collections() -> list[float]:
+    """A list that gets the milliseconds of every collection of the oldest generation from
+    now on (a ``gc.callbacks`` entry)."""
     import gc
-
-    if torch:
-        import torch as _  # noqa: F401  (its objects, as a CUDA daemon's heap holds them)
-    from kvpool.daemon.extents import SizeClass
-    from kvpool.daemon.heap import Heap
-    from kvpool.daemon.slot_record import RECORDS
 
     full: list[float] = []
     began = [0.0]
@@ -43,6 +39,19 @@ def _one(variant: str, slots: int, per_extent: int, torch: bool) -> dict:
                 full.append((time.perf_counter() - began[0]) * 1e3)
 
     gc.callbacks.append(watch)
+    return full
+
+
+def _one(variant: str, slots: int, per_extent: int, torch: bool) -> dict:
+    import gc
+
+    if torch:
+        import torch as _  # noqa: F401  (its objects, as a CUDA daemon's heap holds them)
+    from kvpool.daemon.extents import SizeClass
+    from kvpool.daemon.heap import Heap
+    from kvpool.daemon.slot_record import RECORDS
+
+    full = full_collections()
     heap = Heap()
     if variant == "heap":
         heap.settle()

@@ -4,6 +4,7 @@ and what a restart adopts."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import numpy as np
@@ -210,3 +211,21 @@ def test_adopt_keeps_one_copy_of_a_key_even_with_room_for_both():
     assert [(sb, idx.tolist()) for sb, idx in stale] == [(S, [2])]
     assert cat.held_keys() == [key(1), key(0)] and cat.used_bytes == 2 * S
     assert cat.pin(key(0), S).index == 0
+
+
+def test_the_collector_tracks_no_block_record():
+    """A disk holds millions of blocks: none is an object the cyclic collector walks, whether
+    written, adopted at a restart or churned through a full tier."""
+    cat, _ = catalog(2048)
+    cat.adopt([found(S, 2, [(0, key(0), 1), (1, key(1), 2)])])
+    adopted = cat.pin(key(0), S)
+    assert not gc.is_tracked(adopted)
+    cat.unpin([adopted], bad=[])
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(2, 4098, 128):                           # fills, then evicts 2050
+        store(cat, [key(j) for j in range(i, i + 128)])
+    assert cat.evicted_blocks == 2050
+    assert not any(gc.is_tracked(cat.pin(key(i), S)) for i in range(2050, 4098))
+    grown = len(gc.get_objects()) - before
+    assert grown < 600, f"{grown} more objects tracked after 4096 blocks written"
