@@ -162,9 +162,9 @@ class HostKv:
     def blocks_of(self, block_ids: list[int]) -> torch.Tensor:
         return self.kv[:, :, torch.tensor(block_ids)].clone()
 
-    def register(self, config: ClientConfig, tp_rank: int = 0, name: str = "worker"
-                 ) -> tuple[WorkerClient, int]:
-        client = WorkerClient(config, name)
+    def register(self, config: ClientConfig, tp_rank: int = 0, name: str = "worker",
+                 engine_id: str = "") -> tuple[WorkerClient, int]:
+        client = WorkerClient(config, name, engine_id)
         reg = client.register(self.namespace, self.layout, tp_rank, self.blocks, [self.mem.region],
                               self.placement)
         return client, reg

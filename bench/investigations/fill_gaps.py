@@ -9,7 +9,8 @@ on the host path with a pool of ``--pool``, and one worker (this checkout's clie
 jobs of ``--per-job`` new blocks, four in flight, until the pool has taken ``1 + --churn``
 times its slots (full at its first eviction). Its blocks are 4 KiB, but an extent has
 records for 16 KiB slots (``MIN_PACKED_SLOT_BYTES``), so a pool of 8 GiB holds 522K slots.
-Then a second registration makes the daemon log its loop watch's summary
+Then a second engine's registration (with ``--events``, the feed announces every block of
+the namespace to it) makes the daemon log its loop watch's summary
 (``daemon/loop_watch.py``: the longest gap since start, run-queue waits taken out), which is
 read back with every gap it warned of. The stalls this measures grow
 with the pool's slot count: a dict of every block rebuilding itself, the collector walking
@@ -84,7 +85,11 @@ def _one(tree: Path, name: str, work: Path, pool: str, churn: float, per_job: in
             worker.wait(jobs, 60)
         seconds = time.monotonic() - began
         other = HostKv(layers=2, blocks=8)
-        again, _ = other.register(cfg, name="again")     # logs the loop watch's summary
+        # (an engine of its own: the daemon's KV event feed, where on, announces every block
+        # of the namespace to it, on the loop; a registration of the first engine's id would
+        # announce nothing, as the runs before 2026-12-08 did) It logs the loop watch's
+        # summary, with that announcement's turn counted.
+        again, _ = other.register(cfg, name="again", engine_id="fill-gaps-again")
         info = sched.info()
         again.close()
         other.close()
