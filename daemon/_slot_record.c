@@ -1070,19 +1070,18 @@ static inline int of_ns(SlotObject *s, PyObject *ns)
 }
 
 PyDoc_STRVAR(of_namespace_doc,
-"of_namespace(rows, stride, order, ns, hashes) -> list\n\n"
+"of_namespace(rows, stride, order, ns) -> list\n\n"
 "The slots named by order (a buffer of native int64 ids, as an LRU queue's order()) whose\n"
-"namespace is ns, in that order; with hashes true, their block hashes instead. rows, stride:\n"
-"as slots_of's; KeyError for an id that names no slot.");
+"namespace is ns, in that order. rows, stride: as slots_of's; KeyError for an id that names\n"
+"no slot.");
 
 static PyObject *of_namespace(PyObject *self, PyObject *args)
 {
     PyObject *rows, *ns;
     long long stride;
     Py_buffer order;
-    int hashes;
-    if (!PyArg_ParseTuple(args, "O!Ly*O!p", &PyList_Type, &rows, &stride, &order,
-                          &PyBytes_Type, &ns, &hashes))
+    if (!PyArg_ParseTuple(args, "O!Ly*O!", &PyList_Type, &rows, &stride, &order,
+                          &PyBytes_Type, &ns))
         return NULL;
     PyObject *out = NULL;
     if (check_stride(stride) < 0)
@@ -1111,7 +1110,7 @@ static PyObject *of_namespace(PyObject *self, PyObject *args)
             goto fail;
         }
         SlotObject *slot = AS_SLOT(o);
-        if (of_ns(slot, ns) && PyList_Append(out, hashes ? slot->block_hash : o) < 0)
+        if (of_ns(slot, ns) && PyList_Append(out, o) < 0)
             goto fail;
     }
     goto done;
@@ -1122,12 +1121,12 @@ done:
     return out;
 }
 
-PyDoc_STRVAR(pinned_hashes_doc,
-"pinned_hashes(rows, ns, committed) -> list\n\n"
+PyDoc_STRVAR(committed_hashes_doc,
+"committed_hashes(rows, ns, committed) -> list\n\n"
 "The block hashes of the slots of rows (each extent's slot list, or None) of namespace ns\n"
-"that are committed, pinned and not doomed, in slot order.");
+"that are committed and not doomed, in slot order.");
 
-static PyObject *pinned_hashes(PyObject *self, PyObject *args)
+static PyObject *committed_hashes(PyObject *self, PyObject *args)
 {
     PyObject *rows, *ns;
     int committed;
@@ -1150,7 +1149,7 @@ static PyObject *pinned_hashes(PyObject *self, PyObject *args)
             if (!Py_IS_TYPE(o, &SlotType))
                 continue;           /* a gap */
             SlotObject *slot = AS_SLOT(o);
-            if (slot->state == committed && slot->pins > 0 && !slot->doomed && of_ns(slot, ns)
+            if (slot->state == committed && !slot->doomed && of_ns(slot, ns)
                     && PyList_Append(out, slot->block_hash) < 0) {
                 Py_DECREF(out);
                 return NULL;
@@ -1198,7 +1197,7 @@ static PyMethodDef methods[] = {
     {"offsets", offsets, METH_O, offsets_doc},
     {"held_count", held_count, METH_VARARGS, held_count_doc},
     {"of_namespace", of_namespace, METH_VARARGS, of_namespace_doc},
-    {"pinned_hashes", pinned_hashes, METH_VARARGS, pinned_hashes_doc},
+    {"committed_hashes", committed_hashes, METH_VARARGS, committed_hashes_doc},
     {NULL, NULL, 0, NULL},
 };
 

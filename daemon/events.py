@@ -237,22 +237,20 @@ class KvEventPublisher:
 
     def _stored_to(self, engines: list[str], namespace: bytes, keys: list[bytes]) -> None:
         # (keys as they are: the sender folds them for int64 hashes, off the event loop,
-        # where a fold of 524K keys took ~80 ms)
-        hashes = list(keys)
+        # where a fold of 524K keys took ~80 ms; each event takes a slice, a copy)
         block_tokens = self._block_tokens.get(namespace, 0)
         events: list[Event] = [
-            BlockStored(block_hashes=hashes[i:i + MAX_HASHES_PER_EVENT], parent_block_hash=None,
+            BlockStored(block_hashes=keys[i:i + MAX_HASHES_PER_EVENT], parent_block_hash=None,
                         token_ids=[], block_size=block_tokens, lora_id=None, medium=MEDIUM_CPU,
                         lora_name=None)
-            for i in range(0, len(hashes), MAX_HASHES_PER_EVENT)]
+            for i in range(0, len(keys), MAX_HASHES_PER_EVENT)]
         for engine_id in engines:
             self._enqueue(engine_id, events)
 
     def _removed_to(self, engines: list[str], keys: list[bytes]) -> None:
-        hashes = list(keys)
         events: list[Event] = [
-            BlockRemoved(block_hashes=hashes[i:i + MAX_HASHES_PER_EVENT], medium=MEDIUM_CPU)
-            for i in range(0, len(hashes), MAX_HASHES_PER_EVENT)]
+            BlockRemoved(block_hashes=keys[i:i + MAX_HASHES_PER_EVENT], medium=MEDIUM_CPU)
+            for i in range(0, len(keys), MAX_HASHES_PER_EVENT)]
         for engine_id in engines:
             self._enqueue(engine_id, events)
 

@@ -76,10 +76,10 @@ class SlotsById:
         """The slots of ``ids`` (KeyError for an id with none), in order."""
         return self._slots_of(self.rows, self.stride, ids)
 
-    def of_namespace(self, order: bytes, ns: bytes, hashes: bool = False) -> list:
-        """The slots (with ``hashes``, their block hashes) of ``ns`` among the ids of
-        ``order`` (an LRU queue's ``order()``), in that order: one pass, no int per id."""
-        return self._of_namespace(self.rows, self.stride, order, ns, hashes)
+    def of_namespace(self, order: bytes, ns: bytes) -> list[Slot]:
+        """The slots of ``ns`` among the ids of ``order`` (an LRU queue's ``order()``), in
+        that order: one pass, no int per id."""
+        return self._of_namespace(self.rows, self.stride, order, ns)
 
 
 @dataclass(slots=True, eq=False)

@@ -85,14 +85,14 @@ class Index:
         self.namespaces.register(ns, layout, quota_bytes,
                                  lambda: [s.id for s in self._evictable_of(ns)])
 
-    def _evictable_of(self, ns: bytes, hashes: bool = False) -> list:
-        """The evictable slots of ``ns`` (with ``hashes``, their block hashes), least recently
-        used first: its size's queue holds every evictable slot in that order, so a filter of
-        it, not a sort; one pass over the queue's ids (in C where built)."""
+    def _evictable_of(self, ns: bytes) -> list[Slot]:
+        """The evictable slots of ``ns``, least recently used first: its size's queue holds
+        every evictable slot in that order, so a filter of it, not a sort; one pass over the
+        queue's ids (in C where built)."""
         cls = self.extents.classes.get(self.namespaces.layout_of(ns).slot_bytes)
         if cls is None or not len(cls.lru):
             return []
-        return self.table.slots.of_namespace(cls.lru.order(), ns, hashes)
+        return self.table.slots.of_namespace(cls.lru.order(), ns)
 
     def reserve(self, ns: bytes, count: int, owner: int, now: float) -> list[int]:
         return self.stores.reserve(ns, count, owner, now)
@@ -210,12 +210,12 @@ class Index:
 
     def committed_hashes(self, ns: bytes) -> list[bytes]:
         """Block hashes of the committed blocks of ``ns`` (for the KV event feed of an engine
-        that starts or stops being able to load them): the evictable ones least recently used
-        first, as their size's queue holds them, then those pinned now. O(blocks of ns), and no
-        sort (the key table keeps no order: one sort of 130K blocks took 300 ms of the loop)."""
+        that starts or stops being able to load them), in slot order: a router keeps a set,
+        and an order of use cost the loop a pass over the LRU queue that missed the cache at
+        every slot. O(slots of the pool) in one C pass: ~6 ms at 524K slots (this VM)."""
         if not self.table.tables.get(ns, EMPTY):
             return []
-        return self._evictable_of(ns, hashes=True) + self.table.pinned_hashes(ns)
+        return self.table.committed_hashes(ns)
 
     @property
     def lease_count(self) -> int:

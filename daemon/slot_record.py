@@ -227,23 +227,23 @@ def held_count(rows: list[list[Slot] | None], committed: int) -> int:
     return n
 
 
-def of_namespace(rows: list[list[Slot] | None], stride: int, order: bytes, ns: bytes,
-                 hashes: bool) -> list:
+def of_namespace(rows: list[list[Slot] | None], stride: int, order: bytes, ns: bytes
+                 ) -> list[Slot]:
     """The slots named by ``order`` (native int64 ids, as an LRU queue's ``order()``) whose
-    namespace is ``ns``, in that order; with ``hashes``, their block hashes instead.
-    ``rows``, ``stride``: as ``slots_of``'s; KeyError for an id that names no slot."""
+    namespace is ``ns``, in that order. ``rows``, ``stride``: as ``slots_of``'s; KeyError for
+    an id that names no slot."""
     if not isinstance(ns, bytes):
         raise TypeError(f"the namespace is a {type(ns).__name__}, not bytes")
     ids = memoryview(order).cast("B")
     if len(ids) % 8:
         raise ValueError("the order is not a whole number of int64 ids")
-    slots = [s for s in slots_of(rows, stride, ids.cast("q").tolist()) if s.ns == ns]
-    return [s.block_hash for s in slots] if hashes else slots
+    return [s for s in slots_of(rows, stride, ids.cast("q").tolist()) if s.ns == ns]
 
 
-def pinned_hashes(rows: list[list[Slot] | None], ns: bytes, committed: int) -> list[bytes]:
+def committed_hashes(rows: list[list[Slot] | None], ns: bytes, committed: int
+                     ) -> list[bytes]:
     """The block hashes of the slots of ``rows`` (each extent's slot list, or None) of
-    namespace ``ns`` that are ``committed``, pinned and not doomed, in slot order."""
+    namespace ``ns`` that are ``committed`` and not doomed, in slot order."""
     if not isinstance(ns, bytes):
         raise TypeError(f"the namespace is a {type(ns).__name__}, not bytes")
     out = []
@@ -253,7 +253,7 @@ def pinned_hashes(rows: list[list[Slot] | None], ns: bytes, committed: int) -> l
         if type(row) is not list:
             raise TypeError(f"an extent's row is a {type(row).__name__}, not a list")
         out += [s.block_hash for s in row if s is not None and s.state == committed
-                and s.pins > 0 and not s.doomed and s.ns == ns]
+                and not s.doomed and s.ns == ns]
     return out
 
 
@@ -342,8 +342,8 @@ _NS, _CLASS, _EXTENT = attrgetter("ns"), attrgetter("size_class"), attrgetter("e
 _ID, _KEY, _OFFSET = attrgetter("id"), attrgetter("key"), attrgetter("offset")
 
 _PASSES = ("make_slots", "claim", "end", "commit", "evict", "batch_of", "record_lists",
-           "resolve", "slots_of", "held_count", "of_namespace", "pinned_hashes", "leading", "pin",
-           "unpin", "touch", "offsets")
+           "resolve", "slots_of", "held_count", "of_namespace", "committed_hashes", "leading",
+           "pin", "unpin", "touch", "offsets")
 PYTHON = SimpleNamespace(name="python", Slot=Slot, **{p: globals()[p] for p in _PASSES})
 COMPILED = None if _slot_record is None else SimpleNamespace(
     name="compiled", Slot=_slot_record.Slot, **{p: getattr(_slot_record, p) for p in _PASSES})

@@ -329,10 +329,11 @@ def test_the_store_path_ends_in_one_state_on_either_record(pool_config, compiled
         assert a == b, f"the {part} differ between the Python and the compiled slot records"
 
 
-def test_a_namespaces_slots_and_pinned_hashes_are_alike_on_both_records(compiled_slot_record):
-    """``of_namespace`` keeps a queue order's slots (or hashes) of one namespace, in that
-    order; ``pinned_hashes`` the committed, pinned, undoomed blocks of one namespace, in slot
-    order. An id that names no slot, a torn order and a namespace that is no bytes are
+def test_a_namespaces_queued_slots_and_committed_hashes_are_alike_on_both_records(
+        compiled_slot_record):
+    """``of_namespace`` keeps a queue order's slots of one namespace, in that order;
+    ``committed_hashes`` the committed, undoomed blocks of one namespace, pinned or not, in
+    slot order. An id that names no slot, a torn order and a namespace that is no bytes are
     refused."""
     out = []
     for records in _both():
@@ -346,25 +347,23 @@ def test_a_namespaces_slots_and_pinned_hashes_are_alike_on_both_records(compiled
         rows = _rows(slots)                                 # ids 68, 69 a gap; extent 0 none
         order = array("q", [71, 64, 70, 66, 65, 67]).tobytes()
         ns = bytes(b"A" * 16)                               # equal, not the same object
-        out.append((records.of_namespace(rows, 64, order, ns, True),
-                    [s.id for s in records.of_namespace(rows, 64, order, ns, False)],
-                    records.of_namespace(rows, 64, b"", ns, True),
-                    records.pinned_hashes(rows, ns, COMMITTED),
-                    records.pinned_hashes(rows, b"B" * 16, COMMITTED)))
+        out.append(([s.id for s in records.of_namespace(rows, 64, order, ns)],
+                    records.of_namespace(rows, 64, b"", ns),
+                    records.committed_hashes(rows, ns, COMMITTED),
+                    records.committed_hashes(rows, b"B" * 16, COMMITTED)))
         for bad, error in ((array("q", [68]).tobytes(), KeyError),
                            (array("q", [-1]).tobytes(), KeyError),
                            (array("q", [64 * 9]).tobytes(), KeyError), (b"1234", ValueError)):
             with pytest.raises(error):
-                records.of_namespace(rows, 64, bad, ns, True)
+                records.of_namespace(rows, 64, bad, ns)
         with pytest.raises(TypeError):
-            records.of_namespace(rows, 64, order, "A" * 16, True)
+            records.of_namespace(rows, 64, order, "A" * 16)
         with pytest.raises(TypeError):
-            records.pinned_hashes(rows, "A" * 16, COMMITTED)
+            records.committed_hashes(rows, "A" * 16, COMMITTED)
         with pytest.raises(TypeError):
-            records.pinned_hashes([None, "not a row"], ns, COMMITTED)
+            records.committed_hashes([None, "not a row"], ns, COMMITTED)
     assert out[0] == out[1]
-    assert out[0] == ([b"\x05", b"\x04", b"\x02", b"\x01"], [71, 70, 66, 65], [],
-                      [b"\x01"], [b"\x03"])
+    assert out[0] == ([71, 70, 66, 65], [], [b"\x01", b"\x05"], [b"\x00", b"\x03"])
 
 
 def test_held_count_is_alike_on_both_records(compiled_slot_record):
