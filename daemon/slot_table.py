@@ -38,7 +38,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import numpy as np
 
@@ -328,6 +328,20 @@ class SlotTable:
         """Every committed slot, least recently used first (for a lower tier to take in)."""
         return sorted((s for s in self.slots.values() if s.state == COMMITTED and not s.doomed),
                       key=_LAST_USE)
+
+    def committed_runs(self, per_run: int = 8192) -> Iterator[list[Slot]]:
+        """The committed, undoomed slots, extent by extent, about ``per_run`` at a time: each
+        run is read when it is asked for."""
+        run: list[Slot] = []
+        for row in self.slots.rows:
+            if row is None:
+                continue
+            run += [s for s in row if s is not None and s.state == COMMITTED and not s.doomed]
+            if len(run) >= per_run:
+                yield run
+                run = []
+        if run:
+            yield run
 
     def pinned_count(self) -> int:
         """Committed blocks held by a lease, a load or a lower tier's read (their space is not

@@ -36,8 +36,59 @@ from bench.kvtest import DaemonProcess, HostKv, keyed_store
 _LONGEST = re.compile(r"longest event-loop gap since start ([0-9.]+) ms")
 
 
+def _start(daemon: DaemonProcess, folder: Path, env_path: str, again: bool = False) -> None:
+    """Start (``again``: restart, adopting the pool) ``daemon`` from ``folder`` with
+    ``env_path`` as its PYTHONPATH. (From its own folder: Python puts the working directory
+    first on the path, and a checkout's root there would be the kvpool it imports.)"""
+    old, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
+    os.environ["PYTHONPATH"] = env_path
+    os.chdir(folder)
+    try:
+        daemon.restart() if again else daemon.start()
+    finally:
+        os.chdir(cwd)
+        if old is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def _after_restart(daemon: DaemonProcess, folder: Path, env_path: str) -> dict:
+    """Kill ``daemon`` (its pool stays, as after a crash), start it again, adopting every
+    block, and register an engine at once and another two seconds later: the longest gap of
+    that life (the adoption's work on the loop once it serves: the index's publication of
+    every block, the lower tiers' offer) and how long it took to serve."""
+    daemon.kill()
+    mark = daemon.log_path.stat().st_size
+    began = time.monotonic()
+    _start(daemon, folder, env_path, again=True)
+    serving_s = time.monotonic() - began
+    from kvpool.client.scheduler import SchedulerClient
+    cfg = daemon.client_config(timeout_ms=30000)
+    held = []
+    for engine in ("after-restart", "after-restart-2s"):
+        kv = HostKv(layers=2, blocks=8)
+        worker, _ = kv.register(cfg, name=engine, engine_id=engine)
+        held.append((worker, kv))
+        if engine == "after-restart":
+            time.sleep(2.0)
+    sched = SchedulerClient(cfg)
+    adopted = sched.info().slots_committed
+    sched.close()
+    for worker, kv in held:
+        worker.close()
+        kv.close()
+    with open(daemon.log_path, "rb") as f:
+        f.seek(mark)
+        log = f.read().decode(errors="replace")
+    return {"restart_serving_s": round(serving_s, 2), "restart_adopted": adopted,
+            "restart_longest_gap_ms": max(map(float, _LONGEST.findall(log)), default=-1.0),
+            "restart_gap_warnings": [line for line in log.splitlines()
+                                     if "event loop did not run" in line][:20]}
+
+
 def _one(tree: Path, name: str, work: Path, pool: str, churn: float, per_job: int,
-         events: bool = False) -> dict:
+         events: bool = False, restart: bool = False) -> dict:
     d = work / f"{name}-{secrets.token_hex(3)}"
     d.mkdir()
     env_path = str(import_tree(tree, d / "pp"))
@@ -45,19 +96,8 @@ def _one(tree: Path, name: str, work: Path, pool: str, churn: float, per_job: in
     if events:              # the second registration is then told every committed block
         extra += ["--events-endpoint", f"ipc://{d}/events.sock"]
     daemon = DaemonProcess(d, pool, extra)
-    # (started from its own folder: Python puts the working directory first on the path, and
-    # a checkout's root there would be the kvpool it imports)
-    old, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
-    os.environ["PYTHONPATH"] = env_path
-    os.chdir(d)
-    try:
-        daemon.start()
-    finally:
-        os.chdir(cwd)
-        if old is None:
-            os.environ.pop("PYTHONPATH")
-        else:
-            os.environ["PYTHONPATH"] = old
+    _start(daemon, d, env_path)
+    after: dict = {}
     kv = HostKv(layers=2, blocks=4 * per_job)           # 4 KiB blocks, four jobs' worth
     try:
         from kvpool.client.scheduler import SchedulerClient
@@ -95,17 +135,21 @@ def _one(tree: Path, name: str, work: Path, pool: str, churn: float, per_job: in
         other.close()
         worker.close()
         sched.close()
+        if restart:
+            log_before = daemon.log_path.read_text(errors="replace")
+            after = _after_restart(daemon, d, env_path)
     finally:
         daemon.stop()
+        daemon.cleanup()
         kv.close()
-    log = daemon.log_path.read_text(errors="replace")
+    log = log_before if restart else daemon.log_path.read_text(errors="replace")
     longest = [float(m) for m in _LONGEST.findall(log)]
     warned = [line for line in log.splitlines() if "event loop did not run" in line]
     return {"tree": name, "pool_slots": held, "slots_held_at_end": info.slots_committed,
             "stored_blocks": stored,
             "seconds": round(seconds, 1),
             "evictions": info.evictions, "longest_gap_ms": max(longest, default=-1.0),
-            "gap_warnings": warned[:20]}
+            "gap_warnings": warned[:20], **after}
 
 
 def main() -> None:
@@ -117,6 +161,9 @@ def main() -> None:
     ap.add_argument("--per-job", type=int, default=128)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--events", action="store_true", help="a KV event feed on")
+    ap.add_argument("--restart", action="store_true",
+                    help="then kill the daemon, start it again on its pool and read that life's "
+                         "longest gap too")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="fill-gaps-"))
@@ -124,7 +171,8 @@ def main() -> None:
         runs = []
         for _ in range(args.runs):
             for name, tree in (("old", args.old), ("new", args.new)):
-                r = _one(tree, name, work, args.pool, args.churn, args.per_job, args.events)
+                r = _one(tree, name, work, args.pool, args.churn, args.per_job, args.events,
+                         args.restart)
                 print(json.dumps(r), file=sys.stderr, flush=True)
                 runs.append(r)
     finally:
