@@ -533,9 +533,12 @@ async def publish_index(pool: Pool, index: Index, tiering: Tiering | None,
         # An adopted pool's blocks, then what the lower tiers hold, from a thread: nothing
         # changes the slots or the tiers before the daemon serves, and a thread's Python
         # hands the GIL to the loop at every switch interval, where one pass on the loop
-        # held it 207-284 ms at 522K adopted blocks (fill_gaps.py --restart, this VM). Runs
-        # of a few thousand keys keep each of the writer's C calls short.
-        for slots in index.table.committed_runs():
+        # held it 207-284 ms at 522K adopted blocks (fill_gaps.py --restart, this VM). The
+        # writer's C calls hold the GIL, so the table's pages are mapped first (the prefault
+        # thread runs without it: a put that faults its pages in was a 52 ms gap) and the
+        # keys go in runs of a few thousand.
+        segment.prefault_wait()
+        for slots in index.table.committed_runs(per_run=4096):
             locations.committed(slots)
         if tiering is not None:
             tiering.observe(locations)
