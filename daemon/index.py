@@ -23,7 +23,7 @@ so tests control it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvpool.daemon.extents import FILLING, Extents, SizeClass, Slot
@@ -344,6 +344,23 @@ class Index:
 
     def committed_slots(self) -> list[Slot]:
         return self.table.committed_slots()
+
+    def committed_in_use_order(self, per_run: int = 4096) -> Iterator[list[Slot]]:
+        """The committed blocks, run by run, each read when it is asked for: every size's
+        evictable ones least recently used first (its LRU queue's ids, taken at the first
+        ask), then the pinned ones. No sort, and a caller may let the loop run between runs:
+        a slot that changed meanwhile comes as it is then, or not at all once it is no
+        longer committed (one pinned meanwhile may come twice)."""
+        orders = [cls.lru.order() for cls in list(self.extents.classes.values())]
+        get = self.table.slots.get
+        for order in orders:
+            ids = memoryview(order).cast("q")
+            for i in range(0, len(ids), per_run):
+                run = [s for s in map(get, ids[i:i + per_run].tolist()) if s is not None
+                       and s.state == COMMITTED and not s.doomed]
+                if run:
+                    yield run
+        yield from self.table.committed_runs(per_run, pinned=True)
 
     # ---- housekeeping ----------------------------------------------------------------------
 

@@ -329,17 +329,22 @@ class SlotTable:
         return sorted((s for s in self.slots.values() if s.state == COMMITTED and not s.doomed),
                       key=_LAST_USE)
 
-    def committed_runs(self, per_run: int = 8192) -> Iterator[list[Slot]]:
-        """The committed, undoomed slots, extent by extent, about ``per_run`` at a time: each
-        run is read when it is asked for."""
+    def committed_runs(self, per_run: int = 8192, pinned: bool = False
+                       ) -> Iterator[list[Slot]]:
+        """The committed, undoomed slots (``pinned``: the pinned ones only), extent by extent:
+        a run each time about ``per_run`` slots have been looked at (so a run of the few
+        pinned ones may be short, or empty), each read when it is asked for."""
         run: list[Slot] = []
+        looked = 0
         for row in self.slots.rows:
             if row is None:
                 continue
-            run += [s for s in row if s is not None and s.state == COMMITTED and not s.doomed]
-            if len(run) >= per_run:
+            run += [s for s in row if s is not None and s.state == COMMITTED and not s.doomed
+                    and (s.pins or not pinned)]
+            looked += len(row)
+            if looked >= per_run:
                 yield run
-                run = []
+                run, looked = [], 0
         if run:
             yield run
 

@@ -88,13 +88,15 @@ def _after_restart(daemon: DaemonProcess, folder: Path, env_path: str) -> dict:
 
 
 def _one(tree: Path, name: str, work: Path, pool: str, churn: float, per_job: int,
-         events: bool = False, restart: bool = False) -> dict:
+         events: bool = False, restart: bool = False, disk: str = "") -> dict:
     d = work / f"{name}-{secrets.token_hex(3)}"
     d.mkdir()
     env_path = str(import_tree(tree, d / "pp"))
     extra = ["--extent-size", "8MiB"]
     if events:              # the second registration is then told every committed block
         extra += ["--events-endpoint", f"ipc://{d}/events.sock"]
+    if disk:                # a disk tier under the pool, in the run's folder
+        extra += ["--disk-path", str(d / "disk"), "--disk-size", disk]
     daemon = DaemonProcess(d, pool, extra)
     _start(daemon, d, env_path)
     after: dict = {}
@@ -161,6 +163,8 @@ def main() -> None:
     ap.add_argument("--per-job", type=int, default=128)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--events", action="store_true", help="a KV event feed on")
+    ap.add_argument("--disk", default="", metavar="SIZE",
+                    help="a disk tier of SIZE under the pool (in the run's folder)")
     ap.add_argument("--restart", action="store_true",
                     help="then kill the daemon, start it again on its pool and read that life's "
                          "longest gap too")
@@ -172,7 +176,7 @@ def main() -> None:
         for _ in range(args.runs):
             for name, tree in (("old", args.old), ("new", args.new)):
                 r = _one(tree, name, work, args.pool, args.churn, args.per_job, args.events,
-                         args.restart)
+                         args.restart, args.disk)
                 print(json.dumps(r), file=sys.stderr, flush=True)
                 runs.append(r)
     finally:

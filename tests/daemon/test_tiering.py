@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from kvpool.daemon import tiering
 from kvpool.daemon.index import Index
 from kvpool.daemon.tiering import Tiering
 from kvpool.shared.layout import Layout
@@ -220,3 +221,80 @@ def test_a_tier_that_goes_off_frees_what_it_had_queued(pool):
             await disk.write_next()
         assert not t.must_hold(NS, 1), "a disabled tier holds nothing back"
     asyncio.run(run())
+
+
+class OrderedTier(GatedTier):
+    """A gated disk that remembers the order of the keys it was asked to write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+
+    def demote(self, keys, offsets, slot_bytes):
+        self.written += keys
+        return super().demote(keys, offsets, slot_bytes)
+
+    def batch_blocks(self, slot_bytes):
+        return 64
+
+
+async def _until(what, why: str, turns: int = 1000) -> None:
+    for _ in range(turns):
+        if what():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{why} within {turns} turns of the loop")
+
+
+def test_an_adopted_pool_is_offered_run_by_run_oldest_first_each_block_once(pool, monkeypatch):
+    """The pool's offer to its tiers at the start takes a run of blocks per turn of the loop
+    (all at once held it ~90 ms at 130K blocks over a disk), least recently used first from the
+    size's queue, the pinned after; a block committed while the offer goes on is queued once,
+    by its commit, not again by the offer."""
+    monkeypatch.setattr(tiering, "OFFER_RUN_BLOCKS", 3)
+    disk = OrderedTier()
+    ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
+    ix.register_namespace(NS, LAYOUT)
+    ks = keys(10, b"adopted")
+    store(ix, ks)                                # before the tiering: an adopted pool's blocks
+    ix.lookup(NS, [ks[2:3]], False, 1, 0)        # used last
+    ix.lookup(NS, [ks[5:6]], True, 1, 0)         # leased: pinned
+    t = Tiering(ix, [disk])
+    late = keys(2, b"late")
+
+    async def run():
+        t.start()
+        await asyncio.sleep(0)
+        queued = sum(t._dirty.values())
+        assert 0 < queued < len(ks), f"{queued} of {len(ks)} blocks offered in one turn"
+        store(ix, late)                          # committed while the offer goes on
+        await _until(lambda: t._lanes[0].offering is None, "the offer ended")
+        assert set(t._dirty.values()) == {1}, "a block queued twice"
+        while disk.pending:
+            await disk.write_next()
+    asyncio.run(run())
+    adopted = [k for k in disk.written if k[16:] in ks]
+    assert adopted == [NS + k for k in ks[:2] + ks[3:5] + ks[6:] + ks[2:3] + ks[5:6]]
+    assert sorted(disk.written) == sorted(NS + k for k in ks + late)
+
+
+def test_a_tier_back_during_the_start_offer_gets_the_whole_pool_and_the_others_go_on(pool,
+                                                                                   monkeypatch):
+    monkeypatch.setattr(tiering, "OFFER_RUN_BLOCKS", 3)
+    disk, remote = FakeTier("disk"), FakeTier("remote")
+    ix = Index(pool, lease_ttl_s=10, write_timeout_s=60)
+    ix.register_namespace(NS, LAYOUT)
+    ks = keys(12, b"adopted")
+    store(ix, ks)
+    t = Tiering(ix, [disk, remote])
+    remote.enabled = False
+
+    async def run():
+        t.start()
+        await asyncio.sleep(0)
+        remote.enabled = True
+        remote.events.restored()
+        await _until(lambda: all(lane.offering is None for lane in t._lanes), "the offers ended")
+        await _until(lambda: not t._dirty, "every block written")
+    asyncio.run(run())
+    assert disk.held == remote.held == {NS + k for k in ks}
