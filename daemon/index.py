@@ -342,9 +342,6 @@ class Index:
         self.table.commit(ready)
         self.table.unpin(slots)
 
-    def committed_slots(self) -> list[Slot]:
-        return self.table.committed_slots()
-
     def committed_in_use_order(self, per_run: int = 4096) -> Iterator[list[Slot]]:
         """The committed blocks, run by run, each read when it is asked for: every size's
         evictable ones least recently used first (its LRU queue's ids, taken at the first

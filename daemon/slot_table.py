@@ -324,11 +324,6 @@ class SlotTable:
 
     # ---- reading ---------------------------------------------------------------------------
 
-    def committed_slots(self) -> list[Slot]:
-        """Every committed slot, least recently used first (for a lower tier to take in)."""
-        return sorted((s for s in self.slots.values() if s.state == COMMITTED and not s.doomed),
-                      key=_LAST_USE)
-
     def committed_runs(self, per_run: int = 8192, pinned: bool = False
                        ) -> Iterator[list[Slot]]:
         """The committed, undoomed slots (``pinned``: the pinned ones only), extent by extent:
@@ -467,4 +462,3 @@ _NS = attrgetter("ns")
 _BLOCK_HASH = attrgetter("block_hash")
 _EXTENT = attrgetter("extent")
 _CLASS = attrgetter("size_class")
-_LAST_USE = attrgetter("last_use")
